@@ -1,0 +1,331 @@
+#!/usr/bin/env python3
+"""How close do the eviction policies get to the offline optimum on a real prefix trace?
+
+Replays the Mooncake synthetic trace through each policy at several cache capacities (in
+blocks) and reports the block hit rate and replay throughput, next to Belady's MIN.
+
+Replay semantics (identical for every policy, Belady included), per request:
+  1. hit = the longest run of the request's leading hash_ids that is resident; those
+     blocks are touched (with their priority, see below) and counted as hits;
+  2. every later block is touched if it happens to be resident (it is reused, but is not
+     a prefix hit) and inserted otherwise;
+  3. before inserting, `evict(k, protected=<this request's blocks>)` frees exactly the
+     room needed. A request can never evict its own blocks, so if it is bigger than what
+     the others leave free, only its leading missing blocks that fit are inserted.
+
+Priorities handed to `touch`/`insert` (LRU ignores them; --priority-modes picks which
+priority variants run):
+  uniform  every block 0: the priority policy must then equal LRU exactly (a check);
+  depth    the block's position in its prompt (0 = first block): an online hint, since
+           deep blocks of long prompts are rarely shared; ties go LRU;
+  shared   0 for blocks that more than one request in the replay uses, else 10. This is
+           an ORACLE hint (it knows the future), standing in for an operator who marks
+           shared system prompts as high priority.
+
+Belady (MIN) evicts the resident, unprotected block whose next use is farthest away,
+deeper blocks first among ties. Under prefix-hit semantics it is a strong offline
+reference, not a proven upper bound.
+
+Throughput is block operations (touches + inserts + evicted blocks) per second of the
+whole replay loop, residency lookups included. It is noisy on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import heapq
+import itertools
+import json
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import ClassVar
+
+_HERE = Path(__file__).resolve().parent
+REPO = _HERE.parent
+# `python benchmarks/policies.py` puts benchmarks/ first on sys.path, where this very
+# file would shadow the `policies` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(REPO))
+
+from policies import EvictionPolicy, make_policy  # noqa: E402
+
+DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic.jsonl"
+DEFAULT_OUT = REPO / "benchmarks" / "results" / "policies.json"
+INF = float("inf")
+
+Trace = list[list[int]]
+PriorityFn = Callable[[int, int], int]  # (block, position in prompt) -> priority
+
+
+class BeladyPolicy(EvictionPolicy[int]):
+    """Offline MIN over a known trace. The replay sets `now` to the current request index;
+    a block's rank is its next use after `now`. Max-heap with lazily invalidated entries."""
+
+    name: ClassVar[str] = "belady"
+
+    def __init__(self, trace: Trace) -> None:
+        self.now = 0
+        self._uses: dict[int, list[int]] = {}  # block -> request indices that use it, sorted
+        self._depth: dict[int, int] = {}
+        for i, ids in enumerate(trace):
+            for pos, b in enumerate(ids):
+                self._uses.setdefault(b, []).append(i)
+                self._depth[b] = pos
+        self._entry: dict[int, tuple[float, int, int, int]] = {}  # resident -> live entry
+        self._heap: list[tuple[float, int, int, int]] = []  # (-next_use, -depth, seq, key)
+        self._seq = itertools.count()
+
+    def _push(self, key: int) -> None:
+        uses = self._uses[key]
+        j = bisect.bisect_right(uses, self.now)
+        entry = (-(uses[j] if j < len(uses) else INF), -self._depth[key], next(self._seq), key)
+        self._entry[key] = entry
+        heapq.heappush(self._heap, entry)
+        if len(self._heap) > 4 * len(self._entry) + 1024:  # drop stale entries
+            self._heap = list(self._entry.values())
+            heapq.heapify(self._heap)
+
+    def insert(self, key: int, priority: int = 0) -> None:
+        if key in self._entry:
+            raise ValueError(key)
+        self._push(key)
+
+    def touch(self, key: int, priority: int | None = None) -> None:
+        if key not in self._entry:
+            raise KeyError(key)
+        self._push(key)
+
+    def remove(self, key: int) -> None:
+        del self._entry[key]
+
+    def evict(self, n: int, protected: Collection[int] = ()) -> list[int] | None:
+        if n < 0:
+            raise ValueError(n)
+        taken: list[tuple[float, int, int, int]] = []
+        held: list[tuple[float, int, int, int]] = []  # protected entries, pushed back after
+        while self._heap and len(taken) < n:
+            entry = heapq.heappop(self._heap)
+            if self._entry.get(entry[3]) is not entry:
+                continue  # stale
+            (held if entry[3] in protected else taken).append(entry)
+        ok = len(taken) == n
+        for entry in held + ([] if ok else taken):
+            heapq.heappush(self._heap, entry)
+        if not ok:
+            return None
+        for entry in taken:
+            del self._entry[entry[3]]
+        return [entry[3] for entry in taken]
+
+    def pin(self, key: int) -> None:
+        raise NotImplementedError("offline reference: no pins")
+
+    def unpin(self, key: int) -> None:
+        raise NotImplementedError("offline reference: no pins")
+
+    def __len__(self) -> int:
+        return len(self._entry)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entry
+
+    def check_integrity(self) -> None:
+        if any(e not in self._heap for e in self._entry.values()):
+            raise RuntimeError("resident block without a live heap entry")
+
+
+def replay(policy: EvictionPolicy, trace: Trace, capacity: int, prio: PriorityFn) -> dict:
+    """Run the replay described in the module docstring; return counters and timing."""
+    hits = refs = ops = 0
+    contains, touch, insert, evict = policy.__contains__, policy.touch, policy.insert, policy.evict
+    is_belady = isinstance(policy, BeladyPolicy)
+    t0 = time.perf_counter()
+    for i, ids in enumerate(trace):
+        if is_belady:
+            policy.now = i
+        refs += len(ids)
+        h = 0
+        for b in ids:
+            if not contains(b):
+                break
+            touch(b, prio(b, h))
+            h += 1
+        hits += h
+        missing: list[tuple[int, int]] = []
+        for pos in range(h, len(ids)):
+            b = ids[pos]
+            if contains(b):
+                touch(b, prio(b, pos))
+            else:
+                missing.append((pos, b))
+        ops += len(ids) - len(missing)
+        # Room left for this request once every other block could go; cache what fits.
+        missing = missing[: max(0, capacity - (len(ids) - len(missing)))]
+        need = len(policy) + len(missing) - capacity
+        if need > 0:
+            victims = evict(need, protected=set(ids))
+            if victims is None:  # cannot happen: the room was computed above
+                raise RuntimeError(f"{policy.name}: evict({need}) failed at request {i}")
+            ops += need
+        for pos, b in missing:
+            insert(b, prio(b, pos))
+        ops += len(missing)
+        if len(policy) > capacity:
+            raise RuntimeError(f"{policy.name}: {len(policy)} blocks > capacity {capacity}")
+    seconds = time.perf_counter() - t0
+    return {
+        "hits": hits,
+        "refs": refs,
+        "hit_rate": hits / refs if refs else 0.0,
+        "ops": ops,
+        "seconds": seconds,
+        "ops_per_s": ops / seconds if seconds else 0.0,
+    }
+
+
+def unbounded_hit_rate(trace: Trace) -> float:
+    seen: set[int] = set()
+    hits = refs = 0
+    for ids in trace:
+        refs += len(ids)
+        for b in ids:
+            if b not in seen:
+                break
+            hits += 1
+        seen.update(ids)
+    return hits / refs if refs else 0.0
+
+
+def priority_fns(trace: Trace) -> dict[str, PriorityFn]:
+    users = Counter(b for ids in trace for b in set(ids))
+    return {
+        "uniform": lambda b, pos: 0,
+        "depth": lambda b, pos: pos,
+        "shared": lambda b, pos: 0 if users[b] > 1 else 10,
+    }
+
+
+def load_trace(path: Path, limit: int | None) -> Trace:
+    trace: Trace = []
+    with path.open() as f:
+        for line in f:
+            if limit is not None and len(trace) >= limit:
+                break
+            if line.strip():
+                trace.append(list(json.loads(line)["hash_ids"]))
+    return trace
+
+
+def _csv(kind: type, text: str) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
+                    help="JSONL trace with a hash_ids list per line (default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="where to write the JSON results; parent dirs are created "
+                         "(default: %(default)s)")
+    ap.add_argument("--limit", type=int, default=None, metavar="N",
+                    help="replay only the first N requests (quick runs); default: all")
+    ap.add_argument("--fractions", type=lambda s: _csv(float, s),
+                    default=[0.01, 0.05, 0.10, 0.25, 0.50],
+                    help="capacities as fractions of the replay's distinct blocks, comma-separated "
+                         "(default: 0.01,0.05,0.1,0.25,0.5)")
+    ap.add_argument("--capacities", type=lambda s: _csv(int, s), default=None,
+                    help="absolute capacities in blocks, comma-separated; overrides --fractions")
+    ap.add_argument("--policies", type=lambda s: _csv(str, s), default=["lru", "priority"],
+                    help="policy specs for make_policy (names, entry points or module:Class), "
+                         "comma-separated (default: lru,priority)")
+    ap.add_argument("--priority-modes", type=lambda s: _csv(str, s), default=["shared"],
+                    help="priority hints to run each non-LRU policy under, comma-separated, from "
+                         "uniform,depth,shared (see above); LRU ignores priorities and runs once "
+                         "(default: shared)")
+    ap.add_argument("--no-belady", action="store_true",
+                    help="skip the offline Belady MIN reference")
+    args = ap.parse_args(argv)
+    bad = set(args.priority_modes) - {"uniform", "depth", "shared"}
+    if bad or not args.priority_modes:
+        ap.error(f"--priority-modes: unknown {sorted(bad)}; choose from uniform, depth, shared")
+    if any(f <= 0 for f in args.fractions) or any(c < 1 for c in args.capacities or []):
+        ap.error("capacities and fractions must be positive")
+    if args.limit is not None and args.limit < 1:
+        ap.error("--limit must be >= 1")
+    if not args.trace.is_file():
+        ap.error(f"trace not found: {args.trace}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    trace = load_trace(args.trace, args.limit)
+    distinct = len({b for ids in trace for b in ids})
+    if args.capacities:
+        caps = [(c, c / distinct) for c in args.capacities]
+    else:
+        caps = [(max(1, round(f * distinct)), f) for f in args.fractions]
+    prios = priority_fns(trace)
+    try:
+        variants: list[tuple[str, str, str]] = []  # (label, spec, priority mode)
+        for spec in args.policies:
+            if make_policy(spec).name == "lru":
+                variants.append((spec, spec, "uniform"))
+            else:
+                variants += [(f"{spec}[{m}]", spec, m) for m in args.priority_modes]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not args.no_belady:
+        variants.append(("belady", "belady", "uniform"))
+
+    results = []
+    for cap, frac in caps:
+        for label, spec, mode in variants:
+            policy = BeladyPolicy(trace) if spec == "belady" else make_policy(spec)
+            r = replay(policy, trace, cap, prios[mode])
+            results.append({"policy": label, "spec": spec, "priority_mode": mode,
+                            "capacity": cap, "fraction": frac, **r})
+
+    unbounded = unbounded_hit_rate(trace)
+    labels = [v[0] for v in variants]
+    width = max(16, *(len(s) + 2 for s in labels))
+    print(f"trace {args.trace.name}: {len(trace)} requests, "
+          f"{sum(map(len, trace))} block refs, {distinct} distinct blocks; "
+          f"unbounded-cache hit rate {unbounded:.1%}")
+    print("cells: block hit rate (block ops/s in thousands)")
+    print(f"{'capacity':>16}" + "".join(f"{s:>{width}}" for s in labels))
+    by_key = {(r["policy"], r["capacity"]): r for r in results}
+    for cap, frac in caps:
+        row = f"{cap:>8} ({frac:>5.1%})"
+        for s in labels:
+            r = by_key[(s, cap)]
+            row += f"{r['hit_rate']:>{width - 8}.1%} ({r['ops_per_s'] / 1e3:>4.0f})"
+        print(row)
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "benchmark": "policies",
+        "trace": str(args.trace),
+        "requests": len(trace),
+        "block_refs": sum(map(len, trace)),
+        "distinct_blocks": distinct,
+        "unbounded_hit_rate": unbounded,
+        "python": sys.version.split()[0],
+        "results": results,
+    }, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
