@@ -1,0 +1,7 @@
+"""kvtier's engine: `from engine import LLM, SamplingParams`."""
+from engine.llm import LLM
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineStats"]

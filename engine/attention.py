@@ -1,0 +1,91 @@
+"""Attention over the paged KV cache.
+
+The backend interface is one class with one method so that Triton or CUDA kernels can be
+added beside the torch path without touching the model code. The torch path here is the
+reference: it is exact for any mix of prefill chunks and decodes in one batch.
+
+Cache layout (per layer): K and V are each `[num_blocks, block_size, num_kv_heads, head_dim]`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence whose query has more than one token (a prompt or a prompt chunk)."""
+
+    query_start: int
+    query_len: int
+    context_len: int  # tokens in the cache after this step, including the query
+    block_ids: torch.Tensor  # [ceil(context_len / block_size)] int64
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the model runner and shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
+    prefills: list[PrefillSeq]
+    # Decodes are batched: one query token each, gathered in one go.
+    decode_query_idx: torch.Tensor  # [num_decodes] int64 rows of the flat query
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64 (padded with 0)
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool: True = attend
+
+
+class AttentionBackend(ABC):
+    """Contract: given this step's q/k/v (`[num_tokens, heads, head_dim]`), write k/v into the
+    layer's cache at `meta.slot_mapping`, then return the attention output `[num_tokens,
+    num_heads * head_dim]` where each token attends causally to its own sequence's cache."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+class TorchPagedAttention(AttentionBackend):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        num_tokens, num_heads, head_dim = q.shape
+        kv_heads = k_cache.shape[2]
+        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        gqa = num_heads != kv_heads
+        for seq in meta.prefills:
+            qs = q[seq.query_start : seq.query_start + seq.query_len].transpose(0, 1).unsqueeze(0)
+            ks = _gather(k_cache, seq.block_ids)[: seq.context_len].transpose(0, 1).unsqueeze(0)
+            vs = _gather(v_cache, seq.block_ids)[: seq.context_len].transpose(0, 1).unsqueeze(0)
+            if seq.query_len == seq.context_len:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+            else:
+                # A chunk after cached tokens: query i sits at position context_len - query_len + i.
+                offset = seq.context_len - seq.query_len
+                rows = torch.arange(seq.query_len).unsqueeze(1) + offset
+                mask = torch.arange(seq.context_len).unsqueeze(0) <= rows
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            out[seq.query_start : seq.query_start + seq.query_len] = o[0].transpose(0, 1)
+        if meta.decode_query_idx.numel():
+            bt = meta.decode_block_tables
+            n = bt.shape[0]
+            kd = k_cache.index_select(0, bt.flatten()).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+            vd = v_cache.index_select(0, bt.flatten()).view(n, -1, kv_heads, head_dim).transpose(1, 2)
+            qd = q.index_select(0, meta.decode_query_idx).unsqueeze(2)  # [n, heads, 1, dim]
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
+            out.index_copy_(0, meta.decode_query_idx, o.squeeze(2))
+        return out.view(num_tokens, num_heads * head_dim)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    return cache.index_select(0, block_ids).flatten(0, 1)

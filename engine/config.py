@@ -1,0 +1,154 @@
+"""Engine configuration: frozen dataclasses validated with ValueError.
+
+`ModelConfig` is read from a checkpoint's config.json (through transformers.AutoConfig);
+`EngineConfig` holds the user's knobs. Both are immutable once built so every stage of the
+engine sees the same values.
+"""
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class SchedulingPolicy(str, enum.Enum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
+def resolve_dtype(name: str, checkpoint_dtype: Any) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype; float16 falls back to float32 on CPU, where it is slow
+    and loses precision in matmul accumulation."""
+    if name == "auto":
+        if isinstance(checkpoint_dtype, torch.dtype):
+            return checkpoint_dtype
+        if isinstance(checkpoint_dtype, str) and checkpoint_dtype in _DTYPES:
+            return _DTYPES[checkpoint_dtype]
+        return torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts the engine needs, independent of the HF config class."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    o_proj_bias: bool
+    qk_norm: bool
+    dtype: torch.dtype
+    hf_config: Any = field(repr=False, compare=False)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Stable description of what makes KV compatible (used by persistent tiers)."""
+        return {
+            "architecture": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rope": json.dumps(getattr(self.hf_config, "rope_parameters", None), sort_keys=True, default=str),
+            "dtype": str(self.dtype),
+        }
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    # CPU has no "GPU memory utilization"; size G1 by bytes instead (like VLLM_CPU_KVCACHE_SPACE).
+    kv_cache_memory_gib: float = 2.0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    kv_eviction_policy: str = "lru"
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two; got {self.block_size}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1; got {self.num_gpu_blocks}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib must be > 0; got {self.kv_cache_memory_gib}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
+
+
+def load_model_config(model_dir: Path, dtype: str) -> ModelConfig:
+    from transformers import AutoConfig
+
+    from engine.models import SUPPORTED_ARCHITECTURES, _bias_flag
+
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"{model_dir} is not a Hugging Face checkpoint directory (no config.json)")
+    raw = json.loads((model_dir / "config.json").read_text())
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"unsupported architecture {archs or raw.get('model_type')!r} in {model_dir}; "
+            f"supported architectures: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    hf = AutoConfig.from_pretrained(model_dir)
+    window = getattr(hf, "sliding_window", None)
+    if window is not None and getattr(hf, "use_sliding_window", True) and arch == "MistralForCausalLM":
+        # Sliding-window attention is not implemented; refuse rather than silently attend wider.
+        raise ValueError(f"{arch} with sliding_window={window} is not supported (set sliding_window to null)")
+    num_heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf.rms_norm_eps,
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        attention_bias=SUPPORTED_ARCHITECTURES[arch].attention_bias(hf),
+        # Qwen2's biases are on q/k/v only; the others put attention_bias on o_proj too.
+        o_proj_bias=_bias_flag(hf) and arch != "Qwen2ForCausalLM",
+        qk_norm=SUPPORTED_ARCHITECTURES[arch].qk_norm,
+        dtype=resolve_dtype(dtype, getattr(hf, "dtype", None) or raw.get("torch_dtype")),
+        hf_config=hf,
+    )

@@ -1,0 +1,186 @@
+"""The engine core loop: step() = schedule -> run -> sample -> update.
+
+It owns the scheduler (bookkeeping), the model runner (tensors) and the sampler, and is the
+one place where a request's lifecycle advances. The offline `LLM` API and, later, the
+server's engine-core process both drive it.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.attention import TorchPagedAttention
+from engine.config import EngineConfig, load_model_config
+from engine.kv_cache_manager import KVCacheManager
+from engine.loader import load_model, load_tokenizer
+from engine.model_runner import ModelRunner, kv_cache_bytes_per_block
+from engine.request import Request, RequestId, RequestStatus
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.stats import EngineStats
+from kvstore.g1 import BlockPool
+from policies import make_policy
+
+log = logging.getLogger("kvtier.engine")
+
+# On CPU a chunk this size keeps matmuls efficient without stalling decodes for long.
+DEFAULT_MAX_BATCHED_TOKENS = 2048
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = Path(config.model)
+        self.model_config = mc = load_model_config(model_dir, config.dtype)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.eos_token_ids = _eos_ids(model_dir, self.tokenizer)
+        bs = config.block_size
+        per_block = kv_cache_bytes_per_block(mc, bs)
+        num_blocks = config.num_gpu_blocks or int(config.kv_cache_memory_gib * 2**30 // per_block)
+        max_len = config.max_model_len or mc.max_position_embeddings
+        if max_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={mc.max_position_embeddings}")
+        if -(-max_len // bs) > num_blocks:
+            if config.max_model_len is not None:
+                raise ValueError(f"max_model_len={max_len} needs {-(-max_len // bs)} KV blocks but G1 has {num_blocks}; "
+                                 "raise num_gpu_blocks / kv_cache_memory_gib or lower max_model_len")
+            max_len = num_blocks * bs
+            log.warning("max_model_len lowered to %d so one sequence fits in G1 (%d blocks)", max_len, num_blocks)
+        self.max_model_len = max_len
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(DEFAULT_MAX_BATCHED_TOKENS, 0)
+        if not config.enable_chunked_prefill and self.max_num_batched_tokens < max_len:
+            self.max_num_batched_tokens = max_len  # without chunking a whole prompt must fit in one step
+        torch.manual_seed(config.seed)
+        model = load_model(model_dir, mc, TorchPagedAttention(), max_len, config.device)
+        self.pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy), config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, bs)
+        self.scheduler = Scheduler(self.kv, config.scheduling_policy, config.max_num_seqs,
+                                   self.max_num_batched_tokens, config.enable_chunked_prefill)
+        self.runner = ModelRunner(model, mc, num_blocks, bs, config.device)
+        self.sampler = Sampler(config.seed)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        log.info("G1: %d blocks of %d tokens (%.2f GiB), max_model_len=%d, max_num_batched_tokens=%d",
+                 num_blocks, bs, num_blocks * per_block / 2**30, max_len, self.max_num_batched_tokens)
+
+    # -- requests --------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                     prompt: str | None = None, priority: int = 0, cache_salt: str | None = None) -> Request:
+        """Validates and builds a request without touching engine state."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens but max_model_len is {self.max_model_len} "
+                             "(the prompt plus at least one generated token must fit)")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        return Request(RequestId(request_id), prompt_token_ids, params, prompt=prompt, priority=priority,
+                       cache_salt=cache_salt, eos_token_ids=self.eos_token_ids, max_total_tokens=self.max_model_len)
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+        self.prompt_tokens += req.num_prompt_tokens
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self.scheduler.requests.get(RequestId(request_id))
+        if req is None:
+            return False
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop --------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """One iteration. Returns the requests that got a new token this step (finished ones
+        included, with a finished status)."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests pending")
+            return []
+        tables = [self.kv.block_table(s.req) for s in sched.scheduled]
+        out = self.runner.execute(sched, tables)
+        sampled_reqs = [sched.scheduled[i].req for i in out.sampled]
+        samples = self.sampler(out.logits, sampled_reqs) if sampled_reqs else None
+        for s in sched.scheduled:
+            s.req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(s.req)
+        updated: list[Request] = []
+        for row, req in enumerate(sampled_reqs):
+            if req.params.return_first_logits and req.first_logits is None:
+                req.first_logits = out.logits[row].clone()
+            req.append_token(samples.token_ids[row])
+            self.generation_tokens += 1
+            if req.logprobs is not None:
+                req.logprobs.append(samples.logprobs[row])
+            status = self._check_stop(req)
+            if status is not None:
+                self.scheduler.finish(req, status)
+            updated.append(req)
+        return updated
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        token = req.output_token_ids[-1]
+        n_out = len(req.output_token_ids)
+        if token in req.stop_ids and n_out > req.params.min_tokens:
+            req.stop_reason = token if token not in self.eos_token_ids else None
+            return RequestStatus.FINISHED_STOPPED
+        if req.params.stop and n_out > req.params.min_tokens:
+            # Decode the whole output: simple and exact across token boundaries; outputs are short.
+            text = self.detokenize(req)
+            for s in req.params.stop:
+                at = text.find(s)
+                if at >= 0:
+                    req.output_text, req.stop_reason = text[:at], s
+                    return RequestStatus.FINISHED_STOPPED
+        if n_out >= req.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def detokenize(self, req: Request) -> str:
+        return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.pool.usage(),
+            num_gpu_blocks=self.pool.num_blocks,
+            num_evictions=self.pool.num_evictions,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        live = {r.request_id for r in self.scheduler.running}
+        if len(live) != len(self.scheduler.running):
+            raise RuntimeError("a request is running twice")
+        if self.kv.num_requests() > len(self.scheduler.requests):
+            raise RuntimeError("block tables outlive their requests")
+
+
+def _eos_ids(model_dir: Path, tokenizer) -> frozenset[int]:
+    """EOS ids from generation_config.json (which may list several, e.g. chat end tokens),
+    else the tokenizer's."""
+    import json
+
+    ids: set[int] = set()
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -1,0 +1,87 @@
+"""Per-request block tables over the G1 block pool, with prefix-cache lookups.
+
+Scheduler side: no tensors. The model runner reads `block_table(request)` to build slots.
+"""
+from __future__ import annotations
+
+from kvstore.g1 import BlockId, BlockPool
+from kvstore.keys import ROOT_KEY, chain_keys
+from engine.request import Request, RequestId
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self._tables: dict[RequestId, list[BlockId]] = {}
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
+
+    def block_table(self, req: Request) -> list[BlockId]:
+        return self._tables.get(req.request_id, [])
+
+    def _extend_keys(self, req: Request) -> None:
+        full = req.num_tokens // self.block_size
+        if len(req.block_keys) < full:
+            parent = req.block_keys[-1] if req.block_keys else ROOT_KEY
+            req.block_keys.extend(
+                chain_keys(req.all_token_ids, self.block_size, req.cache_salt, len(req.block_keys), parent)
+            )
+
+    def get_computed_blocks(self, req: Request) -> list[BlockId]:
+        """The longest run of the request's leading full blocks already in G1. At least one
+        token is always left to compute, because sampling needs the last position's logits."""
+        if not self.pool.enable_caching:
+            return []
+        self._extend_keys(req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits: list[BlockId] = []
+        for key in req.block_keys[:max_blocks]:
+            bid = self.pool.lookup(key)
+            if bid is None:
+                break
+            hits.append(bid)
+        return hits
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[BlockId] = ()) -> bool:
+        """Make room for `num_new_tokens` after the request's computed tokens (plus `computed`
+        prefix-hit blocks, which are acquired here). All-or-nothing."""
+        table = self._tables.setdefault(req.request_id, [])
+        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        need = -(-total // self.block_size) - len(table) - len(computed)
+        # Hit blocks that sit idle in the pool count as free until we acquire them.
+        idle_hits = sum(1 for b in computed if self.pool.blocks[b].ref_cnt == 0)
+        if need > self.pool.num_free_blocks() - idle_hits:
+            if not table:
+                del self._tables[req.request_id]
+            return False
+        self.pool.acquire(computed, req.priority)
+        table.extend(computed)
+        if need > 0:
+            new = self.pool.allocate(need)
+            if new is None:
+                raise RuntimeError("block pool refused an allocation it reported room for")
+            table.extend(new)
+        return True
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register blocks whose tokens are all computed, so later requests can reuse them."""
+        if not self.pool.enable_caching:
+            return
+        self._extend_keys(req)
+        table = self._tables.get(req.request_id, [])
+        for i in range(req.num_computed_tokens // self.block_size):
+            block = self.pool.blocks[table[i]]
+            if block.key is None:
+                self.pool.cache(table[i], req.block_keys[i], req.priority)
+
+    def free(self, req: Request) -> None:
+        table = self._tables.pop(req.request_id, [])
+        self.pool.release(reversed(table))
+
+    def num_requests(self) -> int:
+        return len(self._tables)

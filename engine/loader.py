@@ -1,0 +1,56 @@
+"""Loads a local Hugging Face checkpoint: config, safetensors weights (sharded or not), tokenizer."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.attention import AttentionBackend
+from engine.config import ModelConfig
+from engine.models import SUPPORTED_ARCHITECTURES
+from engine.models.llama import rope_tables
+
+log = logging.getLogger("kvtier.loader")
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors weights in {model_dir}")
+    for name in files:
+        with safe_open(str(model_dir / name), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max_len: int, device: str):
+    start = time.perf_counter()
+    spec = SUPPORTED_ARCHITECTURES[cfg.architecture]
+    with torch.device("meta"):
+        # Build on meta first so a large model is not initialised twice.
+        model = spec.model_cls(cfg, backend, max_len)
+    model = model.to_empty(device=device).to(cfg.dtype)
+    # to_empty() left the rope buffers uninitialised; rebuild them for real.
+    model.rope_cos, model.rope_sin = (t.to(device) for t in rope_tables(cfg, max_len))
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_weights((k, v.to(cfg.dtype)) for k, v in iter_safetensors(model_dir))
+    model.eval().requires_grad_(False)
+    log.info("loaded %s (%s, %d layers) from %s in %.1fs", cfg.architecture, cfg.dtype, cfg.num_layers,
+             model_dir, time.perf_counter() - start)
+    return model
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

@@ -1,0 +1,92 @@
+"""Worker side: owns the model and the G1 cache tensors, turns a schedule into one forward pass.
+
+The cache is one tensor `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`, so a
+block's bytes for every layer can be gathered with one index (what offload tiers copy).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillSeq
+from engine.config import ModelConfig
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [num_sampled, vocab] float32, rows in `sampled` order
+    sampled: list[int]  # indices into scheduler_output.scheduled that produce a token
+
+
+def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * cfg.dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int, device: str) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.block_size = block_size
+        self.device = device
+        self.kv_cache = torch.zeros(
+            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=device
+        )
+        self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelOutput:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefills: list[PrefillSeq] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        sample_rows: list[int] = []
+        sampled: list[int] = []
+        for idx, (item, table) in enumerate(zip(sched.scheduled, block_tables)):
+            req, n = item.req, item.num_new_tokens
+            start = req.num_computed_tokens
+            q_start = len(input_ids)
+            input_ids.extend(req.all_token_ids[start : start + n])
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            ctx = start + n
+            if n == 1 and start > 0:
+                decode_rows.append(q_start)
+                decode_tables.append(table[: -(-ctx // bs)])
+                decode_lens.append(ctx)
+            else:
+                prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(table[: -(-ctx // bs)], dtype=torch.long)))
+            if ctx == req.num_tokens:  # the whole known sequence is in: sample its next token
+                sample_rows.append(q_start + n - 1)
+                sampled.append(idx)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            prefills=prefills,
+            decode_query_idx=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
+            **self._decode_tables(decode_tables, decode_lens),
+        )
+        hidden, _ = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.layer_caches,
+            meta,
+        )
+        logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else hidden.new_empty(0, 0)
+        return ModelOutput(logits.float(), sampled)
+
+    def _decode_tables(self, tables: list[list[int]], lens: list[int]) -> dict[str, torch.Tensor]:
+        if not tables:
+            return {"decode_block_tables": torch.empty(0, 0, dtype=torch.long),
+                    "decode_mask": torch.empty(0, 1, 1, 0, dtype=torch.bool)}
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
+        mask = torch.arange(width * self.block_size, device=self.device).unsqueeze(0) < torch.tensor(
+            lens, device=self.device
+        ).unsqueeze(1)
+        return {"decode_block_tables": padded, "decode_mask": mask[:, None, None, :]}

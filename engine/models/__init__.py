@@ -1,0 +1,27 @@
+"""Supported Hugging Face architectures. An explicit table, so that adding one is one line."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from engine.models.llama import LlamaFamilyForCausalLM
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    model_cls: type
+    attention_bias: Callable[[Any], bool]
+    qk_norm: bool
+
+
+def _bias_flag(hf: Any) -> bool:
+    return bool(getattr(hf, "attention_bias", False))
+
+
+SUPPORTED_ARCHITECTURES: dict[str, ArchSpec] = {
+    "LlamaForCausalLM": ArchSpec(LlamaFamilyForCausalLM, _bias_flag, qk_norm=False),
+    "MistralForCausalLM": ArchSpec(LlamaFamilyForCausalLM, _bias_flag, qk_norm=False),
+    # Qwen2 always has q/k/v biases (and no config flag for them).
+    "Qwen2ForCausalLM": ArchSpec(LlamaFamilyForCausalLM, lambda hf: True, qk_norm=False),
+    "Qwen3ForCausalLM": ArchSpec(LlamaFamilyForCausalLM, _bias_flag, qk_norm=True),
+}

@@ -1,0 +1,28 @@
+"""What the offline API returns, in vLLM's shape."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    # Prompt tokens this request did not compute, by the tier that supplied them ("G1", ...).
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,91 @@
+"""A request's state as the scheduler and the model runner see it (bookkeeping, no tensors)."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import NewType
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from kvstore.keys import BlockKey
+
+RequestId = NewType("RequestId", str)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: RequestId,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+        max_total_tokens: int,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.arrival_time = time.monotonic()
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # set when first scheduled
+        self.block_keys: list[BlockKey] = []  # keys of this request's full blocks, grown lazily
+        self.stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else eos_token_ids)
+        limit = max_total_tokens - len(prompt_token_ids)
+        self.max_output_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.first_logits: torch.Tensor | None = None
+        self.output_text = ""
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
+    def num_output_suppressed(self) -> bool:
+        """True while min_tokens forbids the stop tokens."""
+        return len(self.output_token_ids) < self.params.min_tokens and bool(self.stop_ids)
+
+    def sort_key(self) -> tuple[int, float]:
+        """Priority order: lower priority value first, then earlier arrival (as in vLLM)."""
+        return (self.priority, self.arrival_time)

@@ -1,0 +1,164 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+Every step has one token budget (`max_num_batched_tokens`). Running requests go first (their
+decodes and the rest of their prompt chunks), then waiting ones in FCFS or priority order.
+When G1 runs out, the least urgent running request is preempted: its blocks are released
+(they stay in the prefix cache, so a resume is usually a cache hit) and it waits again.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulingPolicy
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestId, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    req: Request
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class WaitingQueue:
+    """FCFS deque, or a heap on (priority, arrival) for the priority policy."""
+
+    def __init__(self, policy: SchedulingPolicy) -> None:
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[tuple[int, float], int, Request]] = []
+        self._tie = itertools.count()
+
+    def add(self, req: Request, front: bool = False) -> None:
+        if self.policy is SchedulingPolicy.PRIORITY:
+            heapq.heappush(self._heap, (req.sort_key(), next(self._tie), req))
+        elif front:
+            self._fifo.appendleft(req)
+        else:
+            self._fifo.append(req)
+
+    def peek(self) -> Request:
+        return self._heap[0][2] if self.policy is SchedulingPolicy.PRIORITY else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[2] if self.policy is SchedulingPolicy.PRIORITY else self._fifo.popleft()
+
+    def remove(self, req: Request) -> bool:
+        if self.policy is SchedulingPolicy.PRIORITY:
+            kept = [e for e in self._heap if e[2] is not req]
+            found = len(kept) != len(self._heap)
+            self._heap = kept
+            heapq.heapify(self._heap)
+            return found
+        try:
+            self._fifo.remove(req)
+            return True
+        except ValueError:
+            return False
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy is SchedulingPolicy.PRIORITY else len(self._fifo)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, policy: SchedulingPolicy, max_num_seqs: int,
+                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True) -> None:
+        self.kv = kv
+        self.policy = policy
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting = WaitingQueue(policy)
+        self.running: list[Request] = []
+        self.requests: dict[RequestId, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.add(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[RequestId] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self._pick_victim(scheduled)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, n))
+                scheduled.add(req.request_id)
+                budget -= n
+                i += 1
+        # A step that had to preempt admits nobody new: memory is already short.
+        while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting.peek()
+            hits = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
+            num_cached = len(hits) * self.kv.block_size
+            remaining = req.num_tokens - num_cached
+            n = min(remaining, budget)
+            if n < remaining and not self.enable_chunked_prefill:
+                break
+            if not self.kv.allocate_slots(req, n, hits):
+                break
+            self.waiting.pop()
+            if req.num_cached_tokens < 0:  # count each prompt once, not each retry or resume
+                self.kv.record_prefix_lookup(req.num_tokens, num_cached)
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n))
+            scheduled.add(req.request_id)
+            budget -= n
+        return out
+
+    def _pick_victim(self, scheduled: set[RequestId]) -> Request:
+        # Never a request already given work this step: its blocks are about to be written.
+        candidates = [r for r in self.running if r.request_id not in scheduled]
+        if self.policy is SchedulingPolicy.PRIORITY:
+            return max(candidates, key=Request.sort_key)
+        return candidates[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        self.num_preemptions += 1
+        self.waiting.add(req, front=True)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Mark finished and release its blocks (running or waiting)."""
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        del self.requests[req.request_id]

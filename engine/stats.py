@@ -1,0 +1,22 @@
+"""Engine statistics: cumulative counters plus gauges read at the time of the call."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    prefix_cache_queries: int  # prompt tokens looked up in the G1 prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    num_preemptions: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of G1 blocks in use (0..1)
+    num_gpu_blocks: int
+    num_evictions: int  # cached G1 blocks evicted to make room
+    prompt_tokens: int
+    generation_tokens: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

@@ -1,0 +1,45 @@
+"""Block keys: chained content hashes that are stable across processes, machines and restarts.
+
+key(block i) = sha256(key(block i-1) || token ids as little-endian int64 || extra), truncated to
+16 bytes. `extra` carries the request's cache salt on the first block (tenant isolation), so
+two salts never share any block. Python's hash() is never used: it is salted per process.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import NewType
+
+import numpy as np
+
+BlockKey = NewType("BlockKey", bytes)
+
+KEY_BYTES = 16
+ROOT_KEY = BlockKey(b"\x00" * KEY_BYTES)
+
+
+def block_key(parent: BlockKey, token_ids: Sequence[int], extra: bytes = b"") -> BlockKey:
+    h = hashlib.sha256(parent)
+    h.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    if extra:
+        # Length-prefixed so that (tokens, extra) pairs cannot alias each other.
+        h.update(len(extra).to_bytes(4, "little") + extra)
+    return BlockKey(h.digest()[:KEY_BYTES])
+
+
+def chain_keys(
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None, start: int = 0,
+    parent: BlockKey = ROOT_KEY,
+) -> list[BlockKey]:
+    """Keys of the full blocks of `token_ids`, from block index `start` (whose parent is `parent`)."""
+    keys: list[BlockKey] = []
+    salt = cache_salt.encode() if cache_salt else b""
+    for i in range(start, len(token_ids) // block_size):
+        parent = block_key(parent, token_ids[i * block_size : (i + 1) * block_size], salt if i == 0 else b"")
+        keys.append(parent)
+    return keys
+
+
+def token_digest(token_ids: Sequence[int]) -> bytes:
+    """A digest of a block's tokens, stored beside cached KV so a key collision cannot alias."""
+    return hashlib.sha256(np.asarray(token_ids, dtype="<i8").tobytes()).digest()[:KEY_BYTES]
