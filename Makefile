@@ -1,0 +1,27 @@
+# The two commands a new machine needs (see README):
+#   make demo   set up, convert the demo model once, and run it
+#   make test   set up and run the test suite (what .ci/run calls)
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test test-all bench-throughput bench-policies
+
+setup:
+	@PYTHON=$(PY) VENV=$(VENV) bash scripts/setup.sh
+
+demo: setup
+	$(BIN)/kvtier generate --chat "What is the capital of France?" --max-tokens 32
+
+test: setup
+	$(BIN)/python -m pytest
+
+# Includes the slow tests (the real demo model end to end).
+test-all: setup
+	$(BIN)/python -m pytest -m "slow or not slow"
+
+bench-throughput: setup
+	$(BIN)/python benchmarks/throughput.py
+
+bench-policies: setup
+	$(BIN)/python benchmarks/policies.py

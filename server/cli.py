@@ -1,0 +1,81 @@
+"""The `kvtier` command line.
+
+Subcommands:
+  generate    answer prompts or chat messages offline with the engine
+  demo-model  convert the embedded demo model into a Hugging Face checkpoint
+
+Bad input exits with code 2 and a one-line message, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+
+from engine.args import add_engine_args, llm_kwargs
+
+
+def _generate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvtier generate", description="Generate text offline with the kvtier engine.")
+    add_engine_args(p)
+    s = p.add_argument_group("request")
+    s.add_argument("--prompt", action="append", default=[], help="raw prompt text (repeatable)")
+    s.add_argument("--chat", action="append", default=[],
+                   help="a user message, sent through the model's chat template (repeatable; one conversation each)")
+    s.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per request (default: %(default)s)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    s.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables (default: 0)")
+    s.add_argument("--sampling-seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="logging verbosity (default: %(default)s)")
+    ns = p.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if not ns.prompt and not ns.chat:
+        p.error("give at least one --prompt or --chat")
+    from engine import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                                top_k=ns.top_k, seed=ns.sampling_seed)
+        llm = LLM(**llm_kwargs(ns))
+        outs = llm.generate(ns.prompt, params, use_tqdm=False) if ns.prompt else []
+        if ns.chat:
+            outs += llm.chat([[{"role": "user", "content": m}] for m in ns.chat], params, use_tqdm=False)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvtier generate: error: {e}", file=sys.stderr)
+        return 2
+    for q, o in zip(ns.prompt + ns.chat, outs):
+        print(f"> {q}\n{o.outputs[0].text}\n[{len(o.outputs[0].token_ids)} tokens, finish_reason={o.outputs[0].finish_reason}]")
+    return 0
+
+
+def _demo_model(argv: list[str]) -> int:
+    from engine.demo_model import main
+
+    return main(argv)
+
+
+COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "generate": (_generate, "answer prompts or chat messages offline"),
+    "demo-model": (_demo_model, "convert the embedded demo model (SmolLM2-135M-Instruct) into an HF checkpoint"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    usage = "usage: kvtier {" + ",".join(COMMANDS) + "} [-h] ...\n\ncommands:\n" + "".join(
+        f"  {name:<11} {help_}\n" for name, (_, help_) in COMMANDS.items()
+    ) + "\nRun 'kvtier COMMAND --help' for a command's flags."
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        print(f"kvtier: unknown command {argv[0]!r}\n{usage}", file=sys.stderr)
+        return 2
+    return COMMANDS[argv[0]][0](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
