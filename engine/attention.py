@@ -26,15 +26,24 @@ class PrefillSeq:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes of similar context length, batched into one padded attention call.
+
+    Grouping by length bounds the padding: one group for the whole batch would gather every
+    sequence up to the longest one, and on CPU that copy is most of decode attention's cost."""
+
+    query_idx: torch.Tensor  # [n] int64 rows of the flat query
+    block_tables: torch.Tensor  # [n, max_blocks] int64 (padded with 0)
+    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool: True = attend
+
+
+@dataclass
 class AttentionMetadata:
     """Built once per step by the model runner and shared by every layer."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
     prefills: list[PrefillSeq]
-    # Decodes are batched: one query token each, gathered in one go.
-    decode_query_idx: torch.Tensor  # [num_decodes] int64 rows of the flat query
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64 (padded with 0)
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool: True = attend
+    decodes: list[DecodeGroup]
 
 
 class AttentionBackend(ABC):
@@ -92,13 +101,13 @@ class TorchPagedAttention(AttentionBackend):
                 mask = torch.arange(seq.context_len).unsqueeze(0) <= rows
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
             out[seq.query_start : seq.query_start + seq.query_len] = o[0].transpose(0, 1)
-        if meta.decode_query_idx.numel():
-            bt = meta.decode_block_tables
+        for group in meta.decodes:
+            bt = group.block_tables
             n = bt.shape[0]
             kd = self._gather("k", k_cache, bt.flatten()).view(n, -1, kv_heads, head_dim).transpose(1, 2)
             vd = self._gather("v", v_cache, bt.flatten()).view(n, -1, kv_heads, head_dim).transpose(1, 2)
-            qd = q.index_select(0, meta.decode_query_idx).unsqueeze(2)  # [n, heads, 1, dim]
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
-            out.index_copy_(0, meta.decode_query_idx, o.squeeze(2))
+            qd = q.index_select(0, group.query_idx).unsqueeze(2)  # [n, heads, 1, dim]
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=gqa)
+            out.index_copy_(0, group.query_idx, o.squeeze(2))
         return out.view(num_tokens, num_heads * head_dim)
 

@@ -9,9 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSeq
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from engine.config import ModelConfig
 from engine.scheduler import SchedulerOutput
+
+
+MIN_DECODE_GROUP = 8
 
 
 @dataclass
@@ -68,8 +71,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             prefills=prefills,
-            decode_query_idx=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
-            **self._decode_tables(decode_tables, decode_lens),
+            decodes=self._decode_groups(decode_rows, decode_tables, decode_lens),
         )
         hidden, _ = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
@@ -80,13 +82,23 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else hidden.new_empty(0, 0)
         return ModelOutput(logits.float(), sampled)
 
-    def _decode_tables(self, tables: list[list[int]], lens: list[int]) -> dict[str, torch.Tensor]:
-        if not tables:
-            return {"decode_block_tables": torch.empty(0, 0, dtype=torch.long),
-                    "decode_mask": torch.empty(0, 1, 1, 0, dtype=torch.bool)}
+    def _decode_groups(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+        """Split decodes, shortest first, into groups whose padding stays under ~25%."""
+        order = sorted(range(len(rows)), key=lambda i: lens[i])
+        groups: list[list[int]] = []
+        for i in order:
+            g = groups[-1] if groups else None
+            # A new group pays one more attention call; only worth it once it is big enough.
+            if g is None or (len(g) >= MIN_DECODE_GROUP and len(tables[i]) > 1.25 * len(tables[g[0]])):
+                groups.append([i])
+            else:
+                g.append(i)
+        return [self._decode_group([rows[i] for i in g], [tables[i] for i in g], [lens[i] for i in g]) for g in groups]
+
+    def _decode_group(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> DecodeGroup:
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
         mask = torch.arange(width * self.block_size, device=self.device).unsqueeze(0) < torch.tensor(
             lens, device=self.device
         ).unsqueeze(1)
-        return {"decode_block_tables": padded, "decode_mask": mask[:, None, None, :]}
+        return DecodeGroup(torch.tensor(rows, dtype=torch.long, device=self.device), padded, mask[:, None, None, :])
