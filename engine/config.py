@@ -21,6 +21,11 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+class LoadFailurePolicy(str, enum.Enum):
+    RECOMPUTE = "recompute"
+    FAIL = "fail"
+
+
 class SchedulingPolicy(str, enum.Enum):
     FCFS = "fcfs"
     PRIORITY = "priority"
@@ -92,6 +97,13 @@ class EngineConfig:
     kv_eviction_policy: str = "lru"
     seed: int = 0
     device: str = "cpu"
+    # Offload tiers (vLLM's flag names): G2 host memory and G3 disk, sizes in GiB.
+    kv_offloading_size: float | None = None
+    kv_offload_disk: str | None = None
+    kv_offload_disk_size: float = 10.0
+    kv_offload_block_size: int = 256  # tokens per offload block; a multiple of block_size
+    kv_transfer_config: dict[str, Any] | None = None
+    kv_load_failure_policy: LoadFailurePolicy = field(default="recompute")  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -109,6 +121,21 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
+        if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
+            raise ValueError(f"kv_offloading_size must be >= 0 GiB; got {self.kv_offloading_size}")
+        if self.kv_offload_disk_size <= 0:
+            raise ValueError(f"kv_offload_disk_size must be > 0 GiB; got {self.kv_offload_disk_size}")
+        if self.kv_offload_block_size <= 0 or self.kv_offload_block_size % self.block_size:
+            raise ValueError(f"kv_offload_block_size ({self.kv_offload_block_size}) must be a positive multiple "
+                             f"of block_size ({self.block_size})")
+        try:
+            object.__setattr__(self, "kv_load_failure_policy", LoadFailurePolicy(self.kv_load_failure_policy))
+        except ValueError:
+            raise ValueError(f"kv_load_failure_policy must be 'recompute' or 'fail'; got {self.kv_load_failure_policy!r}") from None
+
+    @property
+    def offload_enabled(self) -> bool:
+        return bool(self.kv_offloading_size) or self.kv_offload_disk is not None
 
 
 def load_model_config(model_dir: Path, dtype: str) -> ModelConfig:

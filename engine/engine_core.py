@@ -7,12 +7,17 @@ server's engine-core process both drive it.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
 
+from connectors.base import KVConnector
+from connectors.codec import BlockLayout
+from connectors.factory import ConnectorContext, build_connector
 from engine.attention import TorchPagedAttention
-from engine.config import EngineConfig, load_model_config
+from engine.config import EngineConfig, LoadFailurePolicy, load_model_config
+from engine.fingerprint import model_fingerprint
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model, load_tokenizer
 from engine.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -57,14 +62,45 @@ class EngineCore:
         model = load_model(model_dir, mc, TorchPagedAttention(), max_len, config.device)
         self.pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy), config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, bs)
-        self.scheduler = Scheduler(self.kv, config.scheduling_policy, config.max_num_seqs,
-                                   self.max_num_batched_tokens, config.enable_chunked_prefill)
         self.runner = ModelRunner(model, mc, num_blocks, bs, config.device)
+        self.connector = self._build_connector(model_dir)
+        self.scheduler = Scheduler(self.kv, config.scheduling_policy, config.max_num_seqs,
+                                   self.max_num_batched_tokens, config.enable_chunked_prefill, self.connector)
         self.sampler = Sampler(config.seed)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         log.info("G1: %d blocks of %d tokens (%.2f GiB), max_model_len=%d, max_num_batched_tokens=%d",
                  num_blocks, bs, num_blocks * per_block / 2**30, max_len, self.max_num_batched_tokens)
+
+    def _build_connector(self, model_dir: Path) -> KVConnector | None:
+        cfg, mc = self.config, self.model_config
+        tc = dict(cfg.kv_transfer_config or {})
+        if not (cfg.offload_enabled or tc.get("kv_connector")):
+            return None
+        if not cfg.enable_prefix_caching:
+            raise ValueError("KV offload needs prefix caching (block keys); drop --no-enable-prefix-caching")
+        if "kv_load_failure_policy" in tc:
+            object.__setattr__(cfg, "kv_load_failure_policy", LoadFailurePolicy(tc["kv_load_failure_policy"]))
+        extra = dict(tc.get("kv_connector_extra_config") or {})
+        ob = int(extra.get("block_size", cfg.kv_offload_block_size))
+        if ob <= 0 or ob % cfg.block_size:
+            raise ValueError(f"offload block size {ob} must be a positive multiple of block_size {cfg.block_size}")
+        fp = model_fingerprint(model_dir, mc, cfg.block_size)
+        layout = BlockLayout(mc.num_layers, ob // cfg.block_size, cfg.block_size, mc.num_kv_heads, mc.head_dim,
+                             mc.dtype, fp.hex())
+        ctx = ConnectorContext(layout, self.pool, fp, cfg.kv_eviction_policy, cfg.kv_offloading_size,
+                               cfg.kv_offload_disk, cfg.kv_offload_disk_size, extra)
+        connector = build_connector(ctx, tc)
+        if connector is not None:
+            connector.register_kv_caches(self.runner.kv_cache)
+        return connector
+
+    def shutdown(self) -> None:
+        """Flush pending offload writes and stop transfer threads."""
+        if self.connector is not None:
+            self.connector.close()
+            self.connector = None
+            self.scheduler.connector = None
 
     # -- requests --------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -91,7 +127,10 @@ class EngineCore:
         req = self.scheduler.requests.get(RequestId(request_id))
         if req is None:
             return False
-        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        if req.request_id in self.scheduler.loading:
+            req.abort_requested = True  # its blocks are being written: free them once the load lands
+            return True
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
         return True
 
     def has_unfinished(self) -> bool:
@@ -101,19 +140,31 @@ class EngineCore:
     def step(self) -> list[Request]:
         """One iteration. Returns the requests that got a new token this step (finished ones
         included, with a finished status)."""
+        updated: list[Request] = []
+        if self.connector is not None:
+            updated += self._poll_loads()
         sched = self.scheduler.schedule()
+        tables = [self.kv.block_table(s.req) for s in sched.scheduled]
+        meta = None
+        if self.connector is not None:
+            meta = self.connector.build_connector_meta(
+                [(s.req, s.num_new_tokens, t) for s, t in zip(sched.scheduled, tables)])
+            self.connector.start_load_kv(meta)
         if not sched.scheduled:
+            if self.scheduler.loading or (self.connector is not None and self.connector.busy()):
+                time.sleep(0.0005)  # only transfers in flight: let the transfer thread run
+                return updated
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending")
-            return []
-        tables = [self.kv.block_table(s.req) for s in sched.scheduled]
+            return updated
         out = self.runner.execute(sched, tables)
+        if meta is not None:
+            self.connector.wait_for_save(meta)
         sampled_reqs = [sched.scheduled[i].req for i in out.sampled]
         samples = self.sampler(out.logits, sampled_reqs) if sampled_reqs else None
         for s in sched.scheduled:
             s.req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_blocks(s.req)
-        updated: list[Request] = []
         for row, req in enumerate(sampled_reqs):
             if req.params.return_first_logits and req.first_logits is None:
                 req.first_logits = out.logits[row].clone()
@@ -123,9 +174,36 @@ class EngineCore:
                 req.logprobs.append(samples.logprobs[row])
             status = self._check_stop(req)
             if status is not None:
-                self.scheduler.finish(req, status)
+                self._finish(req, status)
             updated.append(req)
         return updated
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if self.connector is not None:
+            self.connector.request_finished(req, self.kv.block_table(req))
+        self.scheduler.finish(req, status)
+
+    def _poll_loads(self) -> list[Request]:
+        """Hands finished async loads back to the scheduler; returns requests that ended."""
+        _, received = self.connector.get_finished(set())
+        failed = self.connector.take_failed_loads()
+        ended: list[Request] = []
+        for rid in received:
+            req = self.scheduler.loading.get(RequestId(rid))
+            if req is None:
+                continue
+            ok = rid not in failed
+            self.scheduler.finish_load(req, ok)
+            if req.abort_requested:
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+                ended.append(req)
+            elif not ok and self.config.kv_load_failure_policy is LoadFailurePolicy.FAIL:
+                req.error = "loading the prompt's KV from an offload tier failed (kv_load_failure_policy=fail)"
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                ended.append(req)
+            elif not ok:
+                log.warning("request %s: offload load failed; recomputing those tokens", rid)
+        return ended
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         token = req.output_token_ids[-1]
@@ -160,6 +238,7 @@ class EngineCore:
             num_evictions=self.pool.num_evictions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
+            tiers=self.connector.stats() if self.connector is not None else {},
         )
 
     def check_integrity(self) -> None:

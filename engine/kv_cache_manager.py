@@ -5,7 +5,7 @@ Scheduler side: no tensors. The model runner reads `block_table(request)` to bui
 from __future__ import annotations
 
 from kvstore.g1 import BlockId, BlockPool
-from kvstore.keys import ROOT_KEY, chain_keys
+from kvstore.keys import extend_keys
 from engine.request import Request, RequestId
 
 
@@ -21,12 +21,7 @@ class KVCacheManager:
         return self._tables.get(req.request_id, [])
 
     def _extend_keys(self, req: Request) -> None:
-        full = req.num_tokens // self.block_size
-        if len(req.block_keys) < full:
-            parent = req.block_keys[-1] if req.block_keys else ROOT_KEY
-            req.block_keys.extend(
-                chain_keys(req.all_token_ids, self.block_size, req.cache_salt, len(req.block_keys), parent)
-            )
+        extend_keys(req.block_keys, req.all_token_ids, self.block_size, req.cache_salt)
 
     def get_computed_blocks(self, req: Request) -> list[BlockId]:
         """The longest run of the request's leading full blocks already in G1. At least one

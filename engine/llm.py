@@ -39,6 +39,12 @@ class LLM:
         kv_eviction_policy: str = "lru",
         seed: int = 0,
         device: str = "cpu",
+        kv_offloading_size: float | None = None,
+        kv_offload_disk: str | None = None,
+        kv_offload_disk_size: float = 10.0,
+        kv_offload_block_size: int = 256,
+        kv_transfer_config: dict[str, Any] | str | None = None,
+        kv_load_failure_policy: str = "recompute",
     ) -> None:
         if model is None:
             from engine.demo_model import ensure_demo_model
@@ -50,9 +56,23 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, scheduling_policy=scheduling_policy,
             kv_eviction_policy=kv_eviction_policy, seed=seed, device=device,
+            kv_offloading_size=kv_offloading_size, kv_offload_disk=kv_offload_disk,
+            kv_offload_disk_size=kv_offload_disk_size, kv_offload_block_size=kv_offload_block_size,
+            kv_transfer_config=_parse_json(kv_transfer_config, "kv_transfer_config"),
+            kv_load_failure_policy=kv_load_failure_policy,
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Flushes pending offload writes (G3) and stops transfer threads."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -155,10 +175,25 @@ class LLM:
                                       req.stop_reason, req.logprobs)],
             finished=req.status.finished,
             num_cached_tokens=max(req.num_cached_tokens, 0),
-            cached_tokens_by_tier={"G1": max(req.num_cached_tokens, 0)} if req.num_cached_tokens > 0 else {},
+            cached_tokens_by_tier=dict(req.cached_by_tier),
+            error=req.error,
         )
         out._first_logits = req.first_logits  # type: ignore[attr-defined]
         return out
+
+
+def _parse_json(value: dict[str, Any] | str | None, name: str) -> dict[str, Any] | None:
+    if value is None or isinstance(value, dict):
+        return value
+    import json
+
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{name} must be a JSON object")
+    return parsed
 
 
 def _broadcast(value: Any, n: int, name: str) -> list[Any]:

@@ -26,3 +26,4 @@ class RequestOutput:
     kv_transfer_params: dict[str, Any] | None = None
     # Prompt tokens this request did not compute, by the tier that supplied them ("G1", ...).
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    error: str | None = None  # set when finish_reason is "error"

@@ -15,11 +15,13 @@ RequestId = NewType("RequestId", str)
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # its prefix is loading from a lower tier
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
 
     @property
     def finished(self) -> bool:
@@ -30,6 +32,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -69,6 +72,12 @@ class Request:
         self.first_logits: torch.Tensor | None = None
         self.output_text = ""
         self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.pending_external_tokens = 0  # tokens an async load is bringing into G1
+        self.preempted = False
+        self.abort_requested = False  # aborted while loading: finished once the load lands
+        # Prompt tokens not computed, by the tier that supplied them ("G1", "G2", "G3").
+        self.cached_by_tier: dict[str, int] = {}
 
     @property
     def num_tokens(self) -> int:

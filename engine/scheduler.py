@@ -12,6 +12,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from connectors.base import KVConnector
 from engine.config import SchedulingPolicy
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestId, RequestStatus
@@ -75,7 +76,8 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: SchedulingPolicy, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True) -> None:
+                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
+                 connector: KVConnector | None = None) -> None:
         self.kv = kv
         self.policy = policy
         self.max_num_seqs = max_num_seqs
@@ -84,6 +86,8 @@ class Scheduler:
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
+        self.loading: dict[RequestId, Request] = {}  # WAITING_FOR_REMOTE_KVS
+        self.connector = connector
         self.num_preemptions = 0
 
     def add_request(self, req: Request) -> None:
@@ -94,6 +98,10 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def has_work(self) -> bool:
+        """Something can be scheduled now (not only loads in flight)."""
+        return bool(self.running) or len(self.waiting) > 0
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -117,8 +125,22 @@ class Scheduler:
         # A step that had to preempt admits nobody new: memory is already short.
         while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
-            hits = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
-            num_cached = len(hits) * self.kv.block_size
+            fresh = req.num_computed_tokens == 0  # else resuming after an async load
+            hits = self.kv.get_computed_blocks(req) if fresh else []
+            num_cached = len(hits) * self.kv.block_size if fresh else req.num_computed_tokens
+            if fresh and self.connector is not None:
+                ext, is_async = self.connector.get_num_new_matched_tokens(req, num_cached)
+                if ext > 0:
+                    if not self.kv.allocate_slots(req, ext, hits):
+                        break
+                    self.waiting.pop()
+                    self._count_prefix(req, num_cached)
+                    req.num_computed_tokens = num_cached
+                    self.connector.update_state_after_alloc(req, self.kv.block_table(req), ext)
+                    req.pending_external_tokens = ext
+                    req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    self.loading[req.request_id] = req
+                    continue
             remaining = req.num_tokens - num_cached
             n = min(remaining, budget)
             if n < remaining and not self.enable_chunked_prefill:
@@ -126,17 +148,39 @@ class Scheduler:
             if not self.kv.allocate_slots(req, n, hits):
                 break
             self.waiting.pop()
-            if req.num_cached_tokens < 0:  # count each prompt once, not each retry or resume
-                self.kv.record_prefix_lookup(req.num_tokens, num_cached)
+            if fresh:
+                self._count_prefix(req, num_cached)
             req.num_computed_tokens = num_cached
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             scheduled.add(req.request_id)
             budget -= n
         return out
+
+    def _count_prefix(self, req: Request, num_g1_hits: int) -> None:
+        if req.num_cached_tokens < 0:  # count each prompt once, not each retry or resume
+            self.kv.record_prefix_lookup(req.num_tokens, num_g1_hits)
+            req.num_cached_tokens = num_g1_hits
+            if num_g1_hits:
+                req.cached_by_tier["G1"] = num_g1_hits
+
+    def finish_load(self, req: Request, ok: bool) -> None:
+        """An async load ended. On success its tokens count as computed; on failure they
+        are recomputed (the blocks stay allocated and are overwritten)."""
+        del self.loading[req.request_id]
+        ext = req.pending_external_tokens
+        req.pending_external_tokens = 0
+        if ok:
+            req.num_computed_tokens += ext
+            if not req.preempted:  # a resume's reload is not a prompt-cache hit
+                req.num_cached_tokens += ext
+            self.kv.cache_full_blocks(req)
+        else:
+            for tier in ("G2", "G3"):
+                req.cached_by_tier.pop(tier, None)
+        req.status = RequestStatus.WAITING
+        self.waiting.add(req, front=True)
 
     def _pick_victim(self, scheduled: set[RequestId]) -> Request:
         # Never a request already given work this step: its blocks are about to be written.
@@ -149,6 +193,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
+        req.preempted = True
         req.num_computed_tokens = 0
         self.num_preemptions += 1
         self.waiting.add(req, front=True)
@@ -158,7 +203,7 @@ class Scheduler:
         req.status = status
         if req in self.running:
             self.running.remove(req)
-        else:
+        elif self.loading.pop(req.request_id, None) is None:
             self.waiting.remove(req)
         self.kv.free(req)
         del self.requests[req.request_id]

@@ -1,7 +1,8 @@
 """Engine statistics: cumulative counters plus gauges read at the time of the call."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,7 @@ class EngineStats:
     num_evictions: int  # cached G1 blocks evicted to make room
     prompt_tokens: int
     generation_tokens: int
+    tiers: dict[str, Any] = field(default_factory=dict)  # per offload tier: hits, bytes, evictions, ...
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -43,3 +43,9 @@ def chain_keys(
 def token_digest(token_ids: Sequence[int]) -> bytes:
     """A digest of a block's tokens, stored beside cached KV so a key collision cannot alias."""
     return hashlib.sha256(np.asarray(token_ids, dtype="<i8").tobytes()).digest()[:KEY_BYTES]
+
+
+def extend_keys(keys: list[BlockKey], token_ids: Sequence[int], block_size: int, cache_salt: str | None) -> None:
+    """Appends to `keys` (a request's key list, grown lazily) the keys of its new full blocks."""
+    if len(keys) < len(token_ids) // block_size:
+        keys.extend(chain_keys(token_ids, block_size, cache_salt, len(keys), keys[-1] if keys else ROOT_KEY))

@@ -1,0 +1,94 @@
+"""The connector API: the contract between the engine and everything below G1.
+
+It mirrors vLLM's V1 connector in shape, with a scheduler side (bookkeeping, no tensors) and
+a worker side (moves bytes). Both sides live on one object here because kvtier runs them in
+one process; a connector must still keep them apart: scheduler-side methods never touch
+tensors, worker-side methods never change scheduling state.
+
+A step, as the engine drives it:
+
+    scheduler: get_num_new_matched_tokens -> (allocate) -> update_state_after_alloc
+               build_connector_meta(step)                    # what to load/store this step
+    worker:    start_load_kv(meta) ; forward ; wait_for_save()   # loads/stores run async
+    engine:    get_finished(finished_ids) -> (sent, received)   # which transfers completed
+    scheduler: request_finished(request, block_ids) -> (delay_free, kv_transfer_params)
+
+Most plugin authors want `connectors.backend.StorageBackend` instead: the tiered offload
+connector stacks backends as tiers.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.request import Request
+
+
+@dataclass
+class ConnectorMeta:
+    """What the scheduler side tells the worker side for one step (connector-specific)."""
+
+    loads: list[Any] = field(default_factory=list)
+    stores: list[Any] = field(default_factory=list)
+
+
+class KVConnector(ABC):
+    # ---- scheduler side ----------------------------------------------------------------
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond `num_computed_tokens` (G1 hits) this connector can supply, and whether
+        the load is asynchronous (the request then waits in WAITING_FOR_REMOTE_KVS). Must not
+        exceed `request.num_tokens - 1 - num_computed_tokens`: the last token is always computed."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        """G1 blocks were allocated for the request; the external tokens go into
+        `block_ids[num_computed // block_size : ...]`."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduled: list[tuple[Request, int, list[int]]]) -> ConnectorMeta:
+        """Called once per step after scheduling with (request, num_new_tokens, block_ids)."""
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Returns (delay_free, kv_transfer_params). delay_free=True keeps the blocks until
+        `get_finished` reports the request as sent."""
+        return False, None
+
+    # ---- worker side -------------------------------------------------------------------
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        """The G1 tensor `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`."""
+
+    def start_load_kv(self, meta: ConnectorMeta) -> None:
+        """Begin this step's loads; must not block on I/O."""
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Block until `layer`'s loads for this step are in (layer-pipelined connectors)."""
+
+    def save_kv_layer(self, layer: int, meta: ConnectorMeta) -> None:
+        """Called after each layer's forward (layer-pipelined connectors)."""
+
+    def wait_for_save(self, meta: ConnectorMeta) -> None:
+        """Called after the forward: begin (not finish) this step's stores."""
+
+    @abstractmethod
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(ids whose delayed-free sends completed, ids whose async loads completed)."""
+
+    def busy(self) -> bool:
+        """Transfers are in flight that hold engine resources (G1 blocks); the engine waits
+        for them rather than declaring itself stuck."""
+        return False
+
+    def take_failed_loads(self) -> set[str]:
+        """Ids among the completed loads that failed (their blocks hold garbage)."""
+        return set()
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        """Flush pending writes and stop threads."""

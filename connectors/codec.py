@@ -1,0 +1,81 @@
+"""Encoded offload blocks: a small header (layout, token digest) in front of raw KV bytes.
+
+Every tier below G1 stores the encoded form, so a block read from anywhere carries what is
+needed to refuse it: a layout mismatch (another model, dtype or block geometry) or a token
+digest mismatch (a key collision) reads as a miss.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+MAGIC = b"KVBK"
+VERSION = 1
+_HEADER = struct.Struct("<4sHH16s16sQ")  # magic, version, reserved, layout id, token digest, payload bytes
+HEADER_BYTES = _HEADER.size
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Geometry of one offload block: `[num_layers, 2, g1_blocks, block_size, kv_heads, head_dim]`."""
+
+    num_layers: int
+    g1_blocks: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    fingerprint: str  # model identity (architecture, config, weights) the KV belongs to
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.g1_blocks, self.block_size, self.kv_heads, self.head_dim)
+
+    @property
+    def tokens(self) -> int:
+        return self.g1_blocks * self.block_size
+
+    @property
+    def payload_bytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+    @property
+    def encoded_bytes(self) -> int:
+        return HEADER_BYTES + self.payload_bytes
+
+    def layout_id(self) -> bytes:
+        desc: dict[str, Any] = {"shape": self.shape, "dtype": str(self.dtype), "fp": self.fingerprint, "v": VERSION}
+        return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).digest()[:16]
+
+
+def write_header(buf: torch.Tensor, layout_id: bytes, token_digest: bytes, payload_bytes: int) -> None:
+    """Writes the header into the first HEADER_BYTES of the uint8 tensor `buf`."""
+    raw = _HEADER.pack(MAGIC, VERSION, 0, layout_id, token_digest, payload_bytes)
+    buf[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
+
+def check_header(buf: torch.Tensor, layout_id: bytes, token_digest: bytes, payload_bytes: int) -> str | None:
+    """None if the header matches what the reader expects, else the reason it does not."""
+    magic, version, _, lid, digest, n = _HEADER.unpack(bytes(buf[:HEADER_BYTES].numpy()))
+    if magic != MAGIC or version != VERSION:
+        return "bad magic or version"
+    if lid != layout_id:
+        return "layout mismatch (another model, dtype or block geometry)"
+    if digest != token_digest:
+        return "token digest mismatch (key collision)"
+    if n != payload_bytes:
+        return "payload size mismatch"
+    return None
+
+
+def payload(buf: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """The KV view `[L, 2, g1_blocks, block_size, kv_heads, head_dim]` of an encoded uint8 buffer."""
+    return buf[HEADER_BYTES:].view(layout.dtype).view(layout.shape)

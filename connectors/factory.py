@@ -1,0 +1,114 @@
+"""Builds the engine's connector from its config and vLLM-style `kv_transfer_config`.
+
+`kv_connector` names a connector: a built-in (`TieredOffloadConnector`, alias `OffloadingConnector`,
+vLLM's name), a `kvtier.connectors` entry point, or a class in `kv_connector_module_path`. A
+plugin connector is constructed as `cls(ctx: ConnectorContext)`.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+from connectors.base import KVConnector
+from connectors.codec import BlockLayout
+from kvstore.g1 import BlockPool
+
+log = logging.getLogger("kvtier.connectors")
+
+ENTRY_POINT_GROUP = "kvtier.connectors"
+TRANSFER_KEYS = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_connector_module_path",
+                 "kv_load_failure_policy", "kv_buffer_device", "engine_id"}
+TIERED_NAMES = {"TieredOffloadConnector", "OffloadingConnector"}
+
+
+@dataclass(frozen=True)
+class ConnectorContext:
+    layout: BlockLayout
+    pool: BlockPool
+    fingerprint: bytes  # 16-byte model identity digest (namespaces persistent tiers)
+    eviction_policy: str
+    offloading_size_gib: float | None
+    disk_path: str | None
+    disk_size_gib: float
+    extra_config: dict[str, Any] = field(default_factory=dict)
+
+
+def validate_transfer_config(tc: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(tc) - TRANSFER_KEYS
+    if unknown:
+        raise ValueError(f"unknown kv_transfer_config keys {sorted(unknown)}; known: {sorted(TRANSFER_KEYS)}")
+    extra = tc.get("kv_connector_extra_config", {})
+    if not isinstance(extra, dict):
+        raise ValueError("kv_connector_extra_config must be a JSON object")
+    return tc
+
+
+def load_connector_class(name: str, module_path: str | None) -> type[KVConnector]:
+    if module_path:
+        try:
+            cls = getattr(importlib.import_module(module_path), name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"cannot load connector {name!r} from module {module_path!r}: {e}") from None
+    elif ":" in name:
+        mod, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"cannot load connector {name!r}: {e}") from None
+    else:
+        eps = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+        if name not in eps:
+            raise ValueError(f"unknown kv_connector {name!r}; built in: {sorted(TIERED_NAMES)}; "
+                             f"installed plugins: {sorted(eps) or 'none'}")
+        cls = eps[name].load()
+    if not (isinstance(cls, type) and issubclass(cls, KVConnector)):
+        raise ValueError(f"{name!r} is not a kvtier KVConnector subclass")
+    return cls
+
+
+def build_tiered(ctx: ConnectorContext) -> KVConnector:
+    from connectors.tiered import TieredOffloadConnector
+    from kvstore.host import HostTier
+    from policies import make_policy
+
+    extra = ctx.extra_config
+    g2 = g3 = None
+    if ctx.offloading_size_gib:
+        slots = int(ctx.offloading_size_gib * 2**30) // ctx.layout.encoded_bytes
+        if slots < 1:
+            raise ValueError(f"kv_offloading_size={ctx.offloading_size_gib} GiB holds no offload block of "
+                             f"{ctx.layout.encoded_bytes / 2**20:.1f} MiB; raise it or lower the offload block size")
+        g2 = HostTier(slots, ctx.layout.encoded_bytes, make_policy(extra.get("g2_eviction_policy", ctx.eviction_policy)),
+                      pin_memory=_cuda())
+        log.info("G2: %d blocks of %d tokens (%.2f GiB)", slots, ctx.layout.tokens,
+                 slots * ctx.layout.encoded_bytes / 2**30)
+    if ctx.disk_path is not None:
+        from kvstore.disk import DiskBackend
+
+        g3 = DiskBackend(Path(ctx.disk_path), int(ctx.disk_size_gib * 2**30), ctx.fingerprint,
+                         policy=extra.get("g3_eviction_policy", ctx.eviction_policy))
+        log.info("G3: %s (%.1f GiB, %d entries found)", ctx.disk_path, ctx.disk_size_gib, len(g3))
+    return TieredOffloadConnector(ctx.layout, ctx.pool, g2, g3,
+                                  g3_timeout_s=float(extra.get("g3_timeout_s", 10.0)))
+
+
+def build_connector(ctx: ConnectorContext, transfer_config: dict[str, Any] | None) -> KVConnector | None:
+    tc = validate_transfer_config(dict(transfer_config or {}))
+    name = tc.get("kv_connector")
+    if name is None or name in TIERED_NAMES:
+        if ctx.offloading_size_gib or ctx.disk_path is not None:
+            return build_tiered(ctx)
+        if name is not None:
+            raise ValueError(f"{name} needs a tier: set kv_offloading_size and/or kv_offload_disk")
+        return None
+    return load_connector_class(name, tc.get("kv_connector_module_path"))(ctx)  # type: ignore[call-arg]
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,332 @@
+"""TieredOffloadConnector: G1 <-> G2 (host memory) <-> G3 (disk, or any StorageBackend).
+
+Write path (write-through, asynchronous): when a request's step completes an offload block
+(`layout.tokens` tokens, a multiple of G1's block size), the G1 blocks are held (an extra
+ref, so they cannot be evicted or reused) and a transfer thread gathers them into a G2 slot,
+then queues a G3 write of that slot on a second thread. Nothing here blocks the step loop.
+
+Read path: at admission the scheduler asks for hits beyond G1's; the longest run of
+consecutive offload blocks found in G2 or G3 is loaded asynchronously into newly allocated G1
+blocks while the request waits in WAITING_FOR_REMOTE_KVS. A G3 hit is promoted into G2 on
+the way. A load that fails (corrupt, missing, raising or hanging backend) reports the
+request as failed: the engine recomputes those tokens or fails the request, per
+`kv_load_failure_policy`. A failing tier never fails the engine.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from connectors.backend import BackendError, StorageBackend
+from connectors.base import ConnectorMeta, KVConnector
+from connectors.codec import BlockLayout, check_header, payload, write_header
+from kvstore.g1 import BlockId, BlockPool
+from kvstore.host import HostTier
+from kvstore.keys import BlockKey, extend_keys, token_digest
+
+log = logging.getLogger("kvtier.offload")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int  # offload block index within the request
+    key: BlockKey
+    digest: bytes
+    tier: str  # "G2" | "G3"
+
+
+@dataclass
+class LoadJob:
+    req_id: str
+    chunks: list[Chunk]
+    first_g1: int  # G1 block index (within the request) of the first block to fill
+    dst: list[BlockId]  # destination G1 blocks, in order
+    g2_slots: dict[BlockKey, int] = field(default_factory=dict)  # pinned at prepare time
+
+
+@dataclass
+class StoreJob:
+    key: BlockKey
+    digest: bytes
+    src: list[BlockId]
+    priority: int
+
+
+class TieredOffloadConnector(KVConnector):
+    def __init__(self, layout: BlockLayout, pool: BlockPool, g2: HostTier | None, g3: StorageBackend | None,
+                 *, g3_timeout_s: float = 10.0, max_pending_writes: int = 64) -> None:
+        if g2 is None and g3 is None:
+            raise ValueError("the tiered offload connector needs at least one tier (G2 or G3)")
+        self.layout, self.pool, self.g2, self.g3 = layout, pool, g2, g3
+        self.g1_per_chunk = layout.g1_blocks
+        self.layout_id = layout.layout_id()
+        self.g3_timeout_s = g3_timeout_s
+        self.kv_cache: torch.Tensor | None = None
+        self._plans: dict[str, tuple[int, list[Chunk]]] = {}
+        self._new_loads: list[LoadJob] = []
+        self._stored_upto: dict[str, int] = {}  # req id -> chunks already considered for storing
+        self._inflight: set[BlockKey] = set()
+        self._held: dict[BlockKey, list[BlockId]] = {}  # G1 refs held by stores in flight
+        self._done: queue.SimpleQueue[tuple[str, Any, bool]] = queue.SimpleQueue()
+        self._failed: set[str] = set()
+        self._xfer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-xfer")  # FIFO: loads and G2 stores
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="kvtier-g3")  # G3 reads/writes
+        self._write_slots = threading.BoundedSemaphore(max_pending_writes)
+        self.tier_hits = {"G2": 0, "G3": 0}  # tokens served
+        self.lookup_tokens = 0  # tokens looked up below G1
+        self.load_failures = 0
+
+    # ---- scheduler side ----------------------------------------------------------------
+    def _chunk_keys(self, request, start: int, end: int) -> list[tuple[int, BlockKey, bytes]]:
+        k, t = self.g1_per_chunk, self.layout.tokens
+        extend_keys(request.block_keys, request.all_token_ids, self.layout.block_size, request.cache_salt)
+        return [(j, request.block_keys[(j + 1) * k - 1], token_digest(request.all_token_ids[j * t:(j + 1) * t]))
+                for j in range(start, end)]
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        t = self.layout.tokens
+        first = num_computed_tokens // t
+        last = (request.num_tokens - 1) // t  # chunks fully before the last token
+        if last <= first:
+            return 0, False
+        found: list[Chunk] = []
+        cands = self._chunk_keys(request, first, last)
+        if self.g2 is not None:
+            n = self.g2.lookup([c[1] for c in cands], [c[2] for c in cands])
+            found = [Chunk(j, key, dig, "G2") for j, key, dig in cands[:n]]
+        rest = cands[len(found):]
+        if rest and self.g3 is not None:
+            try:
+                exists = self.g3.exists([c[1] for c in rest])
+            except (BackendError, OSError) as e:
+                log.warning("G3 lookup failed, treating as a miss: %s", e)
+                exists = []
+            for (j, key, dig), ok in zip(rest, exists):
+                if not ok:
+                    break
+                found.append(Chunk(j, key, dig, "G3"))
+        self.lookup_tokens += (last - first) * t
+        if not found:
+            return 0, False
+        self._plans[request.request_id] = (num_computed_tokens, found)
+        return (first + len(found)) * t - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        num_computed, chunks = self._plans.pop(request.request_id)
+        bs = self.layout.block_size
+        first_g1 = num_computed // bs
+        end_g1 = (num_computed + num_external_tokens) // bs
+        job = LoadJob(request.request_id, chunks, first_g1, list(block_ids[first_g1:end_g1]))
+        if self.g2 is not None:
+            g2_keys = [c.key for c in chunks if c.tier == "G2"]
+            slots = self.g2.prepare_load(g2_keys) if g2_keys else []
+            if slots is None:  # evicted since lookup: load nothing, report failure
+                job.chunks = []
+            else:
+                job.g2_slots = dict(zip(g2_keys, slots))
+        end = num_computed + num_external_tokens
+        for c in job.chunks:  # tentative: the engine drops these if the load fails
+            n = min((c.index + 1) * self.layout.tokens, end) - max(c.index * self.layout.tokens, num_computed)
+            request.cached_by_tier[c.tier] = request.cached_by_tier.get(c.tier, 0) + n
+        self._new_loads.append(job)
+
+    def build_connector_meta(self, scheduled) -> ConnectorMeta:
+        meta = ConnectorMeta(loads=self._new_loads)
+        self._new_loads = []
+        k, t = self.g1_per_chunk, self.layout.tokens
+        for req, num_new, table in scheduled:
+            done_chunks = (req.num_computed_tokens + num_new) // t
+            start = self._stored_upto.get(req.request_id, req.num_computed_tokens // t)
+            for j, key, dig in self._chunk_keys(req, start, done_chunks) if done_chunks > start else ():
+                if key in self._inflight or (self.g2 is not None and self.g2.contains(key)):
+                    continue
+                src = [BlockId(b) for b in table[j * k:(j + 1) * k]]
+                self.pool.acquire(src)  # keep them from being evicted or reused until copied
+                self._held[key] = src
+                self._inflight.add(key)
+                meta.stores.append(StoreJob(key, dig, src, req.priority))
+            self._stored_upto[req.request_id] = max(start, done_chunks)
+        return meta
+
+    def request_finished(self, request, block_ids):
+        self._stored_upto.pop(request.request_id, None)
+        self._plans.pop(request.request_id, None)
+        return False, None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        received: set[str] = set()
+        while True:
+            try:
+                kind, ident, ok = self._done.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "load":
+                received.add(ident)
+                if not ok:
+                    self._failed.add(ident)
+                    self.load_failures += 1
+            else:  # a store finished copying out of G1: drop the held refs
+                self._inflight.discard(ident)
+                self.pool.release(reversed(self._held.pop(ident)))
+        return set(), received
+
+    def busy(self) -> bool:
+        return bool(self._held)
+
+    def take_failed_loads(self) -> set[str]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    # ---- worker side -------------------------------------------------------------------
+    def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+    def start_load_kv(self, meta: ConnectorMeta) -> None:
+        for job in meta.loads:
+            self._xfer.submit(self._run_load, job)
+
+    def wait_for_save(self, meta: ConnectorMeta) -> None:
+        for job in meta.stores:
+            self._xfer.submit(self._run_store, job)
+
+    def _run_load(self, job: LoadJob) -> None:
+        ok = bool(job.chunks)
+        try:
+            for c in job.chunks:
+                if not ok:
+                    break
+                buf = self._read_chunk(c, job)
+                if buf is None:
+                    ok = False
+                    break
+                self.tier_hits[c.tier] += self._scatter(buf, c.index, job) * self.layout.block_size
+        except (RuntimeError, OSError, ValueError) as e:  # a broken tier is a miss, never a crash
+            log.warning("offload load for request %s failed: %s", job.req_id, e)
+            ok = False
+        finally:
+            if self.g2 is not None and job.g2_slots:
+                self.g2.complete_load(list(job.g2_slots))
+            self._done.put(("load", job.req_id, ok))
+
+    def _read_chunk(self, c: Chunk, job: LoadJob) -> torch.Tensor | None:
+        if c.tier == "G2":
+            assert self.g2 is not None
+            buf = self.g2.slot_view(job.g2_slots[c.key])
+            reason = check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
+            if reason:
+                log.warning("G2 entry rejected: %s", reason)
+                return None
+            return buf
+        return self._read_g3(c)
+
+    def _read_g3(self, c: Chunk) -> torch.Tensor | None:
+        assert self.g3 is not None
+        slot = self.g2.prepare_store(c.key, c.digest) if self.g2 is not None else None
+        buf = self.g2.slot_view(slot) if slot is not None else torch.empty(self.layout.encoded_bytes, dtype=torch.uint8)
+        fut: Future = self._io.submit(self.g3.get_into, [c.key], [memoryview(buf.numpy())])
+        try:
+            got = fut.result(timeout=self.g3_timeout_s)[0]
+            reason = None if got else "miss"
+            if got:
+                reason = check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
+        except FutureTimeout:
+            # The read may still land in `buf` later, so a G2 slot used as its target is lost
+            # (kept reserved) rather than reused while a late write could still hit it.
+            log.warning("G3 read timed out after %.1fs; treating it as a miss", self.g3_timeout_s)
+            return None
+        except (BackendError, OSError) as e:
+            log.warning("G3 read failed, treating it as a miss: %s", e)
+            reason = "error"
+        if slot is not None:
+            assert self.g2 is not None
+            self.g2.complete_store(c.key, reason is None)  # promotion into G2
+        if reason is not None:
+            if reason != "miss" and reason != "error":
+                log.warning("G3 entry rejected: %s", reason)
+            return None
+        return buf
+
+    def _scatter(self, buf: torch.Tensor, chunk_index: int, job: LoadJob) -> int:
+        """Copies the chunk's blocks that G1 lacks into their G1 blocks; returns how many."""
+        k = self.g1_per_chunk
+        data = payload(buf, self.layout)
+        lo = max(job.first_g1 - chunk_index * k, 0)  # blocks of this chunk already in G1 are skipped
+        dst_start = chunk_index * k + lo - job.first_g1
+        n = k - lo
+        dst = torch.tensor(job.dst[dst_start:dst_start + n], dtype=torch.long)
+        assert self.kv_cache is not None
+        self.kv_cache.index_copy_(2, dst, data[:, :, lo:])
+        return n
+
+    def _gather(self, src: list[BlockId], buf: torch.Tensor, job: StoreJob) -> None:
+        assert self.kv_cache is not None
+        write_header(buf, self.layout_id, job.digest, self.layout.payload_bytes)
+        torch.index_select(self.kv_cache, 2, torch.tensor(src, dtype=torch.long), out=payload(buf, self.layout))
+
+    def _run_store(self, job: StoreJob) -> None:
+        try:
+            if self.g2 is not None:
+                slot = self.g2.prepare_store(job.key, job.digest)
+                if slot is None:
+                    return
+                buf = self.g2.slot_view(slot)
+                self._gather(job.src, buf, job)
+                self.g2.complete_store(job.key, True, job.priority)
+                if self.g3 is not None and self.g2.prepare_load([job.key]) is not None:
+                    self._submit_g3_write(job.key, buf, unpin=True)
+            else:
+                buf = torch.empty(self.layout.encoded_bytes, dtype=torch.uint8)
+                self._gather(job.src, buf, job)
+                self._submit_g3_write(job.key, buf, unpin=False)
+        except (RuntimeError, OSError, ValueError) as e:
+            log.warning("offload store failed (block not offloaded): %s", e)
+        finally:
+            self._done.put(("store", job.key, True))
+
+    def _submit_g3_write(self, key: BlockKey, buf: torch.Tensor, unpin: bool) -> None:
+        # Bounded: past max_pending_writes a store waits here, on the transfer thread, never
+        # on the step loop; memory stays bounded when the disk is slower than the engine.
+        self._write_slots.acquire()
+        self._io.submit(self._write_g3, key, buf, unpin)
+
+    def _write_g3(self, key: BlockKey, buf: torch.Tensor, unpin: bool) -> None:
+        assert self.g3 is not None
+        try:
+            self.g3.put([key], [memoryview(buf.numpy())])
+        except (BackendError, OSError) as e:
+            log.warning("G3 write failed (block stays in G2 only): %s", e)
+        finally:
+            if unpin and self.g2 is not None:
+                self.g2.complete_load([key])
+            self._write_slots.release()
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"lookup_tokens": self.lookup_tokens, "load_failures": self.load_failures}
+        if self.g2 is not None:
+            s = self.g2.stats
+            out["G2"] = {"hit_tokens": self.tier_hits["G2"], "blocks": len(self.g2), "capacity_blocks": self.g2.num_slots,
+                         "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "evictions": s.evictions}
+        if self.g3 is not None:
+            s3 = getattr(self.g3, "stats", None)
+            out["G3"] = {"hit_tokens": self.tier_hits["G3"], **(vars(s3) if s3 is not None else {})}
+        return out
+
+    def flush(self) -> None:
+        """Wait until every queued store and G3 write has finished."""
+        self._xfer.submit(lambda: None).result()
+        self._io.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self.flush()
+        self._xfer.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+        if self.g3 is not None:
+            self.g3.close()

@@ -1,0 +1,546 @@
+"""G3: the local-disk tier, a `StorageBackend` over one file per block.
+
+Layout: `{root}/{namespace.hex()}/{key.hex()[:2]}/{key.hex()}.kvb`, directories 0700 and
+files 0600. `namespace` is the model fingerprint digest, so another model or dtype on the
+same root lives in another directory and can never be served.
+
+An entry is a fixed little-endian header followed by the payload, the caller's opaque
+bytes (for kvtier, an encoded block, which itself carries the block's token digest and
+layout, so a key collision cannot alias either):
+
+    magic "KVTB" | version u16 | header length u16 | checksum algorithm u8 | 3 pad bytes
+    | namespace 16 B | key 16 B | payload length u64 | payload checksum 16 B
+    | header checksum 8 B (over everything before it)
+
+Checksums are xxh3-128 (payload) and xxh3-64 (header) from `xxhash`, or blake2b of the
+same sizes where `xxhash` is missing; the algorithm byte says which. An entry whose
+algorithm this process cannot compute is treated as corrupt.
+
+Guarantees:
+- Writes are atomic: a unique temp file in the entry's directory, optional fsync, then
+  `os.replace`. A killed writer leaves at most a temp file, which start-up removes.
+- Start-up rebuilds the index from the headers (magic, version, namespace, key matching the
+  file name, header checksum, file size); bad files are counted in `stats.corrupt`, removed
+  and logged. Entries re-enter the LRU order oldest write first.
+- Every read verifies the payload checksum; a mismatch, truncation or IO error is counted,
+  removed, logged and reported as a miss. Bytes that failed verification are never served.
+- Any OSError on write (ENOSPC, EROFS, EACCES, ...) abandons that write and disables writes
+  for `retry_after_s` (30 s by default); reads keep working. A read-only directory at
+  start-up gives a read-only tier, not a crash.
+- One process per directory: a second live process is not corrupted or served wrong bytes,
+  but the two do not share an index, so their capacity accounting is independent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import secrets
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from connectors.backend import BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_keys, check_outs
+from kvstore.keys import KEY_BYTES, BlockKey
+from policies import make_policy
+
+try:
+    import xxhash
+except ImportError:  # optional speed-up: blake2b is the portable fallback
+    xxhash = None
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"KVTB"
+FORMAT_VERSION = 1
+_HEAD = struct.Struct("<4sHHB3x16s16sQ16s")
+HEADER_SIZE = _HEAD.size + 8
+
+ALG_XXH3 = 1
+ALG_BLAKE2B = 2
+# algorithm -> (16-byte payload checksum, 8-byte header checksum)
+_SUMS: dict[int, tuple[Callable[[Buffer], bytes], Callable[[Buffer], bytes]]] = {
+    ALG_BLAKE2B: (lambda b: hashlib.blake2b(b, digest_size=16).digest(), lambda b: hashlib.blake2b(b, digest_size=8).digest()),
+}
+if xxhash is not None:
+    _SUMS[ALG_XXH3] = (xxhash.xxh3_128_digest, xxhash.xxh3_64_digest)
+DEFAULT_ALG = ALG_XXH3 if xxhash is not None else ALG_BLAKE2B
+
+_SHARD_RE = re.compile(r"[0-9a-f]{2}")
+_ENTRY_RE = re.compile(r"([0-9a-f]{32})\.kvb")
+_TMP_RE = re.compile(r"\.[0-9a-f]{32}\.(\d+)\.[0-9a-f]+\.tmp")
+
+
+class CorruptEntry(Exception):
+    """An entry failed validation; the message says why."""
+
+
+@dataclass(frozen=True)
+class EntryHeader:
+    namespace: bytes
+    key: bytes
+    payload_len: int
+    payload_sum: bytes
+    alg: int
+
+
+def encode_header(namespace: bytes, key: bytes, payload: Buffer, alg: int | None = None) -> bytes:
+    payload_sum, header_sum = _SUMS[DEFAULT_ALG if alg is None else alg]
+    view = memoryview(payload)
+    head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, DEFAULT_ALG if alg is None else alg, namespace, key, view.nbytes, payload_sum(view))
+    return head + header_sum(head)
+
+
+def decode_header(raw: bytes) -> EntryHeader:
+    """Parse and self-check a header; raises CorruptEntry."""
+    if len(raw) < HEADER_SIZE:
+        raise CorruptEntry(f"short header ({len(raw)} of {HEADER_SIZE} bytes)")
+    magic, version, header_len, alg, namespace, key, payload_len, payload_sum = _HEAD.unpack_from(raw)
+    if magic != MAGIC:
+        raise CorruptEntry(f"bad magic {magic!r}")
+    if version != FORMAT_VERSION or header_len != HEADER_SIZE:
+        raise CorruptEntry(f"unsupported format version {version} (header length {header_len})")
+    if alg not in _SUMS:
+        raise CorruptEntry(f"checksum algorithm {alg} unavailable here")
+    if _SUMS[alg][1](raw[: _HEAD.size]) != raw[_HEAD.size : HEADER_SIZE]:
+        raise CorruptEntry("header checksum mismatch")
+    return EntryHeader(namespace, key, payload_len, payload_sum, alg)
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    root: Path
+    capacity_bytes: int  # header + payload bytes of all entries
+    namespace: bytes  # 16-byte model fingerprint digest
+    policy: str = "lru"
+    fsync: bool = False  # fsync file and directory per write: power-loss durability, slower
+    retry_after_s: float = 30.0  # back-off before writing again after a write error
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+        if type(self.namespace) is not bytes or len(self.namespace) != KEY_BYTES:
+            raise ValueError(f"namespace must be {KEY_BYTES} bytes (a fingerprint digest), got {self.namespace!r}")
+        if self.capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {self.capacity_bytes}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+
+
+class DiskBackend(StorageBackend):
+    """The G3 tier. See the module docstring for the format and guarantees."""
+
+    def __init__(
+        self, root: Path | str, capacity_bytes: int, namespace: bytes, policy: str = "lru",
+        fsync: bool = False, retry_after_s: float = 30.0,
+    ) -> None:
+        self.config = DiskConfig(Path(root), capacity_bytes, namespace, policy, fsync, retry_after_s)
+        self.directory = self.config.root / namespace.hex()
+        self.stats = BackendStats()
+        self._dir = str(self.directory)
+        self._policy = make_policy(policy)
+        self._index: dict[BlockKey, int] = {}  # key -> file size (header + payload)
+        self._used = 0  # bytes of indexed entries
+        self._reserved = 0  # bytes claimed by writes in flight
+        self._lock = threading.Lock()  # index, policy, counters, and publishing/unlinking files
+        self._closed = False
+        self._disabled_until: float | None = None  # writes refused until this monotonic time
+        self._warned = False  # one warning per run of write failures
+        self._shards: set[str] = set()  # shard directories known to exist
+        self._open_directory()
+        self._scan()
+
+    # ---- public ----------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def writable(self) -> bool:
+        return self._disabled_until is None
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        check_keys(keys)
+        with self._lock:
+            self._check_open()
+            return [k in self._index for k in keys]
+
+    def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        check_keys(keys)
+        self._check_open()
+        return [self._fetch(k, None) for k in keys]  # type: ignore[misc]
+
+    def get_into(self, keys: Sequence[BlockKey], outs: Sequence[Buffer]) -> list[bool]:
+        views = check_outs(keys, outs)
+        self._check_open()
+        return [self._fetch(k, v) is True for k, v in zip(keys, views)]
+
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer]) -> list[bool]:
+        views = check_blocks(keys, blocks)
+        self._check_open()
+        return [self._store(k, v) for k, v in zip(keys, views)]
+
+    def delete(self, keys: Sequence[BlockKey]) -> None:
+        check_keys(keys)
+        with self._lock:
+            self._check_open()
+            for key in keys:
+                if key in self._index:
+                    self._drop(key)
+
+    def close(self) -> None:
+        # Writes are synchronous within `put`, so there is nothing pending to flush.
+        with self._lock:
+            self._closed = True
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError unless index, byte counts, policy and files on disk agree."""
+        with self._lock:
+            on_disk = {}
+            for shard, name in self._listing():
+                m = _ENTRY_RE.fullmatch(name)
+                if m:
+                    on_disk[BlockKey(bytes.fromhex(m[1]))] = os.path.getsize(os.path.join(shard, name))
+            if on_disk != self._index:
+                extra = sorted(k.hex() for k in on_disk.keys() - self._index.keys())
+                missing = sorted(k.hex() for k in self._index.keys() - on_disk.keys())
+                sizes = sorted(k.hex() for k in on_disk.keys() & self._index.keys() if on_disk[k] != self._index[k])
+                raise RuntimeError(f"index and files differ: unindexed {extra}, missing {missing}, size {sizes}")
+            if self._used != sum(self._index.values()):
+                raise RuntimeError(f"used_bytes {self._used} != {sum(self._index.values())} indexed")
+            if self._reserved < 0 or self._used + self._reserved > self.config.capacity_bytes:
+                raise RuntimeError(f"{self._used} used + {self._reserved} reserved > {self.config.capacity_bytes}")
+            if len(self._policy) != len(self._index) or any(k not in self._policy for k in self._index):
+                raise RuntimeError("policy candidates differ from indexed keys")
+            self._policy.check_integrity()
+
+    # ---- start-up --------------------------------------------------------------------
+
+    def _open_directory(self) -> None:
+        try:
+            self.config.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            try:
+                os.mkdir(self._dir, 0o700)
+            except FileExistsError:
+                pass
+        except OSError as e:
+            self._write_failed(e, f"cannot create {self._dir}")
+            return
+        if not os.access(self._dir, os.W_OK):
+            self._write_failed(PermissionError(f"{self._dir} is not writable"), "read-only directory")
+
+    def _scan(self) -> None:
+        found: list[tuple[int, BlockKey, int]] = []  # (mtime, key, size)
+        for shard, name in self._listing():
+            path = os.path.join(shard, name)
+            m = _ENTRY_RE.fullmatch(name)
+            if m:
+                key = BlockKey(bytes.fromhex(m[1]))
+                try:
+                    if name[:2] != os.path.basename(shard):
+                        raise CorruptEntry("file in the wrong shard directory")
+                    size, mtime = self._check_header_file(path, key)
+                except FileNotFoundError:
+                    continue
+                except (CorruptEntry, OSError) as e:
+                    self._remove_bad(path, str(e))
+                    continue
+                found.append((mtime, key, size))
+            elif (t := _TMP_RE.fullmatch(name)) is not None:
+                pid = int(t[1])
+                if pid != os.getpid() and _alive(pid):
+                    continue  # another live process is writing it
+                self._remove_bad(path, "temp file of an interrupted write")
+            # anything else is not ours: left alone
+        found.sort()
+        for _, key, size in found:  # oldest write first, so LRU order survives a restart
+            self._index[key] = size
+            self._policy.insert(key)
+            self._used += size
+        while self._used > self.config.capacity_bytes:  # the capacity shrank since last run
+            self._evict_one()
+        logger.info(
+            "G3 %s: %d entries, %d bytes indexed; %d bad files removed",
+            self._dir, len(self._index), self._used, self.stats.corrupt,
+        )
+
+    def _listing(self) -> list[tuple[str, str]]:
+        """(shard directory, file name) of every file under the namespace directory."""
+        out = []
+        try:
+            shards = [e.path for e in os.scandir(self._dir) if _SHARD_RE.fullmatch(e.name) and e.is_dir()]
+        except FileNotFoundError:
+            return out
+        except OSError as e:
+            logger.warning("G3 cannot list %s: %s", self._dir, e)
+            return out
+        for shard in shards:
+            try:
+                out.extend((shard, e.name) for e in os.scandir(shard) if e.is_file(follow_symlinks=False))
+            except OSError as e:
+                logger.warning("G3 cannot list %s: %s", shard, e)
+                continue
+            self._shards.add(shard)
+        return out
+
+    def _check_header_file(self, path: str, key: BlockKey) -> tuple[int, int]:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            head = self._validate(os.read(fd, HEADER_SIZE), key, st.st_size)
+        finally:
+            os.close(fd)
+        return HEADER_SIZE + head.payload_len, st.st_mtime_ns
+
+    def _validate(self, raw: bytes, key: BlockKey, file_size: int) -> EntryHeader:
+        head = decode_header(raw)
+        if head.namespace != self.config.namespace:
+            raise CorruptEntry("namespace (model fingerprint) differs from its directory's")
+        if head.key != key:
+            raise CorruptEntry(f"holds key {head.key.hex()}, not the one its name says")
+        if file_size != HEADER_SIZE + head.payload_len:
+            raise CorruptEntry(f"size {file_size}, header says {HEADER_SIZE + head.payload_len} (torn)")
+        return head
+
+    # ---- reads -----------------------------------------------------------------------
+
+    def _fetch(self, key: BlockKey, out: memoryview | None) -> bytes | bool | None:
+        """Bytes (get), True (get_into filled `out`), or None (miss)."""
+        with self._lock:
+            self._check_open()
+            size = self._index.get(key)
+            if size is None or (out is not None and HEADER_SIZE + out.nbytes != size):
+                self.stats.misses += 1
+                return None
+        path = self._path(key)
+        ident = None
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                ident = (st.st_dev, st.st_ino)
+                head = self._validate(f.read(HEADER_SIZE), key, st.st_size)
+                n = head.payload_len
+                if out is None:
+                    data = f.read(n)
+                    got = len(data)
+                elif out.nbytes != n:  # replaced since we looked: a different value, not damage
+                    with self._lock:
+                        self.stats.misses += 1
+                    return None
+                else:
+                    data = out
+                    got = f.readinto(out)  # buffered readinto loops until full or EOF
+                if got != n:
+                    raise CorruptEntry(f"truncated payload ({got} of {n} bytes)")
+                if _SUMS[head.alg][0](data) != head.payload_sum:
+                    raise CorruptEntry("payload checksum mismatch")
+        except FileNotFoundError:
+            self._vanished(key, path)
+            return None
+        except (CorruptEntry, OSError) as e:
+            self._corrupt(key, path, ident, str(e))
+            return None
+        with self._lock:
+            self.stats.hits += 1
+            self.stats.bytes_read += n
+            if key in self._policy:
+                self._policy.touch(key)
+        return data if out is None else True
+
+    def _vanished(self, key: BlockKey, path: str) -> None:
+        # Removed behind our back (not by us: we unlink under the lock): a plain miss.
+        with self._lock:
+            self.stats.misses += 1
+            if key in self._index and not os.path.exists(path):
+                self._drop(key, unlink=False)
+
+    def _corrupt(self, key: BlockKey, path: str, ident: tuple[int, int] | None, reason: str) -> None:
+        with self._lock:
+            self.stats.misses += 1
+            self.stats.corrupt += 1
+            try:
+                st = os.stat(path)
+                same = ident is None or (st.st_dev, st.st_ino) == ident
+            except OSError:
+                same = True
+            # Remove only the file we read: a put may have published a good one since.
+            if same and key in self._index:
+                self._drop(key)
+        logger.warning("G3 corrupt entry %s removed (served as a miss): %s", path, reason)
+
+    # ---- writes ----------------------------------------------------------------------
+
+    def _store(self, key: BlockKey, view: memoryview) -> bool:
+        size = HEADER_SIZE + view.nbytes
+        if size > self.config.capacity_bytes:
+            return False
+        header = encode_header(self.config.namespace, key, view)  # hashing outside the lock
+        with self._lock:
+            self._check_open()
+            if not self._writes_allowed() or not self._reserve(size):
+                return False
+        try:
+            tmp = self._write_temp(key, header, view)
+        except OSError as e:
+            with self._lock:
+                self._reserved -= size
+                self._write_failed(e, "write")
+            return False
+        path = self._path(key)
+        with self._lock:
+            self._reserved -= size
+            try:
+                # Published under the lock so that the index and the files always agree.
+                os.replace(tmp, path)
+            except OSError as e:
+                self._write_failed(e, "publish")
+                _unlink_quietly(tmp)
+                return False
+            old = self._index.get(key)
+            if old is None:
+                self._policy.insert(key)
+            else:
+                self._used -= old
+                self._policy.touch(key)
+            self._index[key] = size
+            self._used += size
+            self.stats.bytes_written += size
+            if self._warned:
+                logger.info("G3 %s: writes work again", self._dir)
+                self._warned = False
+        if self.config.fsync:
+            _fsync_dir(os.path.dirname(path))
+        return True
+
+    def _write_temp(self, key: BlockKey, header: bytes, view: memoryview) -> str:
+        h = key.hex()
+        shard = os.path.join(self._dir, h[:2])
+        if shard not in self._shards:
+            try:
+                os.mkdir(shard, 0o700)
+            except FileExistsError:
+                pass
+            self._shards.add(shard)
+        tmp = os.path.join(shard, f".{h}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError:
+            self._shards.discard(shard)  # maybe removed behind our back: recreate next time
+            raise
+        try:
+            try:
+                _write_all(fd, memoryview(header))
+                _write_all(fd, view)
+                if self.config.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            _unlink_quietly(tmp)
+            raise
+        return tmp
+
+    def _writes_allowed(self) -> bool:
+        if self._disabled_until is None:
+            return True
+        if time.monotonic() < self._disabled_until:
+            return False
+        self._disabled_until = None  # back-off over: try again; a new failure disables again
+        return True
+
+    def _write_failed(self, err: OSError, what: str) -> None:
+        self.stats.write_errors += 1
+        self._disabled_until = time.monotonic() + self.config.retry_after_s
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "G3 %s: %s failed (%s); writes disabled, retrying after %.0f s; reads continue",
+                self._dir, what, err, self.config.retry_after_s,
+            )
+        else:
+            logger.debug("G3 %s: %s failed again (%s)", self._dir, what, err)
+
+    def _reserve(self, size: int) -> bool:
+        while self._used + self._reserved + size > self.config.capacity_bytes:
+            if not self._evict_one():
+                return False
+        self._reserved += size
+        return True
+
+    # ---- helpers (callers hold the lock, except during __init__) -------------------------
+
+    def _evict_one(self) -> bool:
+        victims = self._policy.evict(1)
+        if victims is None:
+            return False
+        self._drop(victims[0])
+        self.stats.evictions += 1
+        return True
+
+    def _drop(self, key: BlockKey, unlink: bool = True) -> None:
+        self._used -= self._index.pop(key)
+        if key in self._policy:
+            self._policy.remove(key)
+        if unlink:
+            try:
+                os.unlink(self._path(key))
+            except FileNotFoundError:
+                pass
+            except OSError as e:  # e.g. a read-only file system: the file outlives its entry
+                logger.debug("G3 cannot remove %s: %s", self._path(key), e)
+
+    def _remove_bad(self, path: str, reason: str) -> None:
+        self.stats.corrupt += 1
+        logger.warning("G3 removing bad file %s: %s", path, reason)
+        _unlink_quietly(path)
+
+    def _path(self, key: BlockKey) -> str:
+        h = key.hex()
+        return os.path.join(self._dir, h[:2], h + ".kvb")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError(f"DiskBackend {self._dir} is closed")
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view.nbytes:
+        view = view[os.write(fd, view) :]
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logger.debug("cannot remove %s: %s", path, e)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)  # makes the rename itself durable
+        finally:
+            os.close(fd)
+    except OSError as e:  # the entry is published either way; only its durability is weaker
+        logger.debug("cannot fsync directory %s: %s", path, e)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        pass
+    return True
