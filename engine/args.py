@@ -35,6 +35,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="G1 eviction policy: lru, priority, a kvtier.policies entry point, or module:Class "
                         "(default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: %(default)s)")
+    o = p.add_argument_group("KV offload (G2 host memory, G3 disk)")
+    o.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                   help="G2 host-memory tier size in GiB (vLLM's flag); off when not given")
+    o.add_argument("--kv-offload-disk", default=None, metavar="PATH",
+                   help="G3 disk tier directory; entries survive restarts and are namespaced by model fingerprint")
+    o.add_argument("--kv-offload-disk-size", type=float, default=10.0, metavar="GIB",
+                   help="G3 capacity in GiB (default: %(default)s)")
+    o.add_argument("--kv-offload-block-size", type=int, default=256, metavar="TOKENS",
+                   help="tokens per offload block, a multiple of --block-size (default: %(default)s)")
+    o.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help="vLLM-style JSON: kv_connector, kv_role, kv_connector_extra_config, "
+                        "kv_connector_module_path, kv_load_failure_policy")
+    o.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
+                   help="when a lower-tier load fails: recompute the tokens, or fail the request (default: %(default)s)")
 
 
 def llm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
@@ -51,4 +65,10 @@ def llm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         "scheduling_policy": ns.scheduling_policy,
         "kv_eviction_policy": ns.kv_eviction_policy,
         "seed": ns.seed,
+        "kv_offloading_size": ns.kv_offloading_size,
+        "kv_offload_disk": ns.kv_offload_disk,
+        "kv_offload_disk_size": ns.kv_offload_disk_size,
+        "kv_offload_block_size": ns.kv_offload_block_size,
+        "kv_transfer_config": ns.kv_transfer_config,
+        "kv_load_failure_policy": ns.kv_load_failure_policy,
     }

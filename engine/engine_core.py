@@ -95,6 +95,12 @@ class EngineCore:
             connector.register_kv_caches(self.runner.kv_cache)
         return connector
 
+    def flush_offload(self) -> None:
+        """Wait for queued offload stores and writes, then release the G1 blocks they held."""
+        if self.connector is not None:
+            self.connector.flush()
+            self._poll_loads()
+
     def shutdown(self) -> None:
         """Flush pending offload writes and stop transfer threads."""
         if self.connector is not None:

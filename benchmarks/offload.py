@@ -1,0 +1,158 @@
+"""How much does a lower-tier hit save? TTFT cold vs G1, G2 and G3 hits, and load bandwidth.
+
+For each prompt length, one run measures four ways (interleaved over --runs, medians reported):
+  cold   the prompt is new: full prefill (fresh cache_salt, so no tier can hit)
+  G1     the same prompt again right away: a G1 prefix-cache hit
+  G2     G1 emptied (prefix cache reset), the prompt's blocks in host memory (G2)
+  G3     G1 emptied, no G2, the blocks on disk (G3). The OS page cache is dropped first when
+         /proc/sys/vm/drop_caches is writable (recorded in the JSON); otherwise reads may be
+         served from the page cache, and the JSON says so.
+TTFT is the wall time of generate(max_tokens=1). A hit still recomputes the prompt's tail that
+does not fill a whole offload block (at most --offload-block-size - 1 tokens, plus the last token).
+
+Bandwidth: the bytes a G2/G3 hit moved divided by its TTFT (conservative: it includes the tail's
+forward), next to a raw torch copy of the same bytes and a raw read of the same G3 files.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+sys.path.append(str(_HERE))
+
+from _common import RESULTS_DIR, Timer, log, median, print_table, ratio, set_torch_threads, usable_cpus, write_json  # noqa: E402
+
+TARGETS = {"G2": 100.0, "G3": 50.0}  # speedup over cold at the longest length (issue 3)
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def ttft(llm, prompt: list[int], salt: str) -> tuple[float, Any]:
+    from engine import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    with Timer() as t:
+        out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False, cache_salt=salt)[0]
+    return t.seconds, out
+
+
+def raw_bandwidths(nbytes: int, g3_dir: Path) -> dict[str, float]:
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src).fill_(0)
+    dst.copy_(src)
+    with Timer() as t:
+        dst.copy_(src)
+    files = sorted(g3_dir.rglob("*.kvb"))
+    buf = bytearray(max((f.stat().st_size for f in files), default=1))
+    total = 0
+    dropped = drop_page_cache()
+    with Timer() as r:
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                total += fh.readinto(buf)
+    return {"torch_copy_GBps": nbytes / t.seconds / 1e9, "file_read_GBps": total / max(r.seconds, 1e-9) / 1e9,
+            "file_read_page_cache_dropped": dropped}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="HF checkpoint dir (default: the demo model, SmolLM2-135M-Instruct)")
+    ap.add_argument("--lengths", default="1000,4000,8000", help="prompt lengths in tokens (default %(default)s)")
+    ap.add_argument("--runs", type=int, default=3, help="runs per length and mode; medians reported (default 3)")
+    ap.add_argument("--offload-block-size", type=int, default=256, help="tokens per offload block (default 256)")
+    ap.add_argument("--threads", type=int, default=usable_cpus(), help="torch threads (default: all cores)")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "offload.json", help="JSON results (default %(default)s)")
+    args = ap.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if args.runs < 1 or any(n < 2 for n in lengths):
+        ap.error("--runs must be >= 1 and lengths >= 2")
+    set_torch_threads(args.threads)
+    import random
+
+    from engine import LLM
+    from engine.demo_model import ensure_demo_model
+
+    model = args.model or str(ensure_demo_model())
+    rng = random.Random(0)
+    max_len = max(lengths) + 8
+    common = dict(dtype="float32", max_model_len=max_len, kv_offload_block_size=args.offload_block_size,
+                  max_num_batched_tokens=2048)
+    work = Path(tempfile.mkdtemp(prefix="kvtier-offload-bench-"))
+    # G1 only (cold + G1 hit); G2 only; G3 only. Sizes hold the longest prompt with room to spare.
+    per_token = None
+    engines = {
+        "G1": LLM(model, **common),
+        "G2": LLM(model, kv_offloading_size=2.0, **common),
+        "G3": LLM(model, kv_offload_disk=str(work / "g3"), kv_offload_disk_size=4.0, **common),
+    }
+    mc = engines["G1"].engine.model_config
+    per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
+    results: dict[str, Any] = {"lengths": lengths, "offload_block_size": args.offload_block_size, "runs": {}}
+    rows = []
+    for n in lengths:
+        per_mode: dict[str, list[float]] = {"cold": [], "G1": [], "G2": [], "G3": []}
+        hits: dict[str, int] = {}
+        for r in range(args.runs):
+            prompt = [rng.randrange(100, mc.vocab_size) for _ in range(n)]
+            salt = uuid.uuid4().hex  # a fresh namespace: nothing from earlier runs can hit
+            t, _ = ttft(engines["G1"], prompt, salt)
+            per_mode["cold"].append(t)
+            t, out = ttft(engines["G1"], prompt, salt)
+            per_mode["G1"].append(t)
+            hits["G1"] = out.num_cached_tokens
+            for tier in ("G2", "G3"):
+                llm = engines[tier]
+                ttft(llm, prompt, salt)  # fills the tier (write-through)
+                llm.engine.flush_offload()
+                llm.engine.pool.reset_prefix_cache()
+                if tier == "G3":
+                    results["page_cache_dropped"] = drop_page_cache()
+                t, out = ttft(llm, prompt, salt)
+                per_mode[tier].append(t)
+                hits[tier] = out.cached_tokens_by_tier.get(tier, 0)
+            log(f"[{n} tokens, run {r + 1}/{args.runs}] " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in per_mode.items()))
+        med = {k: median(v) for k, v in per_mode.items()}
+        results["runs"][str(n)] = {"ttft_s": per_mode, "median_s": med, "hit_tokens": hits}
+        rows.append([n] + [f"{med[k]:.3f}" for k in per_mode] +
+                    [f"{ratio(med['cold'], med[k]):.1f}x" for k in ("G1", "G2", "G3")] +
+                    [f"{hits['G2'] * per_token / med['G2'] / 1e9:.2f}", f"{hits['G3'] * per_token / med['G3'] / 1e9:.2f}"])
+    print_table(["tokens", "cold s", "G1 s", "G2 s", "G3 s", "G1 vs cold", "G2 vs cold", "G3 vs cold",
+                 "G2 eff GB/s", "G3 eff GB/s"], rows)
+    longest = str(max(lengths))
+    moved = results["runs"][longest]["hit_tokens"]["G3"] * per_token
+    raw = raw_bandwidths(max(moved, 1), work / "g3")
+    results["raw"] = raw
+    print(f"raw torch copy {raw['torch_copy_GBps']:.2f} GB/s, raw file read {raw['file_read_GBps']:.2f} GB/s "
+          f"(page cache dropped: {raw['file_read_page_cache_dropped']})")
+    for tier, target in TARGETS.items():
+        m = results["runs"][longest]["median_s"]
+        got = ratio(m["cold"], m[tier])
+        print(f"{tier} hit at {longest} tokens: {got:.1f}x faster than cold (target >= {target:.0f}x: "
+              f"{'met' if got and got >= target else 'NOT met'})")
+    for llm in engines.values():
+        llm.close()
+    path = write_json(args.out, results)
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
