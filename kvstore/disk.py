@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from connectors.backend import BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_keys, check_outs
+from kvstore.backend import BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_keys, check_outs
 from kvstore.keys import KEY_BYTES, BlockKey
 from policies import make_policy
 
@@ -90,10 +90,10 @@ class EntryHeader:
 
 
 def encode_header(namespace: bytes, key: bytes, payload: Buffer, alg: int | None = None) -> bytes:
-    payload_sum, header_sum = _SUMS[DEFAULT_ALG if alg is None else alg]
+    alg = DEFAULT_ALG if alg is None else alg  # read at call time (tests switch it)
     view = memoryview(payload)
-    head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, DEFAULT_ALG if alg is None else alg, namespace, key, view.nbytes, payload_sum(view))
-    return head + header_sum(head)
+    head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, alg, namespace, key, view.nbytes, _SUMS[alg][0](view))
+    return head + _SUMS[alg][1](head)
 
 
 def decode_header(raw: bytes) -> EntryHeader:
@@ -265,8 +265,8 @@ class DiskBackend(StorageBackend):
             self._index[key] = size
             self._policy.insert(key)
             self._used += size
-        while self._used > self.config.capacity_bytes:  # the capacity shrank since last run
-            self._evict_one()
+        while self._used > self.config.capacity_bytes and self._evict_one():
+            pass  # the capacity shrank since the last run
         logger.info(
             "G3 %s: %d entries, %d bytes indexed; %d bad files removed",
             self._dir, len(self._index), self._used, self.stats.corrupt,
@@ -374,7 +374,7 @@ class DiskBackend(StorageBackend):
             # Remove only the file we read: a put may have published a good one since.
             if same and key in self._index:
                 self._drop(key)
-        logger.warning("G3 corrupt entry %s removed (served as a miss): %s", path, reason)
+        logger.warning("G3 corrupt entry %s (served as a miss, removed): %s", path, reason)
 
     # ---- writes ----------------------------------------------------------------------
 
@@ -412,7 +412,7 @@ class DiskBackend(StorageBackend):
                 self._policy.touch(key)
             self._index[key] = size
             self._used += size
-            self.stats.bytes_written += size
+            self.stats.bytes_written += view.nbytes  # payload bytes, as bytes_read counts them
             if self._warned:
                 logger.info("G3 %s: writes work again", self._dir)
                 self._warned = False

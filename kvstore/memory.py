@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from connectors.backend import (
+from kvstore.backend import (
     BackendError,
     BackendStats,
     Buffer,

@@ -1,0 +1,158 @@
+"""The storage-backend plugin API: what most plugin authors implement.
+
+A backend stores and fetches whole KV blocks by key. The tiered offload connector stacks
+backends as tiers; kvtier's own G3 (`kvstore.disk.DiskBackend`) is one, and
+`kvstore.memory.MemoryBackend` is the plain reference. Run `connectors.conformance` against
+a new backend to check it keeps this contract.
+
+It lives in `kvstore` (tiers are backends) and `connectors.backend` re-exports it: plugin
+authors import it from either place.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.keys import KEY_BYTES, BlockKey
+
+Buffer = Any  # bytes, bytearray, memoryview: anything exposing the buffer protocol
+
+
+class BackendError(RuntimeError):
+    """The backend cannot serve the call at all (closed, misconfigured, unreachable).
+
+    Callers turn it into misses; a backend raises it instead of returning wrong bytes.
+    """
+
+
+@dataclass
+class BackendStats:
+    """Counters a backend keeps (mutated under the backend's lock; read without one)."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    evictions: int = 0
+    corrupt: int = 0  # entries found damaged, torn or mismatched: never served, removed
+    write_errors: int = 0
+
+
+class StorageBackend(ABC):
+    """Stores and fetches whole KV blocks by key.
+
+    Keys: `BlockKey`, exactly 16 `bytes`. Anything else raises TypeError (not bytes) or
+    ValueError (wrong length); `check_keys` does this for you.
+
+    Payloads: opaque bytes of any length, including 0 (kvtier passes encoded blocks, which
+    already carry their token digest and layout). `put` accepts any C-contiguous buffer
+    (bytes, bytearray, memoryview) and must copy what it needs before returning: callers
+    reuse their buffers at once.
+
+    Batches: every method takes a sequence of keys and answers one result per key, in
+    order; a key may repeat. Invalid arguments (bad keys, non-buffer blocks, parallel
+    sequences of different lengths) raise TypeError/ValueError before anything changes.
+
+    Misses, not errors: an unknown key is a miss (None / False). A backend may drop
+    entries at any time (eviction, corruption, a lost disk) but must then report misses.
+    It must NEVER return bytes that no `put` stored for that key (damaged, torn, another
+    key's), nor, once a `put` has returned True, an older value (a stale one) to a read
+    that starts afterwards. A backend that cannot work at all raises BackendError; kvtier
+    turns that into misses.
+
+    Threads: all methods are called concurrently from transfer worker threads, and must
+    be safe under that.
+
+    `close()` is idempotent, flushes pending writes and releases resources; every other
+    method raises BackendError afterwards.
+    """
+
+    @abstractmethod
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each key is (probably) stored. A hint: a later `get` may still miss."""
+
+    @abstractmethod
+    def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        """The stored bytes of each key, or None for a miss."""
+
+    @abstractmethod
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer]) -> list[bool]:
+        """Store `blocks[i]` under `keys[i]`, replacing any previous value.
+
+        True = stored; False = refused (full, unwritable, block larger than capacity), in
+        which case the previous value may or may not survive. Never raises for a refusal.
+        """
+
+    @abstractmethod
+    def delete(self, keys: Sequence[BlockKey]) -> None:
+        """Remove the keys; unknown keys are ignored."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Flush and release; idempotent. Other methods raise BackendError afterwards."""
+
+    def get_into(self, keys: Sequence[BlockKey], outs: Sequence[Buffer]) -> list[bool]:
+        """Fill the writable buffer `outs[i]` with the value of `keys[i]`.
+
+        True = filled with exactly the stored bytes. False = miss, or the stored value's
+        length differs from the buffer's (exact match required); a False buffer's contents
+        are unspecified. This default copies out of `get`; backends override it to read
+        straight into the caller's memory (pinned host buffers).
+        """
+        views = check_outs(keys, outs)
+        filled = []
+        for value, out in zip(self.get(keys), views):
+            ok = value is not None and len(value) == out.nbytes
+            if ok:
+                out[:] = value
+            filled.append(ok)
+        return filled
+
+    def __enter__(self) -> StorageBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_keys(keys: Sequence[BlockKey]) -> None:
+    """Raise TypeError/ValueError unless every key is 16 `bytes`."""
+    if isinstance(keys, (bytes, bytearray, str)):
+        raise TypeError("keys must be a sequence of keys, not a single bytes/str object")
+    for key in keys:
+        if type(key) is not bytes:  # bytearray is mutable and unhashable: not a key
+            raise TypeError(f"block keys must be bytes, got {type(key).__name__}")
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"block keys must be {KEY_BYTES} bytes, got {len(key)}")
+
+
+def byte_view(block: Buffer, *, writable: bool = False) -> memoryview:
+    """`block` as a flat unsigned-byte memoryview; TypeError/ValueError if it cannot be."""
+    if isinstance(block, str):
+        raise TypeError("blocks must be bytes-like, not str")
+    view = memoryview(block)  # TypeError for non-buffers
+    if writable and view.readonly:
+        raise ValueError("output buffer is read-only")
+    if not view.c_contiguous:
+        raise ValueError("blocks must be C-contiguous buffers")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def check_blocks(keys: Sequence[BlockKey], blocks: Sequence[Buffer]) -> list[memoryview]:
+    """Validate a `put` call; returns the blocks as byte views."""
+    check_keys(keys)
+    if len(keys) != len(blocks):
+        raise ValueError(f"put got {len(keys)} keys but {len(blocks)} blocks")
+    return [byte_view(b) for b in blocks]
+
+
+def check_outs(keys: Sequence[BlockKey], outs: Sequence[Buffer]) -> list[memoryview]:
+    """Validate a `get_into` call; returns the outputs as writable byte views."""
+    check_keys(keys)
+    if len(keys) != len(outs):
+        raise ValueError(f"get_into got {len(keys)} keys but {len(outs)} buffers")
+    return [byte_view(o, writable=True) for o in outs]
+
