@@ -15,6 +15,7 @@ from typing import Any
 
 from connectors.base import KVConnector
 from connectors.codec import BlockLayout
+from kvstore.events import EventBuffer
 from kvstore.g1 import BlockPool
 
 log = logging.getLogger("kvtier.connectors")
@@ -35,6 +36,7 @@ class ConnectorContext:
     disk_path: str | None
     disk_size_gib: float
     extra_config: dict[str, Any] = field(default_factory=dict)
+    events: EventBuffer | None = None  # KV events sink, when enabled
 
 
 def validate_transfer_config(tc: dict[str, Any]) -> dict[str, Any]:
@@ -84,6 +86,7 @@ def build_tiered(ctx: ConnectorContext) -> KVConnector:
                              f"{ctx.layout.encoded_bytes / 2**20:.1f} MiB; raise it or lower the offload block size")
         g2 = HostTier(slots, ctx.layout.encoded_bytes, make_policy(extra.get("g2_eviction_policy", ctx.eviction_policy)),
                       pin_memory=_cuda())
+        g2.events, g2.block_tokens = ctx.events, ctx.layout.tokens
         log.info("G2: %d blocks of %d tokens (%.2f GiB)", slots, ctx.layout.tokens,
                  slots * ctx.layout.encoded_bytes / 2**30)
     if ctx.disk_path is not None:
@@ -92,8 +95,10 @@ def build_tiered(ctx: ConnectorContext) -> KVConnector:
         g3 = DiskBackend(Path(ctx.disk_path), int(ctx.disk_size_gib * 2**30), ctx.fingerprint,
                          policy=extra.get("g3_eviction_policy", ctx.eviction_policy))
         log.info("G3: %s (%.1f GiB, %d entries found)", ctx.disk_path, ctx.disk_size_gib, len(g3))
-    return TieredOffloadConnector(ctx.layout, ctx.pool, g2, g3,
-                                  g3_timeout_s=float(extra.get("g3_timeout_s", 10.0)))
+    connector = TieredOffloadConnector(ctx.layout, ctx.pool, g2, g3,
+                                       g3_timeout_s=float(extra.get("g3_timeout_s", 10.0)))
+    connector.events = ctx.events
+    return connector
 
 
 def build_connector(ctx: ConnectorContext, transfer_config: dict[str, Any] | None) -> KVConnector | None:

@@ -27,6 +27,7 @@ import torch
 from connectors.backend import BackendError, StorageBackend
 from connectors.base import ConnectorMeta, KVConnector
 from connectors.codec import BlockLayout, check_header, payload, write_header
+from kvstore.events import BlockStored, EventBuffer
 from kvstore.g1 import BlockId, BlockPool
 from kvstore.host import HostTier
 from kvstore.keys import BlockKey, extend_keys, token_digest
@@ -82,6 +83,7 @@ class TieredOffloadConnector(KVConnector):
         self.tier_hits = {"G2": 0, "G3": 0}  # tokens served
         self.lookup_tokens = 0  # tokens looked up below G1
         self.load_failures = 0
+        self.events: EventBuffer | None = None
 
     # ---- scheduler side ----------------------------------------------------------------
     def _chunk_keys(self, request, start: int, end: int) -> list[tuple[int, BlockKey, bytes]]:
@@ -299,7 +301,10 @@ class TieredOffloadConnector(KVConnector):
     def _write_g3(self, key: BlockKey, buf: torch.Tensor, unpin: bool) -> None:
         assert self.g3 is not None
         try:
-            self.g3.put([key], [memoryview(buf.numpy())])
+            stored = self.g3.put([key], [memoryview(buf.numpy())])[0]
+            if stored and self.events is not None:
+                # G3's own evictions are internal to the backend and not reported (yet).
+                self.events.append(BlockStored([key], None, [], self.layout.tokens, "DISK"))
         except (BackendError, OSError) as e:
             log.warning("G3 write failed (block stays in G2 only): %s", e)
         finally:

@@ -47,6 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                    help="vLLM-style JSON: kv_connector, kv_role, kv_connector_extra_config, "
                         "kv_connector_module_path, kv_load_failure_policy")
+    o.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='publish KV block stored/removed events, e.g. \'{"enable_kv_cache_events": true, '
+                        '"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}\'')
     o.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                    help="when a lower-tier load fails: recompute the tokens, or fail the request (default: %(default)s)")
 
@@ -71,4 +74,5 @@ def llm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         "kv_offload_block_size": ns.kv_offload_block_size,
         "kv_transfer_config": ns.kv_transfer_config,
         "kv_load_failure_policy": ns.kv_load_failure_policy,
+        "kv_events_config": ns.kv_events_config,
     }

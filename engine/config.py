@@ -104,6 +104,7 @@ class EngineConfig:
     kv_offload_block_size: int = 256  # tokens per offload block; a multiple of block_size
     kv_transfer_config: dict[str, Any] | None = None
     kv_load_failure_policy: LoadFailurePolicy = field(default="recompute")  # type: ignore[assignment]
+    kv_events_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -18,6 +18,8 @@ from connectors.factory import ConnectorContext, build_connector
 from engine.attention import TorchPagedAttention
 from engine.config import EngineConfig, LoadFailurePolicy, load_model_config
 from engine.fingerprint import model_fingerprint
+from engine.kv_events import KVEventsConfig, ZmqEventPublisher
+from kvstore.events import EventBuffer
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model, load_tokenizer
 from engine.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -63,6 +65,7 @@ class EngineCore:
         self.pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy), config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, bs)
         self.runner = ModelRunner(model, mc, num_blocks, bs, config.device)
+        self.events, self.publisher = self._build_events()
         self.connector = self._build_connector(model_dir)
         self.scheduler = Scheduler(self.kv, config.scheduling_policy, config.max_num_seqs,
                                    self.max_num_batched_tokens, config.enable_chunked_prefill, self.connector)
@@ -89,11 +92,25 @@ class EngineCore:
         layout = BlockLayout(mc.num_layers, ob // cfg.block_size, cfg.block_size, mc.num_kv_heads, mc.head_dim,
                              mc.dtype, fp.hex())
         ctx = ConnectorContext(layout, self.pool, fp, cfg.kv_eviction_policy, cfg.kv_offloading_size,
-                               cfg.kv_offload_disk, cfg.kv_offload_disk_size, extra)
+                               cfg.kv_offload_disk, cfg.kv_offload_disk_size, extra, self.events)
         connector = build_connector(ctx, tc)
         if connector is not None:
             connector.register_kv_caches(self.runner.kv_cache)
         return connector
+
+    def _build_events(self) -> tuple[EventBuffer | None, ZmqEventPublisher | None]:
+        cfg = KVEventsConfig.from_dict(self.config.kv_events_config or {})
+        if cfg is None:
+            return None, None
+        buf = EventBuffer()
+        self.pool.events = buf
+        publisher = ZmqEventPublisher(cfg)
+        log.info("KV events published on %s (topic %r)", publisher.endpoint, cfg.topic)
+        return buf, publisher
+
+    def _publish_events(self) -> None:
+        if self.publisher is not None and self.events is not None:
+            self.publisher.publish(self.events.drain())
 
     def flush_offload(self) -> None:
         """Wait for queued offload stores and writes, then release the G1 blocks they held."""
@@ -107,6 +124,10 @@ class EngineCore:
             self.connector.close()
             self.connector = None
             self.scheduler.connector = None
+        if self.publisher is not None:
+            self._publish_events()
+            self.publisher.close()
+            self.publisher = None
 
     # -- requests --------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -182,6 +203,7 @@ class EngineCore:
             if status is not None:
                 self._finish(req, status)
             updated.append(req)
+        self._publish_events()
         return updated
 
     def _finish(self, req: Request, status: RequestStatus) -> None:

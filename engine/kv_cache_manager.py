@@ -4,6 +4,7 @@ Scheduler side: no tensors. The model runner reads `block_table(request)` to bui
 """
 from __future__ import annotations
 
+from kvstore.events import BlockStored
 from kvstore.g1 import BlockId, BlockPool
 from kvstore.keys import extend_keys
 from engine.request import Request, RequestId
@@ -69,10 +70,14 @@ class KVCacheManager:
             return
         self._extend_keys(req)
         table = self._tables.get(req.request_id, [])
-        for i in range(req.num_computed_tokens // self.block_size):
+        bs = self.block_size
+        for i in range(req.num_computed_tokens // bs):
             block = self.pool.blocks[table[i]]
             if block.key is None:
                 self.pool.cache(table[i], req.block_keys[i], req.priority)
+                if self.pool.events is not None and block.key is not None:
+                    self.pool.events.append(BlockStored([block.key], req.block_keys[i - 1] if i else None,
+                                                        req.all_token_ids[i * bs:(i + 1) * bs], bs, "GPU"))
 
     def free(self, req: Request) -> None:
         table = self._tables.pop(req.request_id, [])

@@ -45,6 +45,7 @@ class LLM:
         kv_offload_block_size: int = 256,
         kv_transfer_config: dict[str, Any] | str | None = None,
         kv_load_failure_policy: str = "recompute",
+        kv_events_config: dict[str, Any] | str | None = None,
     ) -> None:
         if model is None:
             from engine.demo_model import ensure_demo_model
@@ -60,6 +61,7 @@ class LLM:
             kv_offload_disk_size=kv_offload_disk_size, kv_offload_block_size=kv_offload_block_size,
             kv_transfer_config=_parse_json(kv_transfer_config, "kv_transfer_config"),
             kv_load_failure_policy=kv_load_failure_policy,
+            kv_events_config=_parse_json(kv_events_config, "kv_events_config"),
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NewType
 
+from kvstore.events import BlockRemoved, EventBuffer
 from kvstore.keys import BlockKey
 from policies import EvictionPolicy
 
@@ -42,6 +43,7 @@ class BlockPool:
         self._free: deque[BlockId] = deque(BlockId(i) for i in range(num_blocks))
         self._cached: dict[BlockKey, BlockId] = {}
         self.num_evictions = 0
+        self.events: EventBuffer | None = None  # set when KV events are enabled
 
     # -- queries ---------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -117,6 +119,8 @@ class BlockPool:
     def _uncache(self, block: Block) -> None:
         assert block.key is not None
         del self._cached[block.key]
+        if self.events is not None:
+            self.events.append(BlockRemoved([block.key], "GPU"))
         block.key, block.priority = None, 0
 
     def check_integrity(self) -> None:

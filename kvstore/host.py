@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstore.events import BlockRemoved, BlockStored, EventBuffer
 from kvstore.keys import BlockKey
 from policies import EvictionPolicy
 
@@ -46,6 +47,8 @@ class HostTier:
         self._pins: dict[BlockKey, int] = {}
         self._free = list(range(num_slots - 1, -1, -1))
         self.stats = TierStats()
+        self.events: EventBuffer | None = None
+        self.block_tokens = 0  # tokens per slot, for events
 
     @property
     def num_slots(self) -> int:
@@ -100,6 +103,8 @@ class HostTier:
                 for v in victims:
                     self._free.append(self._slot.pop(v))
                     del self._digest[v]
+                if self.events is not None:
+                    self.events.append(BlockRemoved(list(victims), "CPU"))
                 self.stats.evictions += len(victims)
             slot = self._free.pop()
             self._pending[key] = slot
@@ -113,6 +118,8 @@ class HostTier:
                 self._slot[key] = slot
                 self.policy.insert(key, priority=priority)
                 self.stats.bytes_in += self.slot_bytes
+                if self.events is not None:
+                    self.events.append(BlockStored([key], None, [], self.block_tokens, "CPU"))
             else:
                 del self._digest[key]
                 self._free.append(slot)
