@@ -87,6 +87,9 @@ class KVConnector(ABC):
         """Ids among the completed loads that failed (their blocks hold garbage)."""
         return set()
 
+    def flush(self) -> None:
+        """Block until queued transfers have finished (tests, benchmarks, shutdown)."""
+
     def stats(self) -> dict[str, Any]:
         return {}
 

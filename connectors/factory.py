@@ -77,7 +77,14 @@ def build_tiered(ctx: ConnectorContext) -> KVConnector:
     from kvstore.host import HostTier
     from policies import make_policy
 
+    from dataclasses import replace
+
     extra = ctx.extra_config
+    if "block_size" in extra:  # this connector's own offload block size (e.g. inside a MultiConnector)
+        ob, bs = int(extra["block_size"]), ctx.layout.block_size
+        if ob <= 0 or ob % bs:
+            raise ValueError(f"offload block size {ob} must be a positive multiple of block_size {bs}")
+        ctx = replace(ctx, layout=replace(ctx.layout, g1_blocks=ob // bs))
     g2 = g3 = None
     if ctx.offloading_size_gib:
         slots = int(ctx.offloading_size_gib * 2**30) // ctx.layout.encoded_bytes
@@ -104,6 +111,22 @@ def build_tiered(ctx: ConnectorContext) -> KVConnector:
 def build_connector(ctx: ConnectorContext, transfer_config: dict[str, Any] | None) -> KVConnector | None:
     tc = validate_transfer_config(dict(transfer_config or {}))
     name = tc.get("kv_connector")
+    if name == "MultiConnector":
+        from dataclasses import replace
+
+        from connectors.multi import MultiConnector
+
+        subs = tc.get("kv_connector_extra_config", {}).get("connectors")
+        if not isinstance(subs, list) or not subs:
+            raise ValueError('MultiConnector needs kv_connector_extra_config.connectors: a list of connector configs')
+        parts = []
+        for sub in subs:
+            if not isinstance(sub, dict) or sub.get("kv_connector") in (None, "MultiConnector"):
+                raise ValueError("each MultiConnector entry needs its own kv_connector (not MultiConnector)")
+            built = build_connector(replace(ctx, extra_config=dict(sub.get("kv_connector_extra_config", {}))), sub)
+            if built is not None:
+                parts.append(built)
+        return MultiConnector(parts)
     if name is None or name in TIERED_NAMES:
         if ctx.offloading_size_gib or ctx.disk_path is not None:
             return build_tiered(ctx)

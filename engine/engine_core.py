@@ -85,12 +85,10 @@ class EngineCore:
         if "kv_load_failure_policy" in tc:
             object.__setattr__(cfg, "kv_load_failure_policy", LoadFailurePolicy(tc["kv_load_failure_policy"]))
         extra = dict(tc.get("kv_connector_extra_config") or {})
-        ob = int(extra.get("block_size", cfg.kv_offload_block_size))
-        if ob <= 0 or ob % cfg.block_size:
-            raise ValueError(f"offload block size {ob} must be a positive multiple of block_size {cfg.block_size}")
         fp = model_fingerprint(model_dir, mc, cfg.block_size)
-        layout = BlockLayout(mc.num_layers, ob // cfg.block_size, cfg.block_size, mc.num_kv_heads, mc.head_dim,
-                             mc.dtype, fp.hex())
+        # Connectors may override the offload block size in their extra config ("block_size").
+        layout = BlockLayout(mc.num_layers, cfg.kv_offload_block_size // cfg.block_size, cfg.block_size,
+                             mc.num_kv_heads, mc.head_dim, mc.dtype, fp.hex())
         ctx = ConnectorContext(layout, self.pool, fp, cfg.kv_eviction_policy, cfg.kv_offloading_size,
                                cfg.kv_offload_disk, cfg.kv_offload_disk_size, extra, self.events)
         connector = build_connector(ctx, tc)
@@ -208,7 +206,8 @@ class EngineCore:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if self.connector is not None:
-            self.connector.request_finished(req, self.kv.block_table(req))
+            # delay_free is not needed yet: connectors here hold their own G1 refs while copying.
+            _, req.kv_transfer_params = self.connector.request_finished(req, self.kv.block_table(req))
         self.scheduler.finish(req, status)
 
     def _poll_loads(self) -> list[Request]:

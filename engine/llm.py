@@ -179,6 +179,7 @@ class LLM:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             cached_tokens_by_tier=dict(req.cached_by_tier),
             error=req.error,
+            kv_transfer_params=req.kv_transfer_params,
         )
         out._first_logits = req.first_logits  # type: ignore[attr-defined]
         return out

@@ -73,6 +73,7 @@ class Request:
         self.output_text = ""
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        self.kv_transfer_params: dict | None = None  # what the connectors returned at finish
         self.pending_external_tokens = 0  # tokens an async load is bringing into G1
         self.preempted = False
         self.abort_requested = False  # aborted while loading: finished once the load lands

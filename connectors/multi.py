@@ -1,0 +1,106 @@
+"""MultiConnector: several connectors behind one, as vLLM's MultiConnector.
+
+Loads: the first connector (in order) that offers external tokens for a request serves all
+of that request's load; the others are told about the allocation with zero external tokens.
+Stores and worker-side hooks go to every connector. A request's blocks are freed only when
+no connector delays it, and their kv_transfer_params are merged (later keys win).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from connectors.base import ConnectorMeta, KVConnector
+
+
+@dataclass
+class MultiMeta(ConnectorMeta):
+    parts: list[ConnectorMeta] = field(default_factory=list)
+
+
+class MultiConnector(KVConnector):
+    def __init__(self, connectors: list[KVConnector]) -> None:
+        if not connectors:
+            raise ValueError("MultiConnector needs at least one connector")
+        self.connectors = connectors
+        self._loader: dict[str, int] = {}  # request id -> index of the connector loading it
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        for i, c in enumerate(self.connectors):
+            n, is_async = c.get_num_new_matched_tokens(request, num_computed_tokens)
+            if n > 0:
+                self._loader[request.request_id] = i
+                return n, is_async
+        return 0, False
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        chosen = self._loader.get(request.request_id)
+        for i, c in enumerate(self.connectors):
+            c.update_state_after_alloc(request, block_ids, num_external_tokens if i == chosen else 0)
+
+    def build_connector_meta(self, scheduled):
+        return MultiMeta(parts=[c.build_connector_meta(scheduled) for c in self.connectors])
+
+    def request_finished(self, request, block_ids):
+        self._loader.pop(request.request_id, None)
+        delay, params = False, None
+        for c in self.connectors:
+            d, p = c.request_finished(request, block_ids)
+            delay = delay or d
+            if p:
+                params = {**(params or {}), **p}
+        return delay, params
+
+    def register_kv_caches(self, kv_cache):
+        for c in self.connectors:
+            c.register_kv_caches(kv_cache)
+
+    def start_load_kv(self, meta: MultiMeta) -> None:
+        for c, m in zip(self.connectors, meta.parts):
+            c.start_load_kv(m)
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        for c in self.connectors:
+            c.wait_for_layer_load(layer)
+
+    def save_kv_layer(self, layer: int, meta: MultiMeta) -> None:
+        for c, m in zip(self.connectors, meta.parts):
+            c.save_kv_layer(layer, m)
+
+    def wait_for_save(self, meta: MultiMeta) -> None:
+        for c, m in zip(self.connectors, meta.parts):
+            c.wait_for_save(m)
+
+    def get_finished(self, finished_req_ids):
+        # A delayed free completes only when every connector that might hold it is done;
+        # connectors that never delayed a request simply never report it.
+        sent: set[str] = set()
+        received: set[str] = set()
+        for c in self.connectors:
+            s, r = c.get_finished(finished_req_ids)
+            sent |= s
+            received |= r
+        return sent, received
+
+    def take_failed_loads(self) -> set[str]:
+        failed: set[str] = set()
+        for c in self.connectors:
+            failed |= c.take_failed_loads()
+        return failed
+
+    def busy(self) -> bool:
+        return any(c.busy() for c in self.connectors)
+
+    def flush(self) -> None:
+        for c in self.connectors:
+            c.flush()
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for c in self.connectors:
+            out.update(c.stats())
+        return out
+
+    def close(self) -> None:
+        for c in self.connectors:
+            c.close()
