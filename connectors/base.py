@@ -83,8 +83,9 @@ class KVConnector(ABC):
         for them rather than declaring itself stuck."""
         return False
 
-    def take_failed_loads(self) -> set[str]:
-        """Ids among the completed loads that failed (their blocks hold garbage)."""
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """G1 blocks whose async load failed since the last call (vLLM's name). The engine
+        keeps what was loaded before a request's first failed block and recomputes the rest."""
         return set()
 
     def flush(self) -> None:

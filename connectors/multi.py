@@ -82,10 +82,10 @@ class MultiConnector(KVConnector):
             received |= r
         return sent, received
 
-    def take_failed_loads(self) -> set[str]:
-        failed: set[str] = set()
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed: set[int] = set()
         for c in self.connectors:
-            failed |= c.take_failed_loads()
+            failed |= c.get_block_ids_with_load_errors()
         return failed
 
     def busy(self) -> bool:

@@ -76,7 +76,7 @@ class TieredOffloadConnector(KVConnector):
         self._inflight: set[BlockKey] = set()
         self._held: dict[BlockKey, list[BlockId]] = {}  # G1 refs held by stores in flight
         self._done: queue.SimpleQueue[tuple[str, Any, bool]] = queue.SimpleQueue()
-        self._failed: set[str] = set()
+        self._failed_blocks: set[int] = set()
         self._xfer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-xfer")  # FIFO: loads and G2 stores
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvtier-g3")  # G3 reads/writes
         self._write_slots = threading.BoundedSemaphore(max_pending_writes)
@@ -170,9 +170,10 @@ class TieredOffloadConnector(KVConnector):
             except queue.Empty:
                 break
             if kind == "load":
-                received.add(ident)
-                if not ok:
-                    self._failed.add(ident)
+                req_id, failed_blocks = ident
+                received.add(req_id)
+                if failed_blocks:
+                    self._failed_blocks.update(failed_blocks)
                     self.load_failures += 1
             else:  # a store finished copying out of G1: drop the held refs
                 self._inflight.discard(ident)
@@ -182,8 +183,8 @@ class TieredOffloadConnector(KVConnector):
     def busy(self) -> bool:
         return bool(self._held)
 
-    def take_failed_loads(self) -> set[str]:
-        failed, self._failed = self._failed, set()
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
     # ---- worker side -------------------------------------------------------------------
@@ -199,23 +200,21 @@ class TieredOffloadConnector(KVConnector):
             self._xfer.submit(self._run_store, job)
 
     def _run_load(self, job: LoadJob) -> None:
-        ok = bool(job.chunks)
+        landed = 0  # destination blocks filled, from the first: everything after is reported failed
         try:
             for c in job.chunks:
-                if not ok:
-                    break
                 buf = self._read_chunk(c, job)
                 if buf is None:
-                    ok = False
                     break
-                self.tier_hits[c.tier] += self._scatter(buf, c.index, job) * self.layout.block_size
-        except (RuntimeError, OSError, ValueError) as e:  # a broken tier is a miss, never a crash
-            log.warning("offload load for request %s failed: %s", job.req_id, e)
-            ok = False
+                n = self._scatter(buf, c.index, job)
+                landed += n
+                self.tier_hits[c.tier] += n * self.layout.block_size
+        except Exception as e:  # a plugin tier may raise anything: it must become a miss, never wrong KV
+            log.warning("offload load for request %s failed: %s: %s", job.req_id, type(e).__name__, e)
         finally:
             if self.g2 is not None and job.g2_slots:
                 self.g2.complete_load(list(job.g2_slots))
-            self._done.put(("load", job.req_id, ok))
+            self._done.put(("load", (job.req_id, job.dst[landed:]), True))
 
     def _read_chunk(self, c: Chunk, job: LoadJob) -> torch.Tensor | None:
         if c.tier == "G2":

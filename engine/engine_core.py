@@ -213,14 +213,13 @@ class EngineCore:
     def _poll_loads(self) -> list[Request]:
         """Hands finished async loads back to the scheduler; returns requests that ended."""
         _, received = self.connector.get_finished(set())
-        failed = self.connector.take_failed_loads()
+        failed = self.connector.get_block_ids_with_load_errors()
         ended: list[Request] = []
         for rid in received:
             req = self.scheduler.loading.get(RequestId(rid))
             if req is None:
                 continue
-            ok = rid not in failed
-            self.scheduler.finish_load(req, ok)
+            ok = self.scheduler.finish_load(req, failed)
             if req.abort_requested:
                 self._finish(req, RequestStatus.FINISHED_ABORTED)
                 ended.append(req)

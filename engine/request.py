@@ -76,6 +76,7 @@ class Request:
         self.kv_transfer_params: dict | None = None  # what the connectors returned at finish
         self.pending_external_tokens = 0  # tokens an async load is bringing into G1
         self.preempted = False
+        self.load_failed = False  # an offload load failed: recompute instead of asking again
         self.abort_requested = False  # aborted while loading: finished once the load lands
         # Prompt tokens not computed, by the tier that supplied them ("G1", "G2", "G3").
         self.cached_by_tier: dict[str, int] = {}

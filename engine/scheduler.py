@@ -125,13 +125,16 @@ class Scheduler:
         # A step that had to preempt admits nobody new: memory is already short.
         while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
-            fresh = req.num_computed_tokens == 0  # else resuming after an async load
+            fresh = not self.kv.block_table(req)  # else resuming after an async load
             hits = self.kv.get_computed_blocks(req) if fresh else []
             num_cached = len(hits) * self.kv.block_size if fresh else req.num_computed_tokens
-            if fresh and self.connector is not None:
+            if fresh and self.connector is not None and not req.load_failed:
                 ext, is_async = self.connector.get_num_new_matched_tokens(req, num_cached)
                 if ext > 0:
-                    if not self.kv.allocate_slots(req, ext, hits):
+                    # Blocks for the whole prompt, not just the loaded part: a request that waits
+                    # with its load done then needs no more blocks to be admitted, so loads that
+                    # land together on a full G1 cannot deadlock the queue.
+                    if not self.kv.allocate_slots(req, req.num_tokens - num_cached, hits):
                         break
                     self.waiting.pop()
                     self._count_prefix(req, num_cached)
@@ -165,20 +168,35 @@ class Scheduler:
             if num_g1_hits:
                 req.cached_by_tier["G1"] = num_g1_hits
 
-    def finish_load(self, req: Request, ok: bool) -> None:
-        """An async load ended. On success its tokens count as computed; on failure they
-        are recomputed (the blocks stay allocated and are overwritten)."""
+    def finish_load(self, req: Request, failed_blocks: set[int]) -> bool:
+        """An async load ended. Tokens up to the request's first failed block count as
+        computed; the rest are recomputed in the blocks already allocated for them (and the
+        connector is not asked again: the same lookup would fail the same way). Returns
+        whether everything loaded."""
         del self.loading[req.request_id]
-        ext = req.pending_external_tokens
-        req.pending_external_tokens = 0
-        if ok:
-            req.num_computed_tokens += ext
-            if not req.preempted:  # a resume's reload is not a prompt-cache hit
-                req.num_cached_tokens += ext
-            self.kv.cache_full_blocks(req)
-        else:
+        ext, req.pending_external_tokens = req.pending_external_tokens, 0
+        bs = self.kv.block_size
+        table = self.kv.block_table(req)
+        first = req.num_computed_tokens // bs
+        end = (req.num_computed_tokens + ext) // bs
+        bad = next((i for i in range(first, end) if table[i] in failed_blocks), end)
+        loaded = (bad - first) * bs
+        req.num_computed_tokens += loaded
+        if not req.preempted:  # a resume's reload is not a prompt-cache hit
+            req.num_cached_tokens += loaded
+        self.kv.cache_full_blocks(req)
+        if loaded < ext:
+            req.load_failed = True
+            left = loaded  # chunks were planned G2 first, then G3: trim the tentative split
             for tier in ("G2", "G3"):
-                req.cached_by_tier.pop(tier, None)
+                if tier in req.cached_by_tier:
+                    req.cached_by_tier[tier] = min(req.cached_by_tier[tier], left)
+                    left -= req.cached_by_tier[tier]
+                    if not req.cached_by_tier[tier]:
+                        del req.cached_by_tier[tier]
+        req.status = RequestStatus.WAITING
+        self.waiting.add(req, front=True)
+        return loaded == ext
         req.status = RequestStatus.WAITING
         self.waiting.add(req, front=True)
 
