@@ -6,7 +6,6 @@ plugin connector is constructed as `cls(ctx: ConnectorContext)`.
 """
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -17,6 +16,7 @@ from connectors.base import KVConnector
 from connectors.codec import BlockLayout
 from kvstore.events import EventBuffer
 from kvstore.g1 import BlockPool
+from policies.plugins import load_plugin_class
 
 log = logging.getLogger("kvtier.connectors")
 
@@ -50,26 +50,11 @@ def validate_transfer_config(tc: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_connector_class(name: str, module_path: str | None) -> type[KVConnector]:
-    if module_path:
-        try:
-            cls = getattr(importlib.import_module(module_path), name)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"cannot load connector {name!r} from module {module_path!r}: {e}") from None
-    elif ":" in name:
-        mod, _, attr = name.partition(":")
-        try:
-            cls = getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"cannot load connector {name!r}: {e}") from None
-    else:
-        eps = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
-        if name not in eps:
-            raise ValueError(f"unknown kv_connector {name!r}; built in: {sorted(TIERED_NAMES)}; "
-                             f"installed plugins: {sorted(eps) or 'none'}")
-        cls = eps[name].load()
-    if not (isinstance(cls, type) and issubclass(cls, KVConnector)):
-        raise ValueError(f"{name!r} is not a kvtier KVConnector subclass")
-    return cls
+    """`kv_connector_module_path` + `kv_connector` (vLLM's keys), a `module:Class`, or a
+    `kvtier.connectors` entry point."""
+    spec = f"{module_path}:{name}" if module_path else name
+    plugins = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return load_plugin_class(spec, KVConnector, "kv_connector", {}, plugins)
 
 
 def build_tiered(ctx: ConnectorContext) -> KVConnector:

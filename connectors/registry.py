@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from connectors.backend import StorageBackend
+from policies.plugins import load_plugin_class
 
 BACKEND_GROUP = "kvtier.backends"
 
@@ -28,40 +27,11 @@ def available_backends() -> list[str]:
     return sorted(_BUILTIN_BACKENDS.keys() | _plugins(BACKEND_GROUP).keys())
 
 
-def _import_path(spec: str, what: str) -> object:
-    module_name, _, qualname = spec.partition(":")
-    if not module_name or not qualname:
-        raise ValueError(f"bad {what} path {spec!r}: expected 'module:Class'")
-    try:
-        obj: object = importlib.import_module(module_name)
-        for attr in qualname.split("."):
-            obj = getattr(obj, attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load {what} {spec!r}: {e}") from e
-    return obj
-
-
 def load_backend_class(spec: str) -> type[StorageBackend]:
     """Resolve `spec`: a builtin name ("disk", "memory"), a `kvtier.backends` entry-point
     name, or a `module:Class` path. Raises ValueError naming the available backends."""
-    if spec in _BUILTIN_BACKENDS:
-        obj = _import_path(_BUILTIN_BACKENDS[spec], "backend")
-    elif ":" in spec:
-        obj = _import_path(spec, "backend")
-    else:
-        plugins = _plugins(BACKEND_GROUP)
-        if spec not in plugins:
-            names = ", ".join(sorted(_BUILTIN_BACKENDS.keys() | plugins.keys()))
-            raise ValueError(f"unknown storage backend {spec!r}; available: {names} (or a 'module:Class' path)")
-        try:
-            obj = plugins[spec].load()
-        except Exception as e:  # a broken plugin is a configuration error, reported as such
-            raise ValueError(f"cannot load backend plugin {spec!r}: {e}") from e
-    if not (isinstance(obj, type) and issubclass(obj, StorageBackend)):
-        raise ValueError(f"{spec!r} resolves to {obj!r}, which is not a StorageBackend subclass")
-    if inspect.isabstract(obj):
-        raise ValueError(f"{spec!r} resolves to abstract class {obj.__qualname__}")
-    return obj
+    return load_plugin_class(spec, StorageBackend, "storage backend", _BUILTIN_BACKENDS, _plugins(BACKEND_GROUP),
+                             short="backend")
 
 
 def load_backend(spec: str, **kwargs: Any) -> StorageBackend:
