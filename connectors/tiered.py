@@ -74,6 +74,7 @@ class TieredOffloadConnector(KVConnector):
         self._new_loads: list[LoadJob] = []
         self._stored_upto: dict[str, int] = {}  # req id -> chunks already considered for storing
         self._inflight: set[BlockKey] = set()
+        self._counted: set[str] = set()  # requests whose lookup is already in the stats
         self._held: dict[BlockKey, list[BlockId]] = {}  # G1 refs held by stores in flight
         self._done: queue.SimpleQueue[tuple[str, Any, bool]] = queue.SimpleQueue()
         self._failed_blocks: set[int] = set()
@@ -81,6 +82,7 @@ class TieredOffloadConnector(KVConnector):
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvtier-g3")  # G3 reads/writes
         self._write_slots = threading.BoundedSemaphore(max_pending_writes)
         self.tier_hits = {"G2": 0, "G3": 0}  # tokens served
+        self.tier_misses = {"G2": 0, "G3": 0}  # tokens looked up in the tier and not found there
         self.lookup_tokens = 0  # tokens looked up below G1
         self.load_failures = 0
         self.events: EventBuffer | None = None
@@ -100,9 +102,13 @@ class TieredOffloadConnector(KVConnector):
             return 0, False
         found: list[Chunk] = []
         cands = self._chunk_keys(request, first, last)
+        # Admission may be retried while G1 is full: count each request's lookup once.
+        count = request.request_id not in self._counted
+        self._counted.add(request.request_id)
         if self.g2 is not None:
             n = self.g2.lookup([c[1] for c in cands], [c[2] for c in cands])
             found = [Chunk(j, key, dig, "G2") for j, key, dig in cands[:n]]
+            self.tier_misses["G2"] += (len(cands) - n) * t * count
         rest = cands[len(found):]
         if rest and self.g3 is not None:
             try:
@@ -110,11 +116,13 @@ class TieredOffloadConnector(KVConnector):
             except (BackendError, OSError) as e:
                 log.warning("G3 lookup failed, treating as a miss: %s", e)
                 exists = []
+            before = len(found)
             for (j, key, dig), ok in zip(rest, exists):
                 if not ok:
                     break
                 found.append(Chunk(j, key, dig, "G3"))
-        self.lookup_tokens += (last - first) * t
+            self.tier_misses["G3"] += (len(rest) - (len(found) - before)) * t * count
+        self.lookup_tokens += (last - first) * t * count
         if not found:
             return 0, False
         self._plans[request.request_id] = (num_computed_tokens, found)
@@ -160,6 +168,7 @@ class TieredOffloadConnector(KVConnector):
     def request_finished(self, request, block_ids):
         self._stored_upto.pop(request.request_id, None)
         self._plans.pop(request.request_id, None)
+        self._counted.discard(request.request_id)
         return False, None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -223,6 +232,7 @@ class TieredOffloadConnector(KVConnector):
             reason = check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
             if reason:
                 log.warning("G2 entry rejected: %s", reason)
+                self.g2.stats.corrupt += 1
                 return None
             return buf
         return self._read_g3(c)
@@ -316,11 +326,13 @@ class TieredOffloadConnector(KVConnector):
         out: dict[str, Any] = {"lookup_tokens": self.lookup_tokens, "load_failures": self.load_failures}
         if self.g2 is not None:
             s = self.g2.stats
-            out["G2"] = {"hit_tokens": self.tier_hits["G2"], "blocks": len(self.g2), "capacity_blocks": self.g2.num_slots,
+            out["G2"] = {"hit_tokens": self.tier_hits["G2"], "miss_tokens": self.tier_misses["G2"],
+                         "blocks": len(self.g2), "capacity_blocks": self.g2.num_slots, "corrupt": s.corrupt,
                          "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "evictions": s.evictions}
         if self.g3 is not None:
             s3 = getattr(self.g3, "stats", None)
-            out["G3"] = {"hit_tokens": self.tier_hits["G3"], **(vars(s3) if s3 is not None else {})}
+            out["G3"] = {"hit_tokens": self.tier_hits["G3"], "miss_tokens": self.tier_misses["G3"],
+                         **(vars(s3) if s3 is not None else {})}
         return out
 
     def flush(self) -> None:

@@ -45,12 +45,16 @@ def test_multi_connector_offloads_and_runs_plugins(ckpt_dir):
     ]}}
     llm = LLM(str(ckpt_dir("qwen3")), dtype="float32", kv_offloading_size=0.02, kv_transfer_config=tc)
     first = llm.generate(prompts, sp, use_tqdm=False)
+    tiers = llm.get_stats().tiers
+    assert tiers["G2"]["miss_tokens"] == tiers["lookup_tokens"] == (192 + 320)  # nothing was offloaded yet
     llm.engine.flush_offload()
     llm.engine.pool.reset_prefix_cache()  # the second pass must come from G2
     second = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first] == want
     assert [o.outputs[0].token_ids for o in second] == want
     assert all(o.cached_tokens_by_tier.get("G2", 0) >= 192 for o in second), [o.cached_tokens_by_tier for o in second]
+    tiers = llm.get_stats().tiers
+    assert tiers["G2"]["hit_tokens"] == 192 + 320 and tiers["G2"]["miss_tokens"] == 192 + 320
     rec = RecordingConnector.instances[-1]
     assert len(rec.finished) == 4 and rec.scheduled_tokens > 0
     assert all(o.kv_transfer_params == {"recorded_by": "RecordingConnector"} for o in first + second)
