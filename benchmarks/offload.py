@@ -19,7 +19,6 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Any
