@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -85,6 +86,8 @@ class TieredOffloadConnector(KVConnector):
         self.tier_misses = {"G2": 0, "G3": 0}  # tokens looked up in the tier and not found there
         self.lookup_tokens = 0  # tokens looked up below G1
         self.load_failures = 0
+        self.load_seconds = 0.0  # wall time of load jobs on the transfer thread
+        self.load_bytes = 0  # KV bytes those jobs placed into G1
         self.events: EventBuffer | None = None
 
     # ---- scheduler side ----------------------------------------------------------------
@@ -142,9 +145,10 @@ class TieredOffloadConnector(KVConnector):
             else:
                 job.g2_slots = dict(zip(g2_keys, slots))
         end = num_computed + num_external_tokens
-        for c in job.chunks:  # tentative: the engine drops these if the load fails
+        request.pending_by_tier = {}
+        for c in job.chunks:  # what each tier will supply; the engine trims it if the load falls short
             n = min((c.index + 1) * self.layout.tokens, end) - max(c.index * self.layout.tokens, num_computed)
-            request.cached_by_tier[c.tier] = request.cached_by_tier.get(c.tier, 0) + n
+            request.pending_by_tier[c.tier] = request.pending_by_tier.get(c.tier, 0) + n
         self._new_loads.append(job)
 
     def build_connector_meta(self, scheduled) -> ConnectorMeta:
@@ -210,6 +214,7 @@ class TieredOffloadConnector(KVConnector):
 
     def _run_load(self, job: LoadJob) -> None:
         landed = 0  # destination blocks filled, from the first: everything after is reported failed
+        start = time.perf_counter()
         try:
             for c in job.chunks:
                 buf = self._read_chunk(c, job)
@@ -223,6 +228,8 @@ class TieredOffloadConnector(KVConnector):
         finally:
             if self.g2 is not None and job.g2_slots:
                 self.g2.complete_load(list(job.g2_slots))
+            self.load_seconds += time.perf_counter() - start
+            self.load_bytes += landed * self.layout.payload_bytes // self.layout.g1_blocks
             self._done.put(("load", (job.req_id, job.dst[landed:]), True))
 
     def _read_chunk(self, c: Chunk, job: LoadJob) -> torch.Tensor | None:
@@ -323,7 +330,8 @@ class TieredOffloadConnector(KVConnector):
 
     # ---- lifecycle ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"lookup_tokens": self.lookup_tokens, "load_failures": self.load_failures}
+        out: dict[str, Any] = {"lookup_tokens": self.lookup_tokens, "load_failures": self.load_failures,
+                               "load_seconds": self.load_seconds, "load_bytes": self.load_bytes}
         if self.g2 is not None:
             s = self.g2.stats
             out["G2"] = {"hit_tokens": self.tier_hits["G2"], "miss_tokens": self.tier_misses["G2"],

@@ -42,8 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="G3 disk tier directory; entries survive restarts and are namespaced by model fingerprint")
     o.add_argument("--kv-offload-disk-size", type=float, default=10.0, metavar="GIB",
                    help="G3 capacity in GiB (default: %(default)s)")
-    o.add_argument("--kv-offload-block-size", type=int, default=256, metavar="TOKENS",
-                   help="tokens per offload block, a multiple of --block-size (default: %(default)s)")
+    o.add_argument("--kv-offload-block-size", type=int, default=None, metavar="TOKENS",
+                   help="tokens per offload block, a multiple of --block-size (default: --block-size; a hit "
+                        "recomputes the prompt tail that does not fill a block)")
     o.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                    help="vLLM-style JSON: kv_connector, kv_role, kv_connector_extra_config, "
                         "kv_connector_module_path, kv_load_failure_policy")

@@ -42,7 +42,7 @@ class LLM:
         kv_offloading_size: float | None = None,
         kv_offload_disk: str | None = None,
         kv_offload_disk_size: float = 10.0,
-        kv_offload_block_size: int = 256,
+        kv_offload_block_size: int | None = None,
         kv_transfer_config: dict[str, Any] | str | None = None,
         kv_load_failure_policy: str = "recompute",
         kv_events_config: dict[str, Any] | str | None = None,

@@ -187,13 +187,14 @@ class Scheduler:
         self.kv.cache_full_blocks(req)
         if loaded < ext:
             req.load_failed = True
-            left = loaded  # chunks were planned G2 first, then G3: trim the tentative split
+        if not req.preempted:
+            left = loaded  # chunks were planned G2 first, then G3: trim the split to what landed
             for tier in ("G2", "G3"):
-                if tier in req.cached_by_tier:
-                    req.cached_by_tier[tier] = min(req.cached_by_tier[tier], left)
-                    left -= req.cached_by_tier[tier]
-                    if not req.cached_by_tier[tier]:
-                        del req.cached_by_tier[tier]
+                n = min(req.pending_by_tier.get(tier, 0), left)
+                left -= n
+                if n:
+                    req.cached_by_tier[tier] = req.cached_by_tier.get(tier, 0) + n
+        req.pending_by_tier = {}
         req.status = RequestStatus.WAITING
         self.waiting.add(req, front=True)
         return loaded == ext
