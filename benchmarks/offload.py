@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     max_len = max(lengths) + 8
     common = dict(dtype="float32", max_model_len=max_len, kv_offload_block_size=args.offload_block_size,
                   max_num_batched_tokens=2048)
-    work = Path(tempfile.mkdtemp(prefix="kvtier-offload-bench-"))
+    tmp = tempfile.TemporaryDirectory(prefix="kvtier-offload-bench-")  # G3 files are removed at the end
+    work = Path(tmp.name)
     # G1 only (cold + G1 hit); G2 only; G3 only. Sizes hold the longest prompt with room to spare.
     per_token = None
     engines = {
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'met' if got and got >= target else 'NOT met'})")
     for llm in engines.values():
         llm.close()
+    tmp.cleanup()
     path = write_json(args.out, results)
     log(f"wrote {path}")
     return 0
