@@ -21,7 +21,6 @@ import pytest
 from kvstore.disk import HEADER_SIZE, encode_header
 from kvstore.keys import chain_keys
 from offload_helpers import (
-    KIND,
     OB,
     check_integrity,
     hit_tokens,
@@ -38,11 +37,6 @@ BLOCK = 16
 FLIP_AT = (0, 1)  # (prompt, offload block): a flipped payload byte
 TRUNCATE_AT = (1, 3)  # a truncated file
 SWAP_AT = ((2, 2), (2, 6))  # two entries whose files are swapped
-
-
-@pytest.fixture(scope="module")
-def model_dir(ckpt_dir):
-    return ckpt_dir(KIND)
 
 
 @pytest.fixture(scope="module")

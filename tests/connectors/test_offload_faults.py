@@ -29,7 +29,6 @@ import kvstore.disk as disk_module
 from checkpoints import random_prompt
 from connectors.backend import BackendError
 from offload_helpers import (
-    KIND,
     OB,
     check_integrity,
     deadline,
@@ -61,11 +60,6 @@ LIVELOCK = (
     "the same load is planned, fails again, and so on: generate() never returns and the log is "
     "flooded. Only entries the backend itself drops (corrupt ones) break the loop. Fix: remember "
     "that the load failed (a flag on the request) and skip the connector lookup on the retry.")
-
-
-@pytest.fixture(scope="module")
-def model_dir(ckpt_dir):
-    return ckpt_dir(KIND)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ import torch
 
 from checkpoints import random_prompt
 from offload_helpers import (
-    KIND,
     OB,
     check_integrity,
     flush_g1,
@@ -38,11 +37,6 @@ from offload_helpers import (
 
 PROMPTS = workload()
 EXPECTED_HITS = [hit_tokens(len(p)) for p in PROMPTS]  # [256, 512, 640]
-
-
-@pytest.fixture(scope="module")
-def model_dir(ckpt_dir):
-    return ckpt_dir(KIND)
 
 
 @pytest.fixture(scope="module")

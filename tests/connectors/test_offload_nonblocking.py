@@ -18,7 +18,6 @@ import pytest
 from checkpoints import random_prompt
 from engine.request import RequestStatus
 from offload_helpers import (
-    KIND,
     OB,
     check_integrity,
     deadline,
@@ -32,11 +31,6 @@ from offload_helpers import (
 LONG = random_prompt(641, 7401)  # 10 offload blocks in G3
 SLOW_S = 0.1  # per block read: the load takes >= 1 s
 WAITING = RequestStatus.WAITING_FOR_REMOTE_KVS
-
-
-@pytest.fixture(scope="module")
-def model_dir(ckpt_dir):
-    return ckpt_dir(KIND)
 
 
 def test_slow_g3_load_does_not_stall_running_requests(model_dir, tmp_path):
