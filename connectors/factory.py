@@ -88,7 +88,8 @@ def build_tiered(ctx: ConnectorContext) -> KVConnector:
                          policy=extra.get("g3_eviction_policy", ctx.eviction_policy))
         log.info("G3: %s (%.1f GiB, %d entries found)", ctx.disk_path, ctx.disk_size_gib, len(g3))
     connector = TieredOffloadConnector(ctx.layout, ctx.pool, g2, g3,
-                                       g3_timeout_s=float(extra.get("g3_timeout_s", 10.0)))
+                                       g3_timeout_s=float(extra.get("g3_timeout_s", 10.0)),
+                                       g3_read_threads=int(extra.get("g3_read_threads", 4)))
     connector.events = ctx.events
     return connector
 

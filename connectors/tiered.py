@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ import torch
 
 from connectors.backend import BackendError, StorageBackend
 from connectors.base import ConnectorMeta, KVConnector
-from connectors.codec import BlockLayout, check_header, payload, write_header
+from connectors.codec import HEADER_BYTES, BlockLayout, check_header, payload, write_header
 from kvstore.events import BlockStored, EventBuffer
 from kvstore.g1 import BlockId, BlockPool
 from kvstore.host import HostTier
@@ -63,7 +64,7 @@ class StoreJob:
 
 class TieredOffloadConnector(KVConnector):
     def __init__(self, layout: BlockLayout, pool: BlockPool, g2: HostTier | None, g3: StorageBackend | None,
-                 *, g3_timeout_s: float = 10.0, max_pending_writes: int = 64) -> None:
+                 *, g3_timeout_s: float = 10.0, max_pending_writes: int = 64, g3_read_threads: int = 4) -> None:
         if g2 is None and g3 is None:
             raise ValueError("the tiered offload connector needs at least one tier (G2 or G3)")
         self.layout, self.pool, self.g2, self.g3 = layout, pool, g2, g3
@@ -80,7 +81,12 @@ class TieredOffloadConnector(KVConnector):
         self._done: queue.SimpleQueue[tuple[str, Any, bool]] = queue.SimpleQueue()
         self._failed_blocks: set[int] = set()
         self._xfer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-xfer")  # FIFO: loads and G2 stores
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="kvtier-g3")  # G3 reads/writes
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="kvtier-g3")  # G3 writes, in order
+        if g3_read_threads < 1:
+            raise ValueError(f"g3_read_threads must be >= 1; got {g3_read_threads}")
+        self._reads = ThreadPoolExecutor(g3_read_threads, thread_name_prefix="kvtier-g3-read")
+        self._read_window = 2 * g3_read_threads  # reads one load keeps in flight
+        self._bounce: list[torch.Tensor | None] = [None] * self._read_window  # read targets outside G2
         self._write_slots = threading.BoundedSemaphore(max_pending_writes)
         self.tier_hits = {"G2": 0, "G3": 0}  # tokens served
         self.tier_misses = {"G2": 0, "G3": 0}  # tokens looked up in the tier and not found there
@@ -216,13 +222,16 @@ class TieredOffloadConnector(KVConnector):
         landed = 0  # destination blocks filled, from the first: everything after is reported failed
         start = time.perf_counter()
         try:
-            for c in job.chunks:
-                buf = self._read_chunk(c, job)
-                if buf is None:
+            # Lookup puts every G2 chunk before the first G3 one.
+            g2_chunks = [c for c in job.chunks if c.tier == "G2"]
+            run: list[tuple[Chunk, int]] = []  # checked G2 chunks, with their slots
+            for c in g2_chunks:
+                if not self._g2_ok(c, job):
                     break
-                n = self._scatter(buf, c.index, job)
-                landed += n
-                self.tier_hits[c.tier] += n * self.layout.block_size
+                run.append((c, job.g2_slots[c.key]))
+            landed += self._scatter_g2(run, job)
+            if len(run) == len(g2_chunks):
+                landed += self._load_g3(job.chunks[len(g2_chunks):], job)
         except Exception as e:  # a plugin tier may raise anything: it must become a miss, never wrong KV
             log.warning("offload load for request %s failed: %s: %s", job.req_id, type(e).__name__, e)
         finally:
@@ -232,43 +241,98 @@ class TieredOffloadConnector(KVConnector):
             self.load_bytes += landed * self.layout.payload_bytes // self.layout.g1_blocks
             self._done.put(("load", (job.req_id, job.dst[landed:]), True))
 
-    def _read_chunk(self, c: Chunk, job: LoadJob) -> torch.Tensor | None:
-        if c.tier == "G2":
-            assert self.g2 is not None
-            buf = self.g2.slot_view(job.g2_slots[c.key])
-            reason = check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
-            if reason:
-                log.warning("G2 entry rejected: %s", reason)
-                self.g2.stats.corrupt += 1
-                return None
-            return buf
-        return self._read_g3(c)
+    def _g2_ok(self, c: Chunk, job: LoadJob) -> bool:
+        assert self.g2 is not None
+        reason = check_header(self.g2.slot_view(job.g2_slots[c.key]), self.layout_id, c.digest,
+                              self.layout.payload_bytes)
+        if reason:
+            log.warning("G2 entry rejected: %s", reason)
+            self.g2.stats.corrupt += 1
+        return reason is None
 
-    def _read_g3(self, c: Chunk) -> torch.Tensor | None:
-        assert self.g3 is not None
-        slot = self.g2.prepare_store(c.key, c.digest) if self.g2 is not None else None
-        buf = self.g2.slot_view(slot) if slot is not None else torch.empty(self.layout.encoded_bytes, dtype=torch.uint8)
-        fut: Future = self._io.submit(self.g3.get_into, [c.key], [memoryview(buf.numpy())])
-        try:
-            got = fut.result(timeout=self.g3_timeout_s)[0]
-            reason = None if got else "miss"
-            if got:
-                reason = check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
-        except FutureTimeout:
-            # The read may still land in `buf` later, so a G2 slot used as its target is lost
-            # (kept reserved) rather than reused while a late write could still hit it.
-            log.warning("G3 read timed out after %.1fs; treating it as a miss", self.g3_timeout_s)
-            return None
-        except (BackendError, OSError) as e:
-            log.warning("G3 read failed, treating it as a miss: %s", e)
-            reason = "error"
-        if slot is not None:
-            assert self.g2 is not None
-            self.g2.complete_store(c.key, reason is None)  # promotion into G2
-        if reason is not None:
-            if reason != "miss" and reason != "error":
+    def _scatter_g2(self, run: list[tuple[Chunk, int]], job: LoadJob) -> int:
+        """Copies checked G2 chunks into G1. Chunks whose G2 slots and G1 blocks both continue
+        the previous chunk's go in one strided copy: per-chunk copies of small offload blocks
+        spend more time in dispatch than in moving bytes."""
+        k, done, i = self.g1_per_chunk, 0, 0
+
+        def follows(d0: int, m: int) -> bool:  # the m-th chunk's G1 blocks continue from dst[d0]
+            return all(job.dst[d0 + m * k + t] == job.dst[d0] + m * k + t for t in range(k))
+
+        while i < len(run):
+            c0, s0 = run[i]
+            d0 = c0.index * k - job.first_g1  # < 0: the chunk is partly in G1 already
+            j = i + 1
+            if d0 >= 0 and follows(d0, 0):
+                while j < len(run) and run[j][1] == s0 + j - i and follows(d0, j - i):
+                    j += 1
+            if j - i == 1:
+                n = self._scatter(self.g2.slot_view(s0), c0.index, job)  # type: ignore[union-attr]
+            else:
+                assert self.g2 is not None and self.kv_cache is not None
+                m = j - i
+                src = self.g2.slab[s0:s0 + m, HEADER_BYTES:].view(self.layout.dtype)
+                src = src.view(m, *self.layout.shape).permute(1, 2, 0, 3, 4, 5, 6)  # [L, 2, m, k, ...]
+                dst = self.kv_cache[:, :, job.dst[d0]:job.dst[d0] + m * k]
+                dst.view(*dst.shape[:2], m, k, *dst.shape[3:]).copy_(src)
+                n = m * k
+            done += n
+            self.tier_hits["G2"] += n * self.layout.block_size
+            i = j
+        return done
+
+    def _load_g3(self, chunks: list[Chunk], job: LoadJob) -> int:
+        """Reads G3 chunks with up to `g3_read_threads` reads in flight (a disk serves several
+        queued reads faster than one at a time) and scatters them in order. Each read lands in
+        a G2 slot when G2 exists (the promotion) or else in a bounce buffer. Returns the G1
+        blocks filled; stops at the first chunk that is missing, bad or late."""
+        window: deque[tuple[Chunk, int | None, torch.Tensor, Future]] = deque()
+        todo = iter(enumerate(chunks))
+        landed, ok, timed_out = 0, True, False
+        while True:
+            while ok and len(window) < self._read_window:
+                nxt = next(todo, None)
+                if nxt is None:
+                    break
+                i, c = nxt
+                slot = self.g2.prepare_store(c.key, c.digest) if self.g2 is not None else None
+                buf = self.g2.slot_view(slot) if slot is not None else self._bounce_buffer(i % self._read_window)
+                window.append((c, slot, buf, self._reads.submit(self.g3.get_into, [c.key],  # type: ignore[union-attr]
+                                                                [memoryview(buf.numpy())])))
+            if not window:
+                return landed
+            c, slot, buf, fut = window.popleft()
+            try:
+                reason = None if fut.result(timeout=self.g3_timeout_s if not timed_out else 0)[0] else "miss"
+                reason = reason or check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
+            except FutureTimeout:
+                # The read may still land in `buf` later: a G2 slot used as its target stays
+                # reserved (lost) and the bounce buffers are dropped, so nothing reuses them.
+                # After one timeout the rest of the window is not waited for.
+                if not timed_out:
+                    log.warning("G3 read timed out after %.1fs; treating it as a miss", self.g3_timeout_s)
+                self._bounce = [None] * self._read_window
+                ok, timed_out = False, True
+                continue
+            except Exception as e:  # a plugin backend may raise anything: a miss, never wrong KV
+                log.warning("G3 read failed, treating it as a miss: %s: %s", type(e).__name__, e)
+                reason = "error"
+            if reason not in (None, "miss", "error"):
                 log.warning("G3 entry rejected: %s", reason)
-            return None
+            if slot is not None:
+                assert self.g2 is not None
+                self.g2.complete_store(c.key, reason is None)  # promotion into G2
+            if ok and reason is None:
+                n = self._scatter(buf, c.index, job)
+                landed += n
+                self.tier_hits["G3"] += n * self.layout.block_size
+            else:
+                ok = False  # later reads in flight still finish (and may still be promoted)
+
+    def _bounce_buffer(self, i: int) -> torch.Tensor:
+        buf = self._bounce[i]
+        if buf is None:
+            buf = self._bounce[i] = torch.empty(self.layout.encoded_bytes, dtype=torch.uint8)
         return buf
 
     def _scatter(self, buf: torch.Tensor, chunk_index: int, job: LoadJob) -> int:
@@ -278,9 +342,12 @@ class TieredOffloadConnector(KVConnector):
         lo = max(job.first_g1 - chunk_index * k, 0)  # blocks of this chunk already in G1 are skipped
         dst_start = chunk_index * k + lo - job.first_g1
         n = k - lo
-        dst = torch.tensor(job.dst[dst_start:dst_start + n], dtype=torch.long)
+        dst = job.dst[dst_start:dst_start + n]
         assert self.kv_cache is not None
-        self.kv_cache.index_copy_(2, dst, data[:, :, lo:])
+        if all(d == dst[0] + i for i, d in enumerate(dst)):  # the usual case: a strided copy,
+            self.kv_cache[:, :, dst[0]:dst[0] + n].copy_(data[:, :, lo:])  # faster than index_copy_
+        else:
+            self.kv_cache.index_copy_(2, torch.tensor(dst, dtype=torch.long), data[:, :, lo:])
         return n
 
     def _gather(self, src: list[BlockId], buf: torch.Tensor, job: StoreJob) -> None:
@@ -352,5 +419,6 @@ class TieredOffloadConnector(KVConnector):
         self.flush()
         self._xfer.shutdown(wait=True)
         self._io.shutdown(wait=True)
+        self._reads.shutdown(wait=True)
         if self.g3 is not None:
             self.g3.close()

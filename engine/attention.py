@@ -23,6 +23,7 @@ class PrefillSeq:
     query_len: int
     context_len: int  # tokens in the cache after this step, including the query
     block_ids: torch.Tensor  # [ceil(context_len / block_size)] int64
+    first_block: int | None = None  # set when block_ids is one consecutive run: no gather needed
 
 
 @dataclass
@@ -81,6 +82,13 @@ class TorchPagedAttention(AttentionBackend):
         torch.index_select(cache.view(num_blocks, -1), 0, block_ids, out=out)
         return out.view(-1, kv_heads, head_dim)
 
+    def _context(self, name: str, cache: torch.Tensor, seq: PrefillSeq) -> torch.Tensor:
+        """The sequence's cached K or V, `[context_len, kv_heads, head_dim]`."""
+        if seq.first_block is not None:  # a view: skips a copy of the whole context per layer
+            nb = seq.block_ids.numel()
+            return cache[seq.first_block : seq.first_block + nb].flatten(0, 1)[: seq.context_len]
+        return self._gather(name, cache, seq.block_ids)[: seq.context_len]
+
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         num_tokens, num_heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
@@ -90,8 +98,8 @@ class TorchPagedAttention(AttentionBackend):
         gqa = num_heads != kv_heads
         for seq in meta.prefills:
             qs = q[seq.query_start : seq.query_start + seq.query_len].transpose(0, 1).unsqueeze(0)
-            ks = self._gather("k", k_cache, seq.block_ids)[: seq.context_len].transpose(0, 1).unsqueeze(0)
-            vs = self._gather("v", v_cache, seq.block_ids)[: seq.context_len].transpose(0, 1).unsqueeze(0)
+            ks = self._context("k", k_cache, seq).transpose(0, 1).unsqueeze(0)
+            vs = self._context("v", v_cache, seq).transpose(0, 1).unsqueeze(0)
             if seq.query_len == seq.context_len:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
             else:

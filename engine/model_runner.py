@@ -64,7 +64,9 @@ class ModelRunner:
                 decode_tables.append(table[: -(-ctx // bs)])
                 decode_lens.append(ctx)
             else:
-                prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(table[: -(-ctx // bs)], dtype=torch.long)))
+                ids = table[: -(-ctx // bs)]
+                run = ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
+                prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(ids, dtype=torch.long), run))
             if ctx == req.num_tokens:  # the whole known sequence is in: sample its next token
                 sample_rows.append(q_start + n - 1)
                 sampled.append(idx)

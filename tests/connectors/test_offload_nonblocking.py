@@ -40,7 +40,9 @@ def test_slow_g3_load_does_not_stall_running_requests(model_dir, tmp_path):
     run(a, [LONG])
     a.close()
 
-    llm = offload_llm(model_dir, kv_offload_disk=str(disk), num_gpu_blocks=300)
+    # One read at a time, so that the load's length is known: reads x SLOW_S.
+    one_reader = {"kv_connector_extra_config": {"g3_read_threads": 1}}
+    llm = offload_llm(model_dir, kv_offload_disk=str(disk), num_gpu_blocks=300, kv_transfer_config=one_reader)
     eng = llm.engine
     try:
         runners = [eng.make_request(f"run{i}", random_prompt(20, 7410 + i), greedy(1800)) for i in range(2)]
