@@ -58,7 +58,7 @@ def load_connector_class(name: str, module_path: str | None) -> type[KVConnector
 
 
 def build_tiered(ctx: ConnectorContext) -> KVConnector:
-    from connectors.tiered import TieredOffloadConnector
+    from connectors.tiered import TieredOffloadConnector, WritePolicy
     from kvstore.host import HostTier
     from policies import make_policy
 
@@ -87,9 +87,16 @@ def build_tiered(ctx: ConnectorContext) -> KVConnector:
         g3 = DiskBackend(Path(ctx.disk_path), int(ctx.disk_size_gib * 2**30), ctx.fingerprint,
                          policy=extra.get("g3_eviction_policy", ctx.eviction_policy))
         log.info("G3: %s (%.1f GiB, %d entries found)", ctx.disk_path, ctx.disk_size_gib, len(g3))
+    policy = extra.get("write_policy", WritePolicy.WRITE_THROUGH.value)
+    try:
+        write_policy = WritePolicy(policy)
+    except ValueError:
+        raise ValueError(f"write_policy {policy!r} is not one of {[p.value for p in WritePolicy]}") from None
     connector = TieredOffloadConnector(ctx.layout, ctx.pool, g2, g3,
                                        g3_timeout_s=float(extra.get("g3_timeout_s", 10.0)),
-                                       g3_read_threads=int(extra.get("g3_read_threads", 4)))
+                                       g3_read_threads=int(extra.get("g3_read_threads", 4)),
+                                       write_policy=write_policy)
+    log.info("offload write policy: %s", write_policy.value)
     connector.events = ctx.events
     return connector
 

@@ -22,6 +22,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
@@ -35,6 +36,13 @@ from kvstore.host import HostTier
 from kvstore.keys import BlockKey, extend_keys, token_digest
 
 log = logging.getLogger("kvtier.offload")
+
+
+class WritePolicy(Enum):
+    """When G1 blocks are copied down (SGLang HiCache's names)."""
+
+    WRITE_THROUGH = "write_through"  # as soon as an offload block fills: asynchronous, the default
+    WRITE_BACK = "write_back"  # when G1 evicts it: less copying, but a copy on the step loop
 
 
 @dataclass(frozen=True)
@@ -64,9 +72,13 @@ class StoreJob:
 
 class TieredOffloadConnector(KVConnector):
     def __init__(self, layout: BlockLayout, pool: BlockPool, g2: HostTier | None, g3: StorageBackend | None,
-                 *, g3_timeout_s: float = 10.0, max_pending_writes: int = 64, g3_read_threads: int = 4) -> None:
+                 *, g3_timeout_s: float = 10.0, max_pending_writes: int = 64, g3_read_threads: int = 4,
+                 write_policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> None:
         if g2 is None and g3 is None:
             raise ValueError("the tiered offload connector needs at least one tier (G2 or G3)")
+        if write_policy is WritePolicy.WRITE_BACK and not pool.enable_caching:
+            raise ValueError("write_back offload needs prefix caching: blocks are written back when the "
+                             "prefix cache evicts them, and without it they are never kept to be evicted")
         self.layout, self.pool, self.g2, self.g3 = layout, pool, g2, g3
         self.g1_per_chunk = layout.g1_blocks
         self.layout_id = layout.layout_id()
@@ -95,6 +107,15 @@ class TieredOffloadConnector(KVConnector):
         self.load_seconds = 0.0  # wall time of load jobs on the transfer thread
         self.load_bytes = 0  # KV bytes those jobs placed into G1
         self.events: EventBuffer | None = None
+        self.write_policy = write_policy
+        # Write-back: offload blocks that filled in G1 and are not below it yet, by their last
+        # G1 block's key -> (token digest, priority, keys of their G1 blocks); and the reverse.
+        self._dirty: dict[BlockKey, tuple[bytes, int, tuple[BlockKey, ...]]] = {}
+        self._dirty_chunk: dict[BlockKey, BlockKey] = {}
+        self.writeback_blocks = 0  # offload blocks written back on eviction
+        self.writeback_dropped = 0  # ... that could not be (a G1 block already gone, no room, no write slot)
+        if write_policy is WritePolicy.WRITE_BACK:
+            pool.evict_hooks.append(self._write_back)
 
     # ---- scheduler side ----------------------------------------------------------------
     def _chunk_keys(self, request, start: int, end: int) -> list[tuple[int, BlockKey, bytes]]:
@@ -167,6 +188,9 @@ class TieredOffloadConnector(KVConnector):
             for j, key, dig in self._chunk_keys(req, start, done_chunks) if done_chunks > start else ():
                 if key in self._inflight or (self.g2 is not None and self.g2.contains(key)):
                     continue
+                if self.write_policy is WritePolicy.WRITE_BACK:
+                    self._mark_dirty(key, dig, req.priority, tuple(req.block_keys[j * k:(j + 1) * k]))
+                    continue
                 src = [BlockId(b) for b in table[j * k:(j + 1) * k]]
                 self.pool.acquire(src)  # keep them from being evicted or reused until copied
                 self._held[key] = src
@@ -174,6 +198,38 @@ class TieredOffloadConnector(KVConnector):
                 meta.stores.append(StoreJob(key, dig, src, req.priority))
             self._stored_upto[req.request_id] = max(start, done_chunks)
         return meta
+
+    def _mark_dirty(self, key: BlockKey, digest: bytes, priority: int, block_keys: tuple[BlockKey, ...]) -> None:
+        if key in self._dirty:
+            return
+        if len(self._dirty) > 2 * self.pool.num_blocks:  # forget chunks whose blocks were never cached
+            for ck in [ck for ck, (_, _, bks) in self._dirty.items() if self.pool.lookup(bks[-1]) is None]:
+                self._forget_dirty(ck)
+        self._dirty[key] = (digest, priority, block_keys)
+        for bk in block_keys:
+            self._dirty_chunk[bk] = key
+
+    def _forget_dirty(self, key: BlockKey) -> tuple[bytes, int, tuple[BlockKey, ...]]:
+        entry = self._dirty.pop(key)
+        for bk in entry[2]:
+            self._dirty_chunk.pop(bk, None)
+        return entry
+
+    def _write_back(self, victims: list[BlockId]) -> None:
+        """G1 is about to reuse `victims` (their bytes are still valid): copy each dirty offload
+        block they belong to into G2 now, synchronously, since the next forward may overwrite
+        them. G3 writes of those copies stay asynchronous."""
+        chunks = {self._dirty_chunk.get(self.pool.key_of(b)) for b in victims}  # type: ignore[arg-type]
+        for ck in chunks - {None}:
+            digest, priority, block_keys = self._forget_dirty(ck)  # type: ignore[arg-type]
+            src = [self.pool.lookup(bk) for bk in block_keys]
+            if any(b is None for b in src):  # part of it was reused without being cached
+                self.writeback_dropped += 1
+                continue
+            if self._store(StoreJob(ck, digest, src, priority), wait_for_write_slot=False):  # type: ignore[arg-type]
+                self.writeback_blocks += 1
+            else:
+                self.writeback_dropped += 1
 
     def request_finished(self, request, block_ids):
         self._stored_upto.pop(request.request_id, None)
@@ -357,29 +413,39 @@ class TieredOffloadConnector(KVConnector):
 
     def _run_store(self, job: StoreJob) -> None:
         try:
-            if self.g2 is not None:
-                slot = self.g2.prepare_store(job.key, job.digest)
-                if slot is None:
-                    return
-                buf = self.g2.slot_view(slot)
-                self._gather(job.src, buf, job)
-                self.g2.complete_store(job.key, True, job.priority)
-                if self.g3 is not None and self.g2.prepare_load([job.key]) is not None:
-                    self._submit_g3_write(job.key, buf, unpin=True)
-            else:
-                buf = torch.empty(self.layout.encoded_bytes, dtype=torch.uint8)
-                self._gather(job.src, buf, job)
-                self._submit_g3_write(job.key, buf, unpin=False)
+            self._store(job, wait_for_write_slot=True)
         except (RuntimeError, OSError, ValueError) as e:
             log.warning("offload store failed (block not offloaded): %s", e)
         finally:
             self._done.put(("store", job.key, True))
 
-    def _submit_g3_write(self, key: BlockKey, buf: torch.Tensor, unpin: bool) -> None:
+    def _store(self, job: StoreJob, wait_for_write_slot: bool) -> bool:
+        """Copies job.src out of G1 into G2 (then queues G3 from there) or, with no G2, into a
+        buffer queued for G3. False if no tier took it."""
+        if self.g2 is not None:
+            slot = self.g2.prepare_store(job.key, job.digest)
+            if slot is None:
+                return False
+            buf = self.g2.slot_view(slot)
+            self._gather(job.src, buf, job)
+            self.g2.complete_store(job.key, True, job.priority)
+            if self.g3 is not None and self.g2.prepare_load([job.key]) is not None:
+                self._submit_g3_write(job.key, buf, unpin=True, wait=wait_for_write_slot)
+            return True
+        buf = torch.empty(self.layout.encoded_bytes, dtype=torch.uint8)
+        self._gather(job.src, buf, job)
+        return self._submit_g3_write(job.key, buf, unpin=False, wait=wait_for_write_slot)
+
+    def _submit_g3_write(self, key: BlockKey, buf: torch.Tensor, unpin: bool, wait: bool = True) -> bool:
         # Bounded: past max_pending_writes a store waits here, on the transfer thread, never
-        # on the step loop; memory stays bounded when the disk is slower than the engine.
-        self._write_slots.acquire()
+        # on the step loop (which passes wait=False and drops the write instead); memory
+        # stays bounded when the disk is slower than the engine.
+        if not self._write_slots.acquire(blocking=wait):
+            if unpin and self.g2 is not None:
+                self.g2.complete_load([key])
+            return False
         self._io.submit(self._write_g3, key, buf, unpin)
+        return True
 
     def _write_g3(self, key: BlockKey, buf: torch.Tensor, unpin: bool) -> None:
         assert self.g3 is not None
@@ -398,7 +464,11 @@ class TieredOffloadConnector(KVConnector):
     # ---- lifecycle ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"lookup_tokens": self.lookup_tokens, "load_failures": self.load_failures,
-                               "load_seconds": self.load_seconds, "load_bytes": self.load_bytes}
+                               "load_seconds": self.load_seconds, "load_bytes": self.load_bytes,
+                               "write_policy": self.write_policy.value}
+        if self.write_policy is WritePolicy.WRITE_BACK:
+            out.update(writeback_blocks=self.writeback_blocks, writeback_dropped=self.writeback_dropped,
+                       dirty_blocks=len(self._dirty))
         if self.g2 is not None:
             s = self.g2.stats
             out["G2"] = {"hit_tokens": self.tier_hits["G2"], "miss_tokens": self.tier_misses["G2"],

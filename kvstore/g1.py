@@ -13,7 +13,7 @@ must, so that reusable prefixes survive as long as possible.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NewType
 
@@ -44,6 +44,9 @@ class BlockPool:
         self._cached: dict[BlockKey, BlockId] = {}
         self.num_evictions = 0
         self.events: EventBuffer | None = None  # set when KV events are enabled
+        # Called with cached blocks about to lose their contents (eviction, prefix-cache reset)
+        # while their keys and bytes are still valid: how write-back offload sees them.
+        self.evict_hooks: list[Callable[[list[BlockId]], None]] = []
 
     # -- queries ---------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -56,6 +59,9 @@ class BlockPool:
     def lookup(self, key: BlockKey) -> BlockId | None:
         return self._cached.get(key) if self.enable_caching else None
 
+    def key_of(self, block_id: BlockId) -> BlockKey | None:
+        return self.blocks[block_id].key
+
     # -- state changes ---------------------------------------------------------------------
     def allocate(self, n: int) -> list[BlockId] | None:
         """n fresh blocks (ref_cnt 1, uncached), or None and no change if the pool can't."""
@@ -67,6 +73,8 @@ class BlockPool:
             if victims is None:  # pinned blocks can make evict refuse
                 self._free.extendleft(reversed(taken))
                 return None
+            for hook in self.evict_hooks:
+                hook(victims)
             for bid in victims:
                 self._uncache(self.blocks[bid])
             self.num_evictions += len(victims)
@@ -111,6 +119,8 @@ class BlockPool:
     def reset_prefix_cache(self) -> int:
         """Drop every evictable cached block; returns how many."""
         victims = self.policy.evict(len(self.policy)) or []
+        for hook in self.evict_hooks:
+            hook(victims)
         for bid in victims:
             self._uncache(self.blocks[bid])
             self._free.append(bid)
