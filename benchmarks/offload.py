@@ -51,8 +51,11 @@ def ttft(llm, prompt: list[int], salt: str) -> tuple[float, Any]:
     return t.seconds, out
 
 
-def raw_bandwidths(nbytes: int, g3_dir: Path) -> dict[str, float]:
+def raw_bandwidths(nbytes: int, g3_dir: Path, read_threads: int) -> dict[str, float]:
+    """A raw torch copy of `nbytes`, and raw reads of the G3 files (cold page cache when it can
+    be dropped): one at a time, and `read_threads` at once as the G3 load path reads them."""
     import torch
+    from concurrent.futures import ThreadPoolExecutor
 
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src).fill_(0)
@@ -60,15 +63,24 @@ def raw_bandwidths(nbytes: int, g3_dir: Path) -> dict[str, float]:
     with Timer() as t:
         dst.copy_(src)
     files = sorted(g3_dir.rglob("*.kvb"))
-    buf = bytearray(max((f.stat().st_size for f in files), default=1))
-    total = 0
-    dropped = drop_page_cache()
-    with Timer() as r:
-        for f in files:
-            with open(f, "rb", buffering=0) as fh:
-                total += fh.readinto(buf)
-    return {"torch_copy_GBps": nbytes / t.seconds / 1e9, "file_read_GBps": total / max(r.seconds, 1e-9) / 1e9,
-            "file_read_page_cache_dropped": dropped}
+    size = max((f.stat().st_size for f in files), default=1)
+
+    def read(f: Path, buf: bytearray | None = None) -> int:
+        with open(f, "rb", buffering=0) as fh:
+            return fh.readinto(buf if buf is not None else bytearray(size))
+
+    out: dict[str, float] = {"torch_copy_GBps": nbytes / t.seconds / 1e9}
+    for label, threads in (("file_read_GBps", 1), ("file_read_parallel_GBps", read_threads)):
+        out["file_read_page_cache_dropped"] = drop_page_cache()
+        buf = bytearray(size)
+        with Timer() as r:
+            if threads == 1:
+                total = sum(read(f, buf) for f in files)
+            else:
+                with ThreadPoolExecutor(threads) as ex:
+                    total = sum(ex.map(read, files))
+        out[label] = total / max(r.seconds, 1e-9) / 1e9
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,12 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     longest = str(max(lengths))
     moved = results["runs"][longest]["hit_tokens"]["G3"] * per_token
     g2_bw, g3_bw = (results["runs"][longest]["median_load_GBps"][t] for t in ("G2", "G3"))
-    raw = raw_bandwidths(max(moved, 1), work / "g3")
+    raw = raw_bandwidths(max(moved, 1), work / "g3", engines["G3"].engine.connector.g3_read_threads)
     results["raw"] = raw
-    print(f"raw torch copy {raw['torch_copy_GBps']:.2f} GB/s, raw file read {raw['file_read_GBps']:.2f} GB/s "
+    best_read = max(raw["file_read_GBps"], raw["file_read_parallel_GBps"])
+    print(f"raw torch copy {raw['torch_copy_GBps']:.2f} GB/s; raw file read {raw['file_read_GBps']:.2f} GB/s "
+          f"one at a time, {raw['file_read_parallel_GBps']:.2f} GB/s in parallel "
           f"(page cache dropped: {raw['file_read_page_cache_dropped']})")
     print(f"load path vs raw: G2 {g2_bw / raw['torch_copy_GBps']:.0%} of a torch copy, "
-          f"G3 {g3_bw / raw['file_read_GBps']:.0%} of a file read (target >= 50%)")
+          f"G3 {g3_bw / best_read:.0%} of the faster file read (target >= 50%)")
     for tier, target in TARGETS.items():
         m = results["runs"][longest]["median_s"]
         got = ratio(m["cold"], m[tier])

@@ -97,6 +97,7 @@ class TieredOffloadConnector(KVConnector):
         if g3_read_threads < 1:
             raise ValueError(f"g3_read_threads must be >= 1; got {g3_read_threads}")
         self._reads = ThreadPoolExecutor(g3_read_threads, thread_name_prefix="kvtier-g3-read")
+        self.g3_read_threads = g3_read_threads
         self._read_window = 2 * g3_read_threads  # reads one load keeps in flight
         self._bounce: list[torch.Tensor | None] = [None] * self._read_window  # read targets outside G2
         self._write_slots = threading.BoundedSemaphore(max_pending_writes)

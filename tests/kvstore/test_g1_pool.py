@@ -57,7 +57,7 @@ class RefPool:
             out.append(b)
         for b in out:
             self.ref[b] = 1
-        return out
+        return sorted(out)  # the pool hands blocks out in ascending id order
 
     def acquire(self, b: int) -> None:
         if self.ref[b] == 0:
