@@ -62,6 +62,10 @@ class KVConnector(ABC):
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         """The G1 tensor `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`."""
 
+    def register_hidden_cache(self, hidden_cache: torch.Tensor) -> None:
+        """The paged exported hidden states `[num_blocks, block_size, num_ids, hidden]`, indexed
+        by the same block ids as the KV (only when hidden-state export is on)."""
+
     def start_load_kv(self, meta: ConnectorMeta) -> None:
         """Begin this step's loads; must not block on I/O."""
 
@@ -90,6 +94,10 @@ class KVConnector(ABC):
 
     def flush(self) -> None:
         """Block until queued transfers have finished (tests, benchmarks, shutdown)."""
+
+    def wait_for_outputs(self) -> None:
+        """Block until what finished requests were promised in `kv_transfer_params` exists
+        (e.g. their files are written). The offline API calls it before returning outputs."""
 
     def stats(self) -> dict[str, Any]:
         return {}

@@ -31,10 +31,25 @@ class BlockLayout:
     head_dim: int
     dtype: torch.dtype
     fingerprint: str  # model identity (architecture, config, weights) the KV belongs to
+    # Exported hidden states carried after the KV, `[g1_blocks, block_size, len(ids), hidden_size]`
+    # (hidden-state export on); part of the layout id, so blocks without them never match.
+    hidden_layer_ids: tuple[int, ...] = ()
+    hidden_size: int = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
         return (self.num_layers, 2, self.g1_blocks, self.block_size, self.kv_heads, self.head_dim)
+
+    @property
+    def hidden_shape(self) -> tuple[int, ...]:
+        return (self.g1_blocks, self.block_size, len(self.hidden_layer_ids), self.hidden_size)
+
+    @property
+    def kv_bytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
 
     @property
     def tokens(self) -> int:
@@ -43,9 +58,9 @@ class BlockLayout:
     @property
     def payload_bytes(self) -> int:
         n = 1
-        for d in self.shape:
+        for d in self.hidden_shape:
             n *= d
-        return n * self.dtype.itemsize
+        return self.kv_bytes + (n * self.dtype.itemsize if self.hidden_layer_ids else 0)
 
     @property
     def encoded_bytes(self) -> int:
@@ -53,6 +68,8 @@ class BlockLayout:
 
     def layout_id(self) -> bytes:
         desc: dict[str, Any] = {"shape": self.shape, "dtype": str(self.dtype), "fp": self.fingerprint, "v": VERSION}
+        if self.hidden_layer_ids:
+            desc["hidden"] = [list(self.hidden_layer_ids), self.hidden_size]
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).digest()[:16]
 
 
@@ -78,4 +95,10 @@ def check_header(buf: torch.Tensor, layout_id: bytes, token_digest: bytes, paylo
 
 def payload(buf: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     """The KV view `[L, 2, g1_blocks, block_size, kv_heads, head_dim]` of an encoded uint8 buffer."""
-    return buf[HEADER_BYTES:].view(layout.dtype).view(layout.shape)
+    return buf[HEADER_BYTES:HEADER_BYTES + layout.kv_bytes].view(layout.dtype).view(layout.shape)
+
+
+def hidden_payload(buf: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """The hidden-state view `[g1_blocks, block_size, len(ids), hidden]` after the KV."""
+    return buf[HEADER_BYTES + layout.kv_bytes:HEADER_BYTES + layout.payload_bytes].view(layout.dtype).view(
+        layout.hidden_shape)

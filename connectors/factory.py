@@ -14,6 +14,7 @@ from typing import Any
 
 from connectors.base import KVConnector
 from connectors.codec import BlockLayout
+from connectors.hidden_spec import HiddenStatesSpec
 from kvstore.events import EventBuffer
 from kvstore.g1 import BlockPool
 from policies.plugins import load_plugin_class
@@ -24,6 +25,7 @@ ENTRY_POINT_GROUP = "kvtier.connectors"
 TRANSFER_KEYS = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_connector_module_path",
                  "kv_load_failure_policy", "kv_buffer_device", "engine_id"}
 TIERED_NAMES = {"TieredOffloadConnector", "OffloadingConnector"}
+HIDDEN_STATES_NAMES = {"HiddenStatesConnector", "ExampleHiddenStatesConnector"}  # ours, vLLM's
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class ConnectorContext:
     disk_size_gib: float
     extra_config: dict[str, Any] = field(default_factory=dict)
     events: EventBuffer | None = None  # KV events sink, when enabled
+    hidden_spec: HiddenStatesSpec | None = None  # hidden-state export, when on
+    model_name: str = ""
 
 
 def validate_transfer_config(tc: dict[str, Any]) -> dict[str, Any]:
@@ -101,6 +105,36 @@ def build_tiered(ctx: ConnectorContext) -> KVConnector:
     return connector
 
 
+def build_hidden_states(ctx: ConnectorContext) -> KVConnector:
+    from connectors.hidden_states import HiddenStatesConnector
+
+    extra = ctx.extra_config
+    if ctx.hidden_spec is None:
+        raise ValueError("HiddenStatesConnector needs speculative_config with method extract_hidden_states "
+                         "(and draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids)")
+    path = extra.get("shared_storage_path")
+    if not isinstance(path, str) or not path:
+        raise ValueError("HiddenStatesConnector needs kv_connector_extra_config.shared_storage_path (a directory)")
+    include = extra.get("include_output_tokens", False)
+    if not isinstance(include, bool):
+        raise ValueError(f"include_output_tokens must be true or false; got {include!r}")
+    connector = HiddenStatesConnector(Path(path), ctx.hidden_spec, ctx.pool, ctx.layout.block_size,
+                                      ctx.model_name, include_output_tokens=include,
+                                      writer_threads=int(extra.get("writer_threads", 2)),
+                                      max_queued_files=int(extra.get("max_queued_files", 16)))
+    log.info("hidden states: layers %s -> %s", list(ctx.hidden_spec.layer_ids), path)
+    return connector
+
+
+def has_hidden_states_connector(connector: KVConnector) -> bool:
+    from connectors.hidden_states import HiddenStatesConnector
+    from connectors.multi import MultiConnector
+
+    if isinstance(connector, MultiConnector):
+        return any(has_hidden_states_connector(c) for c in connector.connectors)
+    return isinstance(connector, HiddenStatesConnector)
+
+
 def build_connector(ctx: ConnectorContext, transfer_config: dict[str, Any] | None) -> KVConnector | None:
     tc = validate_transfer_config(dict(transfer_config or {}))
     name = tc.get("kv_connector")
@@ -120,6 +154,8 @@ def build_connector(ctx: ConnectorContext, transfer_config: dict[str, Any] | Non
             if built is not None:
                 parts.append(built)
         return MultiConnector(parts)
+    if name in HIDDEN_STATES_NAMES:
+        return build_hidden_states(ctx)
     if name is None or name in TIERED_NAMES:
         if ctx.offloading_size_gib or ctx.disk_path is not None:
             return build_tiered(ctx)

@@ -55,6 +55,10 @@ class MultiConnector(KVConnector):
         for c in self.connectors:
             c.register_kv_caches(kv_cache)
 
+    def register_hidden_cache(self, hidden_cache):
+        for c in self.connectors:
+            c.register_hidden_cache(hidden_cache)
+
     def start_load_kv(self, meta: MultiMeta) -> None:
         for c, m in zip(self.connectors, meta.parts):
             c.start_load_kv(m)
@@ -94,6 +98,10 @@ class MultiConnector(KVConnector):
     def flush(self) -> None:
         for c in self.connectors:
             c.flush()
+
+    def wait_for_outputs(self) -> None:
+        for c in self.connectors:
+            c.wait_for_outputs()
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -29,7 +29,7 @@ import torch
 
 from connectors.backend import BackendError, StorageBackend
 from connectors.base import ConnectorMeta, KVConnector
-from connectors.codec import HEADER_BYTES, BlockLayout, check_header, payload, write_header
+from connectors.codec import HEADER_BYTES, BlockLayout, check_header, hidden_payload, payload, write_header
 from kvstore.events import BlockStored, EventBuffer
 from kvstore.g1 import BlockId, BlockPool
 from kvstore.host import HostTier
@@ -84,6 +84,7 @@ class TieredOffloadConnector(KVConnector):
         self.layout_id = layout.layout_id()
         self.g3_timeout_s = g3_timeout_s
         self.kv_cache: torch.Tensor | None = None
+        self.hidden_cache: torch.Tensor | None = None  # exported hidden states, when the layout has them
         self._plans: dict[str, tuple[int, list[Chunk]]] = {}
         self._new_loads: list[LoadJob] = []
         self._stored_upto: dict[str, int] = {}  # req id -> chunks already considered for storing
@@ -107,6 +108,7 @@ class TieredOffloadConnector(KVConnector):
         self.load_failures = 0
         self.load_seconds = 0.0  # wall time of load jobs on the transfer thread
         self.load_bytes = 0  # KV bytes those jobs placed into G1
+        self.g2_copies = 0  # copy operations G2 loads took (fewer: longer consecutive runs)
         self.events: EventBuffer | None = None
         self.write_policy = write_policy
         # Write-back: offload blocks that filled in G1 and are not below it yet, by their last
@@ -267,6 +269,11 @@ class TieredOffloadConnector(KVConnector):
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
 
+    def register_hidden_cache(self, hidden_cache: torch.Tensor) -> None:
+        if not self.layout.hidden_layer_ids:
+            raise ValueError("this offload layout carries no hidden states")
+        self.hidden_cache = hidden_cache
+
     def start_load_kv(self, meta: ConnectorMeta) -> None:
         for job in meta.loads:
             self._xfer.submit(self._run_load, job)
@@ -328,13 +335,19 @@ class TieredOffloadConnector(KVConnector):
             else:
                 assert self.g2 is not None and self.kv_cache is not None
                 m = j - i
-                src = self.g2.slab[s0:s0 + m, HEADER_BYTES:].view(self.layout.dtype)
-                src = src.view(m, *self.layout.shape).permute(1, 2, 0, 3, 4, 5, 6)  # [L, 2, m, k, ...]
-                dst = self.kv_cache[:, :, job.dst[d0]:job.dst[d0] + m * k]
+                lay, rows, first = self.layout, self.g2.slab[s0:s0 + m], job.dst[d0]
+                src = rows[:, HEADER_BYTES:HEADER_BYTES + lay.kv_bytes].view(lay.dtype)
+                src = src.view(m, *lay.shape).permute(1, 2, 0, 3, 4, 5, 6)  # [L, 2, m, k, ...]
+                dst = self.kv_cache[:, :, first:first + m * k]
                 dst.view(*dst.shape[:2], m, k, *dst.shape[3:]).copy_(src)
+                if self.hidden_cache is not None:
+                    hid = rows[:, HEADER_BYTES + lay.kv_bytes:HEADER_BYTES + lay.payload_bytes].view(lay.dtype)
+                    self.hidden_cache[first:first + m * k].view(m, *lay.hidden_shape).copy_(
+                        hid.view(m, *lay.hidden_shape))
                 n = m * k
             done += n
             self.tier_hits["G2"] += n * self.layout.block_size
+            self.g2_copies += 1
             i = j
         return done
 
@@ -401,16 +414,25 @@ class TieredOffloadConnector(KVConnector):
         n = k - lo
         dst = job.dst[dst_start:dst_start + n]
         assert self.kv_cache is not None
+        hid = hidden_payload(buf, self.layout)[lo:] if self.hidden_cache is not None else None
         if all(d == dst[0] + i for i, d in enumerate(dst)):  # the usual case: a strided copy,
             self.kv_cache[:, :, dst[0]:dst[0] + n].copy_(data[:, :, lo:])  # faster than index_copy_
+            if hid is not None:
+                self.hidden_cache[dst[0]:dst[0] + n].copy_(hid)  # type: ignore[index]
         else:
-            self.kv_cache.index_copy_(2, torch.tensor(dst, dtype=torch.long), data[:, :, lo:])
+            idx = torch.tensor(dst, dtype=torch.long)
+            self.kv_cache.index_copy_(2, idx, data[:, :, lo:])
+            if hid is not None:
+                self.hidden_cache.index_copy_(0, idx, hid)  # type: ignore[union-attr]
         return n
 
     def _gather(self, src: list[BlockId], buf: torch.Tensor, job: StoreJob) -> None:
         assert self.kv_cache is not None
         write_header(buf, self.layout_id, job.digest, self.layout.payload_bytes)
-        torch.index_select(self.kv_cache, 2, torch.tensor(src, dtype=torch.long), out=payload(buf, self.layout))
+        idx = torch.tensor(src, dtype=torch.long)
+        torch.index_select(self.kv_cache, 2, idx, out=payload(buf, self.layout))
+        if self.hidden_cache is not None:
+            torch.index_select(self.hidden_cache, 0, idx, out=hidden_payload(buf, self.layout))
 
     def _run_store(self, job: StoreJob) -> None:
         try:
@@ -466,6 +488,7 @@ class TieredOffloadConnector(KVConnector):
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"lookup_tokens": self.lookup_tokens, "load_failures": self.load_failures,
                                "load_seconds": self.load_seconds, "load_bytes": self.load_bytes,
+                               "g2_load_copies": self.g2_copies,
                                "write_policy": self.write_policy.value}
         if self.write_policy is WritePolicy.WRITE_BACK:
             out.update(writeback_blocks=self.writeback_blocks, writeback_dropped=self.writeback_dropped,

@@ -51,6 +51,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help='publish KV block stored/removed events, e.g. \'{"enable_kv_cache_events": true, '
                         '"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}\'')
+    h = p.add_argument_group("hidden-state export")
+    h.add_argument("-sc", "--speculative-config", default=None, metavar="JSON",
+                   help='vLLM-style JSON; only {"method": "extract_hidden_states", "num_speculative_tokens": 1, '
+                        '"draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [...]}}} '
+                        "is supported (with --kv-transfer-config naming HiddenStatesConnector)")
     o.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                    help="when a lower-tier load fails: recompute the tokens, or fail the request (default: %(default)s)")
 
@@ -76,4 +81,5 @@ def llm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         "kv_transfer_config": ns.kv_transfer_config,
         "kv_load_failure_policy": ns.kv_load_failure_policy,
         "kv_events_config": ns.kv_events_config,
+        "speculative_config": ns.speculative_config,
     }

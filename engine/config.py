@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from connectors.hidden_spec import HiddenStatesSpec
+
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -109,6 +111,8 @@ class EngineConfig:
     kv_transfer_config: dict[str, Any] | None = None
     kv_load_failure_policy: LoadFailurePolicy = field(default="recompute")  # type: ignore[assignment]
     kv_events_config: dict[str, Any] | None = None
+    # vLLM's speculative_config; only method "extract_hidden_states" (hidden-state export).
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -135,10 +139,15 @@ class EngineConfig:
         if self.kv_offload_block_size <= 0 or self.kv_offload_block_size % self.block_size:
             raise ValueError(f"kv_offload_block_size ({self.kv_offload_block_size}) must be a positive multiple "
                              f"of block_size ({self.block_size})")
+        HiddenStatesSpec.from_speculative_config(self.speculative_config)  # validates
         try:
             object.__setattr__(self, "kv_load_failure_policy", LoadFailurePolicy(self.kv_load_failure_policy))
         except ValueError:
             raise ValueError(f"kv_load_failure_policy must be 'recompute' or 'fail'; got {self.kv_load_failure_policy!r}") from None
+
+    @property
+    def hidden_states(self) -> HiddenStatesSpec | None:
+        return HiddenStatesSpec.from_speculative_config(self.speculative_config)
 
     @property
     def offload_enabled(self) -> bool:

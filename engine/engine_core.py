@@ -6,6 +6,7 @@ server's engine-core process both drive it.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 
 from connectors.base import KVConnector
 from connectors.codec import BlockLayout
-from connectors.factory import ConnectorContext, build_connector
+from connectors.factory import ConnectorContext, build_connector, has_hidden_states_connector
 from engine.attention import TorchPagedAttention
 from engine.config import EngineConfig, LoadFailurePolicy, load_model_config
 from engine.fingerprint import model_fingerprint
@@ -45,7 +46,10 @@ class EngineCore:
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_token_ids = _eos_ids(model_dir, self.tokenizer)
         bs = config.block_size
-        per_block = kv_cache_bytes_per_block(mc, bs)
+        self.hidden_spec = config.hidden_states
+        if self.hidden_spec is not None:
+            self.hidden_spec.check_model(mc.num_layers)
+        per_block = kv_cache_bytes_per_block(mc, bs, len(self.hidden_spec.layer_ids) if self.hidden_spec else 0)
         num_blocks = config.num_gpu_blocks or int(config.kv_cache_memory_gib * 2**30 // per_block)
         max_len = config.max_model_len or mc.max_position_embeddings
         if max_len > mc.max_position_embeddings:
@@ -64,7 +68,7 @@ class EngineCore:
         model = load_model(model_dir, mc, TorchPagedAttention(), max_len, config.device)
         self.pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy), config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, bs)
-        self.runner = ModelRunner(model, mc, num_blocks, bs, config.device)
+        self.runner = ModelRunner(model, mc, num_blocks, bs, config.device, self.hidden_spec)
         self.events, self.publisher = self._build_events()
         self.connector = self._build_connector(model_dir)
         self.scheduler = Scheduler(self.kv, config.scheduling_policy, config.max_num_seqs,
@@ -79,21 +83,35 @@ class EngineCore:
         cfg, mc = self.config, self.model_config
         tc = dict(cfg.kv_transfer_config or {})
         if not (cfg.offload_enabled or tc.get("kv_connector")):
+            if self.hidden_spec is not None:
+                raise ValueError("speculative_config extract_hidden_states needs kv_transfer_config with "
+                                 '{"kv_connector": "HiddenStatesConnector", "kv_connector_extra_config": '
+                                 '{"shared_storage_path": DIR}}')
             return None
-        if not cfg.enable_prefix_caching:
+        if cfg.offload_enabled and not cfg.enable_prefix_caching:
             raise ValueError("KV offload needs prefix caching (block keys); drop --no-enable-prefix-caching")
         if "kv_load_failure_policy" in tc:
             object.__setattr__(cfg, "kv_load_failure_policy", LoadFailurePolicy(tc["kv_load_failure_policy"]))
         extra = dict(tc.get("kv_connector_extra_config") or {})
         fp = model_fingerprint(model_dir, mc, cfg.block_size)
+        hs = self.hidden_spec
+        if hs is not None:  # blocks carry hidden states too: a G3 namespace of their own
+            fp = hashlib.sha256(fp + repr(hs.layer_ids).encode()).digest()[:16]
         # Connectors may override the offload block size in their extra config ("block_size").
         layout = BlockLayout(mc.num_layers, cfg.kv_offload_block_size // cfg.block_size, cfg.block_size,
-                             mc.num_kv_heads, mc.head_dim, mc.dtype, fp.hex())
+                             mc.num_kv_heads, mc.head_dim, mc.dtype, fp.hex(),
+                             hs.layer_ids if hs else (), mc.hidden_size if hs else 0)
         ctx = ConnectorContext(layout, self.pool, fp, cfg.kv_eviction_policy, cfg.kv_offloading_size,
-                               cfg.kv_offload_disk, cfg.kv_offload_disk_size, extra, self.events)
+                               cfg.kv_offload_disk, cfg.kv_offload_disk_size, extra, self.events,
+                               hidden_spec=hs, model_name=model_dir.name)
         connector = build_connector(ctx, tc)
         if connector is not None:
             connector.register_kv_caches(self.runner.kv_cache)
+            if self.runner.hidden_cache is not None:
+                if not has_hidden_states_connector(connector):
+                    raise ValueError("speculative_config extract_hidden_states needs the HiddenStatesConnector in "
+                                     "kv_transfer_config (alone, or inside a MultiConnector)")
+                connector.register_hidden_cache(self.runner.hidden_cache)
         return connector
 
     def _build_events(self) -> tuple[EventBuffer | None, ZmqEventPublisher | None]:

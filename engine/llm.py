@@ -46,6 +46,7 @@ class LLM:
         kv_transfer_config: dict[str, Any] | str | None = None,
         kv_load_failure_policy: str = "recompute",
         kv_events_config: dict[str, Any] | str | None = None,
+        speculative_config: dict[str, Any] | str | None = None,
     ) -> None:
         if model is None:
             from engine.demo_model import ensure_demo_model
@@ -62,6 +63,7 @@ class LLM:
             kv_transfer_config=_parse_json(kv_transfer_config, "kv_transfer_config"),
             kv_load_failure_policy=kv_load_failure_policy,
             kv_events_config=_parse_json(kv_events_config, "kv_events_config"),
+            speculative_config=_parse_json(speculative_config, "speculative_config"),
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
@@ -90,18 +92,23 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         cache_salt: str | Sequence[str | None] | None = None,
+        request_ids: Sequence[str] | None = None,
     ) -> list[RequestOutput]:
+        """`request_ids` name the requests (and their hidden-state files); default: a counter."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         n = len(prompts)
+        ids = [str(next(self._ids)) for _ in range(n)] if request_ids is None else [str(r) for r in request_ids]
+        if len(ids) != n or len(set(ids)) != n:
+            raise ValueError(f"request_ids must be {n} distinct ids, one per prompt")
         params = _broadcast(sampling_params or SamplingParams(), n, "sampling_params")
         prios = _broadcast(list(priority) if priority is not None else 0, n, "priority")
         salts = _broadcast(cache_salt if not isinstance(cache_salt, str) and cache_salt is not None else cache_salt, n,
                            "cache_salt")
         # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
         reqs = [
-            self.engine.make_request(str(next(self._ids)), *self._tokenize(p), sp, priority=pr, cache_salt=salt)
-            for p, sp, pr, salt in zip(prompts, params, prios, salts)
+            self.engine.make_request(rid, *self._tokenize(p), sp, priority=pr, cache_salt=salt)
+            for rid, p, sp, pr, salt in zip(ids, prompts, params, prios, salts)
         ]
         return self._run(reqs, use_tqdm)
 
@@ -164,6 +171,8 @@ class LLM:
             raise
         finally:
             bar.close()
+        if self.engine.connector is not None:
+            self.engine.connector.wait_for_outputs()  # e.g. hidden-state files exist on return
         return [self._output(r) for r in reqs]
 
     def _output(self, req: Request) -> RequestOutput:

@@ -11,6 +11,7 @@ import torch
 
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from engine.config import ModelConfig
+from connectors.hidden_spec import HiddenStatesSpec
 from engine.scheduler import SchedulerOutput
 
 
@@ -23,12 +24,15 @@ class ModelOutput:
     sampled: list[int]  # indices into scheduler_output.scheduled that produce a token
 
 
-def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * cfg.dtype.itemsize
+def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, hidden_layers: int = 0) -> int:
+    """G1 bytes per block: K and V of every layer, plus `hidden_layers` exported hidden states."""
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim + hidden_layers * cfg.hidden_size
+    return block_size * per_token * cfg.dtype.itemsize
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int, device: str) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int, device: str,
+                 hidden_spec: HiddenStatesSpec | None = None) -> None:
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
@@ -37,6 +41,13 @@ class ModelRunner:
             cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=device
         )
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        # Exported hidden states live in paged blocks beside the KV, so a prefix hit has them.
+        self.hidden_spec = hidden_spec
+        self.hidden_cache: torch.Tensor | None = None
+        if hidden_spec is not None:
+            self.hidden_cache = torch.zeros(num_blocks, block_size, len(hidden_spec.layer_ids), cfg.hidden_size,
+                                            dtype=cfg.dtype, device=device)
+            self._file_order = torch.tensor(hidden_spec.file_order, dtype=torch.long, device=device)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelOutput:
@@ -75,12 +86,18 @@ class ModelRunner:
             prefills=prefills,
             decodes=self._decode_groups(decode_rows, decode_tables, decode_lens),
         )
-        hidden, _ = self.model(
+        capture = self.hidden_spec.capture_order if self.hidden_spec is not None else ()
+        hidden, captured = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
             self.layer_caches,
             meta,
+            capture,
         )
+        if self.hidden_cache is not None:
+            states = torch.stack(captured, dim=1).index_select(1, self._file_order)  # [tokens, ids, hidden]
+            n, h = states.shape[1:]
+            self.hidden_cache.view(-1, n, h).index_copy_(0, meta.slot_mapping, states)
         logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else hidden.new_empty(0, 0)
         return ModelOutput(logits.float(), sampled)
 
