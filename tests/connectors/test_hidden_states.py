@@ -192,3 +192,42 @@ def test_prefix_states_come_from_the_offload_block(ckpt_dir, tmp_path):
     noisy = load_file(out / "noisy.safetensors")["hidden_states"]
     assert not torch.equal(noisy[:288], fresh[:288])
     assert torch.equal(noisy[288:], fresh[288:])  # the recomputed tail is unaffected
+
+
+def test_writer_queue_is_bounded_and_applies_backpressure(tmp_path, monkeypatch):
+    """With the writer stuck, gathering more finished requests than the queue holds blocks
+    (the step loop waits) instead of piling states up in memory; all files land once it moves."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import connectors.hidden_states as hs_module
+    from connectors.hidden_spec import HiddenStatesSpec
+    from kvstore.g1 import BlockPool
+    from policies import make_policy
+
+    gate = threading.Event()
+    real_write = hs_module.write_atomically
+    monkeypatch.setattr(hs_module, "write_atomically", lambda *a: (gate.wait(10), real_write(*a)))
+    pool = BlockPool(16, make_policy("lru"))
+    conn = hs_module.HiddenStatesConnector(tmp_path, HiddenStatesSpec((1,)), pool, 4, "m",
+                                           writer_threads=1, max_queued_files=1)
+    conn.register_hidden_cache(torch.randn(16, 4, 1, 8))
+    for i in range(4):  # four finished 6-token requests, each on its own two blocks
+        blocks = pool.allocate(2)
+        req = SimpleNamespace(error=None, num_computed_tokens=6, num_prompt_tokens=6, num_tokens=7,
+                              request_id=f"r{i}", all_token_ids=list(range(7)))
+        conn.request_finished(req, blocks)
+        pool.release(blocks)
+    worker = threading.Thread(target=conn.get_finished, args=(set(),))
+    worker.start()
+    time.sleep(0.3)
+    assert worker.is_alive(), "gathering did not wait for the stuck writer"
+    assert conn._queue.qsize() <= 1  # noqa: SLF001
+    gate.set()
+    worker.join(10)
+    conn.close()
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [f"r{i}.safetensors" for i in range(4)]
+    assert all(load_file(p)["hidden_states"].shape == (6, 1, 8) for p in tmp_path.glob("*.safetensors"))
+    pool.check_integrity()
+    assert pool.num_free_blocks() == 16  # the connector's holds were all released
