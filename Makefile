@@ -5,7 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-all bench-throughput bench-policies
+.PHONY: setup demo test test-all bench-throughput bench-policies bench-offload bench-hidden-states
 
 setup:
 	@PYTHON=$(PY) VENV=$(VENV) bash scripts/setup.sh
@@ -25,3 +25,9 @@ bench-throughput: setup
 
 bench-policies: setup
 	$(BIN)/python benchmarks/policies.py
+
+bench-offload: setup
+	$(BIN)/python benchmarks/offload.py --runs 3
+
+bench-hidden-states: setup
+	$(BIN)/python benchmarks/hidden_states.py

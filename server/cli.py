@@ -2,6 +2,7 @@
 
 Subcommands:
   generate    answer prompts or chat messages offline with the engine
+  extract     export hidden states (EAGLE-3 training data) for a JSONL of prompts
   demo-model  convert the embedded demo model into a Hugging Face checkpoint
 
 Bad input exits with code 2 and a one-line message, never a traceback.
@@ -51,6 +52,12 @@ def _generate(argv: list[str]) -> int:
     return 0
 
 
+def _extract(argv: list[str]) -> int:
+    from server.extract import main
+
+    return main(argv)
+
+
 def _demo_model(argv: list[str]) -> int:
     from engine.demo_model import main
 
@@ -59,6 +66,7 @@ def _demo_model(argv: list[str]) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "generate": (_generate, "answer prompts or chat messages offline"),
+    "extract": (_extract, "export hidden states (EAGLE-3 training data) for a JSONL of prompts"),
     "demo-model": (_demo_model, "convert the embedded demo model (SmolLM2-135M-Instruct) into an HF checkpoint"),
 }
 
