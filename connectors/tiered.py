@@ -59,6 +59,7 @@ class LoadJob:
     chunks: list[Chunk]
     first_g1: int  # G1 block index (within the request) of the first block to fill
     dst: list[BlockId]  # destination G1 blocks, in order
+    end_token: int  # the load supplies tokens before this one (the last block may hold more)
     g2_slots: dict[BlockKey, int] = field(default_factory=dict)  # pinned at prepare time
 
 
@@ -109,6 +110,7 @@ class TieredOffloadConnector(KVConnector):
         self.load_seconds = 0.0  # wall time of load jobs on the transfer thread
         self.load_bytes = 0  # KV bytes those jobs placed into G1
         self.g2_copies = 0  # copy operations G2 loads took (fewer: longer consecutive runs)
+        self._last_tier = "G2"  # tier of the last chunk a load placed (transfer thread only)
         self.events: EventBuffer | None = None
         self.write_policy = write_policy
         # Write-back: offload blocks that filled in G1 and are not below it yet, by their last
@@ -130,7 +132,10 @@ class TieredOffloadConnector(KVConnector):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         t = self.layout.tokens
         first = num_computed_tokens // t
-        last = (request.num_tokens - 1) // t  # chunks fully before the last token
+        # Every offload block wholly inside the known tokens, the one holding the last token
+        # included: it is loaded whole, and only the last token is recomputed (over the copy),
+        # so a hit computes 1 token instead of up to a block.
+        last = request.num_tokens // t
         if last <= first:
             return 0, False
         found: list[Chunk] = []
@@ -158,15 +163,18 @@ class TieredOffloadConnector(KVConnector):
         self.lookup_tokens += (last - first) * t * count
         if not found:
             return 0, False
+        n = min((first + len(found)) * t, request.num_tokens - 1) - num_computed_tokens
+        if n <= 0:
+            return 0, False
         self._plans[request.request_id] = (num_computed_tokens, found)
-        return (first + len(found)) * t - num_computed_tokens, True
+        return n, True
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         num_computed, chunks = self._plans.pop(request.request_id)
         bs = self.layout.block_size
         first_g1 = num_computed // bs
-        end_g1 = (num_computed + num_external_tokens) // bs
-        job = LoadJob(request.request_id, chunks, first_g1, list(block_ids[first_g1:end_g1]))
+        end = num_computed + num_external_tokens
+        job = LoadJob(request.request_id, chunks, first_g1, list(block_ids[first_g1:-(-end // bs)]), end)
         if self.g2 is not None:
             g2_keys = [c.key for c in chunks if c.tier == "G2"]
             slots = self.g2.prepare_load(g2_keys) if g2_keys else []
@@ -174,7 +182,6 @@ class TieredOffloadConnector(KVConnector):
                 job.chunks = []
             else:
                 job.g2_slots = dict(zip(g2_keys, slots))
-        end = num_computed + num_external_tokens
         request.pending_by_tier = {}
         for c in job.chunks:  # what each tier will supply; the engine trims it if the load falls short
             n = min((c.index + 1) * self.layout.tokens, end) - max(c.index * self.layout.tokens, num_computed)
@@ -299,6 +306,9 @@ class TieredOffloadConnector(KVConnector):
         except Exception as e:  # a plugin tier may raise anything: it must become a miss, never wrong KV
             log.warning("offload load for request %s failed: %s: %s", job.req_id, type(e).__name__, e)
         finally:
+            over = (job.first_g1 + landed) * self.layout.block_size - job.end_token
+            if over > 0 and landed:  # the last token's block: its last token is recomputed, not a hit
+                self.tier_hits[self._last_tier] -= over
             if self.g2 is not None and job.g2_slots:
                 self.g2.complete_load(list(job.g2_slots))
             self.load_seconds += time.perf_counter() - start
@@ -347,6 +357,7 @@ class TieredOffloadConnector(KVConnector):
                 n = m * k
             done += n
             self.tier_hits["G2"] += n * self.layout.block_size
+            self._last_tier = "G2"
             self.g2_copies += 1
             i = j
         return done
@@ -396,6 +407,7 @@ class TieredOffloadConnector(KVConnector):
                 n = self._scatter(buf, c.index, job)
                 landed += n
                 self.tier_hits["G3"] += n * self.layout.block_size
+                self._last_tier = "G3"
             else:
                 ok = False  # later reads in flight still finish (and may still be promoted)
 

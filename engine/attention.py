@@ -24,6 +24,14 @@ class PrefillSeq:
     context_len: int  # tokens in the cache after this step, including the query
     block_ids: torch.Tensor  # [ceil(context_len / block_size)] int64
     first_block: int | None = None  # set when block_ids is one consecutive run: no gather needed
+    mask: torch.Tensor | None = None  # [query_len, context_len] bool, for a chunk after cached tokens
+
+    def __post_init__(self) -> None:
+        if self.query_len != self.context_len and self.mask is None:
+            # Built once per step, not per layer: query i sits at position context_len - query_len + i.
+            dev = self.block_ids.device
+            rows = torch.arange(self.query_len, device=dev).unsqueeze(1) + (self.context_len - self.query_len)
+            self.mask = torch.arange(self.context_len, device=dev).unsqueeze(0) <= rows
 
 
 @dataclass
@@ -103,11 +111,7 @@ class TorchPagedAttention(AttentionBackend):
             if seq.query_len == seq.context_len:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
-                # A chunk after cached tokens: query i sits at position context_len - query_len + i.
-                offset = seq.context_len - seq.query_len
-                rows = torch.arange(seq.query_len).unsqueeze(1) + offset
-                mask = torch.arange(seq.context_len).unsqueeze(0) <= rows
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, scale=scale, enable_gqa=gqa)
             out[seq.query_start : seq.query_start + seq.query_len] = o[0].transpose(0, 1)
         for group in meta.decodes:
             bt = group.block_tables

@@ -178,9 +178,10 @@ class Scheduler:
         bs = self.kv.block_size
         table = self.kv.block_table(req)
         first = req.num_computed_tokens // bs
-        end = (req.num_computed_tokens + ext) // bs
+        end_token = req.num_computed_tokens + ext
+        end = -(-end_token // bs)  # the last block may be partly loaded: the prompt's last token is computed
         bad = next((i for i in range(first, end) if table[i] in failed_blocks), end)
-        loaded = (bad - first) * bs
+        loaded = min(bad * bs, end_token) - req.num_computed_tokens
         req.num_computed_tokens += loaded
         if not req.preempted:  # a resume's reload is not a prompt-cache hit
             req.num_cached_tokens += loaded

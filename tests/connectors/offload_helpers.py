@@ -7,7 +7,7 @@ mismatch later points at the offload path, not at a float near-tie).
 
 Offload blocks are OB tokens (a multiple of G1's block size 16). A prompt's last token is
 always recomputed, so a prompt of n tokens can get at most ``hit_tokens(n)`` tokens from
-the offload tiers: the full offload blocks strictly before its last token.
+the offload tiers: its full offload blocks, less the last token when the last block is full.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def as_inputs(prompts: Sequence[Sequence[int]]) -> list[dict]:
 
 def hit_tokens(n: int, ob: int = OB) -> int:
     """Most tokens an offload tier can supply for an n-token prompt with nothing in G1."""
-    return (n - 1) // ob * ob
+    return min(n // ob * ob, n - 1)
 
 
 def tokens(outs) -> list[list[int]]:

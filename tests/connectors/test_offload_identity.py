@@ -238,3 +238,25 @@ def test_demo_mixed(demo, tmp_path):
         check_integrity(llm)
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("tier", ["G2", "G3"])
+def test_prompt_ending_on_an_offload_block_boundary(model_dir, tmp_path, tier):
+    """The block holding the last token is loaded whole and only that token is recomputed
+    (over the loaded copy): OB * 6 - 1 tokens come from the tier, outputs are unchanged."""
+    prompt = random_prompt(6 * OB, 7150)
+    (want,) = reference(model_dir, [prompt])
+    kw = {"kv_offloading_size": g2_gib(model_dir, 128)} if tier == "G2" else {"kv_offload_disk": str(tmp_path / "g3")}
+    llm = offload_llm(model_dir, **kw)
+    try:
+        (first,) = run(llm, [prompt])
+        assert first.outputs[0].token_ids == want
+        flush_g1(llm)
+        (second,) = run(llm, [prompt])
+        assert list(second.outputs[0].token_ids) == want
+        assert second.cached_tokens_by_tier == {tier: 6 * OB - 1}
+        assert second.num_cached_tokens == 6 * OB - 1
+        assert llm.get_stats().tiers[tier]["hit_tokens"] == 6 * OB - 1
+        check_integrity(llm)
+    finally:
+        llm.close()

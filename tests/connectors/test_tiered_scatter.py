@@ -80,7 +80,7 @@ def test_batched_scatter_matches_per_block_copy(k: int, arrangement: str, partia
     elif arrangement == "broken-runs":
         dst[len(dst) // 2:] = [b + 20 for b in dst[len(dst) // 2:]]
     expected = reference(conn, chunks, first_g1, dst)
-    job = LoadJob("r", chunks, first_g1, [BlockId(b) for b in dst])
+    job = LoadJob("r", chunks, first_g1, [BlockId(b) for b in dst], (first_g1 + len(dst)) * 4)
     assert conn.g2 is not None
     job.g2_slots = dict(zip([c.key for c in chunks], conn.g2.prepare_load([c.key for c in chunks]) or []))
     conn._run_load(job)  # noqa: SLF001 - the transfer thread's body, run inline
@@ -101,7 +101,7 @@ def test_corrupt_chunk_stops_the_run_there() -> None:
     dst = list(range(10, 22))
     before = conn.kv_cache.clone()  # type: ignore[union-attr]
     expected = reference(conn, chunks[:3], 0, dst)
-    job = LoadJob("r", chunks, 0, [BlockId(b) for b in dst])
+    job = LoadJob("r", chunks, 0, [BlockId(b) for b in dst], len(dst) * 4)
     job.g2_slots = dict(zip([c.key for c in chunks], conn.g2.prepare_load([c.key for c in chunks]) or []))
     conn._run_load(job)  # noqa: SLF001
     _, (_, failed), _ = conn._done.get_nowait()  # noqa: SLF001
