@@ -110,7 +110,6 @@ class TieredOffloadConnector(KVConnector):
         self.load_seconds = 0.0  # wall time of load jobs on the transfer thread
         self.load_bytes = 0  # KV bytes those jobs placed into G1
         self.g2_copies = 0  # copy operations G2 loads took (fewer: longer consecutive runs)
-        self._last_tier = "G2"  # tier of the last chunk a load placed (transfer thread only)
         self.events: EventBuffer | None = None
         self.write_policy = write_policy
         # Write-back: offload blocks that filled in G1 and are not below it yet, by their last
@@ -291,6 +290,7 @@ class TieredOffloadConnector(KVConnector):
 
     def _run_load(self, job: LoadJob) -> None:
         landed = 0  # destination blocks filled, from the first: everything after is reported failed
+        last_tier = "G2"  # the tier of the last block placed
         start = time.perf_counter()
         try:
             # Lookup puts every G2 chunk before the first G3 one.
@@ -300,15 +300,17 @@ class TieredOffloadConnector(KVConnector):
                 if not self._g2_ok(c, job):
                     break
                 run.append((c, job.g2_slots[c.key]))
-            landed += self._scatter_g2(run, job)
+            landed = self._scatter_g2(run, job)
             if len(run) == len(g2_chunks):
-                landed += self._load_g3(job.chunks[len(g2_chunks):], job)
+                from_g3 = self._load_g3(job.chunks[len(g2_chunks):], job)
+                landed += from_g3
+                last_tier = "G3" if from_g3 else "G2"
         except Exception as e:  # a plugin tier may raise anything: it must become a miss, never wrong KV
             log.warning("offload load for request %s failed: %s: %s", job.req_id, type(e).__name__, e)
         finally:
             over = (job.first_g1 + landed) * self.layout.block_size - job.end_token
             if over > 0 and landed:  # the last token's block: its last token is recomputed, not a hit
-                self.tier_hits[self._last_tier] -= over
+                self.tier_hits[last_tier] -= over
             if self.g2 is not None and job.g2_slots:
                 self.g2.complete_load(list(job.g2_slots))
             self.load_seconds += time.perf_counter() - start
@@ -357,7 +359,6 @@ class TieredOffloadConnector(KVConnector):
                 n = m * k
             done += n
             self.tier_hits["G2"] += n * self.layout.block_size
-            self._last_tier = "G2"
             self.g2_copies += 1
             i = j
         return done
@@ -407,7 +408,6 @@ class TieredOffloadConnector(KVConnector):
                 n = self._scatter(buf, c.index, job)
                 landed += n
                 self.tier_hits["G3"] += n * self.layout.block_size
-                self._last_tier = "G3"
             else:
                 ok = False  # later reads in flight still finish (and may still be promoted)
 

@@ -47,7 +47,7 @@ class ModelRunner:
         if hidden_spec is not None:
             self.hidden_cache = torch.zeros(num_blocks, block_size, len(hidden_spec.layer_ids), cfg.hidden_size,
                                             dtype=cfg.dtype, device=device)
-            self._file_order = torch.tensor(hidden_spec.file_order, dtype=torch.long, device=device)
+            self._file_order = hidden_spec.file_order
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelOutput:
@@ -95,7 +95,7 @@ class ModelRunner:
             capture,
         )
         if self.hidden_cache is not None:
-            states = torch.stack(captured, dim=1).index_select(1, self._file_order)  # [tokens, ids, hidden]
+            states = torch.stack([captured[i] for i in self._file_order], dim=1)  # [tokens, ids, hidden]
             n, h = states.shape[1:]
             self.hidden_cache.view(-1, n, h).index_copy_(0, meta.slot_mapping, states)
         logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else hidden.new_empty(0, 0)
