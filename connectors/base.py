@@ -18,6 +18,7 @@ connector stacks backends as tiers.
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -86,6 +87,13 @@ class KVConnector(ABC):
         """Transfers are in flight that hold engine resources (G1 blocks); the engine waits
         for them rather than declaring itself stuck."""
         return False
+
+    def wait_for_progress(self, timeout: float) -> None:
+        """Block until a transfer finishes or `timeout` seconds pass. The engine calls it when
+        nothing can run but transfers, so that it sleeps instead of spinning on the cores the
+        copies need. The default polls in short sleeps; a connector with a completion signal
+        should wait on it."""
+        time.sleep(min(timeout, 0.0005))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """G1 blocks whose async load failed since the last call (vLLM's name). The engine

@@ -95,6 +95,11 @@ class MultiConnector(KVConnector):
     def busy(self) -> bool:
         return any(c.busy() for c in self.connectors)
 
+    def wait_for_progress(self, timeout: float) -> None:
+        # One child's signal is enough to wake on; the engine polls them all right after.
+        busy = [c for c in self.connectors if c.busy()] or self.connectors
+        busy[0].wait_for_progress(timeout)
+
     def flush(self) -> None:
         for c in self.connectors:
             c.flush()

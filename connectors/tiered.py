@@ -93,6 +93,7 @@ class TieredOffloadConnector(KVConnector):
         self._counted: set[str] = set()  # requests whose lookup is already in the stats
         self._held: dict[BlockKey, list[BlockId]] = {}  # G1 refs held by stores in flight
         self._done: queue.SimpleQueue[tuple[str, Any, bool]] = queue.SimpleQueue()
+        self._progress = threading.Event()  # set with every _done item: the idle engine waits on it
         self._failed_blocks: set[int] = set()
         self._xfer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-xfer")  # FIFO: loads and G2 stores
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvtier-g3")  # G3 writes, in order
@@ -267,6 +268,16 @@ class TieredOffloadConnector(KVConnector):
     def busy(self) -> bool:
         return bool(self._held)
 
+    def _signal(self, item: tuple[str, Any, bool]) -> None:
+        self._done.put(item)
+        self._progress.set()
+
+    def wait_for_progress(self, timeout: float) -> None:
+        # A set that lands between wait() and clear() is not lost: its item is already queued,
+        # and the engine drains the queue before it waits again.
+        self._progress.wait(timeout)
+        self._progress.clear()
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
@@ -315,7 +326,7 @@ class TieredOffloadConnector(KVConnector):
                 self.g2.complete_load(list(job.g2_slots))
             self.load_seconds += time.perf_counter() - start
             self.load_bytes += landed * self.layout.payload_bytes // self.layout.g1_blocks
-            self._done.put(("load", (job.req_id, job.dst[landed:]), True))
+            self._signal(("load", (job.req_id, job.dst[landed:]), True))
 
     def _g2_ok(self, c: Chunk, job: LoadJob) -> bool:
         assert self.g2 is not None
@@ -452,7 +463,7 @@ class TieredOffloadConnector(KVConnector):
         except (RuntimeError, OSError, ValueError) as e:
             log.warning("offload store failed (block not offloaded): %s", e)
         finally:
-            self._done.put(("store", job.key, True))
+            self._signal(("store", job.key, True))
 
     def _store(self, job: StoreJob, wait_for_write_slot: bool) -> bool:
         """Copies job.src out of G1 into G2 (then queues G3 from there) or, with no G2, into a

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -39,6 +38,8 @@ DEFAULT_MAX_BATCHED_TOKENS = 2048
 
 
 class EngineCore:
+    IDLE_WAIT_S = 0.05  # longest idle sleep while transfers are in flight (a finish wakes it sooner)
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         model_dir = Path(config.model)
@@ -194,8 +195,10 @@ class EngineCore:
                 [(s.req, s.num_new_tokens, t) for s, t in zip(sched.scheduled, tables)])
             self.connector.start_load_kv(meta)
         if not sched.scheduled:
-            if self.scheduler.loading or (self.connector is not None and self.connector.busy()):
-                time.sleep(0.0005)  # only transfers in flight: let the transfer thread run
+            if self.connector is not None and (self.scheduler.loading or self.connector.busy()):
+                # Only transfers in flight: sleep until one finishes. Polling here would take a
+                # core from the copies (2 cores: a G2 load ran at ~60% speed while we spun).
+                self.connector.wait_for_progress(self.IDLE_WAIT_S)
                 return updated
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending")

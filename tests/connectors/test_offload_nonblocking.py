@@ -157,3 +157,38 @@ def test_loads_landing_together_on_a_full_g1_complete(model_dir, tmp_path, front
         check_integrity(llm)
     finally:
         llm.close()
+
+
+def test_idle_engine_sleeps_while_a_load_is_in_flight(model_dir, tmp_path):
+    """With nothing to run but a load, step() waits on the connector's completion signal. It
+    used to poll every 0.5 ms, which took a core from the copy (2-core machines lost ~half
+    the G2 load bandwidth). A load of 10 blocks slowed to >= 1 s must take few steps."""
+    disk = tmp_path / "g3"
+    a = offload_llm(model_dir, kv_offload_disk=str(disk))
+    run(a, [LONG])
+    a.close()
+    one_reader = {"kv_connector_extra_config": {"g3_read_threads": 1}}
+    llm = offload_llm(model_dir, kv_offload_disk=str(disk), kv_transfer_config=one_reader)
+    eng = llm.engine
+    try:
+        g3 = eng.connector.g3
+        real_get_into = g3.get_into
+
+        def slow_get_into(keys, outs):
+            time.sleep(SLOW_S)
+            return real_get_into(keys, outs)
+
+        g3.get_into = slow_get_into
+        loader = eng.make_request("loader", LONG, greedy())
+        eng.add_request(loader)
+        idle_steps, t0 = 0, time.perf_counter()
+        with deadline(60, "the load"):
+            while loader.status is not RequestStatus.RUNNING and not loader.status.finished:
+                if eng.step() == [] and loader.status is WAITING:
+                    idle_steps += 1
+        load_s = time.perf_counter() - t0
+        assert load_s >= SLOW_S * (hit_tokens(len(LONG)) // OB)
+        # Polling would be ~2000 steps per second; the signal wait is <= 20 per second.
+        assert idle_steps <= load_s / eng.IDLE_WAIT_S + 5, (idle_steps, load_s)
+    finally:
+        llm.close()
