@@ -14,7 +14,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "setup: installing torch==2.13.0"
   "${pip[@]}" torch==2.13.0
 fi
-if ! "$VENV/bin/python" -c "import engine, transformers, gguf, pytest, hypothesis" 2>/dev/null \
+if ! "$VENV/bin/python" -c "import engine, transformers, gguf, pytest, hypothesis, fastapi, uvicorn, openai" 2>/dev/null \
    || [ pyproject.toml -nt "$VENV/.kvtier-installed" ]; then
   echo "setup: installing kvtier and its test extras"
   "${pip[@]}" -e ".[test]"

@@ -1,6 +1,7 @@
 """The `kvtier` command line.
 
 Subcommands:
+  serve       the OpenAI-compatible HTTP server (the embedded demo model when no MODEL is given)
   generate    answer prompts or chat messages offline with the engine
   extract     export hidden states (EAGLE-3 training data) for a JSONL of prompts
   demo-model  convert the embedded demo model into a Hugging Face checkpoint
@@ -52,6 +53,12 @@ def _generate(argv: list[str]) -> int:
     return 0
 
 
+def _serve(argv: list[str]) -> int:
+    from server.serve import main
+
+    return main(argv)
+
+
 def _extract(argv: list[str]) -> int:
     from server.extract import main
 
@@ -65,6 +72,7 @@ def _demo_model(argv: list[str]) -> int:
 
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "serve": (_serve, "serve a model over an OpenAI-compatible HTTP API"),
     "generate": (_generate, "answer prompts or chat messages offline"),
     "extract": (_extract, "export hidden states (EAGLE-3 training data) for a JSONL of prompts"),
     "demo-model": (_demo_model, "convert the embedded demo model (SmolLM2-135M-Instruct) into an HF checkpoint"),

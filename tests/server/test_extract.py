@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 import torch
+from checkpoints import LAYERS, random_prompt
 from safetensors.torch import load_file
 
-from checkpoints import LAYERS, random_prompt
 from connectors.hidden_spec import speculative_config
 from engine import LLM, SamplingParams
 from server import cli

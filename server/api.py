@@ -1,0 +1,313 @@
+"""The OpenAI-compatible HTTP API (FastAPI). It tokenizes, validates, detokenizes and formats;
+the engine-core process does the rest. Every error is OpenAI's JSON error object."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from server.client import CoreState, EngineClient, EngineDeadError
+from server.detok import IncrementalDetokenizer
+from server.metrics import Metrics
+from server.protocol import (
+    TokenizeRequest,
+    _Chat,
+    _Sampling,
+)
+
+log = logging.getLogger("kvtier.server")
+VERSION = "0.1.0"
+DISCONNECT_POLL_S = 0.5
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}},
+                        status_code=e.status, headers=e.headers)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_names: tuple[str, ...]
+    model_path: str
+    api_key: str | None = None
+    max_request_bytes: int = 8 * 2**20
+    max_pending_requests: int = 512
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("served_model_names must not be empty")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024; got {self.max_request_bytes}")
+        if self.max_pending_requests < 1:
+            raise ValueError(f"max_pending_requests must be >= 1; got {self.max_pending_requests}")
+
+
+@dataclass
+class Choice:
+    """One sequence of one request, as the API process follows it."""
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    first_token_at: float | None = None
+    queue: Any = None  # asyncio.Queue of core deltas, set by submit()
+
+
+class API:
+    def __init__(self, client: EngineClient, tokenizer: Any, settings: ServerSettings) -> None:
+        self.client, self.tok, self.s = client, tokenizer, settings
+        self.metrics = Metrics(settings.served_model_names[0])
+        self.created = int(time.time())
+
+    # -- input -----------------------------------------------------------------------------
+    async def parse(self, request: Request, model: type[BaseModel]) -> Any:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.s.max_request_bytes:
+                raise APIError(413, f"request body exceeds {self.s.max_request_bytes} bytes")
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"malformed JSON body: {e}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        try:
+            parsed = model.model_validate(data)
+        except ValidationError as e:
+            err = e.errors(include_url=False)[0]
+            loc = ".".join(str(x) for x in err.get("loc", ()))
+            raise APIError(400, f"{loc + ': ' if loc else ''}{err['msg']}", param=loc or None) from None
+        name = getattr(parsed, "model", None)
+        if name is not None and name not in self.s.served_model_names:
+            raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
+        return parsed
+
+    def chat_ids(self, conv: list[Any], req: _Chat | TokenizeRequest) -> list[int]:
+        try:
+            msgs = [{"role": m.role, "content": m.text()} for m in conv]
+            kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
+            out = self.tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt,
+                                               tokenize=True, **kwargs)
+        except (ValueError, TypeError, KeyError) as e:
+            raise APIError(400, f"messages: {e}", param="messages") from None
+        if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 may return a BatchEncoding
+            out = out["input_ids"]
+        return list(out)
+
+    def text_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tok.encode(prompt))
+        return list(prompt)
+
+    def _check_prompt(self, ids: list[int], req: _Sampling) -> None:
+        info = self.client.info
+        assert info is not None
+        if not ids:
+            raise APIError(400, "prompt is empty: it must contain at least one token", param="prompt")
+        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {info.vocab_size})", param="prompt")
+        limit = req._limit()
+        if len(ids) >= info.max_model_len or (limit is not None and len(ids) + limit > info.max_model_len):
+            raise APIError(400, f"This model's maximum context length is {info.max_model_len} tokens. However, you "
+                                f"requested {len(ids) + (limit or 1)} tokens ({len(ids)} in the prompt, "
+                                f"{limit or 1} in the completion). Reduce the prompt or the completion length.",
+                           param="max_tokens" if limit and len(ids) < info.max_model_len else "prompt")
+
+    # -- running ---------------------------------------------------------------------------
+    async def submit(self, prompts: list[list[int]], req: _Sampling) -> list[Choice]:
+        """Validates everything first, then queues n sequences per prompt in the core."""
+        if self.client.state is not CoreState.READY:
+            raise APIError(503, f"the engine is {self.client.state.value}", "ServiceUnavailableError",
+                           headers={"Retry-After": str(self.s.retry_after_s)})
+        for ids in prompts:
+            self._check_prompt(ids, req)
+        info = self.client.info
+        assert info is not None
+        total = len(prompts) * req.n
+        if self.client.num_pending + total > self.s.max_pending_requests:
+            self.metrics.rejected.labels(self.metrics.model, "503").inc()
+            raise APIError(503, f"the server has {self.client.num_pending} requests in flight (limit "
+                                f"{self.s.max_pending_requests}); retry later", "ServiceUnavailableError",
+                           headers={"Retry-After": str(self.s.retry_after_s)})
+        base = uuid.uuid4().hex
+        choices: list[Choice] = []
+        try:
+            params = [req.sampling_params(info.max_model_len - len(ids), j) for ids in prompts for j in range(req.n)]
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        stops = params[0].stop
+        for i, ids in enumerate(prompts):
+            for j in range(req.n):
+                k = i * req.n + j
+                choices.append(Choice(k, f"{base}-{k}", ids, IncrementalDetokenizer(
+                    self.tok, req.skip_special_tokens, stops)))
+        queues = []
+        try:
+            for c, p in zip(choices, params):
+                queues.append(await self.client.add(c.request_id, c.prompt_ids, p, priority=req.priority,
+                                                    cache_salt=req.cache_salt))
+        except EngineDeadError as e:
+            await self.client.abort([c.request_id for c in choices])
+            raise APIError(503, str(e), "ServiceUnavailableError") from None
+        for c, q in zip(choices, queues):
+            c.queue = q
+        return choices
+
+    async def events(self, choices: list[Choice], arrival: float) -> AsyncIterator[tuple[Choice, str]]:
+        """Yields (choice, new text) as deltas arrive, until every choice has finished. Aborts
+        whatever is still running if the consumer stops early (a client disconnect)."""
+        merged: asyncio.Queue[tuple[Choice, Any]] = asyncio.Queue()
+
+        async def pump(c: Choice) -> None:
+            while True:
+                d = await c.queue.get()
+                await merged.put((c, d))
+                if isinstance(d, BaseException) or d.get("finish_reason") is not None:
+                    return
+
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
+        left = len(choices)
+        try:
+            while left:
+                c, d = await merged.get()
+                if isinstance(d, EngineDeadError):
+                    raise APIError(503, f"engine failed: {d}", "ServiceUnavailableError")
+                if isinstance(d, ValueError):
+                    raise APIError(400, str(d))
+                if isinstance(d, BaseException):
+                    raise d
+                now = time.monotonic()
+                if d["token_ids"] and c.first_token_at is None:
+                    c.first_token_at = now
+                c.token_ids += d["token_ids"]
+                c.logprobs += d.get("logprobs") or []
+                if d.get("finish_reason") is None:
+                    text = c.detok.add(d["token_ids"])
+                else:  # the last tokens may hold the stop string: take the engine's cut text
+                    c.finish = d
+                    left -= 1
+                    text = c.detok.finish(self.final_text(c))
+                    self.metrics.observe_request(arrival, c.first_token_at, now, len(c.token_ids), d["finish_reason"],
+                                                 len(c.prompt_ids), d.get("cached_by_tier") or {})
+                yield c, text
+        finally:
+            for t in tasks:
+                t.cancel()
+            running = [c.request_id for c in choices if c.finish is None]
+            if running:
+                log.info("aborting %d unfinished sequence(s) (client gone or error)", len(running))
+                await self.client.abort(running)
+
+    def final_text(self, c: Choice) -> str:
+        text = self.tok.decode(c.token_ids, skip_special_tokens=c.detok.skip)
+        stop = c.finish.get("stop_reason") if c.finish else None
+        if isinstance(stop, str):
+            at = text.find(stop)
+            text = text[:at] if at >= 0 else text
+        return text
+
+    async def collect(self, request: Request, choices: list[Choice], arrival: float) -> None:
+        """Runs a non-streaming request to the end; aborts it if the client disconnects."""
+        async def drain() -> None:
+            async for _ in self.events(choices, arrival):
+                pass
+
+        task = asyncio.create_task(drain())
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise APIError(499, "client disconnected")
+        task.result()
+
+    # -- output ----------------------------------------------------------------------------
+    @staticmethod
+    def usage(choices: list[Choice], n: int) -> dict[str, Any]:
+        firsts = choices[::n]  # one choice per prompt: a prompt is counted once, whatever n is
+        prompt = sum(len(c.prompt_ids) for c in firsts)
+        out = sum(len(c.token_ids) for c in choices)
+        cached = sum((c.finish or {}).get("num_cached_tokens", 0) for c in firsts)
+        return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def completion_logprobs(self, c: Choice, start: int = 0, text_offset: int = 0) -> dict[str, Any] | None:
+        if c.finish is None and not c.logprobs:
+            return None
+        toks, lps, tops, offs = [], [], [], []
+        off = text_offset
+        for t, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+            s = self.tok.decode([t])
+            toks.append(s)
+            lps.append(entry.get(t))
+            tops.append({self.tok.decode([k]): v for k, v in sorted(entry.items(), key=lambda kv: -kv[1])})
+            offs.append(off)
+            off += len(s)
+        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+    def chat_logprobs(self, c: Choice, top: int, start: int = 0) -> dict[str, Any]:
+        content = []
+        for t, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+            best = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+
+            def item(tid: int, lp: float) -> dict[str, Any]:
+                s = self.tok.decode([tid])
+                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+            content.append({**item(t, entry.get(t, float("-inf"))), "top_logprobs": [item(k, v) for k, v in best]})
+        return {"content": content}
+
+    def extras(self, c: Choice, req: _Sampling) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if req.return_token_ids:
+            out["token_ids"] = list(c.token_ids)
+            out["prompt_token_ids"] = list(c.prompt_ids)
+        if c.finish is not None and c.finish.get("stop_reason") is not None:
+            out["stop_reason"] = c.finish["stop_reason"]
+        return out
+
+    @staticmethod
+    def finish_reason(c: Choice) -> str | None:
+        if c.finish is None:
+            return None
+        r = c.finish["finish_reason"]
+        return {"abort": "abort", "error": "error"}.get(r, r)
+
+    @staticmethod
+    def transfer_params(choices: list[Choice]) -> dict[str, Any] | None:
+        params = [c.finish.get("kv_transfer_params") for c in choices if c.finish and c.finish.get("kv_transfer_params")]
+        if not params:
+            return None
+        return params[0] if len(params) == 1 else {"choices": params}
+
+
+def _check_error(choices: list[Choice]) -> None:
+    for c in choices:
+        if c.finish is not None and c.finish.get("finish_reason") == "error":
+            raise APIError(500, c.finish.get("error") or "the request failed in the engine", "InternalServerError")
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

@@ -1,0 +1,203 @@
+"""The API process's handle on the engine-core process: spawns it, sends requests and aborts,
+and routes its per-request deltas to asyncio queues. Nothing here waits on the model: every
+call is a socket send or a queue read."""
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import multiprocessing as mp
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from engine.sampling_params import SamplingParams
+from server.core import core_main, pack, params_to_wire, unpack
+
+log = logging.getLogger("kvtier.server")
+
+WATCHDOG_INTERVAL_S = 0.5
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; requests fail fast instead of hanging."""
+
+
+class StartupError(RuntimeError):
+    """The engine core rejected its configuration or died while loading."""
+
+
+class CoreState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    DEAD = "dead"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    max_model_len: int
+    vocab_size: int
+    num_gpu_blocks: int
+    eos_token_ids: tuple[int, ...]
+
+
+class EngineClient:
+    def __init__(self, llm_kwargs: dict[str, Any], log_level: str = "info") -> None:
+        self.llm_kwargs, self.log_level = llm_kwargs, log_level
+        self.state = CoreState.STARTING
+        self.info: CoreInfo | None = None
+        self._queues: dict[str, asyncio.Queue[dict[str, Any] | BaseException]] = {}
+        self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._nonce = itertools.count()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = asyncio.Event()
+        self._ipc_dir = Path(tempfile.mkdtemp(prefix="kvtier-ipc-"))  # sockets live here, not on ports
+        self._ctx = zmq.asyncio.Context()
+        self._to_core = self._ctx.socket(zmq.PUSH)
+        self._from_core = self._ctx.socket(zmq.PULL)
+        self._to_core.setsockopt(zmq.LINGER, 0)
+        self._to_core.bind(f"ipc://{self._ipc_dir}/to_core")
+        self._from_core.bind(f"ipc://{self._ipc_dir}/from_core")
+        self.proc: mp.process.BaseProcess | None = None
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._queues)
+
+    async def start(self, timeout_s: float = 600.0) -> CoreInfo:
+        """Spawns the core and waits for it to load the model. Raises StartupError."""
+        ctx = mp.get_context("spawn")  # never fork a process that may hold torch threads
+        self.proc = ctx.Process(target=core_main, name="kvtier-engine-core", daemon=True,
+                                args=(self.llm_kwargs, f"ipc://{self._ipc_dir}/to_core",
+                                      f"ipc://{self._ipc_dir}/from_core", self.log_level))
+        self.proc.start()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            if await self._from_core.poll(200):
+                msg = unpack(await self._from_core.recv())
+                if msg[0] == "ready":
+                    i = msg[1]
+                    self.info = CoreInfo(i["max_model_len"], i["vocab_size"], i["num_gpu_blocks"],
+                                         tuple(i["eos_token_ids"]))
+                    break
+                if msg[0] == "startup_error":
+                    self.proc.join(10)
+                    raise StartupError(msg[1])
+            if not self.proc.is_alive():
+                raise StartupError(f"engine core exited with code {self.proc.exitcode} while loading")
+            if loop.time() > deadline:
+                self.proc.kill()
+                raise StartupError(f"engine core did not load within {timeout_s:.0f}s")
+        self.state = CoreState.READY
+        self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._watchdog())]
+        return self.info
+
+    # -- requests ------------------------------------------------------------------------
+    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                  priority: int = 0, cache_salt: str | None = None) -> asyncio.Queue[dict[str, Any] | BaseException]:
+        """Queues a request; its deltas (dicts, see server.core) arrive on the returned queue,
+        the last one with a finish_reason, or an exception if the core dies."""
+        self._check_alive()
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        q: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
+        self._queues[request_id] = q
+        await self._to_core.send(pack(["add", {"request_id": request_id, "prompt_token_ids": prompt_token_ids,
+                                              "params": params_to_wire(params), "priority": priority,
+                                              "cache_salt": cache_salt}]))
+        return q
+
+    async def abort(self, request_ids: list[str]) -> None:
+        live = [r for r in request_ids if self._queues.pop(r, None) is not None]
+        if live and self.state in (CoreState.READY, CoreState.DRAINING):
+            await self._to_core.send(pack(["abort", live]))
+
+    async def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        self._check_alive()
+        nonce = next(self._nonce)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._stats_waiters[nonce] = fut
+        await self._to_core.send(pack(["stats", nonce]))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._stats_waiters.pop(nonce, None)
+
+    def _check_alive(self) -> None:
+        if self.state is not CoreState.READY:
+            raise EngineDeadError(f"engine core is {self.state.value}")
+
+    # -- background tasks ------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        while True:
+            msg = unpack(await self._from_core.recv())
+            kind = msg[0]
+            if kind == "outputs":
+                for d in msg[1]:
+                    q = self._queues.get(d["id"])
+                    if q is None:
+                        continue  # aborted here already
+                    if d.get("finish_reason") is not None:
+                        del self._queues[d["id"]]
+                    q.put_nowait(d)
+            elif kind == "stats":
+                fut = self._stats_waiters.get(msg[1])
+                if fut is not None and not fut.done():
+                    fut.set_result(msg[2])
+            elif kind == "add_error":
+                q = self._queues.pop(msg[1], None)
+                if q is not None:
+                    q.put_nowait(ValueError(msg[2]))
+            elif kind == "stopped":
+                self._stopped.set()
+                return
+
+    async def _watchdog(self) -> None:
+        assert self.proc is not None
+        while self.proc.is_alive():
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+        if self.state in (CoreState.READY, CoreState.DRAINING) and not self._stopped.is_set():
+            log.error("engine core died (exit code %s); failing %d request(s); /health now reports unhealthy",
+                      self.proc.exitcode, len(self._queues))
+            self.state = CoreState.DEAD
+        self._fail_all(EngineDeadError(f"engine core exited with code {self.proc.exitcode}"))
+
+    def _fail_all(self, err: BaseException) -> None:
+        for q in self._queues.values():
+            q.put_nowait(err)
+        self._queues.clear()
+        for fut in self._stats_waiters.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+    # -- shutdown --------------------------------------------------------------------------
+    async def shutdown(self, grace_s: float) -> None:
+        """Lets running requests finish for up to grace_s, aborts the rest, and waits for the
+        core to flush its offload writes and exit."""
+        if self.proc is not None and self.proc.is_alive() and self.state is CoreState.READY:
+            self.state = CoreState.DRAINING
+            await self._to_core.send(pack(["shutdown", grace_s]))
+            try:
+                await asyncio.wait_for(self._stopped.wait(), grace_s + 120)
+            except asyncio.TimeoutError:
+                log.error("engine core did not stop in time; killing it")
+            await asyncio.get_running_loop().run_in_executor(None, self.proc.join, 30)
+            if self.proc.is_alive():
+                self.proc.kill()
+        self.state = CoreState.STOPPED
+        for t in self._tasks:
+            t.cancel()
+        self._fail_all(EngineDeadError("server is shutting down"))
+        self._to_core.close(linger=0)
+        self._from_core.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)

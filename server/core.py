@@ -1,0 +1,182 @@
+"""The engine-core process: owns an `LLM`'s `EngineCore` and steps it, talking to the API
+process over two ZMQ PUSH/PULL sockets with msgpack messages.
+
+Messages, API -> core (each a msgpack list whose first item is the kind):
+  ["add", {request_id, prompt_token_ids, params, priority, cache_salt}]
+  ["abort", [request_id, ...]]
+  ["stats", nonce]
+  ["shutdown", grace_seconds]   finish running requests for up to grace_seconds, abort the
+                                rest, flush offload writes, exit 0
+Core -> API:
+  ["ready", {max_model_len, vocab_size, num_gpu_blocks, eos_token_ids}]
+  ["startup_error", message]    configuration rejected; the process exits 2
+  ["outputs", [delta, ...]]     per request: new token ids and logprobs since the last delta,
+                                and on finish the reason, cached-token counts and transfer params
+  ["stats", nonce, {...}]
+  ["add_error", request_id, message]
+
+The core never decodes text (the API process detokenizes) except to check stop strings,
+which the engine does itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import msgpack
+import zmq
+
+from engine.request import FINISH_REASONS, Request
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger("kvtier.core")
+
+IDLE_POLL_MS = 100  # how long an idle core blocks on its socket before checking its parent
+
+
+def pack(msg: list[Any]) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(data: bytes) -> list[Any]:
+    # strict_map_key=False: logprob maps are keyed by token id.
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def params_to_wire(p: SamplingParams) -> dict[str, Any]:
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "return_first_logits"}
+
+
+def stats_snapshot(llm: Any) -> dict[str, Any]:
+    s = llm.get_stats()
+    return {**{f.name: getattr(s, f.name) for f in dataclasses.fields(s)}, "num_free_blocks": llm.engine.pool.num_free_blocks()}
+
+
+class CoreLoop:
+    """Steps the engine and streams per-request deltas. Bookkeeping only; `run_core` owns the sockets."""
+
+    def __init__(self, llm: Any, push: zmq.Socket) -> None:
+        self.llm, self.engine, self.push = llm, llm.engine, push
+        self.sent: dict[str, int] = {}  # request id -> output tokens already sent
+        self.draining_until: float | None = None
+
+    def handle(self, msg: list[Any]) -> bool:
+        """Applies one message; False when the core should stop taking new work."""
+        kind = msg[0]
+        if kind == "add":
+            a = msg[1]
+            try:
+                params = SamplingParams(**a["params"])
+                req = self.engine.make_request(a["request_id"], a["prompt_token_ids"], params,
+                                               priority=a.get("priority", 0), cache_salt=a.get("cache_salt"))
+            except (ValueError, TypeError) as e:
+                self.push.send(pack(["add_error", a.get("request_id"), str(e)]))
+                return True
+            self.engine.add_request(req)
+            self.sent[req.request_id] = 0
+        elif kind == "abort":
+            for rid in msg[1]:
+                self.sent.pop(rid, None)  # the API side has stopped listening
+                if self.engine.abort_request(rid):
+                    log.info("request %s aborted", rid)
+        elif kind == "stats":
+            self.push.send(pack(["stats", msg[1], stats_snapshot(self.llm)]))
+        elif kind == "shutdown":
+            self.draining_until = time.monotonic() + float(msg[1])
+            log.info("shutdown: draining %d request(s) for up to %.1fs", len(self.sent), float(msg[1]))
+        return True
+
+    def step(self) -> None:
+        updated = self.engine.step()
+        if not updated:
+            return
+        deltas = [self._delta(r) for r in updated if r.request_id in self.sent]
+        if any(d.get("kv_transfer_params") for d in deltas) and self.engine.connector is not None:
+            self.engine.connector.wait_for_outputs()  # the file a response names exists when it is sent
+        self.push.send(pack(["outputs", deltas]))
+
+    def _delta(self, r: Request) -> dict[str, Any]:
+        start = self.sent[r.request_id]
+        d: dict[str, Any] = {"id": r.request_id, "token_ids": r.output_token_ids[start:]}
+        if r.logprobs is not None:
+            d["logprobs"] = r.logprobs[start:]
+        self.sent[r.request_id] = len(r.output_token_ids)
+        if r.status.finished:
+            del self.sent[r.request_id]
+            d.update(finish_reason=FINISH_REASONS.get(r.status), stop_reason=r.stop_reason, error=r.error,
+                     num_cached_tokens=max(r.num_cached_tokens, 0), cached_by_tier=dict(r.cached_by_tier),
+                     kv_transfer_params=r.kv_transfer_params)
+        return d
+
+    def abort_all(self) -> None:
+        ids = list(self.sent)
+        for rid in ids:
+            self.engine.abort_request(rid)
+        while self.engine.has_unfinished():  # aborted loads end once their copy lands
+            self.step()
+        if ids:
+            log.warning("shutdown: aborted %d request(s) still running after the grace period", len(ids))
+            self.push.send(pack(["outputs", [{"id": rid, "token_ids": [], "finish_reason": "abort"}
+                                             for rid in ids if rid in self.sent]]))
+            self.sent.clear()
+
+
+def run_core(llm_kwargs: dict[str, Any], to_core: str, from_core: str, log_level: str = "INFO") -> int:
+    """Entry point of the engine-core process (spawned by the API process)."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s core %(name)s: %(message)s")
+    # The API process decides when to stop: it catches SIGINT/SIGTERM and sends "shutdown".
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(to_core)
+    push.connect(from_core)
+    push.setsockopt(zmq.LINGER, 5000)
+    try:
+        from engine import LLM
+
+        llm = LLM(**llm_kwargs)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        push.send(pack(["startup_error", f"{type(e).__name__}: {e}"]))
+        push.close()
+        ctx.term()
+        return 2
+    eng = llm.engine
+    push.send(pack(["ready", {"max_model_len": eng.max_model_len, "vocab_size": eng.model_config.vocab_size,
+                              "num_gpu_blocks": eng.pool.num_blocks, "eos_token_ids": sorted(eng.eos_token_ids)}]))
+    loop = CoreLoop(llm, push)
+    try:
+        while True:
+            busy = eng.has_unfinished()
+            if pull.poll(0 if busy else IDLE_POLL_MS):
+                while True:
+                    try:
+                        loop.handle(unpack(pull.recv(zmq.NOBLOCK)))
+                    except zmq.Again:
+                        break
+            if loop.draining_until is not None and (not eng.has_unfinished() or time.monotonic() > loop.draining_until):
+                loop.abort_all()
+                break
+            if eng.has_unfinished():
+                loop.step()
+            elif os.getppid() != parent:  # the API process died without telling us
+                log.error("API process is gone; exiting")
+                break
+    finally:
+        llm.close()  # flushes pending G3 writes
+        log.info("engine core stopped")
+        push.send(pack(["stopped"]))
+        push.close()
+        pull.close(linger=0)
+        ctx.term()
+    return 0
+
+
+def core_main(llm_kwargs: dict[str, Any], to_core: str, from_core: str, log_level: str) -> None:
+    """multiprocessing target: the exit code tells the API process how the core ended."""
+    raise SystemExit(run_core(llm_kwargs, to_core, from_core, log_level))

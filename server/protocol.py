@@ -1,0 +1,190 @@
+"""OpenAI request bodies (plus vLLM's extensions), validated with pydantic, and their mapping
+onto `SamplingParams`. Unknown fields are ignored, as OpenAI clients send fields a server may
+not know; fields that would change the answer and are not supported are rejected."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.sampling_params import SamplingParams
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extensions
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=10)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    priority: int = 0
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    return_token_ids: bool = False
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> _Sampling:
+        if isinstance(self.stop, list) and (len(self.stop) > 16 or any(not s for s in self.stop)):
+            raise ValueError("stop must be at most 16 non-empty strings")
+        if self.stop == "":
+            raise ValueError("stop must be non-empty")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def _limit(self) -> int | None:
+        return self.max_tokens
+
+    def _n_logprobs(self) -> int | None:
+        return None
+
+    def sampling_params(self, default_max_tokens: int, index: int = 0) -> SamplingParams:
+        """Raises ValueError for values the engine rejects. `index` offsets the seed for n > 1."""
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p,
+            seed=None if self.seed is None else (self.seed + index) % 2**63,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            max_tokens=self._limit() or default_max_tokens,
+            min_tokens=self.min_tokens,
+            stop=stop or None,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=self._n_logprobs(),
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of not in (None, self.n):
+            raise ValueError("best_of is not supported (it must equal n)")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def _n_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class _Chat(_Sampling):
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> _Chat:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true")
+        return self
+
+    def _limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def _n_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class ChatCompletionRequest(_Chat):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class BatchChatCompletionRequest(_Chat):
+    """`/v1/chat/completions/batch`: `messages` is a list of conversations, answered together;
+    choice i answers conversation i (times n: choice i*n + j is its j-th sample)."""
+    messages: list[list[ChatMessage]] = Field(min_length=1, max_length=1024)
+
+    @model_validator(mode="after")
+    def _no_stream(self) -> BatchChatCompletionRequest:
+        if self.stream:
+            raise ValueError("the batch endpoint does not stream")
+        if any(not c for c in self.messages):
+            raise ValueError("every conversation needs at least one message")
+        return self
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,248 @@
+"""The HTTP routes. Each handler parses and validates, submits to the engine core through
+`API`, and formats the answer as OpenAI does (SSE chunks when streaming)."""
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.api import API, VERSION, APIError, Choice, _check_error, error_response, sse
+from server.client import CoreState, EngineDeadError
+from server.protocol import (
+    BatchChatCompletionRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def build_app(api: API) -> FastAPI:
+    app = FastAPI(title="kvtier", version=VERSION, docs_url=None, redoc_url=None)
+    s = api.s
+    model_name = s.served_model_names[0]
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(e.status_code, str(e.detail), "NotFoundError" if e.status_code == 404 else
+                                       "invalid_request_error"))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Response:
+        if s.api_key and request.url.path.startswith("/v1"):
+            got = request.headers.get("authorization", "")
+            if not secrets.compare_digest(got.encode(), f"Bearer {s.api_key}".encode()):
+                return error_response(APIError(401, "invalid or missing API key", "authentication_error"))
+        return await call_next(request)
+
+    # -- service endpoints -----------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        if api.client.state is CoreState.READY:
+            return Response(status_code=200)
+        return error_response(APIError(503, f"engine core is {api.client.state.value}", "ServiceUnavailableError"))
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": VERSION}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        info = api.client.info
+        return {"object": "list", "data": [
+            {"id": n, "object": "model", "created": api.created, "owned_by": "kvtier", "root": s.model_path,
+             "parent": None, "max_model_len": info.max_model_len if info else None}
+            for n in s.served_model_names]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req: TokenizeRequest = await api.parse(request, TokenizeRequest)
+        if req.messages is not None:
+            ids = api.chat_ids(req.messages, req)
+        else:
+            ids = list(api.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        info = api.client.info
+        return {"count": len(ids), "max_model_len": info.max_model_len if info else None, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req: DetokenizeRequest = await api.parse(request, DetokenizeRequest)
+        vocab = api.client.info.vocab_size if api.client.info else len(api.tok)
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": api.tok.decode(req.tokens)}
+
+    async def engine_stats() -> dict[str, Any]:
+        try:
+            return await api.client.stats()
+        except (EngineDeadError, TimeoutError) as e:
+            raise APIError(503, f"engine stats unavailable: {e}", "ServiceUnavailableError") from None
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        snap = None
+        if api.client.state is CoreState.READY:
+            try:
+                snap = await api.client.stats()
+            except (EngineDeadError, TimeoutError):
+                snap = None  # latencies still render; engine gauges are absent while it is down
+        return Response(api.metrics.render(snap), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/kv/stats")
+    async def kv_stats() -> dict[str, Any]:
+        st = await engine_stats()
+        tiers = dict(st.get("tiers") or {})
+        g1 = {"num_blocks": st["num_gpu_blocks"], "usage": st["kv_cache_usage"], "free_blocks": st["num_free_blocks"],
+              "prefix_cache_queries": st["prefix_cache_queries"], "prefix_cache_hits": st["prefix_cache_hits"],
+              "evictions": st["num_evictions"]}
+        tier_view = {"G1": g1, **{t: tiers.pop(t) for t in ("G2", "G3") if t in tiers}}
+        return {"model": model_name, "tiers": tier_view, "offload": tiers,
+                "requests": {"running": st["num_running"], "waiting": st["num_waiting"],
+                             "preemptions": st["num_preemptions"], "prompt_tokens": st["prompt_tokens"],
+                             "generation_tokens": st["generation_tokens"]}}
+
+    # -- generation ------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        req: CompletionRequest = await api.parse(request, CompletionRequest)
+        prompts = [api.text_ids(p) for p in req.prompts()]
+        choices = await api.submit(prompts, req)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
+        if req.stream:
+            return StreamingResponse(_stream_completion(api, req, choices, arrival, head),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        await api.collect(request, choices, arrival)
+        _check_error(choices)
+        body = {**head, "choices": [
+            {"index": c.index, "text": api.final_text(c), "finish_reason": api.finish_reason(c),
+             "logprobs": api.completion_logprobs(c) if req.logprobs is not None else None, **api.extras(c, req)}
+            for c in choices], "usage": api.usage(choices, req.n)}
+        kvp = api.transfer_params(choices)
+        if kvp is not None:
+            body["kv_transfer_params"] = kvp
+        return JSONResponse(body)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        arrival = time.monotonic()
+        req: ChatCompletionRequest = await api.parse(request, ChatCompletionRequest)
+        choices = await api.submit([api.chat_ids(req.messages, req)], req)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
+        if req.stream:
+            return StreamingResponse(_stream_chat(api, req, choices, arrival, head),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        await api.collect(request, choices, arrival)
+        _check_error(choices)
+        return JSONResponse(_chat_body(api, req, choices, head))
+
+    @app.post("/v1/chat/completions/batch")
+    async def chat_batch(request: Request) -> Response:
+        arrival = time.monotonic()
+        req: BatchChatCompletionRequest = await api.parse(request, BatchChatCompletionRequest)
+        choices = await api.submit([api.chat_ids(conv, req) for conv in req.messages], req)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
+        await api.collect(request, choices, arrival)
+        _check_error(choices)
+        return JSONResponse(_chat_body(api, req, choices, head))
+
+    return app
+
+
+def _chat_body(api: API, req: Any, choices: list[Choice], head: dict[str, Any]) -> dict[str, Any]:
+    body = {**head, "object": "chat.completion", "choices": [
+        {"index": c.index, "message": {"role": "assistant", "content": api.final_text(c)},
+         "finish_reason": api.finish_reason(c),
+         "logprobs": api.chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None, **api.extras(c, req)}
+        for c in choices], "usage": api.usage(choices, req.n)}
+    kvp = api.transfer_params(choices)
+    if kvp is not None:
+        body["kv_transfer_params"] = kvp
+    return body
+
+
+async def _stream_errors(gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Errors after the 200 went out become an SSE error event, then [DONE]."""
+    try:
+        async for chunk in gen:
+            yield chunk
+    except APIError as e:
+        yield sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}})
+    yield b"data: [DONE]\n\n"
+
+
+def _usage_chunk(api: API, req: Any, choices: list[Choice], head: dict[str, Any]) -> bytes | None:
+    if req.stream_options is not None and req.stream_options.include_usage:
+        return sse({**head, "choices": [], "usage": api.usage(choices, req.n)})
+    return None
+
+
+def _stream_completion(api: API, req: CompletionRequest, choices: list[Choice], arrival: float,
+                       head: dict[str, Any]) -> AsyncIterator[bytes]:
+    async def gen() -> AsyncIterator[bytes]:
+        sent = {c.index: 0 for c in choices}  # tokens already covered by a chunk, for logprobs
+        offsets = {c.index: 0 for c in choices}
+        async for c, text in api.events(choices, arrival):
+            done = c.finish is not None
+            if not text and not done:
+                continue
+            lp = None
+            if req.logprobs is not None:
+                lp = api.completion_logprobs(c, sent[c.index], offsets[c.index])
+                sent[c.index] = len(c.token_ids)
+            offsets[c.index] += len(text)
+            choice = {"index": c.index, "text": text, "finish_reason": api.finish_reason(c), "logprobs": lp}
+            if done:
+                choice.update(api.extras(c, req))
+            chunk: dict[str, Any] = {**head, "choices": [choice]}
+            if done and (kvp := api.transfer_params([c])) is not None:
+                chunk["kv_transfer_params"] = kvp
+            yield sse(chunk)
+        usage = _usage_chunk(api, req, choices, head)
+        if usage:
+            yield usage
+    return _stream_errors(gen())
+
+
+def _stream_chat(api: API, req: ChatCompletionRequest, choices: list[Choice], arrival: float,
+                 head: dict[str, Any]) -> AsyncIterator[bytes]:
+    head = {**head, "object": "chat.completion.chunk"}
+
+    async def gen() -> AsyncIterator[bytes]:
+        for c in choices:
+            yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
+        sent = {c.index: 0 for c in choices}
+        async for c, text in api.events(choices, arrival):
+            done = c.finish is not None
+            if not text and not done:
+                continue
+            lp = None
+            if req.logprobs:
+                lp = api.chat_logprobs(c, req.top_logprobs or 0, sent[c.index])
+                sent[c.index] = len(c.token_ids)
+            choice = {"index": c.index, "delta": {"content": text} if text else {}, "logprobs": lp,
+                      "finish_reason": api.finish_reason(c)}
+            if done:
+                choice.update(api.extras(c, req))
+            chunk: dict[str, Any] = {**head, "choices": [choice]}
+            if done and (kvp := api.transfer_params([c])) is not None:
+                chunk["kv_transfer_params"] = kvp
+            yield sse(chunk)
+        usage = _usage_chunk(api, req, choices, head)
+        if usage:
+            yield usage
+    return _stream_errors(gen())

@@ -1,0 +1,95 @@
+"""Starts real `kvtier serve` processes for the server tests (a port chosen by the OS, read
+back from the server's start-up line) and stops them."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+READY = re.compile(r"kvtier: serving (\S+) .* on (http://\S+)")
+START_TIMEOUT_S = 300
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    model: str
+    lines: list[str] = field(default_factory=list)  # everything it printed so far
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 120), **kw)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 120) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise AssertionError(f"server did not exit within {timeout}s of {sig!r}:\n{self.log()[-4000:]}")
+
+    def core_pid(self) -> int:
+        """The engine-core child process."""
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True, check=False).stdout.split()
+        for pid in out:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"spawn_main" in cmd:
+                return int(pid)
+        raise AssertionError(f"no engine-core child of {self.proc.pid} among {out}")
+
+
+def start_server(*args: str, env: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S) -> Server:
+    """`kvtier serve ARGS --port 0`; returns once it prints its URL (raises with its log if it exits)."""
+    cmd = [sys.executable, "-m", "server.cli", "serve", *args, "--port", "0"]
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("KVTIER_TEST_THREADS", "1"),
+                **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, bufsize=1)
+    lines: list[str] = []
+    found: list[re.Match] = []
+    ready = threading.Event()
+
+    def reader() -> None:  # keeps draining so the server never blocks on a full pipe
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            m = READY.search(line)
+            if m and not found:
+                found.append(m)
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=reader, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not ready.wait(0.2):
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"server did not start in {timeout}s:\n{''.join(lines)[-4000:]}")
+    if not found:
+        proc.wait(10)
+        raise AssertionError(f"server exited with {proc.returncode} before serving:\n{''.join(lines)[-4000:]}")
+    return Server(proc, found[0].group(2), found[0].group(1), lines)
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`kvtier serve ARGS` expected to exit on its own (bad flags)."""
+    return subprocess.run([sys.executable, "-m", "server.cli", "serve", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, check=False, env={**os.environ, "PYTHONPATH": str(REPO)})
