@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,6 +27,7 @@ from server.protocol import (
 
 log = logging.getLogger("kvtier.server")
 VERSION = "0.1.0"
+_LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 DISCONNECT_POLL_S = 0.5
 
 
@@ -90,8 +92,15 @@ class API:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"malformed JSON body: {e}") from None
+        except RecursionError:
+            raise APIError(400, "malformed JSON body: nested too deeply") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
+        if _LONE_SURROGATE_ESCAPE.search(body):  # only \uXXXX escapes can make one; they break every encoder
+            try:
+                json.dumps(data, ensure_ascii=False).encode()
+            except UnicodeEncodeError:
+                raise APIError(400, "malformed JSON body: a string holds an unpaired UTF-16 surrogate") from None
         try:
             parsed = model.model_validate(data)
         except ValidationError as e:
@@ -109,11 +118,14 @@ class API:
             kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
             out = self.tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt,
                                                tokenize=True, **kwargs)
-        except (ValueError, TypeError, KeyError) as e:
-            raise APIError(400, f"messages: {e}", param="messages") from None
-        if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 may return a BatchEncoding
-            out = out["input_ids"]
-        return list(out)
+            if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 may return a BatchEncoding
+                out = out["input_ids"]
+            ids = list(out)
+            if not all(type(t) is int for t in ids):  # e.g. chat_template_kwargs {"return_tensors": "np"}
+                raise TypeError("chat_template_kwargs must not change the tokenizer's output format")
+        except Exception as e:  # noqa: BLE001 - the user's messages, template kwargs or template failed
+            raise APIError(400, f"messages: {type(e).__name__}: {e}", param="messages") from None
+        return ids
 
     def text_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -151,7 +163,7 @@ class API:
             raise APIError(503, f"the server has {self.client.num_pending} requests in flight (limit "
                                 f"{self.s.max_pending_requests}); retry later", "ServiceUnavailableError",
                            headers={"Retry-After": str(self.s.retry_after_s)})
-        base = uuid.uuid4().hex
+        base = req.request_id or uuid.uuid4().hex
         choices: list[Choice] = []
         try:
             params = [req.sampling_params(info.max_model_len - len(ids), j) for ids in prompts for j in range(req.n)]
@@ -161,7 +173,8 @@ class API:
         for i, ids in enumerate(prompts):
             for j in range(req.n):
                 k = i * req.n + j
-                choices.append(Choice(k, f"{base}-{k}", ids, IncrementalDetokenizer(
+                rid = base if total == 1 and req.request_id else f"{base}-{k}"
+                choices.append(Choice(k, rid, ids, IncrementalDetokenizer(
                     self.tok, req.skip_special_tokens, stops)))
         queues = []
         try:
@@ -171,6 +184,9 @@ class API:
         except EngineDeadError as e:
             await self.client.abort([c.request_id for c in choices])
             raise APIError(503, str(e), "ServiceUnavailableError") from None
+        except ValueError as e:  # a request_id already in flight
+            await self.client.abort([c.request_id for c in choices[:len(queues)]])
+            raise APIError(400, str(e), param="request_id") from None
         for c, q in zip(choices, queues):
             c.queue = q
         return choices

@@ -90,7 +90,9 @@ class EngineClient:
                                          tuple(i["eos_token_ids"]))
                     break
                 if msg[0] == "startup_error":
-                    self.proc.join(10)
+                    await loop.run_in_executor(None, self.proc.join, 10)
+                    if self.proc.is_alive():
+                        self.proc.kill()
                     raise StartupError(msg[1])
             if not self.proc.is_alive():
                 raise StartupError(f"engine core exited with code {self.proc.exitcode} while loading")
@@ -109,17 +111,30 @@ class EngineClient:
         self._check_alive()
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        try:  # packed before the queue exists: a value msgpack cannot carry must not leak a pending slot
+            msg = pack(["add", {"request_id": request_id, "prompt_token_ids": prompt_token_ids,
+                                "params": params_to_wire(params), "priority": priority, "cache_salt": cache_salt}])
+        except (OverflowError, UnicodeEncodeError, TypeError, ValueError) as e:
+            raise ValueError(f"request {request_id!r} cannot be sent to the engine: {e}") from None
         q: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
         self._queues[request_id] = q
-        await self._to_core.send(pack(["add", {"request_id": request_id, "prompt_token_ids": prompt_token_ids,
-                                              "params": params_to_wire(params), "priority": priority,
-                                              "cache_salt": cache_salt}]))
+        await self._to_core.send(msg)
         return q
 
     async def abort(self, request_ids: list[str]) -> None:
         live = [r for r in request_ids if self._queues.pop(r, None) is not None]
         if live and self.state in (CoreState.READY, CoreState.DRAINING):
             await self._to_core.send(pack(["abort", live]))
+
+    async def abort_all(self) -> int:
+        """Ends every request in flight now (the shutdown grace period is over): each gets a last
+        delta with finish_reason "abort", so its response still ends properly, and the core stops it."""
+        ids = list(self._queues)
+        for rid in ids:
+            self._queues.pop(rid).put_nowait({"id": rid, "token_ids": [], "finish_reason": "abort"})
+        if ids and self.state in (CoreState.READY, CoreState.DRAINING):
+            await self._to_core.send(pack(["abort", ids]))
+        return len(ids)
 
     async def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         self._check_alive()

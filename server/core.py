@@ -143,7 +143,8 @@ def run_core(llm_kwargs: dict[str, Any], to_core: str, from_core: str, log_level
         llm = LLM(**llm_kwargs)
     except (ValueError, FileNotFoundError, OSError) as e:
         push.send(pack(["startup_error", f"{type(e).__name__}: {e}"]))
-        push.close()
+        push.close(linger=5000)
+        pull.close(linger=0)  # term() waits for every socket
         ctx.term()
         return 2
     eng = llm.engine

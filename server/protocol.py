@@ -3,7 +3,7 @@ onto `SamplingParams`. Unknown fields are ignored, as OpenAI clients send fields
 not know; fields that would change the answer and are not supported are rejected."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -11,6 +11,8 @@ from engine.sampling_params import SamplingParams
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+# Integers the core receives travel as msgpack int64: bigger ones are a 400, not a failed send.
+I64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
 
 class StreamOptions(BaseModel):
@@ -34,16 +36,19 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extensions
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, lt=2**63)
     min_p: float = Field(default=0.0, ge=0, le=1)
     repetition_penalty: float = Field(default=1.0, gt=0, le=10)
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, lt=2**63)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[I64] | None = None
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: I64 = 0
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     return_token_ids: bool = False
+    # vLLM's: names the request (and its hidden-state file); sequences get "-k" suffixes when
+    # a request has several (n > 1 or several prompts). Default: a random id.
+    request_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]{1,128}$")
     kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="after")
