@@ -1,15 +1,19 @@
 # The two commands a new machine needs (see README):
-#   make demo   set up, convert the demo model once, and run it
+#   make serve  set up, convert the demo model once, and serve it (kvtier serve)
 #   make test   set up and run the test suite (what .ci/run calls)
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-all bench-throughput bench-policies bench-offload bench-hidden-states
+.PHONY: setup serve demo test test-all bench-throughput bench-policies bench-offload bench-hidden-states
 
 setup:
 	@PYTHON=$(PY) VENV=$(VENV) bash scripts/setup.sh
 
+serve: setup
+	$(BIN)/kvtier serve
+
+# One question to the demo model, offline.
 demo: setup
 	$(BIN)/kvtier generate --chat "What is the capital of France?" --max-tokens 32
 
