@@ -41,6 +41,7 @@ class ConnectorContext:
     events: EventBuffer | None = None  # KV events sink, when enabled
     hidden_spec: HiddenStatesSpec | None = None  # hidden-state export, when on
     model_name: str = ""
+    remote_url: str | None = None  # G4: redis://, rediss://, redis+cluster://
 
 
 def validate_transfer_config(tc: dict[str, Any]) -> dict[str, Any]:
@@ -91,6 +92,7 @@ def build_tiered(ctx: ConnectorContext) -> KVConnector:
         g3 = DiskBackend(Path(ctx.disk_path), int(ctx.disk_size_gib * 2**30), ctx.fingerprint,
                          policy=extra.get("g3_eviction_policy", ctx.eviction_policy))
         log.info("G3: %s (%.1f GiB, %d entries found)", ctx.disk_path, ctx.disk_size_gib, len(g3))
+    g4 = build_remote(ctx) if ctx.remote_url else None
     policy = extra.get("write_policy", WritePolicy.WRITE_THROUGH.value)
     try:
         write_policy = WritePolicy(policy)
@@ -99,10 +101,27 @@ def build_tiered(ctx: ConnectorContext) -> KVConnector:
     connector = TieredOffloadConnector(ctx.layout, ctx.pool, g2, g3,
                                        g3_timeout_s=float(extra.get("g3_timeout_s", 10.0)),
                                        g3_read_threads=int(extra.get("g3_read_threads", 4)),
-                                       write_policy=write_policy)
+                                       write_policy=write_policy, g4=g4)
     log.info("offload write policy: %s", write_policy.value)
     connector.events = ctx.events
     return connector
+
+
+def build_remote(ctx: ConnectorContext) -> Any:
+    """G4 from `remote_url` and the extra-config keys g4_prefix, g4_ttl_s, g4_timeout_s and
+    g4_min_uses. An unreachable server or a rejected password does not stop the engine: G4
+    turns into misses (and says so in the log)."""
+    from connectors.remote_tier import RemoteTier
+    from kvstore.remote import RedisBackend, RemoteConfig
+
+    extra = ctx.extra_config
+    ttl = extra.get("g4_ttl_s")
+    cfg = RemoteConfig(str(ctx.remote_url), ctx.fingerprint, prefix=str(extra.get("g4_prefix", "kvtier")),
+                       ttl_s=None if ttl is None else float(ttl), timeout_s=float(extra.get("g4_timeout_s", 0.5)))
+    backend = RedisBackend(cfg)
+    log.info("G4: %s (key prefix %s, TTL %s, written after %d use(s))", backend.url, cfg.prefix,
+             f"{cfg.ttl_s:g}s" if cfg.ttl_s else "none", int(extra.get("g4_min_uses", 1)))
+    return RemoteTier(backend, min_uses=int(extra.get("g4_min_uses", 1)))
 
 
 def build_hidden_states(ctx: ConnectorContext) -> KVConnector:
@@ -157,7 +176,7 @@ def build_connector(ctx: ConnectorContext, transfer_config: dict[str, Any] | Non
     if name in HIDDEN_STATES_NAMES:
         return build_hidden_states(ctx)
     if name is None or name in TIERED_NAMES:
-        if ctx.offloading_size_gib or ctx.disk_path is not None:
+        if ctx.offloading_size_gib or ctx.disk_path is not None or ctx.remote_url:
             return build_tiered(ctx)
         if name is not None:
             raise ValueError(f"{name} needs a tier: set kv_offloading_size and/or kv_offload_disk")

@@ -1,14 +1,16 @@
-"""TieredOffloadConnector: G1 <-> G2 (host memory) <-> G3 (disk, or any StorageBackend).
+"""TieredOffloadConnector: G1 <-> G2 (host memory) <-> G3 (disk, or any StorageBackend)
+<-> G4 (a shared remote store, `connectors.remote_tier`).
 
 Write path (write-through, asynchronous): when a request's step completes an offload block
 (`layout.tokens` tokens, a multiple of G1's block size), the G1 blocks are held (an extra
 ref, so they cannot be evicted or reused) and a transfer thread gathers them into a G2 slot,
-then queues a G3 write of that slot on a second thread. Nothing here blocks the step loop.
+then queues a G3 write of that slot on a second thread, and a G4 write (batched, on its own
+thread, once the block has been used `g4_min_uses` times). Nothing here blocks the step loop.
 
 Read path: at admission the scheduler asks for hits beyond G1's; the longest run of
-consecutive offload blocks found in G2 or G3 is loaded asynchronously into newly allocated G1
-blocks while the request waits in WAITING_FOR_REMOTE_KVS. A G3 hit is promoted into G2 on
-the way. A load that fails (corrupt, missing, raising or hanging backend) reports the
+consecutive offload blocks found in G2, then G3, then G4 is loaded asynchronously into newly
+allocated G1 blocks while the request waits in WAITING_FOR_REMOTE_KVS. A G3 or G4 hit is
+promoted into G2 on the way, and a G4 hit into G3 too. A load that fails (corrupt, missing, raising or hanging backend) reports the
 request as failed: the engine recomputes those tokens or fails the request, per
 `kv_load_failure_policy`. A failing tier never fails the engine.
 """
@@ -29,6 +31,7 @@ import torch
 
 from connectors.backend import BackendError, StorageBackend
 from connectors.base import ConnectorMeta, KVConnector
+from connectors.remote_tier import RemoteTier
 from connectors.codec import HEADER_BYTES, BlockLayout, check_header, hidden_payload, payload, write_header
 from kvstore.events import BlockStored, EventBuffer
 from kvstore.g1 import BlockId, BlockPool
@@ -50,7 +53,7 @@ class Chunk:
     index: int  # offload block index within the request
     key: BlockKey
     digest: bytes
-    tier: str  # "G2" | "G3"
+    tier: str  # "G2" | "G3" | "G4"
 
 
 @dataclass
@@ -74,13 +77,13 @@ class StoreJob:
 class TieredOffloadConnector(KVConnector):
     def __init__(self, layout: BlockLayout, pool: BlockPool, g2: HostTier | None, g3: StorageBackend | None,
                  *, g3_timeout_s: float = 10.0, max_pending_writes: int = 64, g3_read_threads: int = 4,
-                 write_policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> None:
-        if g2 is None and g3 is None:
-            raise ValueError("the tiered offload connector needs at least one tier (G2 or G3)")
+                 write_policy: WritePolicy = WritePolicy.WRITE_THROUGH, g4: RemoteTier | None = None) -> None:
+        if g2 is None and g3 is None and g4 is None:
+            raise ValueError("the tiered offload connector needs at least one tier (G2, G3 or G4)")
         if write_policy is WritePolicy.WRITE_BACK and not pool.enable_caching:
             raise ValueError("write_back offload needs prefix caching: blocks are written back when the "
                              "prefix cache evicts them, and without it they are never kept to be evicted")
-        self.layout, self.pool, self.g2, self.g3 = layout, pool, g2, g3
+        self.layout, self.pool, self.g2, self.g3, self.g4 = layout, pool, g2, g3, g4
         self.g1_per_chunk = layout.g1_blocks
         self.layout_id = layout.layout_id()
         self.g3_timeout_s = g3_timeout_s
@@ -104,8 +107,8 @@ class TieredOffloadConnector(KVConnector):
         self._read_window = 2 * g3_read_threads  # reads one load keeps in flight
         self._bounce: list[torch.Tensor | None] = [None] * self._read_window  # read targets outside G2
         self._write_slots = threading.BoundedSemaphore(max_pending_writes)
-        self.tier_hits = {"G2": 0, "G3": 0}  # tokens served
-        self.tier_misses = {"G2": 0, "G3": 0}  # tokens looked up in the tier and not found there
+        self.tier_hits = {"G2": 0, "G3": 0, "G4": 0}  # tokens served
+        self.tier_misses = {"G2": 0, "G3": 0, "G4": 0}  # tokens looked up in the tier and not found there
         self.lookup_tokens = 0  # tokens looked up below G1
         self.load_failures = 0
         self.load_seconds = 0.0  # wall time of load jobs on the transfer thread
@@ -160,6 +163,11 @@ class TieredOffloadConnector(KVConnector):
                     break
                 found.append(Chunk(j, key, dig, "G3"))
             self.tier_misses["G3"] += (len(rest) - (len(found) - before)) * t * count
+        rest = cands[len(found):]
+        if rest and self.g4 is not None:
+            n = self.g4.lookup([c[1] for c in rest])  # one round trip for the whole prompt
+            found += [Chunk(j, key, dig, "G4") for j, key, dig in rest[:n]]
+            self.tier_misses["G4"] += (len(rest) - n) * t * count
         self.lookup_tokens += (last - first) * t * count
         if not found:
             return 0, False
@@ -312,10 +320,21 @@ class TieredOffloadConnector(KVConnector):
                     break
                 run.append((c, job.g2_slots[c.key]))
             landed = self._scatter_g2(run, job)
-            if len(run) == len(g2_chunks):
-                from_g3 = self._load_g3(job.chunks[len(g2_chunks):], job)
+            if self.g4 is not None and self.g4.min_uses > 1:
+                for c, slot in run:  # a reuse: counts towards g4_min_uses
+                    self.g4.note_use(c.key, lambda slot=slot: bytes(self.g2.slot_view(slot).numpy()))  # type: ignore[union-attr]
+            lower = job.chunks[len(g2_chunks):]
+            g3_chunks = [c for c in lower if c.tier == "G3"]
+            complete = len(run) == len(g2_chunks)
+            if complete and g3_chunks:
+                from_g3, complete = self._load_g3(g3_chunks, job)
                 landed += from_g3
-                last_tier = "G3" if from_g3 else "G2"
+                last_tier = "G3" if from_g3 else last_tier
+            g4_chunks = lower[len(g3_chunks):]
+            if complete and g4_chunks:
+                from_g4 = self._load_g4(g4_chunks, job)
+                landed += from_g4
+                last_tier = "G4" if from_g4 else last_tier
         except Exception as e:  # a plugin tier may raise anything: it must become a miss, never wrong KV
             log.warning("offload load for request %s failed: %s: %s", job.req_id, type(e).__name__, e)
         finally:
@@ -374,11 +393,12 @@ class TieredOffloadConnector(KVConnector):
             i = j
         return done
 
-    def _load_g3(self, chunks: list[Chunk], job: LoadJob) -> int:
+    def _load_g3(self, chunks: list[Chunk], job: LoadJob) -> tuple[int, bool]:
         """Reads G3 chunks with up to `g3_read_threads` reads in flight (a disk serves several
         queued reads faster than one at a time) and scatters them in order. Each read lands in
         a G2 slot when G2 exists (the promotion) or else in a bounce buffer. Returns the G1
-        blocks filled; stops at the first chunk that is missing, bad or late."""
+        blocks filled and whether every chunk landed; stops at the first chunk that is
+        missing, bad or late."""
         window: deque[tuple[Chunk, int | None, torch.Tensor, Future]] = deque()
         todo = iter(enumerate(chunks))
         landed, ok, timed_out = 0, True, False
@@ -393,7 +413,7 @@ class TieredOffloadConnector(KVConnector):
                 window.append((c, slot, buf, self._reads.submit(self.g3.get_into, [c.key],  # type: ignore[union-attr]
                                                                 [memoryview(buf.numpy())])))
             if not window:
-                return landed
+                return landed, ok
             c, slot, buf, fut = window.popleft()
             try:
                 reason = None if fut.result(timeout=self.g3_timeout_s if not timed_out else 0)[0] else "miss"
@@ -419,8 +439,43 @@ class TieredOffloadConnector(KVConnector):
                 n = self._scatter(buf, c.index, job)
                 landed += n
                 self.tier_hits["G3"] += n * self.layout.block_size
+                if self.g4 is not None and self.g4.min_uses > 1:
+                    self.g4.note_use(c.key, lambda buf=buf: bytes(buf.numpy()))
             else:
                 ok = False  # later reads in flight still finish (and may still be promoted)
+
+    def _load_g4(self, chunks: list[Chunk], job: LoadJob) -> int:
+        """Reads G4 chunks in batches (one round trip each), promotes them into G2 (and from
+        there into G3), and scatters them in order. Returns the G1 blocks filled; stops at the
+        first chunk that is missing or bad."""
+        assert self.g4 is not None
+        landed = 0
+        for start in range(0, len(chunks), self.g4.batch):
+            batch = chunks[start:start + self.g4.batch]
+            slots = [self.g2.prepare_store(c.key, c.digest) if self.g2 is not None else None for c in batch]
+            bufs = [self.g2.slot_view(s) if s is not None else torch.empty(self.layout.encoded_bytes, dtype=torch.uint8)
+                    for s in slots]
+            got = self.g4.read([c.key for c in batch], [memoryview(b.numpy()) for b in bufs])
+            ok = True
+            for c, slot, buf, hit in zip(batch, slots, bufs, got):
+                reason = None if hit else "miss"
+                reason = reason or check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
+                if reason not in (None, "miss"):
+                    log.warning("G4 entry rejected: %s", reason)
+                if slot is not None:
+                    assert self.g2 is not None
+                    self.g2.complete_store(c.key, reason is None)  # promotion into G2
+                    if reason is None and self.g3 is not None and self.g2.prepare_load([c.key]) is not None:
+                        self._submit_g3_write(c.key, buf, unpin=True, wait=False)  # ... and into G3
+                if ok and reason is None:
+                    n = self._scatter(buf, c.index, job)
+                    landed += n
+                    self.tier_hits["G4"] += n * self.layout.block_size
+                else:
+                    ok = False
+            if not ok:
+                break
+        return landed
 
     def _bounce_buffer(self, i: int) -> torch.Tensor:
         buf = self._bounce[i]
@@ -477,9 +532,15 @@ class TieredOffloadConnector(KVConnector):
             self.g2.complete_store(job.key, True, job.priority)
             if self.g3 is not None and self.g2.prepare_load([job.key]) is not None:
                 self._submit_g3_write(job.key, buf, unpin=True, wait=wait_for_write_slot)
+            if self.g4 is not None:
+                self.g4.note_use(job.key, lambda: bytes(buf.numpy()))
             return True
         buf = torch.empty(self.layout.encoded_bytes, dtype=torch.uint8)
         self._gather(job.src, buf, job)
+        if self.g4 is not None:
+            self.g4.note_use(job.key, lambda: bytes(buf.numpy()))
+        if self.g3 is None:
+            return self.g4 is not None
         return self._submit_g3_write(job.key, buf, unpin=False, wait=wait_for_write_slot)
 
     def _submit_g3_write(self, key: BlockKey, buf: torch.Tensor, unpin: bool, wait: bool = True) -> bool:
@@ -525,12 +586,16 @@ class TieredOffloadConnector(KVConnector):
             s3 = getattr(self.g3, "stats", None)
             out["G3"] = {"hit_tokens": self.tier_hits["G3"], "miss_tokens": self.tier_misses["G3"],
                          **(vars(s3) if s3 is not None else {})}
+        if self.g4 is not None:
+            out["G4"] = {**self.g4.stats(), "hit_tokens": self.tier_hits["G4"], "miss_tokens": self.tier_misses["G4"]}
         return out
 
     def flush(self) -> None:
         """Wait until every queued store and G3 write has finished."""
         self._xfer.submit(lambda: None).result()
         self._io.submit(lambda: None).result()
+        if self.g4 is not None:
+            self.g4.flush()
 
     def close(self) -> None:
         self.flush()
@@ -539,3 +604,5 @@ class TieredOffloadConnector(KVConnector):
         self._reads.shutdown(wait=True)
         if self.g3 is not None:
             self.g3.close()
+        if self.g4 is not None:
+            self.g4.close()

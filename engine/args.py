@@ -35,13 +35,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="G1 eviction policy: lru, priority, a kvtier.policies entry point, or module:Class "
                         "(default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: %(default)s)")
-    o = p.add_argument_group("KV offload (G2 host memory, G3 disk)")
+    o = p.add_argument_group("KV offload (G2 host memory, G3 disk, G4 Redis/Valkey)")
     o.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
                    help="G2 host-memory tier size in GiB (vLLM's flag); off when not given")
     o.add_argument("--kv-offload-disk", default=None, metavar="PATH",
                    help="G3 disk tier directory; entries survive restarts and are namespaced by model fingerprint")
     o.add_argument("--kv-offload-disk-size", type=float, default=10.0, metavar="GIB",
                    help="G3 capacity in GiB (default: %(default)s)")
+    o.add_argument("--kv-offload-remote", default=None, metavar="URL",
+                   help="G4, a Redis/Valkey shared by many engines: redis://[user:pass@]host:port[/db], rediss:// "
+                        "(TLS), or redis+cluster://host:port,host:port; credentials may also come from "
+                        "$KVTIER_REDIS_USERNAME / $KVTIER_REDIS_PASSWORD. Set the server's maxmemory-policy to "
+                        "allkeys-lru; tuning keys (g4_prefix, g4_ttl_s, g4_timeout_s, g4_min_uses) go in "
+                        "--kv-transfer-config's kv_connector_extra_config")
     o.add_argument("--kv-offload-block-size", type=int, default=None, metavar="TOKENS",
                    help="tokens per offload block, a multiple of --block-size (default: --block-size; a hit "
                         "recomputes the prompt tail that does not fill a block)")
@@ -77,6 +83,7 @@ def llm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         "kv_offloading_size": ns.kv_offloading_size,
         "kv_offload_disk": ns.kv_offload_disk,
         "kv_offload_disk_size": ns.kv_offload_disk_size,
+        "kv_offload_remote": ns.kv_offload_remote,
         "kv_offload_block_size": ns.kv_offload_block_size,
         "kv_transfer_config": ns.kv_transfer_config,
         "kv_load_failure_policy": ns.kv_load_failure_policy,

@@ -103,6 +103,8 @@ class EngineConfig:
     kv_offloading_size: float | None = None
     kv_offload_disk: str | None = None
     kv_offload_disk_size: float = 10.0
+    # G4: a shared Redis/Valkey (redis://, rediss://, redis+cluster://host:port,...), below G3.
+    kv_offload_remote: str | None = None
     # Tokens per offload block, a multiple of block_size; None = block_size. Measured with
     # benchmarks/offload.py on the demo model: a hit recomputes the prompt's tail that does not
     # fill an offload block, and that tail dominates TTFT (8k-token G2 hit: 0.42 s at 16 tokens,
@@ -139,6 +141,12 @@ class EngineConfig:
         if self.kv_offload_block_size <= 0 or self.kv_offload_block_size % self.block_size:
             raise ValueError(f"kv_offload_block_size ({self.kv_offload_block_size}) must be a positive multiple "
                              f"of block_size ({self.block_size})")
+        if self.kv_offload_remote is not None:
+            from kvstore.remote import SCHEMES, redact
+
+            if self.kv_offload_remote.split("://", 1)[0] not in SCHEMES:
+                raise ValueError(f"kv_offload_remote must be a {', '.join(s + '://' for s in SCHEMES)} URL; "
+                                 f"got {redact(self.kv_offload_remote)!r}")
         HiddenStatesSpec.from_speculative_config(self.speculative_config)  # validates
         try:
             object.__setattr__(self, "kv_load_failure_policy", LoadFailurePolicy(self.kv_load_failure_policy))
@@ -151,7 +159,7 @@ class EngineConfig:
 
     @property
     def offload_enabled(self) -> bool:
-        return bool(self.kv_offloading_size) or self.kv_offload_disk is not None
+        return bool(self.kv_offloading_size) or self.kv_offload_disk is not None or bool(self.kv_offload_remote)
 
 
 def load_model_config(model_dir: Path, dtype: str) -> ModelConfig:

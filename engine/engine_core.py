@@ -104,7 +104,7 @@ class EngineCore:
                              hs.layer_ids if hs else (), mc.hidden_size if hs else 0)
         ctx = ConnectorContext(layout, self.pool, fp, cfg.kv_eviction_policy, cfg.kv_offloading_size,
                                cfg.kv_offload_disk, cfg.kv_offload_disk_size, extra, self.events,
-                               hidden_spec=hs, model_name=model_dir.name)
+                               hidden_spec=hs, model_name=model_dir.name, remote_url=cfg.kv_offload_remote)
         connector = build_connector(ctx, tc)
         if connector is not None:
             connector.register_kv_caches(self.runner.kv_cache)

@@ -78,7 +78,7 @@ class Request:
         self.preempted = False
         self.load_failed = False  # an offload load failed: recompute instead of asking again
         self.abort_requested = False  # aborted while loading: finished once the load lands
-        # Prompt tokens not computed, by the tier that supplied them ("G1", "G2", "G3").
+        # Prompt tokens not computed, by the tier that supplied them ("G1", "G2", "G3", "G4").
         self.cached_by_tier: dict[str, int] = {}
         self.pending_by_tier: dict[str, int] = {}  # set by the connector for the load in flight
 

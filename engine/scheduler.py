@@ -189,8 +189,8 @@ class Scheduler:
         if loaded < ext:
             req.load_failed = True
         if not req.preempted:
-            left = loaded  # chunks were planned G2 first, then G3: trim the split to what landed
-            for tier in ("G2", "G3"):
+            left = loaded  # chunks were planned G2, then G3, then G4: trim the split to what landed
+            for tier in ("G2", "G3", "G4"):
                 n = min(req.pending_by_tier.get(tier, 0), left)
                 left -= n
                 if n:

@@ -96,6 +96,11 @@ def encode_header(namespace: bytes, key: bytes, payload: Buffer, alg: int | None
     return head + _SUMS[alg][1](head)
 
 
+def payload_checksum(alg: int, payload: Buffer) -> bytes:
+    """The 16-byte payload checksum of `alg` (an entry header's `payload_sum`)."""
+    return _SUMS[alg][0](payload)
+
+
 def decode_header(raw: bytes) -> EntryHeader:
     """Parse and self-check a header; raises CorruptEntry."""
     if len(raw) < HEADER_SIZE:

@@ -59,7 +59,7 @@ class _EngineCollector(Collector):
         bad = CounterMetricFamily(P + "offload_corrupt_entries", "Tier entries found corrupt and dropped.",
                                   labels=lab + ["tier"])
         evict = CounterMetricFamily(P + "offload_evictions", "Blocks evicted from an offload tier.", labels=lab + ["tier"])
-        for tier in ("G2", "G3"):
+        for tier in ("G2", "G3", "G4"):
             t = tiers.get(tier)
             if not t:
                 continue

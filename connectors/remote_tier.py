@@ -1,0 +1,142 @@
+"""G4 beside the tiered connector: a shared remote backend (Redis/Valkey), with batched
+asynchronous writes, an optional reuse threshold, and batched reads.
+
+The connector calls `note_use(key, data)` each time this engine stores or loads an offload
+block; the block is queued for G4 once it has been used `min_uses` times (1: write-through on
+first store). A writer thread drains the queue in batches, one pipelined round trip each. The
+queue is bounded: when the remote is slower than the engine, writes are dropped and counted,
+never waited for. Reads are one round trip per batch of blocks.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from connectors.backend import BackendError, StorageBackend
+from kvstore.keys import BlockKey
+
+log = logging.getLogger("kvtier.g4")
+
+WRITTEN = -1  # a use count meaning "already in G4 (or queued for it)"
+MAX_TRACKED = 1 << 16  # use counts kept (LRU); a forgotten key just counts from zero again
+
+
+class RemoteTier:
+    def __init__(self, backend: StorageBackend, *, min_uses: int = 1, batch: int = 32, max_pending: int = 256) -> None:
+        if min_uses < 1:
+            raise ValueError(f"g4_min_uses must be >= 1; got {min_uses}")
+        if batch < 1 or max_pending < batch:
+            raise ValueError("the G4 batch must be >= 1 and max_pending >= batch")
+        self.backend, self.min_uses, self.batch = backend, min_uses, batch
+        self._uses: OrderedDict[BlockKey, int] = OrderedDict()
+        self._lock = threading.Lock()
+        self._q: queue.Queue[tuple[BlockKey, bytes] | None] = queue.Queue(max_pending)
+        self.hit_tokens = 0
+        self.miss_tokens = 0
+        self.written_blocks = 0
+        self.dropped_writes = 0  # queue full: the remote is slower than the engine
+        self.failed_writes = 0  # the remote refused or was unreachable
+        self._writer = threading.Thread(target=self._write_loop, name="kvtier-g4-write", daemon=True)
+        self._writer.start()
+
+    # -- reads ---------------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """How many of `keys`, from the first, G4 holds (one round trip)."""
+        try:
+            found = self.backend.exists(list(keys))
+        except (BackendError, OSError) as e:
+            log.warning("G4 lookup failed, treating as a miss: %s", e)
+            return 0
+        n = 0
+        for ok in found:
+            if not ok:
+                break
+            n += 1
+        return n
+
+    def read(self, keys: Sequence[BlockKey], outs: Sequence[Any]) -> list[bool]:
+        try:
+            got = self.backend.get_into(list(keys), list(outs))
+        except (BackendError, OSError) as e:
+            log.warning("G4 read failed, treating as a miss: %s", e)
+            return [False] * len(keys)
+        for k, ok in zip(keys, got):
+            if ok:
+                self._set(k, WRITTEN)  # it is there: never upload it again from here
+        return got
+
+    # -- writes --------------------------------------------------------------------------------
+    def note_use(self, key: BlockKey, data: Callable[[], bytes]) -> None:
+        """Counts a use of `key`; queues `data()` for G4 when the count reaches min_uses."""
+        with self._lock:
+            n = self._uses.get(key, 0)
+            if n == WRITTEN:
+                self._uses.move_to_end(key)
+                return
+            n += 1
+            self._set_locked(key, WRITTEN if n >= self.min_uses else n)
+        if n >= self.min_uses:
+            try:
+                self._q.put_nowait((key, data()))
+            except queue.Full:
+                self.dropped_writes += 1
+                self._set(key, 0)
+
+    def flush(self) -> None:
+        self._q.join()
+
+    def close(self) -> None:
+        self.flush()
+        self._q.put(None)
+        self._writer.join(30)
+        self.backend.close()
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                self._q.task_done()
+                return
+            items = [item]
+            while len(items) < self.batch:
+                try:
+                    nxt = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:  # keep the stop marker for the outer loop
+                    self._q.task_done()
+                    self._q.put(None)
+                    break
+                items.append(nxt)
+            try:
+                stored = self.backend.put([k for k, _ in items], [v for _, v in items])
+            except (BackendError, OSError, ValueError) as e:
+                log.warning("G4 write of %d blocks failed: %s", len(items), e)
+                stored = [False] * len(items)
+            for (k, _), ok in zip(items, stored):
+                if ok:
+                    self.written_blocks += 1
+                else:
+                    self.failed_writes += 1
+                    self._set(k, 0)  # may be offered again later
+                self._q.task_done()
+
+    def _set(self, key: BlockKey, n: int) -> None:
+        with self._lock:
+            self._set_locked(key, n)
+
+    def _set_locked(self, key: BlockKey, n: int) -> None:
+        self._uses[key] = n
+        self._uses.move_to_end(key)
+        if len(self._uses) > MAX_TRACKED:
+            self._uses.popitem(last=False)
+
+    def stats(self) -> dict[str, Any]:
+        describe = getattr(self.backend, "describe", None)
+        return {"hit_tokens": self.hit_tokens, "miss_tokens": self.miss_tokens, "written_blocks": self.written_blocks,
+                "dropped_writes": self.dropped_writes, "failed_writes": self.failed_writes,
+                "min_uses": self.min_uses, **(describe() if describe else {})}

@@ -1,0 +1,326 @@
+"""G4: a shared remote tier on Redis or Valkey, as a `StorageBackend` over redis-py.
+
+Many engines on many machines point at one Redis (or a Redis Cluster) and reuse each other's
+prefixes. The server does the evicting (`maxmemory-policy allkeys-lru` is the recommended
+setting); entries may also carry a TTL.
+
+Keys are `{prefix}:{namespace hex}:{block key hex}`, the namespace being the model fingerprint,
+so another model or dtype never reads these entries. Values are the same self-checking entry
+as G3's files (magic, version, namespace, key, payload length and checksum, header checksum;
+see `kvstore.disk`), so a value written under the wrong key, truncated, or written by another
+model is a miss: counted in `stats.corrupt`, deleted, logged, never served.
+
+Every call is one pipelined round trip per batch (per node in a cluster), never one per block.
+
+Faults become misses. Every command has a socket timeout. After a connection error or a
+timeout, a circuit breaker opens: calls return misses at once, without touching the network,
+for a cool-down that doubles on each failed retry (capped); then one call probes the server.
+So a dead remote costs one timeout per cool-down, not one per request, and the log says so
+once when it goes down and once when it comes back. A rejected password disables the tier for
+the life of the process, with one warning.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+from kvstore.backend import BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_keys, check_outs
+from kvstore.disk import HEADER_SIZE, CorruptEntry, decode_header, encode_header, payload_checksum
+from kvstore.keys import KEY_BYTES, BlockKey
+
+log = logging.getLogger("kvtier.g4")
+
+SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+ENV_USER, ENV_PASSWORD = "KVTIER_REDIS_USERNAME", "KVTIER_REDIS_PASSWORD"
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced by '***' (for logs and stats)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = quote(parts.username or "", safe="")
+    netloc = f"{user}:***@{parts.netloc.rsplit('@', 1)[1]}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    url: str  # redis://[user:pass@]host:port[/db], rediss://..., redis+cluster://host:port,host:port
+    namespace: bytes  # the 16-byte model fingerprint digest
+    prefix: str = "kvtier"
+    ttl_s: float | None = None  # per-entry expiry; None: until the server evicts it
+    timeout_s: float = 0.5  # socket timeout of every command
+    cooldown_s: float = 2.0  # first circuit-breaker pause; doubles per failed probe
+    max_cooldown_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        scheme = urlsplit(self.url).scheme
+        if scheme not in SCHEMES:
+            raise ValueError(f"remote URL scheme must be one of {', '.join(s + '://' for s in SCHEMES)}; "
+                             f"got {redact(self.url)!r}")
+        if type(self.namespace) is not bytes or len(self.namespace) != KEY_BYTES:
+            raise ValueError(f"namespace must be {KEY_BYTES} bytes")
+        if not self.prefix or any(c in self.prefix for c in " \n\r"):
+            raise ValueError(f"prefix must be a non-empty string without whitespace; got {self.prefix!r}")
+        if self.ttl_s is not None and self.ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0; got {self.ttl_s}")
+        if self.timeout_s <= 0 or self.cooldown_s <= 0 or self.max_cooldown_s < self.cooldown_s:
+            raise ValueError("timeout_s and cooldown_s must be > 0, and max_cooldown_s >= cooldown_s")
+
+    @property
+    def cluster(self) -> bool:
+        return urlsplit(self.url).scheme.endswith("+cluster")
+
+
+class BreakerState(enum.Enum):
+    CLOSED = "closed"  # calls go through
+    OPEN = "open"  # calls are misses until the cool-down ends
+    HALF_OPEN = "half_open"  # one probe call is in flight
+
+
+@dataclass
+class CircuitBreaker:
+    cooldown_s: float
+    max_cooldown_s: float
+    what: str  # for the log lines
+    clock: Callable[[], float] = time.monotonic
+    state: BreakerState = BreakerState.CLOSED
+    opens: int = 0  # times it went from closed to open
+    _pause: float = 0.0
+    _until: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def allow(self) -> bool:
+        with self._lock:
+            if self.state is BreakerState.CLOSED:
+                return True
+            if self.state is BreakerState.OPEN and self.clock() >= self._until:
+                self.state = BreakerState.HALF_OPEN  # this caller probes; the others still miss
+                return True
+            return False
+
+    def success(self) -> None:
+        with self._lock:
+            if self.state is not BreakerState.CLOSED:
+                log.warning("%s is reachable again; G4 resumes", self.what)
+            self.state, self._pause = BreakerState.CLOSED, 0.0
+
+    def failure(self, err: BaseException) -> None:
+        with self._lock:
+            if self.state is BreakerState.CLOSED:
+                self.opens += 1
+                self._pause = self.cooldown_s
+                log.warning("%s failed (%s: %s); G4 lookups and writes are misses, retrying in %.1fs",
+                            self.what, type(err).__name__, err, self._pause)
+            else:  # a failed probe: wait longer, quietly
+                self._pause = min(self._pause * 2, self.max_cooldown_s)
+                log.debug("%s still failing (%s); next probe in %.1fs", self.what, err, self._pause)
+            self.state, self._until = BreakerState.OPEN, self.clock() + self._pause
+
+
+def _connect(cfg: RemoteConfig) -> Any:
+    import redis
+    from redis.cluster import ClusterNode, RedisCluster
+
+    parts = urlsplit(cfg.url)
+    username = unquote(parts.username) if parts.username else os.environ.get(ENV_USER) or None
+    password = unquote(parts.password) if parts.password else os.environ.get(ENV_PASSWORD) or None
+    common = dict(username=username, password=password, socket_timeout=cfg.timeout_s,
+                  socket_connect_timeout=cfg.timeout_s, retry_on_timeout=False)
+    tls = parts.scheme.startswith("rediss")
+    if cfg.cluster:
+        hosts = parts.netloc.rsplit("@", 1)[-1].split(",")
+        nodes = []
+        for h in hosts:
+            host, _, port = h.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"cluster node {h!r} in {redact(cfg.url)!r} is not host:port")
+            nodes.append(ClusterNode(host.strip("[]"), int(port)))
+        # No retries inside redis-py: the breaker is the retry policy.
+        return RedisCluster(startup_nodes=nodes, ssl=tls, cluster_error_retry_attempts=0, **common)
+    plain = urlunsplit(parts._replace(scheme="rediss" if tls else "redis", netloc=parts.netloc.rsplit("@", 1)[-1]))
+    return redis.Redis.from_url(plain, **common)
+
+
+class RedisBackend(StorageBackend):
+    """Blocks in Redis/Valkey (see the module docstring). `client` is for tests."""
+
+    def __init__(self, cfg: RemoteConfig, client: Any = None) -> None:
+        import redis
+        import redis.exceptions
+
+        self.cfg = cfg
+        self.url = redact(cfg.url)
+        self.stats = BackendStats()
+        self.disabled: str | None = None  # why the tier is off for good (a rejected password)
+        self.breaker = CircuitBreaker(cfg.cooldown_s, cfg.max_cooldown_s, f"G4 remote {self.url}")
+        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
+        self._redis_error = redis.RedisError
+        self._auth_errors = (redis.AuthenticationError, redis.exceptions.AuthorizationError, redis.exceptions.NoPermissionError)
+        self._closed = False
+        self._ns = cfg.namespace.hex()
+        try:
+            self.client = client if client is not None else _connect(cfg)
+        except self._auth_errors as e:
+            self._disable(e)
+            self.client = None
+        except self._errors as e:  # a cluster client contacts its nodes at construction
+            self.breaker.failure(e)
+            self.client = None
+        if self.client is not None:
+            self._probe()
+
+    # -- the contract ------------------------------------------------------------------------
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        check_keys(keys)
+        res = self._pipeline(lambda p: [p.exists(self._name(k)) for k in keys])
+        return [bool(r) and not isinstance(r, Exception) for r in res] if res else [False] * len(keys)
+
+    def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        check_keys(keys)
+        return [None if v is None else bytes(v) for v in self._fetch(keys)]
+
+    def get_into(self, keys: Sequence[BlockKey], outs: Sequence[Buffer]) -> list[bool]:
+        views = check_outs(keys, outs)
+        filled = []
+        for v, out in zip(self._fetch(list(keys)), views):
+            ok = v is not None and v.nbytes == out.nbytes
+            if ok:
+                out[:] = v
+            filled.append(ok)
+        return filled
+
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer]) -> list[bool]:
+        check_keys(keys)
+        views = check_blocks(keys, blocks)
+        values = [encode_header(self.cfg.namespace, k, v) + bytes(v) for k, v in zip(keys, views)]
+        px = None if self.cfg.ttl_s is None else max(int(self.cfg.ttl_s * 1000), 1)
+        res = self._pipeline(lambda p: [p.set(self._name(k), v, px=px) for k, v in zip(keys, values)])
+        if res is None:
+            return [False] * len(keys)
+        ok = [r is True for r in res]
+        failed = [r for r in res if isinstance(r, Exception)]
+        if failed:  # e.g. OOM: maxmemory reached with a noeviction policy
+            self.stats.write_errors += len(failed)
+            log.warning("G4 refused %d of %d writes: %s", len(failed), len(keys), failed[0])
+        self.stats.bytes_written += sum(len(v) for v, good in zip(values, ok) if good)
+        return ok
+
+    def delete(self, keys: Sequence[BlockKey]) -> None:
+        check_keys(keys)
+        if keys:
+            self._pipeline(lambda p: [p.delete(self._name(k)) for k in keys])
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self.client is not None:
+                self.client.close()
+
+    def describe(self) -> dict[str, Any]:
+        """Stats for /v1/kv/stats: no password, ever."""
+        return {"url": self.url, "breaker": self.breaker.state.value, "outages": self.breaker.opens,
+                "disabled": self.disabled, **vars(self.stats)}
+
+    # -- internals ----------------------------------------------------------------------------
+    def _name(self, key: BlockKey) -> str:
+        return f"{self.cfg.prefix}:{self._ns}:{key.hex()}"
+
+    def _disable(self, err: BaseException) -> None:
+        self.disabled = f"{type(err).__name__}: {err}"
+        log.warning("G4 remote %s rejected our credentials (%s); running with G4 disabled", self.url, self.disabled)
+
+    def _probe(self) -> None:
+        try:
+            self.client.ping()
+            log.info("G4 remote %s connected (key prefix %s:%s)", self.url, self.cfg.prefix, self._ns[:8])
+        except self._auth_errors as e:
+            self._disable(e)
+        except self._redis_error as e:
+            if "NOAUTH" in str(e) or "WRONGPASS" in str(e) or "invalid password" in str(e).lower():
+                self._disable(e)
+            else:
+                self.breaker.failure(e)
+
+    def _pipeline(self, build: Callable[[Any], Any]) -> list[Any] | None:
+        """One round trip; None when the tier is off, the breaker is open, or the call failed."""
+        if self._closed:
+            raise BackendError("G4 backend is closed")
+        if self.disabled or not self.breaker.allow():
+            return None
+        if self.client is None:  # the cluster was unreachable at start-up: try again now
+            try:
+                self.client = _connect(self.cfg)
+            except self._auth_errors as e:
+                self._disable(e)
+                return None
+            except self._errors as e:
+                self.breaker.failure(e)
+                return None
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            build(pipe)
+            res = pipe.execute(raise_on_error=False)
+        except self._auth_errors as e:
+            self._disable(e)
+            return None
+        except self._errors as e:
+            self.breaker.failure(e)
+            return None
+        except self._redis_error as e:  # a server-side refusal of the whole batch
+            log.warning("G4 call failed: %s: %s", type(e).__name__, e)
+            self.breaker.success()
+            return None
+        conn_errors = [r for r in res if isinstance(r, self._errors)]
+        if conn_errors:
+            self.breaker.failure(conn_errors[0])
+            return None
+        self.breaker.success()
+        return res
+
+    def _fetch(self, keys: list[BlockKey]) -> list[memoryview | None]:
+        res = self._pipeline(lambda p: [p.get(self._name(k)) for k in keys])
+        if res is None:
+            self.stats.misses += len(keys)
+            return [None] * len(keys)
+        out: list[memoryview | None] = []
+        bad: list[BlockKey] = []
+        for k, raw in zip(keys, res):
+            if raw is None or isinstance(raw, Exception):
+                self.stats.misses += 1
+                out.append(None)
+                continue
+            try:
+                out.append(self._open(k, raw))
+                self.stats.hits += 1
+                self.stats.bytes_read += len(raw)
+            except CorruptEntry as e:
+                self.stats.corrupt += 1
+                self.stats.misses += 1
+                log.warning("G4 entry %s rejected: %s", k.hex(), e)
+                bad.append(k)
+                out.append(None)
+        if bad:
+            self.delete(bad)
+        return out
+
+    def _open(self, key: BlockKey, raw: bytes) -> memoryview:
+        head = decode_header(raw)
+        if head.namespace != self.cfg.namespace:
+            raise CorruptEntry("written by another model (namespace differs)")
+        if head.key != key:
+            raise CorruptEntry(f"holds key {head.key.hex()}, not the one it is stored under")
+        payload = memoryview(raw)[HEADER_SIZE:]
+        if payload.nbytes != head.payload_len:
+            raise CorruptEntry(f"truncated: {payload.nbytes} of {head.payload_len} payload bytes")
+        if payload_checksum(head.alg, payload) != head.payload_sum:
+            raise CorruptEntry("payload checksum mismatch")
+        return payload
