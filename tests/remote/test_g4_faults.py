@@ -1,0 +1,160 @@
+"""G4 (issue 6), acceptance 3 and 4: a killed, restarted or paused Redis becomes misses with
+one log line and one timeout per cool-down, hits resume when it is back; a wrong password
+disables G4 with a warning; values under the wrong key, truncated, damaged or written by
+another model are never served, and are counted."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+
+import pytest
+import redis
+
+from checkpoints import random_prompt
+from engine import LLM, SamplingParams
+from kvstore.remote import BreakerState, RedisBackend, RemoteConfig, redact
+from redis_procs import SERVER, RedisProc, free_port
+
+pytestmark = pytest.mark.skipif(SERVER is None, reason="redis-server not installed")
+NS, OTHER_NS = bytes(range(16)), bytes(range(1, 17))
+
+
+def key(tag: str) -> bytes:
+    return hashlib.sha256(tag.encode()).digest()[:16]
+
+
+def backend(url: str, ns: bytes = NS, **kw) -> RedisBackend:
+    return RedisBackend(RemoteConfig(url, ns, timeout_s=kw.pop("timeout_s", 0.3), cooldown_s=kw.pop("cooldown_s", 1.0),
+                                     **kw))
+
+
+def g4_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "kvtier.g4" and r.levelno >= logging.WARNING]
+
+
+def test_bad_values_are_misses_and_counted(redis_proc):
+    b = backend(redis_proc.url)
+    raw_client = redis.Redis(port=redis_proc.port)
+    name = b._name
+    good = bytes(range(256)) * 64
+    assert b.put([key("a"), key("m")], [good, good]) == [True, True]
+    raw = raw_client.get(name(key("a")))
+    raw_client.set(name(key("wrong-key")), raw)  # another key's value
+    raw_client.set(name(key("short")), raw[:-7])  # truncated
+    flipped = bytearray(raw)
+    flipped[-100] ^= 0xFF
+    raw_client.set(name(key("flipped")), bytes(flipped))  # damaged payload
+    raw_client.set(name(key("junk")), b"not an entry at all")
+    other = backend(redis_proc.url, OTHER_NS)  # another model writes under our name
+    other.put([key("m")], [b"x" * 100])
+    raw_client.set(name(key("m")), raw_client.get(other._name(key("m"))))
+    bad = [key(t) for t in ("wrong-key", "short", "flipped", "junk", "m")]
+    assert b.get(bad) == [None] * 5
+    assert b.stats.corrupt == 5
+    assert all(raw_client.get(name(k)) is None for k in bad)  # removed, not left to be re-read
+    assert b.get([key("a")]) == [good]  # the good one is untouched
+    b.close()
+    other.close()
+
+
+def test_dead_redis_costs_one_timeout_per_cooldown_and_logs_once(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kvtier.g4")
+    r = RedisProc(tmp_path / "redis", free_port()).start()
+    b = backend(r.url, cooldown_s=1.0)
+    assert b.put([key("x")], [b"v" * 1000]) == [True]
+    r.kill()
+    t0 = time.monotonic()
+    for _ in range(200):
+        assert b.get([key("x")]) == [None]
+        assert b.put([key("y")], [b"v"]) == [False]
+    assert time.monotonic() - t0 < 0.9, "an open breaker must not touch the network"
+    assert b.breaker.state is BreakerState.OPEN
+    assert len(g4_warnings(caplog)) == 1, g4_warnings(caplog)
+    r.start()  # same port, empty (no persistence)
+    time.sleep(1.1)
+    assert b.put([key("x")], [b"v" * 1000]) == [True]  # the probe succeeds: closed again
+    assert b.get([key("x")]) == [b"v" * 1000]
+    assert b.breaker.state is BreakerState.CLOSED
+    assert any("reachable again" in m for m in g4_warnings(caplog))
+    b.close()
+    r.stop()
+
+
+def test_paused_redis_times_out_once_then_misses(redis_proc, caplog):
+    caplog.set_level(logging.INFO, logger="kvtier.g4")
+    b = backend(redis_proc.url, timeout_s=0.3, cooldown_s=1.0)
+    assert b.put([key("p")], [b"payload"]) == [True]
+    redis_proc.pause()
+    try:
+        t0 = time.monotonic()
+        assert b.get([key("p")]) == [None]  # one socket timeout
+        first = time.monotonic() - t0
+        t0 = time.monotonic()
+        assert b.exists([key("p")] * 50) == [False] * 50
+        assert 0.25 <= first < 2.0 and time.monotonic() - t0 < 0.1
+    finally:
+        redis_proc.resume()
+    time.sleep(1.1)
+    assert b.get([key("p")]) == [b"payload"]  # back, and the data survived the pause
+    assert len([m for m in g4_warnings(caplog) if "failed" in m]) == 1
+    b.close()
+
+
+def test_wrong_password_disables_g4_with_a_warning(tmp_path, caplog, monkeypatch):
+    caplog.set_level(logging.INFO, logger="kvtier.g4")
+    r = RedisProc(tmp_path / "redis", free_port(), ("--requirepass", "s3cret-pw")).start()
+    try:
+        port = r.port
+        bad = backend(f"redis://:wrong-pw@127.0.0.1:{port}")
+        assert bad.disabled and bad.put([key("k")], [b"v"]) == [False] and bad.get([key("k")]) == [None]
+        warnings = g4_warnings(caplog)
+        assert len(warnings) == 1 and "disabled" in warnings[0]
+        good = backend(f"redis://:s3cret-pw@127.0.0.1:{port}")
+        assert good.put([key("k")], [b"v"]) == [True] and good.get([key("k")]) == [b"v"]
+        monkeypatch.setenv("KVTIER_REDIS_PASSWORD", "s3cret-pw")
+        from_env = backend(f"redis://127.0.0.1:{port}")
+        assert from_env.get([key("k")]) == [b"v"]
+        for b in (bad, good, from_env):
+            assert "s3cret-pw" not in repr(b.describe()) and "wrong-pw" not in repr(b.describe())
+            b.close()
+        assert not any("s3cret-pw" in rec.getMessage() or "wrong-pw" in rec.getMessage() for rec in caplog.records)
+        assert redact("redis://user:pw@h:1/0") == "redis://user:***@h:1/0"
+    finally:
+        r.stop()
+
+
+def test_engine_keeps_serving_through_a_redis_outage(ckpt_dir, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kvtier.g4")
+    model = str(ckpt_dir("llama"))
+    r = RedisProc(tmp_path / "redis", free_port()).start()
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [random_prompt(120, 6200 + i) for i in range(6)]
+    extra = {"kv_connector_extra_config": {"g4_timeout_s": 0.3}}
+    ref = [o.outputs[0].token_ids for o in LLM(model, dtype="float32", num_gpu_blocks=96).generate(
+        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
+
+    def run(llm, ps):
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], sp,
+                                                             use_tqdm=False)]
+
+    a = LLM(model, dtype="float32", num_gpu_blocks=96, kv_offload_remote=r.url, kv_transfer_config=extra)
+    try:
+        assert run(a, prompts[:2]) == ref[:2]
+        r.kill()
+        assert run(a, prompts[2:4]) == ref[2:4]  # lookups and writes fail: misses, same tokens
+        assert len([m for m in g4_warnings(caplog) if "failed" in m]) == 1
+        r.start()
+        time.sleep(a.engine.connector.g4.backend.cfg.cooldown_s + 0.2)
+        assert run(a, prompts[4:]) == ref[4:]
+        a.engine.flush_offload()
+    finally:
+        a.close()
+    b = LLM(model, dtype="float32", num_gpu_blocks=96, kv_offload_remote=r.url)
+    try:
+        outs = b.generate([{"prompt_token_ids": p} for p in prompts[4:]], sp, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref[4:]
+        assert all(o.cached_tokens_by_tier.get("G4", 0) == 112 for o in outs)  # hits resumed after the restart
+    finally:
+        b.close()
+        r.stop()
