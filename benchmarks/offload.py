@@ -1,17 +1,20 @@
 """How much does a lower-tier hit save? TTFT cold vs G1, G2 and G3 hits, and load bandwidth.
 
-For each prompt length, one run measures four ways (interleaved over --runs, medians reported):
+For each prompt length, one run measures five ways (interleaved over --runs, medians reported):
   cold   the prompt is new: full prefill (fresh cache_salt, so no tier can hit)
   G1     the same prompt again right away: a G1 prefix-cache hit
   G2     G1 emptied (prefix cache reset), the prompt's blocks in host memory (G2)
   G3     G1 emptied, no G2, the blocks on disk (G3). The OS page cache is dropped first when
          /proc/sys/vm/drop_caches is writable (recorded in the JSON); otherwise reads may be
          served from the page cache, and the JSON says so.
+  G4     G1 emptied, no G2 or G3, the blocks in a Redis/Valkey (a redis-server this script
+         starts on a free loopback port, or --redis-url). Skipped when neither exists.
 TTFT is the wall time of generate(max_tokens=1). A hit still recomputes the prompt's tail that
 does not fill a whole offload block (at most --offload-block-size - 1 tokens, plus the last token).
 
 Bandwidth: the bytes a G2/G3 hit moved divided by its TTFT (conservative: it includes the tail's
-forward), next to a raw torch copy of the same bytes and a raw read of the same G3 files.
+forward), next to a raw torch copy of the same bytes, a raw read of the same G3 files, and
+`redis-benchmark`'s own GET throughput at the offload block's value size (for G4).
 """
 from __future__ import annotations
 
@@ -30,7 +33,63 @@ sys.path.append(str(_HERE))
 
 from _common import RESULTS_DIR, Timer, log, median, print_table, ratio, set_torch_threads, usable_cpus, write_json  # noqa: E402
 
-TARGETS = {"G2": 100.0, "G3": 50.0}  # speedup over cold at the longest length (issue 3)
+TARGETS = {"G2": 100.0, "G3": 50.0, "G4": 30.0}  # speedup over cold at the longest length (issues 3, 6)
+
+
+class LocalRedis:
+    """A throwaway redis-server on a free loopback port (no persistence)."""
+
+    def __init__(self, workdir: Path) -> None:
+        import shutil
+        import socket
+        import subprocess
+        import time
+
+        self.server = shutil.which("valkey-server") or shutil.which("redis-server")
+        self.bench = shutil.which("valkey-benchmark") or shutil.which("redis-benchmark")
+        self.proc = None
+        if self.server is None:
+            return
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen([self.server, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(workdir), "--maxmemory-policy",
+                                      "allkeys-lru"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    @property
+    def url(self) -> str | None:
+        return f"redis://127.0.0.1:{self.port}" if self.proc is not None else None
+
+    def get_GBps(self, value_bytes: int) -> float | None:
+        """redis-benchmark's GET throughput at this value size, in GB/s of values (its SET run first
+        stores the value the GETs read)."""
+        import subprocess
+
+        if self.bench is None:
+            return None
+        n = max(200, min(5000, int(2e9 // value_bytes)))
+        cmd = [self.bench, "-p", str(self.port), "-t", "set,get", "-d", str(value_bytes), "-n", str(n),
+               "-c", "4", "-P", "8", "--csv", "-q"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
+        for line in out.splitlines():
+            cells = [c.strip('"') for c in line.split(",")]
+            if cells and cells[0].upper().startswith("GET"):
+                return float(cells[1]) * value_bytes / 1e9
+        return None
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
 
 
 def drop_page_cache() -> bool:
@@ -91,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offload-block-size", type=int, default=16,
                     help="tokens per offload block (default 16, the engine's default: G1's block size)")
     ap.add_argument("--threads", type=int, default=usable_cpus(), help="torch threads (default: all cores)")
+    ap.add_argument("--redis-url", default=None,
+                    help="G4 server (redis://host:port); default: start a redis-server on a free loopback "
+                         "port, or skip the G4 mode when none is installed")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "offload.json", help="JSON results (default %(default)s)")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -111,18 +173,25 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tmp.name)
     # G1 only (cold + G1 hit); G2 only; G3 only. Sizes hold the longest prompt with room to spare.
     per_token = None
+    redis = None if args.redis_url else LocalRedis(work / "redis")
+    g4_url = args.redis_url or (redis.url if redis else None)
     engines = {
         "G1": LLM(model, **common),
         "G2": LLM(model, kv_offloading_size=2.0, **common),
         "G3": LLM(model, kv_offload_disk=str(work / "g3"), kv_offload_disk_size=4.0, **common),
     }
+    if g4_url:
+        engines["G4"] = LLM(model, kv_offload_remote=g4_url, **common)
+    else:
+        log("no redis-server/valkey-server and no --redis-url: the G4 mode is skipped")
+    lower = [t for t in ("G2", "G3", "G4") if t in engines]
     mc = engines["G1"].engine.model_config
     per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
     results: dict[str, Any] = {"lengths": lengths, "offload_block_size": args.offload_block_size, "runs": {}}
     rows = []
     for n in lengths:
-        per_mode: dict[str, list[float]] = {"cold": [], "G1": [], "G2": [], "G3": []}
-        bw: dict[str, list[float]] = {"G2": [], "G3": []}
+        per_mode: dict[str, list[float]] = {"cold": [], "G1": [], **{t: [] for t in lower}}
+        bw: dict[str, list[float]] = {t: [] for t in lower}
         hits: dict[str, int] = {}
         for r in range(args.runs):
             prompt = [rng.randrange(100, mc.vocab_size) for _ in range(n)]
@@ -132,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             t, out = ttft(engines["G1"], prompt, salt)
             per_mode["G1"].append(t)
             hits["G1"] = out.num_cached_tokens
-            for tier in ("G2", "G3"):
+            for tier in lower:
                 llm = engines[tier]
                 ttft(llm, prompt, salt)  # fills the tier (write-through)
                 llm.engine.flush_offload()
@@ -153,10 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         results["runs"][str(n)] = {"ttft_s": per_mode, "median_s": med, "hit_tokens": hits,
                                    "load_GBps": bw, "median_load_GBps": load_bw}
         rows.append([n] + [f"{med[k]:.3f}" for k in per_mode] +
-                    [f"{ratio(med['cold'], med[k]):.1f}x" for k in ("G1", "G2", "G3")] +
-                    [f"{load_bw['G2']:.2f}", f"{load_bw['G3']:.2f}"])
-    print_table(["tokens", "cold s", "G1 s", "G2 s", "G3 s", "G1 vs cold", "G2 vs cold", "G3 vs cold",
-                 "G2 load GB/s", "G3 load GB/s"], rows)
+                    [f"{ratio(med['cold'], med[k]):.1f}x" for k in ("G1", *lower)] +
+                    [f"{load_bw[t]:.2f}" for t in lower])
+    print_table(["tokens", "cold s", "G1 s", *(f"{t} s" for t in lower), "G1 vs cold",
+                 *(f"{t} vs cold" for t in lower), *(f"{t} load GB/s" for t in lower)], rows)
     longest = str(max(lengths))
     moved = results["runs"][longest]["hit_tokens"]["G3"] * per_token
     g2_bw, g3_bw = (results["runs"][longest]["median_load_GBps"][t] for t in ("G2", "G3"))
@@ -168,13 +237,24 @@ def main(argv: list[str] | None = None) -> int:
           f"(page cache dropped: {raw['file_read_page_cache_dropped']})")
     print(f"load path vs raw: G2 {g2_bw / raw['torch_copy_GBps']:.0%} of a torch copy, "
           f"G3 {g3_bw / best_read:.0%} of the faster file read (target >= 50%)")
+    if "G4" in engines:
+        block = engines["G4"].engine.connector.layout.encoded_bytes
+        raw["redis_get_GBps"] = redis.get_GBps(block) if redis is not None else None  # our own server only
+        g4_bw = results["runs"][longest]["median_load_GBps"]["G4"]
+        if raw.get("redis_get_GBps"):
+            print(f"redis-benchmark GET at {block / 2**10:.0f} KiB values: {raw['redis_get_GBps']:.2f} GB/s; "
+                  f"G4 load {g4_bw:.2f} GB/s ({g4_bw / raw['redis_get_GBps']:.0%} of it)")
     for tier, target in TARGETS.items():
+        if tier not in engines:
+            continue
         m = results["runs"][longest]["median_s"]
         got = ratio(m["cold"], m[tier])
         print(f"{tier} hit at {longest} tokens: {got:.1f}x faster than cold (target >= {target:.0f}x: "
               f"{'met' if got and got >= target else 'NOT met'})")
     for llm in engines.values():
         llm.close()
+    if redis is not None:
+        redis.close()
     tmp.cleanup()
     path = write_json(args.out, results)
     log(f"wrote {path}")
