@@ -26,7 +26,7 @@ MAX_TRACKED = 1 << 16  # use counts kept (LRU); a forgotten key just counts from
 
 
 class RemoteTier:
-    def __init__(self, backend: StorageBackend, *, min_uses: int = 1, batch: int = 32, max_pending: int = 256) -> None:
+    def __init__(self, backend: StorageBackend, *, min_uses: int = 1, batch: int = 16, max_pending: int = 256) -> None:
         if min_uses < 1:
             raise ValueError(f"g4_min_uses must be >= 1; got {min_uses}")
         if batch < 1 or max_pending < batch:
