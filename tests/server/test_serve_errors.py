@@ -215,15 +215,6 @@ def _check_key_required(srv, key: str) -> None:
         assert c.get("/health").status_code == 200  # probes need no key
 
 
-def test_api_key_flag(ckpt_dir):
-    srv = start_server(str(ckpt_dir("llama")), "--served-model-name", "tiny", "--num-gpu-blocks", "64",
-                       "--api-key", "sk-flag-123")
-    try:
-        _check_key_required(srv, "sk-flag-123")
-    finally:
-        srv.stop()
-
-
 def test_api_key_from_environment(ckpt_dir):
     srv = start_server(str(ckpt_dir("llama")), "--served-model-name", "tiny", "--num-gpu-blocks", "64",
                        env={"KVTIER_API_KEY": "sk-env-456"})
@@ -231,6 +222,19 @@ def test_api_key_from_environment(ckpt_dir):
         _check_key_required(srv, "sk-env-456")
     finally:
         srv.stop()
+
+
+def test_api_key_flag_sets_the_key_and_wins_over_the_environment(monkeypatch):
+    """The flag and $KVTIER_API_KEY fill the same setting (enforced end to end above); one
+    server start is enough for both."""
+    from server.serve import build_parser
+
+    monkeypatch.delenv("KVTIER_API_KEY", raising=False)
+    assert build_parser().parse_args([]).api_key is None  # no auth by default
+    assert build_parser().parse_args(["--api-key", "sk-flag"]).api_key == "sk-flag"
+    monkeypatch.setenv("KVTIER_API_KEY", "sk-env")
+    assert build_parser().parse_args([]).api_key == "sk-env"
+    assert build_parser().parse_args(["--api-key", "sk-flag"]).api_key == "sk-flag"
 
 
 def test_no_key_needed_without_api_key(tiny_server):
