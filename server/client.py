@@ -53,6 +53,7 @@ class EngineClient:
     def __init__(self, llm_kwargs: dict[str, Any], log_level: str = "info") -> None:
         self.llm_kwargs, self.log_level = llm_kwargs, log_level
         self.state = CoreState.STARTING
+        self.died = False  # the core exited without being asked to: serve exits 1
         self.info: CoreInfo | None = None
         self._queues: dict[str, asyncio.Queue[dict[str, Any] | BaseException]] = {}
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
@@ -184,6 +185,7 @@ class EngineClient:
             log.error("engine core died (exit code %s); failing %d request(s); /health now reports unhealthy",
                       self.proc.exitcode, len(self._queues))
             self.state = CoreState.DEAD
+            self.died = True
         self._fail_all(EngineDeadError(f"engine core exited with code {self.proc.exitcode}"))
 
     def _fail_all(self, err: BaseException) -> None:

@@ -179,4 +179,7 @@ async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, 
     print(f"kvtier: serving {settings.served_model_names[0]} (max_model_len={info.max_model_len}) "
           f"on http://{host}:{port}", flush=True)
     await server.serve(sockets=[sock])
-    return 0 if client.state.value == "stopped" else 1
+    if client.died:
+        log.error("exiting with status 1: the engine core had died")
+        return 1
+    return 0

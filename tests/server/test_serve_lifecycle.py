@@ -168,6 +168,7 @@ def test_killed_core_fails_fast(long_ckpt):
         errors = [e["error"] for e in reader.events if isinstance(e, dict) and "error" in e]
         assert len(errors) == 1 and errors[0]["code"] == 503 and reader.events[-1] == "[DONE]", reader.events[-3:]
         assert not reader.finish_reasons()  # it did not pretend to finish
+        assert srv.stop(timeout=30) == 1  # a supervisor must see that the engine had died
     finally:
         srv.stop(timeout=30)
 
