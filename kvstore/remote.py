@@ -293,6 +293,7 @@ class RedisBackend(StorageBackend):
             return [None] * len(keys)
         out: list[memoryview | None] = []
         bad: list[BlockKey] = []
+        reason = ""
         for k, raw in zip(keys, res):
             if raw is None or isinstance(raw, Exception):
                 self.stats.misses += 1
@@ -305,10 +306,12 @@ class RedisBackend(StorageBackend):
             except CorruptEntry as e:
                 self.stats.corrupt += 1
                 self.stats.misses += 1
-                log.warning("G4 entry %s rejected: %s", k.hex(), e)
+                reason = reason if bad else f"{k.hex()}: {e}"
                 bad.append(k)
                 out.append(None)
-        if bad:
+        if bad:  # one line per batch, not per block
+            log.warning("G4: %d bad entr%s rejected and deleted (first: %s)", len(bad), "y" if len(bad) == 1 else "ies",
+                        reason)
             self.delete(bad)
         return out
 
