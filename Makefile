@@ -5,7 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup serve demo test test-all bench-throughput bench-policies bench-offload bench-hidden-states
+.PHONY: setup serve demo test test-all bench-throughput bench-policies bench-offload bench-serve bench-hidden-states
 
 setup:
 	@PYTHON=$(PY) VENV=$(VENV) bash scripts/setup.sh
@@ -32,6 +32,10 @@ bench-policies: setup
 
 bench-offload: setup
 	$(BIN)/python benchmarks/offload.py --runs 3
+
+# Two `kvtier serve` subprocesses, offload off vs on, on a slice of the Mooncake trace (~10 min).
+bench-serve: setup
+	$(BIN)/python benchmarks/serve.py --runs 3
 
 bench-hidden-states: setup
 	$(BIN)/python benchmarks/hidden_states.py
