@@ -257,34 +257,33 @@ class RedisBackend(StorageBackend):
         if self.disabled or not self.breaker.allow():
             return None
         if self.client is None:  # the cluster was unreachable at start-up: try again now
-            try:
-                self.client = _connect(self.cfg)
-            except self._auth_errors as e:
-                self._disable(e)
+            self.client = self._guarded(lambda: _connect(self.cfg))
+            if self.client is None:
                 return None
-            except self._errors as e:
-                self.breaker.failure(e)
-                return None
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            build(pipe)
-            res = pipe.execute(raise_on_error=False)
-        except self._auth_errors as e:
-            self._disable(e)
-            return None
-        except self._errors as e:
-            self.breaker.failure(e)
-            return None
-        except self._redis_error as e:  # a server-side refusal of the whole batch
-            log.warning("G4 call failed: %s: %s", type(e).__name__, e)
-            self.breaker.success()
-            return None
+        return self._guarded(lambda: self._execute(build))
+
+    def _execute(self, build: Callable[[Any], Any]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        build(pipe)
+        res = pipe.execute(raise_on_error=False)
         conn_errors = [r for r in res if isinstance(r, self._errors)]
         if conn_errors:
-            self.breaker.failure(conn_errors[0])
-            return None
+            raise conn_errors[0]
         self.breaker.success()
         return res
+
+    def _guarded(self, call: Callable[[], Any]) -> Any:
+        """call(), or None after turning its failure into the breaker's or the tier's state."""
+        try:
+            return call()
+        except self._auth_errors as e:
+            self._disable(e)
+        except self._errors as e:
+            self.breaker.failure(e)
+        except self._redis_error as e:  # a server-side refusal: the server is reachable
+            log.warning("G4 call failed: %s: %s", type(e).__name__, e)
+            self.breaker.success()
+        return None
 
     def _fetch(self, keys: list[BlockKey]) -> list[memoryview | None]:
         res = self._pipeline(lambda p: [p.get(self._name(k)) for k in keys])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -194,21 +194,22 @@ def _usage_chunk(api: API, req: Any, choices: list[Choice], head: dict[str, Any]
     return None
 
 
-def _stream_completion(api: API, req: CompletionRequest, choices: list[Choice], arrival: float,
-                       head: dict[str, Any]) -> AsyncIterator[bytes]:
+def _stream(api: API, req: Any, choices: list[Choice], arrival: float, head: dict[str, Any],
+            body: Callable[[Choice, str, int, int], dict[str, Any]], preamble: list[bytes]) -> AsyncIterator[bytes]:
+    """SSE chunks: `preamble`, then one chunk per delta with text (or a finish), shaped by
+    `body(choice, text, first token index, text offset)`, then the usage chunk if asked."""
     async def gen() -> AsyncIterator[bytes]:
+        for chunk in preamble:
+            yield chunk
         sent = {c.index: 0 for c in choices}  # tokens already covered by a chunk, for logprobs
         offsets = {c.index: 0 for c in choices}
         async for c, text in api.events(choices, arrival):
             done = c.finish is not None
             if not text and not done:
                 continue
-            lp = None
-            if req.logprobs is not None:
-                lp = api.completion_logprobs(c, sent[c.index], offsets[c.index])
-                sent[c.index] = len(c.token_ids)
+            choice = body(c, text, sent[c.index], offsets[c.index])
+            sent[c.index] = len(c.token_ids)
             offsets[c.index] += len(text)
-            choice = {"index": c.index, "text": text, "finish_reason": api.finish_reason(c), "logprobs": lp}
             if done:
                 choice.update(api.extras(c, req))
             chunk: dict[str, Any] = {**head, "choices": [choice]}
@@ -219,34 +220,24 @@ def _stream_completion(api: API, req: CompletionRequest, choices: list[Choice], 
         if usage:
             yield usage
     return _stream_errors(gen())
+
+
+def _stream_completion(api: API, req: CompletionRequest, choices: list[Choice], arrival: float,
+                       head: dict[str, Any]) -> AsyncIterator[bytes]:
+    def body(c: Choice, text: str, start: int, offset: int) -> dict[str, Any]:
+        lp = api.completion_logprobs(c, start, offset) if req.logprobs is not None else None
+        return {"index": c.index, "text": text, "finish_reason": api.finish_reason(c), "logprobs": lp}
+    return _stream(api, req, choices, arrival, head, body, [])
 
 
 def _stream_chat(api: API, req: ChatCompletionRequest, choices: list[Choice], arrival: float,
                  head: dict[str, Any]) -> AsyncIterator[bytes]:
     head = {**head, "object": "chat.completion.chunk"}
 
-    async def gen() -> AsyncIterator[bytes]:
-        for c in choices:
-            yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]})
-        sent = {c.index: 0 for c in choices}
-        async for c, text in api.events(choices, arrival):
-            done = c.finish is not None
-            if not text and not done:
-                continue
-            lp = None
-            if req.logprobs:
-                lp = api.chat_logprobs(c, req.top_logprobs or 0, sent[c.index])
-                sent[c.index] = len(c.token_ids)
-            choice = {"index": c.index, "delta": {"content": text} if text else {}, "logprobs": lp,
-                      "finish_reason": api.finish_reason(c)}
-            if done:
-                choice.update(api.extras(c, req))
-            chunk: dict[str, Any] = {**head, "choices": [choice]}
-            if done and (kvp := api.transfer_params([c])) is not None:
-                chunk["kv_transfer_params"] = kvp
-            yield sse(chunk)
-        usage = _usage_chunk(api, req, choices, head)
-        if usage:
-            yield usage
-    return _stream_errors(gen())
+    def body(c: Choice, text: str, start: int, _offset: int) -> dict[str, Any]:
+        lp = api.chat_logprobs(c, req.top_logprobs or 0, start) if req.logprobs else None
+        return {"index": c.index, "delta": {"content": text} if text else {}, "logprobs": lp,
+                "finish_reason": api.finish_reason(c)}
+    roles = [sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}]}) for c in choices]
+    return _stream(api, req, choices, arrival, head, body, roles)
