@@ -446,17 +446,29 @@ class TieredOffloadConnector(KVConnector):
 
     def _load_g4(self, chunks: list[Chunk], job: LoadJob) -> int:
         """Reads G4 chunks in batches (one round trip each), promotes them into G2 (and from
-        there into G3), and scatters them in order. Returns the G1 blocks filled; stops at the
+        there into G3), and scatters them in order. The next batch's round trip is in flight
+        while this one is checked and scattered. Returns the G1 blocks filled; stops at the
         first chunk that is missing or bad."""
-        assert self.g4 is not None
-        landed = 0
-        for start in range(0, len(chunks), self.g4.batch):
-            batch = chunks[start:start + self.g4.batch]
+        g4 = self.g4
+        assert g4 is not None
+        batches = [chunks[i:i + g4.batch] for i in range(0, len(chunks), g4.batch)]
+
+        def issue(batch: list[Chunk]) -> tuple[list[Chunk], list[int | None], list[torch.Tensor], Future]:
+            # Targets are reserved here, on the transfer thread (which owns G2's bookkeeping);
+            # only the round trip runs on a reader thread.
             slots = [self.g2.prepare_store(c.key, c.digest) if self.g2 is not None else None for c in batch]
             bufs = [self.g2.slot_view(s) if s is not None else torch.empty(self.layout.encoded_bytes, dtype=torch.uint8)
                     for s in slots]
-            got = self.g4.read([c.key for c in batch], [memoryview(b.numpy()) for b in bufs])
-            ok = True
+            return batch, slots, bufs, self._reads.submit(g4.read, [c.key for c in batch],
+                                                          [memoryview(b.numpy()) for b in bufs])
+
+        landed, ok, nxt = 0, True, 0
+        pending = issue(batches[0]) if batches else None
+        while pending is not None:
+            batch, slots, bufs, fut = pending
+            nxt += 1
+            pending = issue(batches[nxt]) if ok and nxt < len(batches) else None
+            got = fut.result()  # bounded by the backend's socket timeout
             for c, slot, buf, hit in zip(batch, slots, bufs, got):
                 reason = None if hit else "miss"
                 reason = reason or check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
@@ -472,9 +484,7 @@ class TieredOffloadConnector(KVConnector):
                     landed += n
                     self.tier_hits["G4"] += n * self.layout.block_size
                 else:
-                    ok = False
-            if not ok:
-                break
+                    ok = False  # a batch already in flight is still promoted, not scattered
         return landed
 
     def _bounce_buffer(self, i: int) -> torch.Tensor:

@@ -4,13 +4,11 @@ misses with one timeout per cool-down."""
 from __future__ import annotations
 
 import hashlib
-import logging
-import time
 
 import pytest
 
 from connectors.conformance import BackendConformance
-from kvstore.remote import RedisBackend, RemoteConfig, redact
+from kvstore.remote import RedisBackend, RemoteConfig
 from redis_procs import SERVER, RedisProc, free_port
 
 NS = bytes(range(16))

@@ -13,6 +13,7 @@ import redis
 
 from checkpoints import random_prompt
 from engine import LLM, SamplingParams
+from kvstore.keys import extend_keys
 from kvstore.remote import BreakerState, RedisBackend, RemoteConfig, redact
 from redis_procs import SERVER, RedisProc, free_port
 
@@ -196,3 +197,28 @@ def test_engine_keeps_serving_while_redis_is_paused(ckpt_dir, tmp_path, caplog):
     finally:
         b.close()
         r.stop()
+
+
+def test_a_missing_block_mid_prompt_stops_the_g4_load_there(ckpt_dir, redis_proc):
+    """Blocks 0-4 come from G4, block 5 is gone, so the rest (the batch already in flight
+    included) is recomputed, with the same tokens; nothing after the gap is scattered."""
+    model = str(ckpt_dir("llama"))
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = random_prompt(600, 6400)  # 37 full blocks: three G4 batches of 16
+    a = LLM(model, dtype="float32", num_gpu_blocks=96, kv_offload_remote=redis_proc.url)
+    ref = a.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0].token_ids
+    a.engine.flush_offload()
+    a.close()
+    client = redis.Redis(port=redis_proc.port)
+    names = sorted(client.keys("kvtier:*"))
+    assert len(names) == 37
+    b = LLM(model, dtype="float32", num_gpu_blocks=96, kv_offload_remote=redis_proc.url)
+    try:
+        keys: list = []
+        extend_keys(keys, prompt, 16, None)  # the offload block keys (offload block = G1 block here)
+        client.delete(b.engine.connector.g4.backend._name(keys[5]))
+        out = b.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == ref
+        assert out.cached_tokens_by_tier.get("G4", 0) == 5 * 16
+    finally:
+        b.close()
