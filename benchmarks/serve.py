@@ -60,12 +60,10 @@ import json
 import math
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -79,12 +77,12 @@ sys.path.append(str(_HERE))
 
 from _common import (REPO_ROOT, RESULTS_DIR, log, median, print_table, ratio, run_interleaved,  # noqa: E402
                      usable_cpus, write_json)
+from server.launch import launch  # noqa: E402
 
 TARGET_RATIO = 3.0  # p50 TTFT off / on (the issue's acceptance bar)
 TRACE = REPO_ROOT.parent / "shared" / "traces" / "mooncake_synthetic.jsonl"
 TRACE_BLOCK = 512  # tokens per hash id in the trace
 MIN_TOKEN_ID = 100  # keep prompts clear of special/control tokens
-READY = re.compile(r"kvtier: serving (\S+) \(max_model_len=(\d+)\) on (http://\S+)")
 
 
 # -- workload ------------------------------------------------------------------------------------
@@ -187,31 +185,10 @@ class Server:
 
 
 def start_server(args: list[str], threads: int, timeout: float) -> Server:
-    """`kvtier serve ARGS --port 0`; returns once it prints its URL (raises with its log if it does not)."""
-    cmd = [sys.executable, "-m", "server.cli", "serve", *args, "--port", "0"]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, bufsize=1, start_new_session=True)
-    lines: list[str] = []
-    found: list[re.Match[str]] = []
-    ready = threading.Event()
-
-    def reader() -> None:  # keeps draining, so the server never blocks on a full pipe
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            m = READY.search(line)
-            if m and not found:
-                found.append(m)
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=reader, daemon=True).start()
-    if not ready.wait(timeout) or not found:
-        srv = Server(proc, "", "", 0, lines)
-        srv.stop(10)
-        raise RuntimeError(f"kvtier serve did not start ({' '.join(args)}):\n{srv.tail()}")
-    return Server(proc, found[0].group(3), found[0].group(1), int(found[0].group(2)), lines)
+    """`kvtier serve ARGS --port 0` in its own session (so a stuck one is killed with its engine
+    core); returns once it prints its URL."""
+    srv = launch(args, {"OMP_NUM_THREADS": str(threads)}, timeout, new_session=True)
+    return Server(srv.proc, srv.url, srv.model, srv.max_model_len, srv.lines)
 
 
 # -- client --------------------------------------------------------------------------------------

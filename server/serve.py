@@ -176,8 +176,10 @@ async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, 
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    print(f"kvtier: serving {settings.served_model_names[0]} (max_model_len={info.max_model_len}) "
-          f"on http://{host}:{port}", flush=True)
+    from server.launch import READY_LINE
+
+    print(READY_LINE.format(model=settings.served_model_names[0], max_model_len=info.max_model_len,
+                            url=f"http://{host}:{port}"), flush=True)
     await server.serve(sockets=[sock])
     if client.died:
         log.error("exiting with status 1: the engine core had died")

@@ -3,19 +3,17 @@ back from the server's start-up line) and stops them."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from server.launch import launch
+
 REPO = Path(__file__).resolve().parents[2]
-READY = re.compile(r"kvtier: serving (\S+) .* on (http://\S+)")
 START_TIMEOUT_S = 300
 
 
@@ -58,35 +56,9 @@ class Server:
 
 def start_server(*args: str, env: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S) -> Server:
     """`kvtier serve ARGS --port 0`; returns once it prints its URL (raises with its log if it exits)."""
-    cmd = [sys.executable, "-m", "server.cli", "serve", *args, "--port", "0"]
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("KVTIER_TEST_THREADS", "1"),
-                **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, bufsize=1)
-    lines: list[str] = []
-    found: list[re.Match] = []
-    ready = threading.Event()
-
-    def reader() -> None:  # keeps draining so the server never blocks on a full pipe
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            m = READY.search(line)
-            if m and not found:
-                found.append(m)
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=reader, daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while not ready.wait(0.2):
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"server did not start in {timeout}s:\n{''.join(lines)[-4000:]}")
-    if not found:
-        proc.wait(10)
-        raise AssertionError(f"server exited with {proc.returncode} before serving:\n{''.join(lines)[-4000:]}")
-    return Server(proc, found[0].group(2), found[0].group(1), lines)
+    threads = {"OMP_NUM_THREADS": os.environ.get("KVTIER_TEST_THREADS", "1")}
+    srv = launch(list(args), {**threads, **(env or {})}, timeout)
+    return Server(srv.proc, srv.url, srv.model, srv.lines)
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
