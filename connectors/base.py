@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
     from engine.request import Request
 
+# The offload tiers below G1, in lookup order (a request's chunks are planned in this order).
+OFFLOAD_TIERS = ("G2", "G3", "G4")
+
 
 @dataclass
 class ConnectorMeta:

@@ -10,9 +10,9 @@ thread, once the block has been used `g4_min_uses` times). Nothing here blocks t
 Read path: at admission the scheduler asks for hits beyond G1's; the longest run of
 consecutive offload blocks found in G2, then G3, then G4 is loaded asynchronously into newly
 allocated G1 blocks while the request waits in WAITING_FOR_REMOTE_KVS. A G3 or G4 hit is
-promoted into G2 on the way, and a G4 hit into G3 too. A load that fails (corrupt, missing, raising or hanging backend) reports the
-request as failed: the engine recomputes those tokens or fails the request, per
-`kv_load_failure_policy`. A failing tier never fails the engine.
+promoted into G2 on the way, and a G4 hit into G3 too. A load that fails (corrupt, missing,
+raising or hanging backend) reports the request as failed: the engine recomputes those tokens
+or fails the request, per `kv_load_failure_policy`. A failing tier never fails the engine.
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ from typing import Any
 import torch
 
 from connectors.backend import BackendError, StorageBackend
-from connectors.base import ConnectorMeta, KVConnector
-from connectors.remote_tier import RemoteTier
+from connectors.base import OFFLOAD_TIERS, ConnectorMeta, KVConnector
 from connectors.codec import HEADER_BYTES, BlockLayout, check_header, hidden_payload, payload, write_header
+from connectors.remote_tier import RemoteTier
 from kvstore.events import BlockStored, EventBuffer
 from kvstore.g1 import BlockId, BlockPool
 from kvstore.host import HostTier
@@ -107,8 +107,8 @@ class TieredOffloadConnector(KVConnector):
         self._read_window = 2 * g3_read_threads  # reads one load keeps in flight
         self._bounce: list[torch.Tensor | None] = [None] * self._read_window  # read targets outside G2
         self._write_slots = threading.BoundedSemaphore(max_pending_writes)
-        self.tier_hits = {"G2": 0, "G3": 0, "G4": 0}  # tokens served
-        self.tier_misses = {"G2": 0, "G3": 0, "G4": 0}  # tokens looked up in the tier and not found there
+        self.tier_hits = dict.fromkeys(OFFLOAD_TIERS, 0)  # tokens served
+        self.tier_misses = dict.fromkeys(OFFLOAD_TIERS, 0)  # tokens looked up in the tier and not found there
         self.lookup_tokens = 0  # tokens looked up below G1
         self.load_failures = 0
         self.load_seconds = 0.0  # wall time of load jobs on the transfer thread
@@ -320,7 +320,7 @@ class TieredOffloadConnector(KVConnector):
                     break
                 run.append((c, job.g2_slots[c.key]))
             landed = self._scatter_g2(run, job)
-            if self.g4 is not None and self.g4.min_uses > 1:
+            if self.g4 is not None:
                 for c, slot in run:  # a reuse: counts towards g4_min_uses
                     self.g4.note_use(c.key, lambda slot=slot: bytes(self.g2.slot_view(slot).numpy()))  # type: ignore[union-attr]
             lower = job.chunks[len(g2_chunks):]
@@ -439,7 +439,7 @@ class TieredOffloadConnector(KVConnector):
                 n = self._scatter(buf, c.index, job)
                 landed += n
                 self.tier_hits["G3"] += n * self.layout.block_size
-                if self.g4 is not None and self.g4.min_uses > 1:
+                if self.g4 is not None:  # a reuse: counts towards g4_min_uses
                     self.g4.note_use(c.key, lambda buf=buf: bytes(buf.numpy()))
             else:
                 ok = False  # later reads in flight still finish (and may still be promoted)

@@ -142,11 +142,9 @@ class EngineConfig:
             raise ValueError(f"kv_offload_block_size ({self.kv_offload_block_size}) must be a positive multiple "
                              f"of block_size ({self.block_size})")
         if self.kv_offload_remote is not None:
-            from kvstore.remote import SCHEMES, redact
+            from kvstore.remote import check_url
 
-            if self.kv_offload_remote.split("://", 1)[0] not in SCHEMES:
-                raise ValueError(f"kv_offload_remote must be a {', '.join(s + '://' for s in SCHEMES)} URL; "
-                                 f"got {redact(self.kv_offload_remote)!r}")
+            check_url(self.kv_offload_remote)  # before any weights load
         HiddenStatesSpec.from_speculative_config(self.speculative_config)  # validates
         try:
             object.__setattr__(self, "kv_load_failure_policy", LoadFailurePolicy(self.kv_load_failure_policy))

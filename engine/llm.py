@@ -126,7 +126,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         prompts = [
-            {"prompt_token_ids": _as_ids(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
+            {"prompt_token_ids": as_token_ids(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
                                                                 tokenize=True, **(chat_template_kwargs or {})))}
             for c in conversations
         ]
@@ -218,7 +218,7 @@ def _broadcast(value: Any, n: int, name: str) -> list[Any]:
     return [value] * n
 
 
-def _as_ids(encoded: Any) -> list[int]:
+def as_token_ids(encoded: Any) -> list[int]:
     # transformers 5 may return a BatchEncoding from apply_chat_template(tokenize=True).
     if hasattr(encoded, "keys") and "input_ids" in encoded:
         encoded = encoded["input_ids"]

@@ -12,7 +12,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from connectors.base import KVConnector
+from connectors.base import OFFLOAD_TIERS, KVConnector
 from engine.config import SchedulingPolicy
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestId, RequestStatus
@@ -190,7 +190,7 @@ class Scheduler:
             req.load_failed = True
         if not req.preempted:
             left = loaded  # chunks were planned G2, then G3, then G4: trim the split to what landed
-            for tier in ("G2", "G3", "G4"):
+            for tier in OFFLOAD_TIERS:
                 n = min(req.pending_by_tier.get(tier, 0), left)
                 left -= n
                 if n:

@@ -51,6 +51,13 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+def check_url(url: str) -> None:
+    """ValueError unless `url` has a G4 scheme (the password is never echoed)."""
+    if urlsplit(url).scheme not in SCHEMES:
+        raise ValueError(f"remote URL scheme must be one of {', '.join(s + '://' for s in SCHEMES)}; "
+                         f"got {redact(url)!r}")
+
+
 @dataclass(frozen=True)
 class RemoteConfig:
     url: str  # redis://[user:pass@]host:port[/db], rediss://..., redis+cluster://host:port,host:port
@@ -62,10 +69,7 @@ class RemoteConfig:
     max_cooldown_s: float = 60.0
 
     def __post_init__(self) -> None:
-        scheme = urlsplit(self.url).scheme
-        if scheme not in SCHEMES:
-            raise ValueError(f"remote URL scheme must be one of {', '.join(s + '://' for s in SCHEMES)}; "
-                             f"got {redact(self.url)!r}")
+        check_url(self.url)
         if type(self.namespace) is not bytes or len(self.namespace) != KEY_BYTES:
             raise ValueError(f"namespace must be {KEY_BYTES} bytes")
         if not self.prefix or any(c in self.prefix for c in " \n\r"):

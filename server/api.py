@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
+from engine.llm import as_token_ids
 from server.client import CoreState, EngineClient, EngineDeadError
 from server.detok import IncrementalDetokenizer
 from server.metrics import Metrics
@@ -117,9 +118,7 @@ class API:
             kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
             out = self.tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt,
                                                tokenize=True, **kwargs)
-            if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 may return a BatchEncoding
-                out = out["input_ids"]
-            ids = list(out)
+            ids = as_token_ids(out)
             if not all(type(t) is int for t in ids):  # e.g. chat_template_kwargs {"return_tensors": "np"}
                 raise TypeError("chat_template_kwargs must not change the tokenizer's output format")
         except Exception as e:  # noqa: BLE001 - the user's messages, template kwargs or template failed

@@ -254,7 +254,7 @@ def line_id(obj: dict[str, Any], lineno: int) -> str:
 
 
 def tokenize(obj: dict[str, Any], tok: Any, add_generation_prompt: bool) -> list[int]:
-    from engine.llm import _as_ids  # exactly what LLM.chat does with a conversation
+    from engine.llm import as_token_ids  # exactly what LLM.chat does with a conversation
 
     keys = [k for k in PROMPT_KEYS if k in obj]
     if len(keys) != 1:
@@ -272,7 +272,7 @@ def tokenize(obj: dict[str, Any], tok: Any, add_generation_prompt: bool) -> list
     if not isinstance(value, list) or not value or not all(isinstance(m, dict) and "role" in m for m in value):
         raise LineError('"messages" must be a non-empty list of {"role": ..., "content": ...} objects')
     try:
-        return _as_ids(tok.apply_chat_template(value, add_generation_prompt=add_generation_prompt, tokenize=True))
+        return as_token_ids(tok.apply_chat_template(value, add_generation_prompt=add_generation_prompt, tokenize=True))
     except Exception as e:  # noqa: BLE001 - the template is user code (jinja): any failure is this line's
         raise LineError(f"the chat template failed on these messages: {e}") from None
 

@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from connectors.base import OFFLOAD_TIERS
+
 P = "kvtier:"
 disable_created_metrics()  # no `_created` series beside every counter (vLLM turns them off too)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -59,7 +61,7 @@ class _EngineCollector(Collector):
         bad = CounterMetricFamily(P + "offload_corrupt_entries", "Tier entries found corrupt and dropped.",
                                   labels=lab + ["tier"])
         evict = CounterMetricFamily(P + "offload_evictions", "Blocks evicted from an offload tier.", labels=lab + ["tier"])
-        for tier in ("G2", "G3", "G4"):
+        for tier in OFFLOAD_TIERS:
             t = tiers.get(tier)
             if not t:
                 continue
