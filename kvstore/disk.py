@@ -4,17 +4,10 @@ Layout: `{root}/{namespace.hex()}/{key.hex()[:2]}/{key.hex()}.kvb`, directories 
 files 0600. `namespace` is the model fingerprint digest, so another model or dtype on the
 same root lives in another directory and can never be served.
 
-An entry is a fixed little-endian header followed by the payload, the caller's opaque
-bytes (for kvtier, an encoded block, which itself carries the block's token digest and
-layout, so a key collision cannot alias either):
-
-    magic "KVTB" | version u16 | header length u16 | checksum algorithm u8 | 3 pad bytes
-    | namespace 16 B | key 16 B | payload length u64 | payload checksum 16 B
-    | header checksum 8 B (over everything before it)
-
-Checksums are xxh3-128 (payload) and xxh3-64 (header) from `xxhash`, or blake2b of the
-same sizes where `xxhash` is missing; the algorithm byte says which. An entry whose
-algorithm this process cannot compute is treated as corrupt.
+Each file is one entry in the self-checking format of `kvstore.entry` (magic, version,
+namespace, key, payload length and checksum, header checksum), keyed with a MAC when the
+operator sets a KV secret (`secret`): then an entry this process cannot verify with that secret,
+unkeyed ones included, is treated as corrupt, and so is a keyed entry when no secret is set.
 
 Guarantees:
 - Writes are atomic: a unique temp file in the entry's directory, optional fsync, then
@@ -22,7 +15,7 @@ Guarantees:
 - Start-up rebuilds the index from the headers (magic, version, namespace, key matching the
   file name, header checksum, file size); bad files are counted in `stats.corrupt`, removed
   and logged. Entries re-enter the LRU order oldest write first.
-- Every read verifies the payload checksum; a mismatch, truncation or IO error is counted,
+- Every read verifies the payload checksum (or MAC); a mismatch, truncation or IO error is counted,
   removed, logged and reported as a miss. Bytes that failed verification are never served.
 - Any OSError on write (ENOSPC, EROFS, EACCES, ...) abandons that write and disables writes
   for `retry_after_s` (30 s by default); reads keep working. A read-only directory at
@@ -33,88 +26,27 @@ Guarantees:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
 import secrets
-import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.backend import BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_keys, check_outs
+# MAGIC, HEADER_SIZE and encode_header are also imported from here (the format's old home).
+from kvstore.entry import HEADER_SIZE, MAGIC, CorruptEntry, EntryCodec, EntryHeader, check_secret, encode_header  # noqa: F401
 from kvstore.keys import KEY_BYTES, BlockKey
 from policies import make_policy
 
-try:
-    import xxhash
-except ImportError:  # optional speed-up: blake2b is the portable fallback
-    xxhash = None
-
 logger = logging.getLogger(__name__)
-
-MAGIC = b"KVTB"
-FORMAT_VERSION = 1
-_HEAD = struct.Struct("<4sHHB3x16s16sQ16s")
-HEADER_SIZE = _HEAD.size + 8
-
-ALG_XXH3 = 1
-ALG_BLAKE2B = 2
-# algorithm -> (16-byte payload checksum, 8-byte header checksum)
-_SUMS: dict[int, tuple[Callable[[Buffer], bytes], Callable[[Buffer], bytes]]] = {
-    ALG_BLAKE2B: (lambda b: hashlib.blake2b(b, digest_size=16).digest(), lambda b: hashlib.blake2b(b, digest_size=8).digest()),
-}
-if xxhash is not None:
-    _SUMS[ALG_XXH3] = (xxhash.xxh3_128_digest, xxhash.xxh3_64_digest)
-DEFAULT_ALG = ALG_XXH3 if xxhash is not None else ALG_BLAKE2B
 
 _SHARD_RE = re.compile(r"[0-9a-f]{2}")
 _ENTRY_RE = re.compile(r"([0-9a-f]{32})\.kvb")
 _TMP_RE = re.compile(r"\.[0-9a-f]{32}\.(\d+)\.[0-9a-f]+\.tmp")
-
-
-class CorruptEntry(Exception):
-    """An entry failed validation; the message says why."""
-
-
-@dataclass(frozen=True)
-class EntryHeader:
-    namespace: bytes
-    key: bytes
-    payload_len: int
-    payload_sum: bytes
-    alg: int
-
-
-def encode_header(namespace: bytes, key: bytes, payload: Buffer, alg: int | None = None) -> bytes:
-    alg = DEFAULT_ALG if alg is None else alg  # read at call time (tests switch it)
-    view = memoryview(payload)
-    head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, alg, namespace, key, view.nbytes, _SUMS[alg][0](view))
-    return head + _SUMS[alg][1](head)
-
-
-def payload_checksum(alg: int, payload: Buffer) -> bytes:
-    """The 16-byte payload checksum of `alg` (an entry header's `payload_sum`)."""
-    return _SUMS[alg][0](payload)
-
-
-def decode_header(raw: bytes) -> EntryHeader:
-    """Parse and self-check a header; raises CorruptEntry."""
-    if len(raw) < HEADER_SIZE:
-        raise CorruptEntry(f"short header ({len(raw)} of {HEADER_SIZE} bytes)")
-    magic, version, header_len, alg, namespace, key, payload_len, payload_sum = _HEAD.unpack_from(raw)
-    if magic != MAGIC:
-        raise CorruptEntry(f"bad magic {magic!r}")
-    if version != FORMAT_VERSION or header_len != HEADER_SIZE:
-        raise CorruptEntry(f"unsupported format version {version} (header length {header_len})")
-    if alg not in _SUMS:
-        raise CorruptEntry(f"checksum algorithm {alg} unavailable here")
-    if _SUMS[alg][1](raw[: _HEAD.size]) != raw[_HEAD.size : HEADER_SIZE]:
-        raise CorruptEntry("header checksum mismatch")
-    return EntryHeader(namespace, key, payload_len, payload_sum, alg)
 
 
 @dataclass(frozen=True)
@@ -125,9 +57,12 @@ class DiskConfig:
     policy: str = "lru"
     fsync: bool = False  # fsync file and directory per write: power-loss durability, slower
     retry_after_s: float = 30.0  # back-off before writing again after a write error
+    # KV secret: entries carry keyed MACs and unkeyed ones are rejected (see kvstore.entry)
+    secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
+        check_secret(self.secret)
         if type(self.namespace) is not bytes or len(self.namespace) != KEY_BYTES:
             raise ValueError(f"namespace must be {KEY_BYTES} bytes (a fingerprint digest), got {self.namespace!r}")
         if self.capacity_bytes < 0:
@@ -141,9 +76,10 @@ class DiskBackend(StorageBackend):
 
     def __init__(
         self, root: Path | str, capacity_bytes: int, namespace: bytes, policy: str = "lru",
-        fsync: bool = False, retry_after_s: float = 30.0,
+        fsync: bool = False, retry_after_s: float = 30.0, secret: bytes | None = None,
     ) -> None:
-        self.config = DiskConfig(Path(root), capacity_bytes, namespace, policy, fsync, retry_after_s)
+        self.config = DiskConfig(Path(root), capacity_bytes, namespace, policy, fsync, retry_after_s, secret)
+        self._codec = EntryCodec(secret)
         self.directory = self.config.root / namespace.hex()
         self.stats = BackendStats()
         self._dir = str(self.directory)
@@ -273,8 +209,9 @@ class DiskBackend(StorageBackend):
         while self._used > self.config.capacity_bytes and self._evict_one():
             pass  # the capacity shrank since the last run
         logger.info(
-            "G3 %s: %d entries, %d bytes indexed; %d bad files removed",
+            "G3 %s: %d entries, %d bytes indexed; %d bad files removed%s",
             self._dir, len(self._index), self._used, self.stats.corrupt,
+            "; entries MAC'd with the KV secret" if self._codec.keyed else "",
         )
 
     def _listing(self) -> list[tuple[str, str]]:
@@ -306,7 +243,7 @@ class DiskBackend(StorageBackend):
         return HEADER_SIZE + head.payload_len, st.st_mtime_ns
 
     def _validate(self, raw: bytes, key: BlockKey, file_size: int) -> EntryHeader:
-        head = decode_header(raw)
+        head = self._codec.open_header(raw)
         if head.namespace != self.config.namespace:
             raise CorruptEntry("namespace (model fingerprint) differs from its directory's")
         if head.key != key:
@@ -345,8 +282,7 @@ class DiskBackend(StorageBackend):
                     got = f.readinto(out)  # buffered readinto loops until full or EOF
                 if got != n:
                     raise CorruptEntry(f"truncated payload ({got} of {n} bytes)")
-                if _SUMS[head.alg][0](data) != head.payload_sum:
-                    raise CorruptEntry("payload checksum mismatch")
+                self._codec.check_payload(head, data)
         except FileNotFoundError:
             self._vanished(key, path)
             return None
@@ -387,7 +323,7 @@ class DiskBackend(StorageBackend):
         size = HEADER_SIZE + view.nbytes
         if size > self.config.capacity_bytes:
             return False
-        header = encode_header(self.config.namespace, key, view)  # hashing outside the lock
+        header = self._codec.seal(self.config.namespace, key, view)  # hashing outside the lock
         with self._lock:
             self._check_open()
             if not self._writes_allowed() or not self._reserve(size):

@@ -7,8 +7,10 @@ setting); entries may also carry a TTL.
 Keys are `{prefix}:{namespace hex}:{block key hex}`, the namespace being the model fingerprint,
 so another model or dtype never reads these entries. Values are the same self-checking entry
 as G3's files (magic, version, namespace, key, payload length and checksum, header checksum;
-see `kvstore.disk`), so a value written under the wrong key, truncated, or written by another
-model is a miss: counted in `stats.corrupt`, deleted, logged, never served.
+see `kvstore.entry`), so a value written under the wrong key, truncated, or written by another
+model is a miss: counted in `stats.corrupt`, deleted, logged, never served. With a KV secret
+(`RemoteConfig.secret`) values carry keyed MACs, and any value that fails them, unkeyed ones
+included, is such a miss: a client that can write to the Redis cannot plant KV.
 
 Every call is one pipelined round trip per batch (per node in a cluster), never one per block.
 
@@ -32,7 +34,7 @@ from typing import Any
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from kvstore.backend import BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_keys, check_outs
-from kvstore.disk import HEADER_SIZE, CorruptEntry, decode_header, encode_header, payload_checksum
+from kvstore.entry import HEADER_SIZE, CorruptEntry, EntryCodec, check_secret
 from kvstore.keys import KEY_BYTES, BlockKey
 
 log = logging.getLogger("kvtier.g4")
@@ -67,9 +69,12 @@ class RemoteConfig:
     timeout_s: float = 0.5  # socket timeout of every command
     cooldown_s: float = 2.0  # first circuit-breaker pause; doubles per failed probe
     max_cooldown_s: float = 60.0
+    # KV secret: values carry keyed MACs and unkeyed ones are rejected (see kvstore.entry)
+    secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_url(self.url)
+        check_secret(self.secret)
         if type(self.namespace) is not bytes or len(self.namespace) != KEY_BYTES:
             raise ValueError(f"namespace must be {KEY_BYTES} bytes")
         if not self.prefix or any(c in self.prefix for c in " \n\r"):
@@ -171,6 +176,7 @@ class RedisBackend(StorageBackend):
         self._auth_errors = (redis.AuthenticationError, redis.exceptions.AuthorizationError, redis.exceptions.NoPermissionError)
         self._closed = False
         self._ns = cfg.namespace.hex()
+        self._codec = EntryCodec(cfg.secret)
         try:
             self.client = client if client is not None else _connect(cfg)
         except self._auth_errors as e:
@@ -205,7 +211,7 @@ class RedisBackend(StorageBackend):
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer]) -> list[bool]:
         check_keys(keys)
         views = check_blocks(keys, blocks)
-        values = [encode_header(self.cfg.namespace, k, v) + bytes(v) for k, v in zip(keys, views)]
+        values = [self._codec.seal(self.cfg.namespace, k, v) + bytes(v) for k, v in zip(keys, views)]
         px = None if self.cfg.ttl_s is None else max(int(self.cfg.ttl_s * 1000), 1)
         res = self._pipeline(lambda p: [p.set(self._name(k), v, px=px) for k, v in zip(keys, values)])
         if res is None:
@@ -245,7 +251,8 @@ class RedisBackend(StorageBackend):
     def _probe(self) -> None:
         try:
             self.client.ping()
-            log.info("G4 remote %s connected (key prefix %s:%s)", self.url, self.cfg.prefix, self._ns[:8])
+            log.info("G4 remote %s connected (key prefix %s:%s%s)", self.url, self.cfg.prefix, self._ns[:8],
+                     "; values MAC'd with the KV secret" if self._codec.keyed else "")
         except self._auth_errors as e:
             self._disable(e)
         except self._redis_error as e:
@@ -319,7 +326,7 @@ class RedisBackend(StorageBackend):
         return out
 
     def _open(self, key: BlockKey, raw: bytes) -> memoryview:
-        head = decode_header(raw)
+        head = self._codec.open_header(raw)
         if head.namespace != self.cfg.namespace:
             raise CorruptEntry("written by another model (namespace differs)")
         if head.key != key:
@@ -327,6 +334,5 @@ class RedisBackend(StorageBackend):
         payload = memoryview(raw)[HEADER_SIZE:]
         if payload.nbytes != head.payload_len:
             raise CorruptEntry(f"truncated: {payload.nbytes} of {head.payload_len} payload bytes")
-        if payload_checksum(head.alg, payload) != head.payload_sum:
-            raise CorruptEntry("payload checksum mismatch")
+        self._codec.check_payload(head, payload)
         return payload

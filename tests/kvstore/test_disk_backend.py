@@ -305,17 +305,17 @@ def test_file_removed_behind_our_back_is_a_plain_miss(tmp_path: Path) -> None:
 
 
 def test_blake2b_fallback_and_unavailable_algorithm(tmp_path: Path, monkeypatch) -> None:
-    import kvstore.disk as disk_module
+    import kvstore.entry as entry_module  # the entry format G3 and G4 share
 
     b = disk(tmp_path)
     k1, k2 = key(1), key(2)
     b.put([k1], [payload(k1)])  # xxh3 (xxhash is a dependency)
-    monkeypatch.setattr(disk_module, "DEFAULT_ALG", disk_module.ALG_BLAKE2B)  # as without xxhash
+    monkeypatch.setattr(entry_module, "DEFAULT_ALG", entry_module.ALG_BLAKE2B)  # as without xxhash
     b.put([k2], [payload(k2)])
     b.close()
     assert disk(tmp_path).get([k1, k2]) == [payload(k1), payload(k2)]
     # A process that cannot compute xxh3 must not trust (or serve) entries that use it.
-    monkeypatch.delitem(disk_module._SUMS, disk_module.ALG_XXH3)
+    monkeypatch.delitem(entry_module._SUMS, entry_module.ALG_XXH3)
     b = disk(tmp_path)
     assert b.get([k1, k2]) == [None, payload(k2)] and b.stats.corrupt == 1
 
