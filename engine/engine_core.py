@@ -22,12 +22,13 @@ from engine.kv_events import KVEventsConfig, ZmqEventPublisher
 from kvstore.events import EventBuffer
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model, load_tokenizer
-from engine.model_runner import ModelRunner, kv_cache_bytes_per_block
+from engine.model_runner import ModelOutput, ModelRunner, kv_cache_bytes_per_block
 from engine.request import Request, RequestId, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineStats
+from engine.token_ids import check_token_ids
 from kvstore.g1 import BlockPool
 from policies import make_policy
 
@@ -156,10 +157,8 @@ class EngineCore:
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens but max_model_len is {self.max_model_len} "
                              "(the prompt plus at least one generated token must fit)")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        check_token_ids(prompt_token_ids, self.model_config.vocab_size, "prompt token id")
+        check_token_ids(params.stop_token_ids or (), self.model_config.vocab_size, "stop_token_ids entry")
         return Request(RequestId(request_id), prompt_token_ids, params, prompt=prompt, priority=priority,
                        cache_salt=cache_salt, eos_token_ids=self.eos_token_ids, max_total_tokens=self.max_model_len)
 
@@ -203,27 +202,73 @@ class EngineCore:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending")
             return updated
-        out = self.runner.execute(sched, tables)
-        if meta is not None:
+        out, failed = self._execute(sched, tables)
+        if failed:
+            # Never offload this step's blocks: a failed request's may hold unwritten KV.
+            updated += [self._fail(req, why) for req, why in failed]
+        elif meta is not None:
             self.connector.wait_for_save(meta)
         sampled_reqs = [sched.scheduled[i].req for i in out.sampled]
         samples = self.sampler(out.logits, sampled_reqs) if sampled_reqs else None
+        bad_rows = samples.errors if samples is not None else {}
         for s in sched.scheduled:
-            s.req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(s.req)
+            if not s.req.status.finished:
+                s.req.num_computed_tokens += s.num_new_tokens
+                self.kv.cache_full_blocks(s.req)
         for row, req in enumerate(sampled_reqs):
+            if row in bad_rows:
+                updated.append(self._fail(req, bad_rows[row]))
+                continue
             if req.params.return_first_logits and req.first_logits is None:
                 req.first_logits = out.logits[row].clone()
             req.append_token(samples.token_ids[row])
             self.generation_tokens += 1
             if req.logprobs is not None:
                 req.logprobs.append(samples.logprobs[row])
-            status = self._check_stop(req)
+            try:
+                status = self._check_stop(req)
+            except (ValueError, TypeError, IndexError, OverflowError) as e:  # e.g. the tokenizer on its output
+                updated.append(self._fail(req, f"checking stop conditions failed: {type(e).__name__}: {e}"))
+                continue
             if status is not None:
                 self._finish(req, status)
             updated.append(req)
         self._publish_events()
         return updated
+
+    def _execute(self, sched: SchedulerOutput, tables: list[list[int]]) -> tuple[ModelOutput, list[tuple[Request, str]]]:
+        """Runs the forward; if it raises, finds which requests make it fail by running each alone
+        (their KV writes go to their own slots, so a rerun is harmless) and runs the rest again.
+        Returns the output for the requests that ran and the failed ones with the reason. An error
+        that every request of a batch hits on its own is the engine's, not a request's: it raises."""
+        try:
+            return self.runner.execute(sched, tables), []
+        except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            if len(sched.scheduled) > 1:
+                log.error("a step of %d requests failed (%s: %s); finding the request(s) that cause it",
+                          len(sched.scheduled), type(e).__name__, e)
+            first = e
+        failed: list[tuple[Request, str]] = []
+        ok: list[int] = []
+        for i, s in enumerate(sched.scheduled):
+            try:
+                self.runner.execute(SchedulerOutput([s]), [tables[i]])
+                ok.append(i)
+            except (RuntimeError, ValueError, IndexError, TypeError) as e:
+                failed.append((s.req, f"the forward pass failed: {type(e).__name__}: {e}"))
+        if not ok and len(failed) > 1:
+            raise first
+        sched.scheduled[:] = [sched.scheduled[i] for i in ok]
+        if not ok:
+            return ModelOutput(torch.empty(0, 0), []), failed
+        return self.runner.execute(sched, [tables[i] for i in ok]), failed
+
+    def _fail(self, req: Request, why: str) -> Request:
+        """Ends one request with an error; the engine goes on with the others."""
+        log.error("request %s failed: %s", req.request_id, why)
+        req.error = why
+        self._finish(req, RequestStatus.FINISHED_ERROR)
+        return req
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if self.connector is not None:

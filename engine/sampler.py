@@ -3,20 +3,27 @@
 Each row is processed with its own request's settings. Random rows draw from the request's
 own torch.Generator when it has a seed, so a seeded request gives the same tokens whatever
 else is in the batch. Log-probs are those of the raw model logits (vLLM's default).
+
+A row whose settings make sampling fail (an exception) is reported in `SamplerOutput.errors`
+and the other rows still get their tokens: one request must not take the batch down.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.request import Request
 
+log = logging.getLogger("kvtier.engine")
+
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[int]  # -1 for a row in `errors`
     logprobs: list[dict[int, float] | None]
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why it could not be sampled
 
 
 class Sampler:
@@ -28,49 +35,37 @@ class Sampler:
         logits = logits.float()
         want_logprobs = any(r.params.logprobs is not None for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        logits = self._apply_penalties(logits, reqs)
-        tokens: list[int] = []
+        out = SamplerOutput([], [])
         for i, req in enumerate(reqs):
-            p = req.params
-            row = logits[i]
-            if p.greedy:
-                tokens.append(int(row.argmax()))
-                continue
-            tokens.append(_sample_row(row / p.temperature, p.top_k, p.top_p, p.min_p, req.generator or self.generator))
-        logprobs: list[dict[int, float] | None] = []
-        for i, req in enumerate(reqs):
-            n = req.params.logprobs
-            if n is None:
-                logprobs.append(None)
-                continue
-            row = raw_logprobs[i]
-            entry = {tokens[i]: float(row[tokens[i]])}
-            if n > 0:
-                vals, ids = row.topk(n)
-                entry.update(zip(ids.tolist(), vals.tolist()))
-            logprobs.append(entry)
-        return SamplerOutput(tokens, logprobs)
+            try:
+                token = self._sample(logits[i], req)
+                out.token_ids.append(token)
+                out.logprobs.append(None if raw_logprobs is None else _logprobs(raw_logprobs[i], token, req))
+            except (IndexError, RuntimeError, ValueError, OverflowError) as e:  # this row's settings
+                log.error("request %s: sampling failed: %s: %s", req.request_id, type(e).__name__, e)
+                out.errors[i] = f"sampling failed: {type(e).__name__}: {e}"
+                out.token_ids.append(-1)
+                out.logprobs.append(None)
+        return out
 
-    @staticmethod
-    def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        rows = [i for i, r in enumerate(reqs) if _has_penalty(r)]
-        if not rows:
-            return logits
-        logits = logits.clone()
-        vocab = logits.shape[1]
-        for i in rows:
-            req, p, row = reqs[i], reqs[i].params, logits[i]
-            if req.num_output_suppressed():
-                row[list(req.stop_ids)] = float("-inf")
-            if p.repetition_penalty != 1.0:
-                # vLLM/HF semantics: prompt and output tokens, shrink positives and grow negatives.
-                seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
-                vals = row[seen]
-                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
-                counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=vocab)[:vocab].to(row.dtype)
-                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-        return logits
+    def _sample(self, row: torch.Tensor, req: Request) -> int:
+        p = req.params
+        if _has_penalty(req):
+            row = _apply_penalties(row.clone(), req)
+        if p.greedy:
+            return int(row.argmax())
+        return _sample_row(row / p.temperature, p.top_k, p.top_p, p.min_p, req.generator or self.generator)
+
+
+def _logprobs(row: torch.Tensor, token: int, req: Request) -> dict[int, float] | None:
+    n = req.params.logprobs
+    if n is None:
+        return None
+    entry = {token: float(row[token])}
+    if n > 0:
+        vals, ids = row.topk(min(n, row.shape[0]))
+        entry.update(zip(ids.tolist(), vals.tolist()))
+    return entry
 
 
 def _has_penalty(req: Request) -> bool:
@@ -79,18 +74,40 @@ def _has_penalty(req: Request) -> bool:
             or req.num_output_suppressed())
 
 
+def _apply_penalties(row: torch.Tensor, req: Request) -> torch.Tensor:
+    p, vocab = req.params, row.shape[0]
+    if req.num_output_suppressed():
+        row[list(req.stop_ids)] = float("-inf")
+    if p.repetition_penalty != 1.0:
+        # vLLM/HF semantics: prompt and output tokens, shrink positives and grow negatives.
+        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
+        counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=vocab)[:vocab].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return row
+
+
 def _sample_row(row: torch.Tensor, top_k: int, top_p: float, min_p: float, gen: torch.Generator) -> int:
+    fallback = int(row.argmax())  # what any degenerate case below returns: the most likely token
     if top_k > 0 and top_k < row.shape[0]:
         kth = row.topk(top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
     probs = torch.softmax(row, dim=-1)
+    if not bool(torch.isfinite(probs).all()):  # inf or NaN logits (a huge 1/temperature, a broken model)
+        return fallback
     if top_p < 1.0:
         sorted_p, idx = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        # Keep the smallest prefix whose mass reaches top_p; the first token always stays, however
+        # small top_p is (1e-46 in float32 is 0, and ">= 0" dropped every token).
         drop = (sorted_p.cumsum(0) - sorted_p) >= top_p
+        drop[0] = False
         probs = probs.scatter(0, idx, sorted_p.masked_fill(drop, 0.0))
     if min_p > 0.0:
         probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
+    if not float(probs.sum()) > 0.0:
+        return fallback
     # Exponential race (Gumbel-max equivalent): one draw per vocab entry from this row's stream.
     q = torch.empty_like(probs).exponential_(generator=gen)
     return int((probs / q).argmax())

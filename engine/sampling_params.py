@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 included) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 disables
     min_p: float = 0.0
@@ -55,4 +57,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # Below GREEDY_TEMPERATURE, logits / temperature overflows float32 (1e-38 gave inf, then
+        # NaN probabilities and token 0 every time); vLLM draws the same line.
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
