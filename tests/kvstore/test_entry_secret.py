@@ -18,7 +18,7 @@ import pytest
 from kvstore.disk import DiskBackend, DiskConfig
 from kvstore.entry import (
     ALG_BLAKE2B,
-    ALG_KEYED_BLAKE2B,
+    ALG_HMAC_SHA256,
     ALG_XXH3,
     ENV_SECRET,
     HEADER_SIZE,
@@ -49,22 +49,22 @@ def entry_path(b: DiskBackend, k: bytes) -> Path:
 
 def _planted(raw: bytes, alg: int) -> bytes:
     """The entry with its payload changed and every checksum recomputed the way someone
-    without the secret can: with an unkeyed algorithm, or (alg 3 kept) with unkeyed blake2b."""
+    without the secret can: with an unkeyed algorithm, or (alg 3 kept) with unkeyed hashes."""
     data = bytearray(raw)
     data[HEADER_SIZE + 1234] ^= 0x40
     ns, k, body = bytes(data[12:28]), bytes(data[28:44]), memoryview(data)[HEADER_SIZE:]
-    if alg != ALG_KEYED_BLAKE2B:
+    if alg != ALG_HMAC_SHA256:
         return encode_header(ns, k, body, alg) + bytes(body)
     head = bytearray(encode_header(ns, k, body, ALG_BLAKE2B))
-    head[8] = ALG_KEYED_BLAKE2B  # claims to be keyed; sums are plain blake2b
-    head[-8:] = hashlib.blake2b(bytes(head[:-8]), digest_size=8).digest()
+    head[8] = ALG_HMAC_SHA256  # claims to be keyed; the sums are unkeyed
+    head[-8:] = hashlib.sha256(bytes(head[:-8])).digest()[:8]  # no key: anyone can
     return bytes(head) + bytes(body)
 
 
 PLANT = {
     "payload-changed-xxh3-resealed": lambda raw: _planted(raw, ALG_XXH3),
     "payload-changed-blake2b-resealed": lambda raw: _planted(raw, ALG_BLAKE2B),
-    "payload-changed-keyed-alg-unkeyed-sums": lambda raw: _planted(raw, ALG_KEYED_BLAKE2B),
+    "payload-changed-keyed-alg-unkeyed-sums": lambda raw: _planted(raw, ALG_HMAC_SHA256),
     "payload-changed-header-kept": lambda raw: raw[:HEADER_SIZE + 7] + bytes([raw[HEADER_SIZE + 7] ^ 1])
     + raw[HEADER_SIZE + 8:],
     "unchanged-but-unkeyed": lambda raw: encode_header(raw[12:28], raw[28:44], raw[HEADER_SIZE:]) + raw[HEADER_SIZE:],
@@ -78,7 +78,7 @@ def test_keyed_entries_round_trip_and_carry_the_keyed_algorithm(tmp_path: Path) 
     keys = [key(i) for i in range(3)]
     assert b.put(keys, [payload(k) for k in keys]) == [True] * 3
     raw = entry_path(b, keys[0]).read_bytes()
-    assert raw[8] == ALG_KEYED_BLAKE2B and raw[HEADER_SIZE:] == payload(keys[0])
+    assert raw[8] == ALG_HMAC_SHA256 and raw[HEADER_SIZE:] == payload(keys[0])
     b.close()
     b = disk(tmp_path)  # the start-up scan accepts them, reads verify them
     assert len(b) == 3 and b.get(keys) == [payload(k) for k in keys] and b.stats.corrupt == 0
@@ -116,7 +116,7 @@ def test_without_a_secret_keyed_entries_are_misses(tmp_path: Path) -> None:
     b.close()
     b = disk(tmp_path, secret=None)
     assert b.get([k]) == [None] and b.stats.corrupt == 1 and not entry_path(b, k).exists()
-    assert b.put([k], [payload(k)]) == [True] and entry_path(b, k).read_bytes()[8] != ALG_KEYED_BLAKE2B
+    assert b.put([k], [payload(k)]) == [True] and entry_path(b, k).read_bytes()[8] != ALG_HMAC_SHA256
 
 
 def test_entries_from_before_the_secret_are_misses_once_it_is_set(tmp_path: Path) -> None:
