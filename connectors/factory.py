@@ -42,6 +42,7 @@ class ConnectorContext:
     hidden_spec: HiddenStatesSpec | None = None  # hidden-state export, when on
     model_name: str = ""
     remote_url: str | None = None  # G4: redis://, rediss://, redis+cluster://
+    kv_secret: bytes | None = field(default=None, repr=False)  # MACs G3/G4 entries (kvstore.entry)
 
 
 def validate_transfer_config(tc: dict[str, Any]) -> dict[str, Any]:
@@ -90,7 +91,7 @@ def build_tiered(ctx: ConnectorContext) -> KVConnector:
         from kvstore.disk import DiskBackend
 
         g3 = DiskBackend(Path(ctx.disk_path), int(ctx.disk_size_gib * 2**30), ctx.fingerprint,
-                         policy=extra.get("g3_eviction_policy", ctx.eviction_policy))
+                         policy=extra.get("g3_eviction_policy", ctx.eviction_policy), secret=ctx.kv_secret)
         log.info("G3: %s (%.1f GiB, %d entries found)", ctx.disk_path, ctx.disk_size_gib, len(g3))
     g4 = build_remote(ctx) if ctx.remote_url else None
     policy = extra.get("write_policy", WritePolicy.WRITE_THROUGH.value)
@@ -117,7 +118,8 @@ def build_remote(ctx: ConnectorContext) -> Any:
     extra = ctx.extra_config
     ttl = extra.get("g4_ttl_s")
     cfg = RemoteConfig(str(ctx.remote_url), ctx.fingerprint, prefix=str(extra.get("g4_prefix", "kvtier")),
-                       ttl_s=None if ttl is None else float(ttl), timeout_s=float(extra.get("g4_timeout_s", 0.5)))
+                       ttl_s=None if ttl is None else float(ttl), timeout_s=float(extra.get("g4_timeout_s", 0.5)),
+                       secret=ctx.kv_secret)
     backend = RedisBackend(cfg)
     log.info("G4: %s (key prefix %s, TTL %s, written after %d use(s))", backend.url, cfg.prefix,
              f"{cfg.ttl_s:g}s" if cfg.ttl_s else "none", int(extra.get("g4_min_uses", 1)))

@@ -48,6 +48,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "$KVTIER_REDIS_USERNAME / $KVTIER_REDIS_PASSWORD. Set the server's maxmemory-policy to "
                         "allkeys-lru; tuning keys (g4_prefix, g4_ttl_s, g4_timeout_s, g4_min_uses) go in "
                         "--kv-transfer-config's kv_connector_extra_config")
+    o.add_argument("--kv-namespace", default=None, metavar="NAME",
+                   help="name this model's KV in G3/G4 instead of the digest of every weight byte (which is "
+                        "computed once and cached beside the model). It replaces only the weights' identity: "
+                        "the architecture, dtype, block size and layout still go into the namespace, so changing "
+                        "them cannot alias. Give each distinct set of weights its own name; engines sharing a "
+                        "name share KV. Printable, at most 256 characters")
+    o.add_argument("--kv-offload-secret-file", default=None, metavar="PATH",
+                   help="file holding a secret (mode 0600) that MACs every G3 file and G4 value (HMAC-SHA256): "
+                        "an entry that fails it, or has no MAC, is a miss and is deleted, so whoever can write to "
+                        "the G3 directory or the Redis cannot plant KV. All engines sharing a tier need the same "
+                        "secret. Default: $KVTIER_KV_SECRET (the secret itself) if set; this flag wins over it")
     o.add_argument("--kv-offload-block-size", type=int, default=None, metavar="TOKENS",
                    help="tokens per offload block, a multiple of --block-size (default: --block-size; a hit "
                         "recomputes the prompt tail that does not fill a block)")
@@ -89,4 +100,6 @@ def llm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         "kv_load_failure_policy": ns.kv_load_failure_policy,
         "kv_events_config": ns.kv_events_config,
         "speculative_config": ns.speculative_config,
+        "kv_namespace": ns.kv_namespace,
+        "kv_offload_secret_file": ns.kv_offload_secret_file,
     }

@@ -115,6 +115,13 @@ class EngineConfig:
     kv_events_config: dict[str, Any] | None = None
     # vLLM's speculative_config; only method "extract_hidden_states" (hidden-state export).
     speculative_config: dict[str, Any] | None = None
+    # Operator-chosen name for this model's KV in G3/G4, instead of the whole-file weights digest
+    # (engine.fingerprint); dtype, layout and block size still go into the namespace.
+    kv_namespace: str | None = None
+    # File holding the secret that MACs G3/G4 entries; None: $KVTIER_KV_SECRET if set, else none.
+    kv_offload_secret_file: str | None = None
+    # The secret itself, read in __post_init__: never in repr, never compared.
+    kv_offload_secret: bytes | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -146,6 +153,11 @@ class EngineConfig:
 
             check_url(self.kv_offload_remote)  # before any weights load
         HiddenStatesSpec.from_speculative_config(self.speculative_config)  # validates
+        if self.kv_namespace is not None:
+            check_kv_namespace(self.kv_namespace)
+        from kvstore.entry import load_secret
+
+        object.__setattr__(self, "kv_offload_secret", load_secret(self.kv_offload_secret_file))
         try:
             object.__setattr__(self, "kv_load_failure_policy", LoadFailurePolicy(self.kv_load_failure_policy))
         except ValueError:
@@ -158,6 +170,20 @@ class EngineConfig:
     @property
     def offload_enabled(self) -> bool:
         return bool(self.kv_offloading_size) or self.kv_offload_disk is not None or bool(self.kv_offload_remote)
+
+
+MAX_KV_NAMESPACE = 256
+
+
+def check_kv_namespace(name: object) -> None:
+    """ValueError unless `name` is a non-empty, printable string of at most MAX_KV_NAMESPACE
+    characters (it appears in logs, and must not smuggle control characters into them)."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"kv_namespace must be a non-empty string; got {name!r}")
+    if len(name) > MAX_KV_NAMESPACE:
+        raise ValueError(f"kv_namespace must be at most {MAX_KV_NAMESPACE} characters; got {len(name)}")
+    if not name.isprintable():
+        raise ValueError(f"kv_namespace must be printable (no control characters); got {name!r}")
 
 
 def load_model_config(model_dir: Path, dtype: str) -> ModelConfig:

@@ -95,7 +95,7 @@ class EngineCore:
         if "kv_load_failure_policy" in tc:
             object.__setattr__(cfg, "kv_load_failure_policy", LoadFailurePolicy(tc["kv_load_failure_policy"]))
         extra = dict(tc.get("kv_connector_extra_config") or {})
-        fp = model_fingerprint(model_dir, mc, cfg.block_size)
+        fp = model_fingerprint(model_dir, mc, cfg.block_size, cfg.kv_namespace)
         hs = self.hidden_spec
         if hs is not None:  # blocks carry hidden states too: a G3 namespace of their own
             fp = hashlib.sha256(fp + repr(hs.layer_ids).encode()).digest()[:16]
@@ -105,7 +105,8 @@ class EngineCore:
                              hs.layer_ids if hs else (), mc.hidden_size if hs else 0)
         ctx = ConnectorContext(layout, self.pool, fp, cfg.kv_eviction_policy, cfg.kv_offloading_size,
                                cfg.kv_offload_disk, cfg.kv_offload_disk_size, extra, self.events,
-                               hidden_spec=hs, model_name=model_dir.name, remote_url=cfg.kv_offload_remote)
+                               hidden_spec=hs, model_name=model_dir.name, remote_url=cfg.kv_offload_remote,
+                               kv_secret=cfg.kv_offload_secret)
         connector = build_connector(ctx, tc)
         if connector is not None:
             connector.register_kv_caches(self.runner.kv_cache)

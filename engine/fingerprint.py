@@ -1,33 +1,163 @@
-"""Model identity for persistent tiers: KV made by one model/dtype is never served to another."""
+"""Model identity for persistent tiers: KV made by one model/dtype is never served to another.
+
+The G3/G4 namespace digests the architecture facts (`ModelConfig.fingerprint`: geometry, rope,
+dtype), the block size, the layout version and the weights' identity: a digest of every byte of
+every weight file (xxh3-128, streamed), so two checkpoints that differ in one weight byte get
+different namespaces. An operator may name the weights instead (`kv_namespace`); the other facts
+still apply, so a dtype or block-size change cannot alias under one name.
+
+Hashing a large checkpoint takes seconds, so each file's digest is cached in
+`.kvtier-weights-digest.json` beside it or, when the model directory is read-only, in
+`$KVTIER_CACHE_DIR` / `$XDG_CACHE_HOME/kvtier` / `~/.cache/kvtier` under `weights-digests/`,
+keyed by the directory's absolute path. A cached digest is used only while the file's size,
+mtime_ns and inode are unchanged. A cache that cannot be read or written costs a rehash, never a
+failed start.
+"""
 from __future__ import annotations
 
 import hashlib
 import json
-import struct
+import logging
+import os
+import re
+import secrets
+import time
 from pathlib import Path
+from typing import Any
 
 from engine.config import ModelConfig
+from engine.loader import weight_files
+
+try:
+    import xxhash
+except ImportError:  # a dependency; blake2b keeps a broken install working (another namespace)
+    xxhash = None
+
+log = logging.getLogger("kvtier.fingerprint")
 
 LAYOUT_VERSION = 1
-_SAMPLE = 1 << 16
+ALGORITHM = "xxh3_128" if xxhash is not None else "blake2b_128"
+CACHE_NAME = ".kvtier-weights-digest.json"
+CACHE_VERSION = 1
+CHUNK_BYTES = 16 << 20  # large reads into one reused buffer: hashing, not syscalls, is the cost
+# A file modified this recently may be modified again within one mtime tick (coarse timestamps
+# on some file systems) without its size, mtime or inode changing, so its digest is not cached.
+RACY_NS = 2_000_000_000
+_DIGEST_RE = re.compile(r"[0-9a-f]{32}")
 
 
-def weights_identity(model_dir: Path) -> str:
-    """sha256 over each safetensors file's header (names, dtypes, shapes) and samples of its
-    data (start, middle, end): cheap at start-up, and different for different weights."""
-    h = hashlib.sha256()
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            h.update(fh.read(n))
-            size = f.stat().st_size
-            for off in (8 + n, max(8 + n, (size + n) // 2), max(8 + n, size - _SAMPLE)):
-                fh.seek(off)
-                h.update(fh.read(_SAMPLE))
+def hash_file(path: Path, buf: bytearray) -> str:
+    """Hex digest of every byte of `path`, read in `len(buf)` chunks into `buf`."""
+    h = xxhash.xxh3_128() if xxhash is not None else hashlib.blake2b(digest_size=16)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
 
 
-def model_fingerprint(model_dir: Path, cfg: ModelConfig, block_size: int) -> bytes:
-    desc = {**cfg.fingerprint(), "weights": weights_identity(model_dir), "block_size": block_size,
-            "layout_version": LAYOUT_VERSION}
-    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).digest()[:16]
+def _stat_key(st: os.stat_result) -> dict[str, int]:
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+
+
+def fallback_cache_path(model_dir: Path) -> Path:
+    """The per-user digest cache of `model_dir` (for read-only model directories)."""
+    base = os.environ.get("KVTIER_CACHE_DIR")
+    if base:
+        root = Path(base).expanduser()
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        root = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvtier"
+    name = hashlib.sha256(str(model_dir).encode()).hexdigest()[:32]
+    return root / "weights-digests" / f"{name}.json"
+
+
+def _read_cache(path: Path, model_dir: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.debug("ignoring weights digest cache %s: %s", path, e)
+        return {}
+    if (not isinstance(data, dict) or data.get("version") != CACHE_VERSION or data.get("algorithm") != ALGORITHM
+            or data.get("dir") != str(model_dir) or not isinstance(data.get("files"), dict)):
+        return {}
+    return data["files"]
+
+
+def _write_cache(model_dir: Path, files: dict[str, Any]) -> None:
+    data = json.dumps({"version": CACHE_VERSION, "algorithm": ALGORITHM, "dir": str(model_dir), "files": files},
+                      indent=1, sort_keys=True)
+    errors = []
+    for path in (model_dir / CACHE_NAME, fallback_cache_path(model_dir)):
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(data)
+            os.replace(tmp, path)  # atomic: a concurrent reader sees the old or the new cache
+            log.debug("weights digests cached in %s", path)
+            return
+        except OSError as e:
+            errors.append(f"{path}: {e.strerror or e}")
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:  # e.g. its directory could not be created: there is no temp file
+                pass
+    log.warning("cannot cache the weights digest (%s); the next start hashes the weights again", "; ".join(errors))
+
+
+def weights_identity(model_dir: Path) -> str:
+    """Digest of every byte of the model's weight files (see the module docstring)."""
+    model_dir = Path(model_dir).absolute()
+    names = weight_files(model_dir)
+    cached: dict[str, Any] = {}
+    for path in (fallback_cache_path(model_dir), model_dir / CACHE_NAME):  # the one beside the model wins
+        cached.update(_read_cache(path, model_dir))
+    entries: dict[str, Any] = {}
+    fresh = hashed_files = hashed_bytes = 0
+    buf: bytearray | None = None
+    start = time.perf_counter()
+    for name in names:
+        path = model_dir / name
+        key = _stat_key(os.stat(path))
+        hit = cached.get(name)
+        if (isinstance(hit, dict) and {k: hit.get(k) for k in key} == key
+                and isinstance(hit.get("digest"), str) and _DIGEST_RE.fullmatch(hit["digest"])):
+            entries[name] = hit
+            continue
+        buf = buf if buf is not None else bytearray(min(CHUNK_BYTES, max(key["size"], 1 << 16)))
+        began_ns = time.time_ns()
+        digest = hash_file(path, buf)
+        hashed_files += 1
+        hashed_bytes += key["size"]
+        after = _stat_key(os.stat(path))
+        if after == key and began_ns - key["mtime_ns"] >= RACY_NS:
+            entries[name] = {**key, "digest": digest}
+            fresh += 1
+        else:  # changed while hashing, or too recently: use the digest now, never cache it
+            entries[name] = {**after, "digest": digest, "uncached": True}
+    took = time.perf_counter() - start
+    if hashed_files:
+        log.info("weights identity of %s: hashed %d file(s), %.2f GB, in %.2f s (%.2f GB/s); %d from the digest cache",
+                 model_dir, hashed_files, hashed_bytes / 1e9, took, hashed_bytes / 1e9 / max(took, 1e-9),
+                 len(names) - hashed_files)
+    else:
+        log.info("weights identity of %s: %d file(s) from the digest cache (%.3f s)", model_dir, len(names), took)
+    if fresh:
+        _write_cache(model_dir, {n: e for n, e in entries.items() if not e.get("uncached")})
+    h = hashlib.sha256(ALGORITHM.encode())
+    for name in names:
+        h.update(json.dumps([name, entries[name]["size"], entries[name]["digest"]]).encode())
+    return h.hexdigest()
+
+
+def model_fingerprint(model_dir: Path, cfg: ModelConfig, block_size: int, kv_namespace: str | None = None) -> bytes:
+    """16-byte namespace of this model's KV. `kv_namespace` replaces only the weights' identity
+    (and skips hashing them); the architecture, dtype and block size always count."""
+    weights = {"kv_namespace": kv_namespace} if kv_namespace is not None else {"weights": weights_identity(model_dir)}
+    desc = {**cfg.fingerprint(), **weights, "block_size": block_size, "layout_version": LAYOUT_VERSION}
+    digest = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).digest()[:16]
+    log.info("KV namespace %s (weights named %s)", digest.hex(),
+             f"by kv_namespace {kv_namespace!r}" if kv_namespace is not None else "by the digest of every byte")
+    return digest

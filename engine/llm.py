@@ -48,6 +48,8 @@ class LLM:
         kv_load_failure_policy: str = "recompute",
         kv_events_config: dict[str, Any] | str | None = None,
         speculative_config: dict[str, Any] | str | None = None,
+        kv_namespace: str | None = None,
+        kv_offload_secret_file: str | None = None,
     ) -> None:
         if model is None:
             from engine.demo_model import ensure_demo_model
@@ -66,6 +68,7 @@ class LLM:
             kv_load_failure_policy=kv_load_failure_policy,
             kv_events_config=_parse_json(kv_events_config, "kv_events_config"),
             speculative_config=_parse_json(speculative_config, "speculative_config"),
+            kv_namespace=kv_namespace, kv_offload_secret_file=kv_offload_secret_file,
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()

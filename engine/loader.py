@@ -18,7 +18,8 @@ from engine.models.llama import rope_tables
 log = logging.getLogger("kvtier.loader")
 
 
-def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def weight_files(model_dir: Path) -> list[str]:
+    """Names of the safetensors files the weights are loaded from (and the fingerprint hashes)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -26,7 +27,11 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no .safetensors weights in {model_dir}")
-    for name in files:
+    return files
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for name in weight_files(model_dir):
         with safe_open(str(model_dir / name), framework="pt") as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
