@@ -49,9 +49,10 @@ def file_name(request_id: str) -> str:
 
 
 def check_writable(path: Path) -> None:
-    """Creates `path` if needed and proves a file can be written there; ValueError otherwise."""
+    """Creates `path` (0700: the files hold what prompts computed) if needed and proves a file can
+    be written there; ValueError otherwise."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".kvtier-probe-"):
             pass
     except OSError as e:
@@ -59,13 +60,27 @@ def check_writable(path: Path) -> None:
 
 
 def write_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Writes a temp file, then links it to `path`: atomic, and FileExistsError instead of
+    replacing a file that is already there (another request's, or another process's)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
         save_file(tensors, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
+        os.link(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def free_name(directory: Path, request_id: str, taken: set[str]) -> str:
+    """`file_name(request_id)`, or `{stem}-{k}.safetensors` with the first k free when that name
+    is on disk or in `taken`: a client that reuses another's request_id gets a file of its own."""
+    name = file_name(request_id)
+    stem = name.removesuffix(".safetensors")
+    k = 0
+    while name in taken or (directory / name).exists():
+        k += 1
+        name = f"{stem}-{k}.safetensors"
+    return name
 
 
 @dataclass
@@ -88,6 +103,7 @@ class HiddenStatesConnector(KVConnector):
                          "format_version": FORMAT_VERSION}
         self.hidden_cache: torch.Tensor | None = None
         self._pending: list[_Pending] = []
+        self._reserved: set[str] = set()  # file names handed out and not yet written (under _lock)
         self._queue: queue.Queue[Any] = queue.Queue(max_queued_files)
         self._lock = threading.Lock()
         self.files_written = 0
@@ -119,7 +135,10 @@ class HiddenStatesConnector(KVConnector):
             n = min(max(n, request.num_tokens - 1), request.num_computed_tokens)
         blocks = [BlockId(b) for b in block_ids[: -(-n // self.block_size)]]
         self.pool.acquire(blocks)  # the states must outlive the request's blocks until gathered
-        path = self.path / file_name(request.request_id)
+        with self._lock:  # until written: two requests finishing together get two names
+            name = free_name(self.path, request.request_id, self._reserved)
+            self._reserved.add(name)
+        path = self.path / name
         self._pending.append(_Pending(request.request_id, blocks, list(request.all_token_ids[:n]), path))
         return False, {"hidden_states_path": str(path)}
 
@@ -161,6 +180,9 @@ class HiddenStatesConnector(KVConnector):
                     log.error("writing %s failed: %s", path, e)
                     with self._lock:
                         self.write_errors += 1
+                finally:
+                    with self._lock:
+                        self._reserved.discard(path.name)
             finally:
                 self._queue.task_done()
 

@@ -15,16 +15,19 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
-from engine.llm import as_token_ids
+from engine.token_ids import check_token_ids
 from server.client import CoreState, EngineClient, EngineDeadError
 from server.detok import IncrementalDetokenizer
+from server.fields import unsupported
 from server.metrics import Metrics
 from server.protocol import (
     TokenizeRequest,
     _Chat,
     _Sampling,
 )
+from server.tokenizing import Tokenizing
 
 log = logging.getLogger("kvtier.server")
 VERSION = "0.1.0"
@@ -51,6 +54,10 @@ class ServerSettings:
     max_request_bytes: int = 8 * 2**20
     max_pending_requests: int = 512
     retry_after_s: int = 1
+    trust_request_chat_template: bool = False  # vLLM's --trust-request-chat-template
+    chat_template_timeout_s: float = 5.0  # bound on rendering a request-supplied template
+    tokenizer_threads: int = 2  # tokenization and templating run here, off the event loop
+    metrics_no_auth: bool = False  # with api_key: /metrics stays open (for scrapers without the key)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -59,6 +66,10 @@ class ServerSettings:
             raise ValueError(f"max_request_bytes must be >= 1024; got {self.max_request_bytes}")
         if self.max_pending_requests < 1:
             raise ValueError(f"max_pending_requests must be >= 1; got {self.max_pending_requests}")
+        if self.chat_template_timeout_s <= 0:
+            raise ValueError(f"chat_template_timeout_s must be > 0; got {self.chat_template_timeout_s}")
+        if self.tokenizer_threads < 1:
+            raise ValueError(f"tokenizer_threads must be >= 1; got {self.tokenizer_threads}")
 
 
 @dataclass
@@ -80,14 +91,22 @@ class API:
         self.client, self.tok, self.s = client, tokenizer, settings
         self.metrics = Metrics(settings.served_model_names[0])
         self.created = int(time.time())
+        self.tokenizing = Tokenizing(tokenizer, settings.tokenizer_threads, settings.chat_template_timeout_s)
+
+    def close(self) -> None:
+        self.tokenizing.close()
 
     # -- input -----------------------------------------------------------------------------
     async def parse(self, request: Request, model: type[BaseModel]) -> Any:
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.s.max_request_bytes:
-                raise APIError(413, f"request body exceeds {self.s.max_request_bytes} bytes")
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > self.s.max_request_bytes:
+                    raise APIError(413, f"request body exceeds {self.s.max_request_bytes} bytes")
+        except ClientDisconnect:  # gone while uploading: nobody to answer, nothing to log loudly
+            log.info("client disconnected while sending the request body")
+            raise APIError(499, "client disconnected") from None
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -101,6 +120,12 @@ class API:
                 json.dumps(data, ensure_ascii=False).encode()
             except UnicodeEncodeError:
                 raise APIError(400, "malformed JSON body: a string holds an unpaired UTF-16 surrogate") from None
+        known = set(model.model_fields)
+        if not self.s.trust_request_chat_template:
+            known.discard("chat_template")  # then refused by name, with the flag that allows it
+        bad = unsupported(data, known)
+        if bad is not None:
+            raise APIError(400, f"unsupported field {bad[0]!r}: {bad[1]}", param=bad[0])
         try:
             parsed = model.model_validate(data)
         except ValidationError as e:
@@ -112,32 +137,54 @@ class API:
             raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
         return parsed
 
-    def chat_ids(self, conv: list[Any], req: _Chat | TokenizeRequest) -> list[int]:
+    async def chat_ids(self, convs: list[list[Any]], req: _Chat | TokenizeRequest) -> list[list[int]]:
+        """Token ids of each conversation through the chat template, rendered off the event loop."""
+        kwargs = dict(req.chat_template_kwargs or {})
+        template = req.chat_template
+        if "chat_template" in kwargs:
+            if not self.s.trust_request_chat_template:
+                raise APIError(400, "chat_template_kwargs.chat_template: a request-supplied chat template needs "
+                                    "the server's --trust-request-chat-template", param="chat_template_kwargs")
+            template = kwargs.pop("chat_template")
+        reserved = sorted(self.tokenizing.reserved_kwargs & set(kwargs))
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs must not set {reserved}: they are apply_chat_template's "
+                                "own parameters, not template variables", param="chat_template_kwargs")
         try:
-            msgs = [{"role": m.role, "content": m.text()} for m in conv]
-            kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
-            out = self.tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt,
-                                               tokenize=True, **kwargs)
-            ids = as_token_ids(out)
-            if not all(type(t) is int for t in ids):  # e.g. chat_template_kwargs {"return_tensors": "np"}
-                raise TypeError("chat_template_kwargs must not change the tokenizer's output format")
+            msgs = [[m.as_dict() for m in conv] for conv in convs]
+            return await self.tokenizing.chat(msgs, req.add_generation_prompt, kwargs, template)
+        except TimeoutError as e:
+            raise APIError(400, f"chat_template: {e}", param="chat_template") from None
         except Exception as e:  # noqa: BLE001 - the user's messages, template kwargs or template failed
             raise APIError(400, f"messages: {type(e).__name__}: {e}", param="messages") from None
-        return ids
 
-    def text_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tok.encode(prompt))
-        return list(prompt)
+    async def text_ids(self, prompts: list[str | list[int]], add_special_tokens: bool = True) -> list[list[int]]:
+        return await self.tokenizing.encode(prompts, add_special_tokens)
+
+    def admit(self, num_prompts: int, req: _Sampling) -> None:
+        """The checks that need no tokens, made before tokenizing: a full server answers at once."""
+        if self.client.state is not CoreState.READY:
+            raise APIError(503, f"the engine is {self.client.state.value}", "ServiceUnavailableError",
+                           headers={"Retry-After": str(self.s.retry_after_s)})
+        total = num_prompts * req.n
+        if total > self.s.max_pending_requests:  # could never be admitted: retrying cannot help
+            raise APIError(400, f"the request has {total} sequences ({num_prompts} prompt(s) x n={req.n}) but the "
+                                f"server runs at most {self.s.max_pending_requests} at once (--max-pending-requests)")
+        if self.client.num_pending + total > self.s.max_pending_requests:
+            self.metrics.rejected.labels(self.metrics.model, "503").inc()
+            raise APIError(503, f"the server has {self.client.num_pending} requests in flight (limit "
+                                f"{self.s.max_pending_requests}); retry later", "ServiceUnavailableError",
+                           headers={"Retry-After": str(self.s.retry_after_s)})
 
     def _check_prompt(self, ids: list[int], req: _Sampling) -> None:
         info = self.client.info
         assert info is not None
         if not ids:
             raise APIError(400, "prompt is empty: it must contain at least one token", param="prompt")
-        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {info.vocab_size})", param="prompt")
+        try:
+            check_token_ids(ids, info.vocab_size, "token id")
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
         limit = req._limit()
         if len(ids) >= info.max_model_len or (limit is not None and len(ids) + limit > info.max_model_len):
             raise APIError(400, f"This model's maximum context length is {info.max_model_len} tokens. However, you "
@@ -148,19 +195,16 @@ class API:
     # -- running ---------------------------------------------------------------------------
     async def submit(self, prompts: list[list[int]], req: _Sampling) -> list[Choice]:
         """Validates everything first, then queues n sequences per prompt in the core."""
-        if self.client.state is not CoreState.READY:
-            raise APIError(503, f"the engine is {self.client.state.value}", "ServiceUnavailableError",
-                           headers={"Retry-After": str(self.s.retry_after_s)})
+        self.admit(len(prompts), req)  # again: tokenizing awaited, others may have come in meanwhile
         for ids in prompts:
             self._check_prompt(ids, req)
         info = self.client.info
         assert info is not None
+        try:
+            check_token_ids(req.stop_token_ids or (), info.vocab_size, "stop_token_ids entry")
+        except ValueError as e:
+            raise APIError(400, str(e), param="stop_token_ids") from None
         total = len(prompts) * req.n
-        if self.client.num_pending + total > self.s.max_pending_requests:
-            self.metrics.rejected.labels(self.metrics.model, "503").inc()
-            raise APIError(503, f"the server has {self.client.num_pending} requests in flight (limit "
-                                f"{self.s.max_pending_requests}); retry later", "ServiceUnavailableError",
-                           headers={"Retry-After": str(self.s.retry_after_s)})
         base = req.request_id or uuid.uuid4().hex
         choices: list[Choice] = []
         try:

@@ -22,7 +22,8 @@ from server.core import core_main, pack, params_to_wire, unpack
 
 log = logging.getLogger("kvtier.server")
 
-WATCHDOG_INTERVAL_S = 0.5
+WATCHDOG_INTERVAL_S = 0.25
+DEFAULT_HEARTBEAT_TIMEOUT_S = 120.0  # longer than any one step should take (a 2k-token chunk of a 7B model on CPU)
 
 
 class EngineDeadError(RuntimeError):
@@ -50,10 +51,16 @@ class CoreInfo:
 
 
 class EngineClient:
-    def __init__(self, llm_kwargs: dict[str, Any], log_level: str = "info") -> None:
-        self.llm_kwargs, self.log_level = llm_kwargs, log_level
+    def __init__(self, llm_kwargs: dict[str, Any], log_level: str = "info",
+                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> None:
+        if heartbeat_timeout_s <= 0:
+            raise ValueError(f"heartbeat timeout must be > 0 seconds; got {heartbeat_timeout_s}")
+        self.llm_kwargs, self.log_level, self.heartbeat_timeout_s = llm_kwargs, log_level, heartbeat_timeout_s
         self.state = CoreState.STARTING
-        self.died = False  # the core exited without being asked to: serve exits 1
+        self.died = False  # the core ended without being asked to (or hung): serve exits 1
+        self.dead = asyncio.Event()  # set with `died`
+        self._last_beat = 0.0  # loop time of the last heartbeat
+        self._loop_age = 0.0  # seconds since the core's step loop last went round, as it last said
         self.info: CoreInfo | None = None
         self._queues: dict[str, asyncio.Queue[dict[str, Any] | BaseException]] = {}
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
@@ -65,6 +72,8 @@ class EngineClient:
         self._to_core = self._ctx.socket(zmq.PUSH)
         self._from_core = self._ctx.socket(zmq.PULL)
         self._to_core.setsockopt(zmq.LINGER, 0)
+        # No high-water mark: a send then only fails when no core is connected, and _send never blocks.
+        self._to_core.setsockopt(zmq.SNDHWM, 0)
         self._to_core.bind(f"ipc://{self._ipc_dir}/to_core")
         self._from_core.bind(f"ipc://{self._ipc_dir}/from_core")
         self.proc: mp.process.BaseProcess | None = None
@@ -101,6 +110,7 @@ class EngineClient:
                 self.proc.kill()
                 raise StartupError(f"engine core did not load within {timeout_s:.0f}s")
         self.state = CoreState.READY
+        self._last_beat = loop.time()
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._watchdog())]
         return self.info
 
@@ -117,15 +127,24 @@ class EngineClient:
                                 "params": params_to_wire(params), "priority": priority, "cache_salt": cache_salt}])
         except (OverflowError, UnicodeEncodeError, TypeError, ValueError) as e:
             raise ValueError(f"request {request_id!r} cannot be sent to the engine: {e}") from None
+        self._send(msg)
         q: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
         self._queues[request_id] = q
-        await self._to_core.send(msg)
         return q
+
+    def _send(self, msg: bytes) -> None:
+        """Never blocks: with no high-water mark, the only refusal is a core that is not there."""
+        sent = self._to_core.send(msg, zmq.NOBLOCK)  # zmq.asyncio: a finished future, never a wait
+        err = sent.exception() if sent.done() else None
+        if isinstance(err, zmq.Again):
+            raise EngineDeadError("the engine core is not connected")
+        if err is not None:
+            raise err
 
     async def abort(self, request_ids: list[str]) -> None:
         live = [r for r in request_ids if self._queues.pop(r, None) is not None]
         if live and self.state in (CoreState.READY, CoreState.DRAINING):
-            await self._to_core.send(pack(["abort", live]))
+            self._send_quietly(pack(["abort", live]))
 
     async def abort_all(self) -> int:
         """Ends every request in flight now (the shutdown grace period is over): each gets a last
@@ -134,16 +153,23 @@ class EngineClient:
         for rid in ids:
             self._queues.pop(rid).put_nowait({"id": rid, "token_ids": [], "finish_reason": "abort"})
         if ids and self.state in (CoreState.READY, CoreState.DRAINING):
-            await self._to_core.send(pack(["abort", ids]))
+            self._send_quietly(pack(["abort", ids]))
         return len(ids)
+
+    def _send_quietly(self, msg: bytes) -> None:
+        """For aborts: a core that is gone has nothing left to abort."""
+        try:
+            self._send(msg)
+        except EngineDeadError:
+            log.debug("abort not sent: the engine core is not connected")
 
     async def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         self._check_alive()
         nonce = next(self._nonce)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._stats_waiters[nonce] = fut
-        await self._to_core.send(pack(["stats", nonce]))
         try:
+            self._send(pack(["stats", nonce]))
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._stats_waiters.pop(nonce, None)
@@ -173,20 +199,45 @@ class EngineClient:
                 q = self._queues.pop(msg[1], None)
                 if q is not None:
                     q.put_nowait(ValueError(msg[2]))
+            elif kind == "heartbeat":
+                self._last_beat, self._loop_age = asyncio.get_running_loop().time(), float(msg[1])
+            elif kind == "fatal":
+                self._die(f"engine core failed: {msg[1]}")
             elif kind == "stopped":
+                if self.state is not CoreState.DRAINING:  # nobody asked it to stop
+                    self._die("engine core stopped unasked")
                 self._stopped.set()
                 return
 
     async def _watchdog(self) -> None:
+        """Every WATCHDOG_INTERVAL_S: is the process alive, and does it still beat and step?"""
         assert self.proc is not None
-        while self.proc.is_alive():
+        loop = asyncio.get_running_loop()
+        while self.proc.is_alive() and self.state in (CoreState.READY, CoreState.DRAINING):
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
-        if self.state in (CoreState.READY, CoreState.DRAINING) and not self._stopped.is_set():
-            log.error("engine core died (exit code %s); failing %d request(s); /health now reports unhealthy",
-                      self.proc.exitcode, len(self._queues))
-            self.state = CoreState.DEAD
-            self.died = True
+            silent = loop.time() - self._last_beat
+            stuck = max(silent, self._loop_age)
+            if stuck > self.heartbeat_timeout_s and self.state is CoreState.READY:
+                what = "sent no heartbeat" if silent > self.heartbeat_timeout_s else "has not finished a step"
+                self._die(f"engine core {what} for {stuck:.1f}s (heartbeat timeout {self.heartbeat_timeout_s:g}s); "
+                          "killing it")
+                self.proc.kill()
+                return
+        if not self.proc.is_alive() and self.state is CoreState.READY:
+            self._die(f"engine core died (exit code {self.proc.exitcode})")
+        if self.state is CoreState.DEAD:
+            return
         self._fail_all(EngineDeadError(f"engine core exited with code {self.proc.exitcode}"))
+
+    def _die(self, why: str) -> None:
+        """The core is gone for good: fail everything in flight; /health says so from now on."""
+        if self.state is CoreState.DEAD:
+            return
+        log.error("%s; failing %d request(s); /health now reports unhealthy", why, len(self._queues))
+        self.state = CoreState.DEAD
+        self.died = True
+        self._fail_all(EngineDeadError(why))
+        self.dead.set()
 
     def _fail_all(self, err: BaseException) -> None:
         for q in self._queues.values():
@@ -202,7 +253,7 @@ class EngineClient:
         core to flush its offload writes and exit."""
         if self.proc is not None and self.proc.is_alive() and self.state is CoreState.READY:
             self.state = CoreState.DRAINING
-            await self._to_core.send(pack(["shutdown", grace_s]))
+            self._send_quietly(pack(["shutdown", grace_s]))
             try:
                 await asyncio.wait_for(self._stopped.wait(), grace_s + 120)
             except asyncio.TimeoutError:

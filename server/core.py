@@ -14,6 +14,10 @@ Core -> API:
                                 and on finish the reason, cached-token counts and transfer params
   ["stats", nonce, {...}]
   ["add_error", request_id, message]
+  ["heartbeat", loop_age_s]     every HEARTBEAT_INTERVAL_S from a thread of its own: seconds since
+                                the step loop last went round (a long step, or a deadlock, shows)
+  ["stopped"]                   after a requested shutdown only
+  ["fatal", message]            the loop raised: the core exits 1 (a death, not a stop)
 
 The core never decodes text (the API process detokenizes) except to check stop strings,
 which the engine does itself.
@@ -24,6 +28,7 @@ import dataclasses
 import logging
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -36,6 +41,7 @@ from engine.sampling_params import SamplingParams
 log = logging.getLogger("kvtier.core")
 
 IDLE_POLL_MS = 100  # how long an idle core blocks on its socket before checking its parent
+HEARTBEAT_INTERVAL_S = 0.25
 
 
 def pack(msg: list[Any]) -> bytes:
@@ -151,8 +157,11 @@ def run_core(llm_kwargs: dict[str, Any], to_core: str, from_core: str, log_level
     push.send(pack(["ready", {"max_model_len": eng.max_model_len, "vocab_size": eng.model_config.vocab_size,
                               "num_gpu_blocks": eng.pool.num_blocks, "eos_token_ids": sorted(eng.eos_token_ids)}]))
     loop = CoreLoop(llm, push)
+    beat = Heartbeat(ctx, from_core)
+    status = 1
     try:
         while True:
+            beat.tick()
             busy = eng.has_unfinished()
             if pull.poll(0 if busy else IDLE_POLL_MS):
                 while True:
@@ -162,20 +171,57 @@ def run_core(llm_kwargs: dict[str, Any], to_core: str, from_core: str, log_level
                         break
             if loop.draining_until is not None and (not eng.has_unfinished() or time.monotonic() > loop.draining_until):
                 loop.abort_all()
+                status = 0
                 break
             if eng.has_unfinished():
                 loop.step()
             elif os.getppid() != parent:  # the API process died without telling us
                 log.error("API process is gone; exiting")
+                status = 0
                 break
+    except Exception as e:  # noqa: BLE001 - an error no request could be blamed for: report it, then die
+        log.exception("engine core failed")
+        push.send(pack(["fatal", f"{type(e).__name__}: {e}"]))
     finally:
+        beat.stop()
         llm.close()  # flushes pending G3 writes
-        log.info("engine core stopped")
-        push.send(pack(["stopped"]))
+        if status == 0:
+            log.info("engine core stopped")
+            push.send(pack(["stopped"]))
         push.close()
         pull.close(linger=0)
         ctx.term()
-    return 0
+    return status
+
+
+class Heartbeat:
+    """A thread that tells the API process every HEARTBEAT_INTERVAL_S that this process lives and
+    how long ago the step loop last went round. ZMQ sockets are not thread-safe, so it sends on
+    a socket of its own (the API's PULL socket fair-queues both)."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+        self.last_tick = time.monotonic()
+        self._stop = threading.Event()
+        self._sock = ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._thread = threading.Thread(target=self._run, name="kvtier-heartbeat", daemon=True)
+        self._thread.start()
+
+    def tick(self) -> None:
+        self.last_tick = time.monotonic()
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_INTERVAL_S):
+            try:
+                self._sock.send(pack(["heartbeat", time.monotonic() - self.last_tick]), zmq.NOBLOCK)
+            except zmq.Again:  # the API side is not reading: it will notice the silence itself
+                continue
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sock.close()
 
 
 def core_main(llm_kwargs: dict[str, Any], to_core: str, from_core: str, log_level: str) -> None:

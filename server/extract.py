@@ -326,6 +326,7 @@ class Extractor:
             self.totals.skipped += 1
             self.totals.recovered += 1
             return None
+        path.unlink(missing_ok=True)  # not this line's file: the writer never overwrites, so clear the name
         return Item(lineno, rid, ids)
 
     def entry(self, rid: str, num_tokens: int) -> dict[str, Any]:

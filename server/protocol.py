@@ -1,13 +1,14 @@
 """OpenAI request bodies (plus vLLM's extensions), validated with pydantic, and their mapping
-onto `SamplingParams`. Unknown fields are ignored, as OpenAI clients send fields a server may
-not know; fields that would change the answer and are not supported are rejected."""
+onto `SamplingParams`. Fields these models do not declare are checked by `server.fields` before
+validation (refused by name unless harmless), so `extra="ignore"` here never drops one silently."""
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.sampling_params import SamplingParams
+from server.fields import unsupported
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -49,7 +50,6 @@ class _Sampling(BaseModel):
     # vLLM's: names the request (and its hidden-state file); sequences get "-k" suffixes when
     # a request has several (n > 1 or several prompts). Default: a random id.
     request_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]{1,128}$")
-    kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> _Sampling:
@@ -61,14 +61,19 @@ class _Sampling(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
+    # The output limit when the request gives none; None: up to the context length.
+    default_max_tokens: ClassVar[int | None] = None
+
     def _limit(self) -> int | None:
         return self.max_tokens
 
     def _n_logprobs(self) -> int | None:
         return None
 
-    def sampling_params(self, default_max_tokens: int, index: int = 0) -> SamplingParams:
-        """Raises ValueError for values the engine rejects. `index` offsets the seed for n > 1."""
+    def sampling_params(self, room: int, index: int = 0) -> SamplingParams:
+        """Raises ValueError for values the engine rejects. `room` is what the context has left
+        after the prompt; `index` offsets the seed for n > 1."""
+        default = room if self.default_max_tokens is None else min(self.default_max_tokens, room)
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -79,7 +84,7 @@ class _Sampling(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
-            max_tokens=self._limit() or default_max_tokens,
+            max_tokens=self._limit() or default,
             min_tokens=self.min_tokens,
             stop=stop or None,
             stop_token_ids=self.stop_token_ids,
@@ -90,6 +95,8 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
+    # OpenAI's and vLLM's default when max_tokens is absent (chat's is "up to the context length").
+    default_max_tokens: ClassVar[int | None] = 16
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
@@ -124,6 +131,21 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None  # passed to the chat template, which may render it
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (bad := unsupported(data, set(cls.model_fields))) is not None:
+            raise ValueError(f"unsupported message field {bad[0]!r}: {bad[1]}")
+        return data
+
+    def as_dict(self) -> dict[str, Any]:
+        """What the chat template sees."""
+        m = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            m["name"] = self.name
+        return m
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -142,6 +164,7 @@ class _Chat(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = Field(default=None, min_length=1)  # only with --trust-request-chat-template
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> _Chat:
@@ -181,6 +204,8 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = Field(default=None, min_length=1)  # only with --trust-request-chat-template
 
     @model_validator(mode="after")
     def _one(self) -> TokenizeRequest:

@@ -44,9 +44,13 @@ def build_app(api: API) -> FastAPI:
     async def _internal_error(_: Request, e: Exception) -> JSONResponse:  # a bug; uvicorn logs the traceback
         return error_response(APIError(500, f"internal error: {type(e).__name__}", "InternalServerError"))
 
+    # With --api-key every route needs the key except these: load balancers probe /health without
+    # one, and /metrics only with --metrics-no-auth (its gauges describe the traffic).
+    open_paths = {"/health", "/version"} | ({"/metrics"} if s.metrics_no_auth else set())
+
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:
-        if s.api_key and request.url.path.startswith("/v1"):
+        if s.api_key and request.url.path not in open_paths:
             got = request.headers.get("authorization", "")
             if not secrets.compare_digest(got.encode(), f"Bearer {s.api_key}".encode()):
                 return error_response(APIError(401, "invalid or missing API key", "authentication_error"))
@@ -75,9 +79,9 @@ def build_app(api: API) -> FastAPI:
     async def tokenize(request: Request) -> dict[str, Any]:
         req: TokenizeRequest = await api.parse(request, TokenizeRequest)
         if req.messages is not None:
-            ids = api.chat_ids(req.messages, req)
+            (ids,) = await api.chat_ids([req.messages], req)
         else:
-            ids = list(api.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            (ids,) = await api.text_ids([req.prompt], req.add_special_tokens)
         info = api.client.info
         return {"count": len(ids), "max_model_len": info.max_model_len if info else None, "tokens": ids}
 
@@ -123,7 +127,8 @@ def build_app(api: API) -> FastAPI:
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
         req: CompletionRequest = await api.parse(request, CompletionRequest)
-        prompts = [api.text_ids(p) for p in req.prompts()]
+        api.admit(len(req.prompts()), req)
+        prompts = await api.text_ids(req.prompts())
         choices = await api.submit(prompts, req)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
@@ -145,7 +150,8 @@ def build_app(api: API) -> FastAPI:
     async def chat(request: Request) -> Response:
         arrival = time.monotonic()
         req: ChatCompletionRequest = await api.parse(request, ChatCompletionRequest)
-        choices = await api.submit([api.chat_ids(req.messages, req)], req)
+        api.admit(1, req)
+        choices = await api.submit(await api.chat_ids([req.messages], req), req)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
         if req.stream:
             return StreamingResponse(_stream_chat(api, req, choices, arrival, head),
@@ -158,7 +164,8 @@ def build_app(api: API) -> FastAPI:
     async def chat_batch(request: Request) -> Response:
         arrival = time.monotonic()
         req: BatchChatCompletionRequest = await api.parse(request, BatchChatCompletionRequest)
-        choices = await api.submit([api.chat_ids(conv, req) for conv in req.messages], req)
+        api.admit(len(req.messages), req)
+        choices = await api.submit(await api.chat_ids(req.messages, req), req)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
         await api.collect(request, choices, arrival)
         _check_error(choices)
@@ -199,6 +206,8 @@ def _stream(api: API, req: Any, choices: list[Choice], arrival: float, head: dic
             body: Callable[[Choice, str, int, int], dict[str, Any]], preamble: list[bytes]) -> AsyncIterator[bytes]:
     """SSE chunks: `preamble`, then one chunk per delta with text (or a finish), shaped by
     `body(choice, text, first token index, text offset)`, then the usage chunk if asked."""
+    continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
+
     async def gen() -> AsyncIterator[bytes]:
         for chunk in preamble:
             yield chunk
@@ -216,6 +225,8 @@ def _stream(api: API, req: Any, choices: list[Choice], arrival: float, head: dic
             chunk: dict[str, Any] = {**head, "choices": [choice]}
             if done and (kvp := api.transfer_params([c])) is not None:
                 chunk["kv_transfer_params"] = kvp
+            if continuous:  # vLLM's stream_options.continuous_usage_stats: usage so far, in every chunk
+                chunk["usage"] = api.usage(choices, req.n)
             yield sse(chunk)
         usage = _usage_chunk(api, req, choices, head)
         if usage:

@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.args import add_engine_args, llm_kwargs
+from server.client import DEFAULT_HEARTBEAT_TIMEOUT_S
 
 log = logging.getLogger("kvtier.server")
+DEATH_LINGER_S = 5.0  # how long a server whose engine core died keeps answering 503 before it exits 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +55,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     s.add_argument("--engine-start-timeout", type=float, default=900.0, metavar="SECONDS",
                    help="how long the engine core may take to load the model (default: %(default)s)")
+    s.add_argument("--engine-heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="SECONDS",
+                   help="the engine core sends a heartbeat several times a second; if none comes, or one step "
+                        "runs, for this long, the core is taken for hung (SIGSTOP, a deadlock): it is killed, "
+                        "/health turns 503, requests fail, and the server exits 1 (default: %(default)s)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat template sent in a request (chat_template, or chat_template_kwargs."
+                        "chat_template); without this flag such requests get 400. Templates are sandboxed "
+                        "Jinja, but a hostile one can still burn CPU up to --chat-template-timeout")
+    s.add_argument("--chat-template-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="longest a request-supplied chat template may render before the request gets 400 "
+                        "(default: %(default)s)")
+    s.add_argument("--tokenizer-threads", type=int, default=2,
+                   help="threads that tokenize and apply chat templates, off the HTTP event loop; at most this "
+                        "many requests tokenize at once (default: %(default)s)")
+    s.add_argument("--metrics-no-auth", action="store_true",
+                   help="with --api-key, leave /metrics open to scrapers without the key (by default every "
+                        "route but /health and /version needs it, /metrics and /tokenize included)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="logging verbosity of both processes (default: %(default)s)")
     return p
@@ -99,7 +118,12 @@ def main(argv: list[str]) -> int:
         if not model_dir.is_dir():
             return _fail(f"model directory {model_dir} does not exist")
         settings = ServerSettings(tuple(ns.served_model_name or [model_dir.name]), str(model_dir),
-                                  ns.api_key or None, ns.max_request_bytes, ns.max_pending_requests)
+                                  ns.api_key or None, ns.max_request_bytes, ns.max_pending_requests,
+                                  trust_request_chat_template=ns.trust_request_chat_template,
+                                  chat_template_timeout_s=ns.chat_template_timeout,
+                                  tokenizer_threads=ns.tokenizer_threads, metrics_no_auth=ns.metrics_no_auth)
+        if ns.engine_heartbeat_timeout <= 0:
+            raise ValueError(f"--engine-heartbeat-timeout must be > 0; got {ns.engine_heartbeat_timeout}")
         # Probe the config in this process (cheap: no weights) so flag errors exit 2 before a spawn.
         from engine.llm import _parse_json
 
@@ -128,7 +152,7 @@ async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, 
     _Server = _uvicorn_server()
     from server.routes import build_app
 
-    client = EngineClient(kwargs, ns.log_level)
+    client = EngineClient(kwargs, ns.log_level, ns.engine_heartbeat_timeout)
     log.info("starting the engine core for %s", settings.model_path)
     try:
         info = await client.start(ns.engine_start_timeout)
@@ -180,7 +204,20 @@ async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, 
 
     print(READY_LINE.format(model=settings.served_model_names[0], max_model_len=info.max_model_len,
                             url=f"http://{host}:{port}"), flush=True)
-    await server.serve(sockets=[sock])
+    async def exit_on_death() -> None:
+        await client.dead.wait()
+        # Linger so health checkers and the failed requests' clients see the 503s, then exit 1
+        # for the supervisor to restart us: a server without its engine only answers errors.
+        log.error("the engine core is dead: exiting in %.0fs", DEATH_LINGER_S)
+        await asyncio.sleep(DEATH_LINGER_S)
+        server.should_exit = True
+
+    watcher = loop.create_task(exit_on_death())
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        watcher.cancel()
+        api.close()
     if client.died:
         log.error("exiting with status 1: the engine core had died")
         return 1

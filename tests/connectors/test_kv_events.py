@@ -56,3 +56,30 @@ def test_bad_events_config_is_a_value_error(ckpt_dir):
         LLM(str(ckpt_dir("qwen3")), dtype="float32", kv_events_config={"enable_kv_cache_events": True})
     with pytest.raises(ValueError, match="unknown kv_events_config"):
         LLM(str(ckpt_dir("qwen3")), dtype="float32", kv_events_config={"enable_kv_cache_events": True, "bogus": 1})
+
+
+def test_events_off_the_loopback_warn_that_they_reveal_prompts(caplog):
+    """Events carry every stored block's token ids, salted tenants' too (issue 11, finding 8)."""
+    import logging
+
+    from engine.kv_events import KVEventsConfig, ZmqEventPublisher, is_loopback
+
+    assert is_loopback("tcp://127.0.0.1:5557") and is_loopback("tcp://[::1]:5557") and is_loopback("ipc:///tmp/x")
+    assert not is_loopback("tcp://0.0.0.0:5557") and not is_loopback("tcp://*:5557")
+    for endpoint, warns in [("tcp://127.0.0.1:*", False), ("tcp://0.0.0.0:*", True)]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvtier.engine"):
+            pub = ZmqEventPublisher(KVEventsConfig(endpoint))
+            pub.close()
+        assert any("can read prompts" in r.message for r in caplog.records) == warns, endpoint
+
+
+def test_unimplemented_event_keys_are_refused():
+    import pytest
+
+    from engine.kv_events import KVEventsConfig
+
+    with pytest.raises(ValueError, match="replay_endpoint"):
+        KVEventsConfig.from_dict({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:1",
+                                  "replay_endpoint": "tcp://127.0.0.1:2"})
+    assert KVEventsConfig.from_dict({"enable_kv_cache_events": True, "endpoint": "tcp://x:1", "hwm": 10}).hwm == 10

@@ -81,10 +81,12 @@ INVALID = {
     "priority=2**70": (*_cmpl(priority=2**70), "priority"),
     "top_k=2**64": (*_cmpl(top_k=2**64), "top_k"),
     "stop_token_ids=[2**64]": (*_cmpl(stop_token_ids=[2**64]), None),
-    # chat_template_kwargs reach the tokenizer and the template: their failures were a 500
-    "chat_template-raises": (*_chat(chat_template_kwargs={"chat_template": "{{ 1 / 0 }}"}), "messages"),
-    "chat_template-syntax": (*_chat(chat_template_kwargs={"chat_template": "{% for %}"}), "messages"),
-    "return_tensors=np": (*_chat(chat_template_kwargs={"return_tensors": "np"}), "messages"),
+    # A request's own template needs --trust-request-chat-template (tests/server/test_hardening.py
+    # has the trusted server); apply_chat_template's parameters are no template variables.
+    "chat_template-untrusted": (*_chat(chat_template_kwargs={"chat_template": "{{ 1 / 0 }}"}), "chat_template_kwargs"),
+    "chat_template-field-untrusted": (*_chat(chat_template="{{ 1 }}"), "chat_template"),
+    "return_tensors=np": (*_chat(chat_template_kwargs={"return_tensors": "np"}), "chat_template_kwargs"),
+    "tokenize=false": (*_chat(chat_template_kwargs={"tokenize": False}), "chat_template_kwargs"),
     "tokenize-both": ("/tokenize", {"prompt": "hi", "messages": CHAT}, None),
     "detokenize-out-of-vocab": ("/detokenize", {"tokens": [1, -1]}, "tokens"),
     "detokenize-str": ("/detokenize", {"tokens": "abc"}, "tokens"),
@@ -139,11 +141,12 @@ def test_malformed_json_is_400(tiny_server, path, raw):
     ("/tokenize", {"prompt": "hello"}),
 ])
 def test_unknown_model_is_404(tiny_server, path, body):
+    limit = {} if path == "/tokenize" else {"max_tokens": 2}  # /tokenize refuses fields it does not know
     with tiny_server.client(timeout=30) as c:
-        err = assert_openai_error(c.post(path, json={"model": "gpt-4o", "max_tokens": 2, **body}), 404, "model")
+        err = assert_openai_error(c.post(path, json={"model": "gpt-4o", **limit, **body}), 404, "model")
         assert "gpt-4o" in err["message"]
         # the served name works
-        assert c.post(path, json={"model": "tiny", "max_tokens": 2, **body}).status_code == 200
+        assert c.post(path, json={"model": "tiny", **limit, **body}).status_code == 200
 
 
 def test_unknown_route_is_404_in_openai_shape(tiny_server):
@@ -196,8 +199,10 @@ def test_over_max_pending_requests_is_503_with_retry_after(limits_server):
                     break
                 time.sleep(0.1)
             assert r.status_code == 200, r.text
-            # n counts: 3 sequences do not fit in 2 slots even on an idle server
-            assert_openai_error(c3.post("/v1/completions", json={**quick, "n": 3}), 503)
+            # n counts: 3 sequences never fit in 2 slots, so retrying cannot help: 400, not 503
+            err = assert_openai_error(c3.post("/v1/completions", json={**quick, "n": 3}), 400)
+            assert "--max-pending-requests" in err["message"]
+            assert_openai_error(c3.post("/v1/completions", json={**quick, "prompt": ["a", "b", "c"]}), 400)
 
 
 # -- 401: API key ------------------------------------------------------------------------------

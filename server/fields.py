@@ -1,0 +1,48 @@
+"""Request fields the server does not implement: refused by name, never silently dropped.
+
+OpenAI clients send fields a server may not know. A field that would change the answer and is
+not implemented is a 400 naming it; a field on `HARMLESS` is accepted and ignored (documented in
+the README). A field set to null, or to the value that means "off", is the same as leaving it out.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+# Accepted and ignored: they label, route or bill a request, and cannot change its tokens.
+HARMLESS: frozenset[str] = frozenset({
+    "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+    "parallel_tool_calls",  # only means something together with tools, which are refused
+})
+
+_STRUCTURED = "structured outputs are not supported yet; the output would not follow the requested format"
+_TOOLS = "tool calling is not supported yet; the response would carry no tool_calls"
+# Fields a user of OpenAI or vLLM is likely to send, with why each is refused.
+WHY: dict[str, str] = {
+    "response_format": _STRUCTURED,
+    "structured_outputs": _STRUCTURED,
+    **{f"guided_{k}": _STRUCTURED for k in ("json", "regex", "choice", "grammar", "json_object",
+                                           "decoding_backend", "whitespace_pattern")},
+    "tools": _TOOLS, "tool_choice": _TOOLS, "functions": _TOOLS, "function_call": _TOOLS,
+    "logit_bias": "logit_bias is not supported yet; the listed tokens would not be biased",
+    "allowed_token_ids": "allowed_token_ids is not supported yet",
+    "bad_words": "bad_words is not supported yet",
+    "prompt_logprobs": "prompt_logprobs is not supported yet",
+    "kv_transfer_params": "request-side kv_transfer_params are not supported: no connector here reads them",
+    "chat_template": "a request-supplied chat_template needs the server's --trust-request-chat-template",
+}
+# The value of a field that means "off": sending it changes nothing.
+_OFF: dict[str, tuple[Any, ...]] = {
+    "tools": ([],), "functions": ([],), "tool_choice": ("none",), "logit_bias": ({},),
+    "response_format": ({"type": "text"},), "kv_transfer_params": ({},), "bad_words": ([],),
+}
+
+
+def unsupported(data: dict[str, Any], known: set[str], allowed: frozenset[str] = frozenset()) -> tuple[str, str] | None:
+    """(field, why) for the first field of `data` that is neither known, harmless, in `allowed`
+    nor off; None when every field is fine. Names are checked in sorted order: one stable answer."""
+    for name in sorted(data):
+        value = data[name]
+        if name in known or name in HARMLESS or name in allowed or value is None or value in _OFF.get(name, ()):
+            continue
+        return name, WHY.get(name, "this field is not supported, and ignoring it could change the answer")
+    return None
