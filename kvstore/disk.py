@@ -38,7 +38,8 @@ from pathlib import Path
 
 from kvstore.backend import BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_keys, check_outs
 # MAGIC, HEADER_SIZE and encode_header are also imported from here (the format's old home).
-from kvstore.entry import HEADER_SIZE, MAGIC, CorruptEntry, EntryCodec, EntryHeader, check_secret, encode_header  # noqa: F401
+from kvstore.entry import HEADER_SIZE, CorruptEntry, EntryCodec, EntryHeader, check_secret
+from kvstore.entry import MAGIC, encode_header  # noqa: F401  (re-exported)
 from kvstore.keys import KEY_BYTES, BlockKey
 from policies import make_policy
 

@@ -134,7 +134,8 @@ class EntryCodec:
         else:
             ok = _SUMS[alg][1](head) == tag
         if not ok:
-            raise CorruptEntry("header MAC mismatch (another secret, or planted)" if self._key else "header checksum mismatch")
+            raise CorruptEntry("header MAC mismatch (another secret, or planted)" if self._key is not None
+                               else "header checksum mismatch")
         return EntryHeader(namespace, key, payload_len, payload_sum, alg)
 
     def check_payload(self, head: EntryHeader, payload: Buffer) -> None:
