@@ -5,23 +5,11 @@ instead of returning token 0. Oracle: the engine's own greedy run, itself checke
 transformers in test_errors.py / test_sampling.py."""
 from __future__ import annotations
 
-import gc
-
 import pytest
 
 from checkpoints import random_prompt
-from test_errors import GOOD, GOOD2, KIND, MAX_MODEL_LEN, SP, _assert_still_works, _ids, expected  # noqa: F401
-
-
-@pytest.fixture(scope="module")
-def llm(ckpt_dir):
-    from engine import LLM
-
-    engine = LLM(model=str(ckpt_dir(KIND)), dtype="float32", block_size=16, seed=0, num_gpu_blocks=256,
-                 max_model_len=MAX_MODEL_LEN)
-    yield engine
-    del engine
-    gc.collect()
+# llm and expected are test_errors' fixtures (a module-scoped engine of this module's own)
+from test_errors import GOOD, GOOD2, SP, _assert_still_works, _ids, expected, llm  # noqa: F401
 
 
 def _greedy(llm, prompt, n=8):
