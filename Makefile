@@ -5,7 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup serve demo test test-all bench-throughput bench-policies bench-offload bench-serve bench-hidden-states
+.PHONY: setup serve demo test test-all bench-throughput bench-policies bench-offload bench-serve bench-hidden-states soak
 
 setup:
 	@PYTHON=$(PY) VENV=$(VENV) bash scripts/setup.sh
@@ -39,3 +39,9 @@ bench-serve: setup
 
 bench-hidden-states: setup
 	$(BIN)/python benchmarks/hidden_states.py
+
+# Fault campaign (~10 min + the oracle): kvtier serve with G2, G3 and G4 while a chaos thread kills
+# the engine core, stops and kills Redis, fills G3, makes it read-only and flips bytes in it;
+# every output is checked against a clean server's. Exit 1 on a wrong output. Root for the mounts.
+soak: setup
+	$(BIN)/python benchmarks/soak.py
