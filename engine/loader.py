@@ -14,6 +14,7 @@ from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.models import SUPPORTED_ARCHITECTURES
 from engine.models.llama import rope_tables
+from engine.models.packed_linear import pack_linears, packing_available
 
 log = logging.getLogger("kvtier.loader")
 
@@ -50,6 +51,8 @@ def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights((k, v.to(cfg.dtype)) for k, v in iter_safetensors(model_dir))
     model.eval().requires_grad_(False)
+    if device == "cpu" and cfg.dtype in (torch.float32, torch.bfloat16) and packing_available():
+        log.info("prepacked %d linear layers into oneDNN's blocked layout", pack_linears(model))
     log.info("loaded %s (%s, %d layers) from %s in %.1fs", cfg.architecture, cfg.dtype, cfg.num_layers,
              model_dir, time.perf_counter() - start)
     return model

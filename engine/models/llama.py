@@ -81,7 +81,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         n = x.shape[0]
-        if n >= SPLIT_GEMM_MIN_TOKENS:
+        if n >= SPLIT_GEMM_MIN_TOKENS and type(self.qkv_proj) is nn.Linear:  # not for prepacked weights
             w, b = self.qkv_proj.weight, self.qkv_proj.bias
             parts = w.split([self.q_size, self.kv_size, self.kv_size])
             bs = b.split([self.q_size, self.kv_size, self.kv_size]) if b is not None else (None,) * 3
@@ -106,7 +106,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= SPLIT_GEMM_MIN_TOKENS:
+        if x.shape[0] >= SPLIT_GEMM_MIN_TOKENS and type(self.gate_up_proj) is nn.Linear:
             w_gate, w_up = self.gate_up_proj.weight.chunk(2)
             h = nn.functional.silu(nn.functional.linear(x, w_gate)).mul_(nn.functional.linear(x, w_up))
             return self.down_proj(h)

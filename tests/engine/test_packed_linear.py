@@ -1,0 +1,48 @@
+"""CPU linears prepacked into oneDNN's layout (engine/models/packed_linear.py): the same maths as
+nn.Linear up to summation order. Token-level exactness against transformers is the parity suite's
+job (test_parity.py runs on the packed model)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.models.packed_linear import PackedLinear, pack_linears, packing_available
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN linear")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_linear_matches_nn_linear(dtype, tol, bias, rows):
+    torch.manual_seed(rows)
+    lin = nn.Linear(96, 160, bias=bias).to(dtype)
+    x = torch.randn(rows, 96, dtype=dtype)
+    want = lin(x)
+    got = PackedLinear(lin)(x)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_pack_linears_replaces_every_linear_and_keeps_tied_embeddings():
+    torch.manual_seed(0)
+    emb = nn.Embedding(50, 16)
+    model = nn.ModuleDict({"emb": emb, "a": nn.Linear(16, 32), "b": nn.Sequential(nn.Linear(32, 16)),
+                           "head": nn.Linear(16, 50, bias=False)})
+    model["head"].weight = emb.weight  # tied, as in SmolLM
+    x = torch.randn(3, 16)
+    want = model["head"](model["b"](model["a"](x)))
+    assert pack_linears(model) == 3
+    assert not [m for m in model.modules() if type(m) is nn.Linear]
+    torch.testing.assert_close(model["head"](model["b"](model["a"](x))), want, rtol=1e-5, atol=1e-5)
+    assert model["emb"].weight is emb.weight  # the embedding still has its plain weight
+
+
+def test_the_engine_packs_its_cpu_model(ckpt_dir):
+    from engine import LLM
+
+    llm = LLM(model=str(ckpt_dir("llama")), dtype="float32", num_gpu_blocks=32)
+    linears = [type(m).__name__ for m in llm.engine.runner.model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    assert linears and set(linears) == {"PackedLinear"}
+    llm.close()
