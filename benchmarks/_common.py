@@ -194,9 +194,9 @@ class Timer:
 
 # -- peers in a subprocess (vLLM lives in its own venv) ------------------------------------------
 def vllm_cpu_env(threads: int, kv_gib: float, workdir: Path, extra: Iterable[str] = ()) -> dict[str, str]:
-    """Environment for vLLM's CPU build (see /work/shared/PEERS.md): all `threads` cores bound, none
-    reserved, and every cache, socket and temp file inside `workdir`. `extra` is KEY=VALUE strings
-    (e.g. LD_PRELOAD for tcmalloc) and wins."""
+    """Environment for vLLM's CPU build (see ../shared/PEERS.md beside the checkout): all `threads`
+    cores bound, none reserved, and every cache, socket and temp file inside `workdir`. `extra` is
+    KEY=VALUE strings (e.g. LD_PRELOAD for tcmalloc) and wins."""
     cache = workdir / "cache"
     env = dict(os.environ)
     env.update({

@@ -1,8 +1,8 @@
 """Serving with and without KV offload: TTFT and TPOT of `kvtier serve` on a shared-prefix
 workload replayed from the Mooncake trace, G1 only against G1 + G2 (+ G3).
 
-Workload (the trace is /work/shared/traces/mooncake_synthetic.jsonl; see its README): each line
-is one request with `input_length`, `output_length`, an arrival `timestamp` and `hash_ids`, one
+Workload (the trace is ../shared/traces/mooncake_synthetic.jsonl beside the checkout; see its
+README): each line is one request with `input_length`, `output_length`, an arrival `timestamp` and `hash_ids`, one
 id per 512-token prompt block, prefix-chained (equal ids = equal prefix blocks). The trace's
 sharing is long documents (up to tens of thousands of tokens) asked about again and again, with
 a different question in the last block, and with many other requests in between. By default

@@ -30,6 +30,8 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any
 
+from engine.cache_dir import cache_root
+
 logger = logging.getLogger("kvtier.demo")
 
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -48,13 +50,7 @@ def default_demo_dir() -> Path:
     explicit = os.environ.get("KVTIER_DEMO_MODEL_DIR")
     if explicit:
         return Path(explicit).expanduser()
-    cache = os.environ.get("KVTIER_CACHE_DIR")
-    if cache:
-        base = Path(cache).expanduser()
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvtier"
-    return base / DEMO_MODEL_NAME
+    return cache_root() / DEMO_MODEL_NAME
 
 
 def find_demo_gguf() -> Path:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.cache_dir import cache_root
 from engine.config import ModelConfig
 from engine.loader import weight_files
 
@@ -62,14 +63,8 @@ def _stat_key(st: os.stat_result) -> dict[str, int]:
 
 def fallback_cache_path(model_dir: Path) -> Path:
     """The per-user digest cache of `model_dir` (for read-only model directories)."""
-    base = os.environ.get("KVTIER_CACHE_DIR")
-    if base:
-        root = Path(base).expanduser()
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        root = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvtier"
     name = hashlib.sha256(str(model_dir).encode()).hexdigest()[:32]
-    return root / "weights-digests" / f"{name}.json"
+    return cache_root() / "weights-digests" / f"{name}.json"
 
 
 def _read_cache(path: Path, model_dir: Path) -> dict[str, Any]:
