@@ -223,7 +223,8 @@ class EngineClient:
                           "killing it")
                 self.proc.kill()
                 return
-        if not self.proc.is_alive() and self.state is CoreState.READY:
+        if not self.proc.is_alive() and self.state in (CoreState.READY, CoreState.DRAINING) \
+                and not self._stopped.is_set():  # while draining too: a crash then is still a death
             self._die(f"engine core died (exit code {self.proc.exitcode})")
         if self.state is CoreState.DEAD:
             return
