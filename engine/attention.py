@@ -114,12 +114,27 @@ class TorchPagedAttention(AttentionBackend):
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, scale=scale, enable_gqa=gqa)
             out[seq.query_start : seq.query_start + seq.query_len] = o[0].transpose(0, 1)
         for group in meta.decodes:
-            bt = group.block_tables
-            n = bt.shape[0]
-            kd = self._gather("k", k_cache, bt.flatten()).view(n, -1, kv_heads, head_dim).transpose(1, 2)
-            vd = self._gather("v", v_cache, bt.flatten()).view(n, -1, kv_heads, head_dim).transpose(1, 2)
-            qd = q.index_select(0, group.query_idx).unsqueeze(2)  # [n, heads, 1, dim]
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=gqa)
-            out.index_copy_(0, group.query_idx, o.squeeze(2))
+            out.index_copy_(0, group.query_idx, self._decode(q, k_cache, v_cache, group, scale))
         return out.view(num_tokens, num_heads * head_dim)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
+                scale: float) -> torch.Tensor:
+        """One query token per sequence as two batched GEMMs over (sequence, KV head) pairs, the
+        query heads of a KV head stacked as rows. SDPA's CPU flash kernel tiles for long queries:
+        for a batch of 64 one-token queries it took 4 ms a layer in fp32 and 14 ms in bf16 (79% of a
+        bf16 decode step). The gathered context is made head-major once (one more copy) so that
+        every GEMM reads contiguous rows."""
+        n, heads, head_dim = group.block_tables.shape[0], q.shape[1], q.shape[2]
+        kv_heads = k_cache.shape[2]
+        g = heads // kv_heads
+
+        def context(name: str, cache: torch.Tensor) -> torch.Tensor:  # [n * kv_heads, ctx, head_dim]
+            flat = self._gather(name, cache, group.block_tables.flatten()).view(n, -1, kv_heads, head_dim)
+            return flat.transpose(1, 2).reshape(n * kv_heads, -1, head_dim)
+
+        k, v = context("k", k_cache), context("v", v_cache)
+        qd = q.index_select(0, group.query_idx).view(n * kv_heads, g, head_dim)
+        scores = torch.bmm(qd, k.transpose(1, 2)).float().mul_(scale).view(n, kv_heads, g, -1)
+        probs = torch.softmax(scores.masked_fill_(~group.mask, float("-inf")), dim=-1)
+        return torch.bmm(probs.to(v.dtype).view(n * kv_heads, g, -1), v).view(n, heads, head_dim)
 
