@@ -137,4 +137,3 @@ class TorchPagedAttention(AttentionBackend):
         scores = torch.bmm(qd, k.transpose(1, 2)).float().mul_(scale).view(n, kv_heads, g, -1)
         probs = torch.softmax(scores.masked_fill_(~group.mask, float("-inf")), dim=-1)
         return torch.bmm(probs.to(v.dtype).view(n * kv_heads, g, -1), v).view(n, heads, head_dim)
-
