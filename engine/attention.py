@@ -43,6 +43,7 @@ class DecodeGroup:
 
     query_idx: torch.Tensor  # [n] int64 rows of the flat query
     block_tables: torch.Tensor  # [n, max_blocks] int64 (padded with 0)
+    context_lens: torch.Tensor  # [n] int64 tokens each row attends to (its own included)
     mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool: True = attend
 
 
@@ -103,19 +104,24 @@ class TorchPagedAttention(AttentionBackend):
         k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        gqa = num_heads != kv_heads
         for seq in meta.prefills:
-            qs = q[seq.query_start : seq.query_start + seq.query_len].transpose(0, 1).unsqueeze(0)
-            ks = self._context("k", k_cache, seq).transpose(0, 1).unsqueeze(0)
-            vs = self._context("v", v_cache, seq).transpose(0, 1).unsqueeze(0)
-            if seq.query_len == seq.context_len:
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
-            else:
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, scale=scale, enable_gqa=gqa)
-            out[seq.query_start : seq.query_start + seq.query_len] = o[0].transpose(0, 1)
+            self._prefill(q, k_cache, v_cache, seq, scale, out)
         for group in meta.decodes:
             out.index_copy_(0, group.query_idx, self._decode(q, k_cache, v_cache, group, scale))
         return out.view(num_tokens, num_heads * head_dim)
+
+    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq,
+                 scale: float, out: torch.Tensor) -> None:
+        """SDPA over the sequence's context (a view when its blocks are one run, else gathered)."""
+        qs = q[seq.query_start : seq.query_start + seq.query_len].transpose(0, 1).unsqueeze(0)
+        ks = self._context("k", k_cache, seq).transpose(0, 1).unsqueeze(0)
+        vs = self._context("v", v_cache, seq).transpose(0, 1).unsqueeze(0)
+        gqa = q.shape[1] != k_cache.shape[2]
+        if seq.query_len == seq.context_len:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, scale=scale, enable_gqa=gqa)
+        out[seq.query_start : seq.query_start + seq.query_len] = o[0].transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
                 scale: float) -> torch.Tensor:

@@ -15,7 +15,9 @@ import torch
 from connectors.base import KVConnector
 from connectors.codec import BlockLayout
 from connectors.factory import ConnectorContext, build_connector, has_hidden_states_connector
-from engine.attention import TorchPagedAttention
+from engine.attention import AttentionBackend, TorchPagedAttention
+from engine.attention_cpu import CpuPagedAttention
+from engine import cpu_kernels
 from engine.config import EngineConfig, LoadFailurePolicy, load_model_config
 from engine.fingerprint import model_fingerprint
 from engine.kv_events import KVEventsConfig, ZmqEventPublisher
@@ -67,7 +69,7 @@ class EngineCore:
         if not config.enable_chunked_prefill and self.max_num_batched_tokens < max_len:
             self.max_num_batched_tokens = max_len  # without chunking a whole prompt must fit in one step
         torch.manual_seed(config.seed)
-        model = load_model(model_dir, mc, TorchPagedAttention(), max_len, config.device)
+        model = load_model(model_dir, mc, _attention_backend(config.device), max_len, config.device)
         self.pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy), config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, bs)
         self.runner = ModelRunner(model, mc, num_blocks, bs, config.device, self.hidden_spec)
@@ -356,3 +358,10 @@ def _eos_ids(model_dir: Path, tokenizer) -> frozenset[int]:
     if not ids and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
+
+
+def _attention_backend(device: str) -> AttentionBackend:
+    """The C++ kernel on CPU when it builds here (it logs why not), else the torch path."""
+    if device == "cpu" and cpu_kernels.get() is not None:
+        return CpuPagedAttention()
+    return TorchPagedAttention()

@@ -117,7 +117,7 @@ class ModelRunner:
     def _decode_group(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> DecodeGroup:
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
-        mask = torch.arange(width * self.block_size, device=self.device).unsqueeze(0) < torch.tensor(
-            lens, device=self.device
-        ).unsqueeze(1)
-        return DecodeGroup(torch.tensor(rows, dtype=torch.long, device=self.device), padded, mask[:, None, None, :])
+        lens_t = torch.tensor(lens, dtype=torch.long, device=self.device)
+        mask = torch.arange(width * self.block_size, device=self.device).unsqueeze(0) < lens_t.unsqueeze(1)
+        return DecodeGroup(torch.tensor(rows, dtype=torch.long, device=self.device), padded, lens_t,
+                           mask[:, None, None, :])

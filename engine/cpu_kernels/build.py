@@ -1,0 +1,103 @@
+"""Builds the CPU kernels with the system C++ compiler, once per source, compiler and CPU.
+
+The library is cached under `$KVTIER_CACHE_DIR/cpu_kernels/<key>/`, where the key hashes the
+source, the flags, the compiler's version and the CPU's feature flags (the code is built for this
+CPU with -march=native, so a cache shared between machines must not mix them). It is written to a
+temporary name and renamed, so concurrent builds (test workers, serve + extract) are safe.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from engine.cache_dir import cache_root
+
+log = logging.getLogger("kvtier.cpu_kernels")
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+ABI_VERSION = 1
+BUILD_TIMEOUT_S = 120
+
+
+class BuildError(RuntimeError):
+    """The kernels could not be built or loaded here; the message says why."""
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise BuildError("no C++ compiler found (set CXX, or install g++)")
+    return cxx
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _key(cxx: str) -> str:
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise BuildError(f"{cxx} --version failed: {e}") from e
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+        h.update(hashlib.sha256(part).digest())
+    return h.hexdigest()[:16]
+
+
+def build() -> Path:
+    """Path of the built library, compiling it if this machine has not yet."""
+    cxx = _compiler()
+    out_dir = cache_root() / "cpu_kernels" / _key(cxx)
+    lib = out_dir / "libkvtier_cpu.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".build-", suffix=".so")
+    os.close(fd)
+    cmd = [cxx, *FLAGS, str(SOURCE), "-o", tmp]
+    log.info("building the CPU attention kernel: %s", " ".join(cmd))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise BuildError(f"{' '.join(cmd)} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, lib)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise BuildError(f"{' '.join(cmd)} failed: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def load() -> ctypes.CDLL:
+    """Builds if needed and loads the library; raises `BuildError` with the reason otherwise."""
+    import torch  # noqa: F401  (torch's libgomp must be loaded first: the kernel then shares its pool)
+
+    path = build()
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise BuildError(f"cannot load {path}: {e}") from e
+    lib.kvt_abi_version.restype = ctypes.c_int
+    if lib.kvt_abi_version() != ABI_VERSION:
+        raise BuildError(f"{path} has ABI {lib.kvt_abi_version()}, expected {ABI_VERSION}")
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.kvt_paged_attention.restype = c_int
+    lib.kvt_paged_attention.argtypes = [c_int, ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64,
+                                        c_int, c_int, c_int, c_int, ctypes.c_float, c_int]
+    return lib
+

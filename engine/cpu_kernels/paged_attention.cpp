@@ -1,0 +1,232 @@
+// Paged attention for CPU, reading K/V in place through the block table.
+//
+// Row r of the query attends to the first lens[r] tokens of its sequence's cache (tables[r]):
+// a decode, or one token of a short prefill chunk whose causal context ends at its own position.
+// A work item is a row (or, with few rows, one kv head of a row); K and V are read once for all
+// the GQA query heads that share them, block by block, with an online softmax. Items are spread over torch's OpenMP pool (the
+// library links the same libgomp, so no second thread pool competes for the cores).
+//
+// Built at first use by engine/cpu_kernels/build.py with the system compiler; no torch headers,
+// called through ctypes with raw pointers, so the build takes about a second.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN (torch's rule)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+struct F32 {
+  using T = float;
+  static inline float load(const float* p, int64_t i) { return p[i]; }
+  static inline void store(float* p, int64_t i, float x) { p[i] = x; }
+};
+
+struct BF16 {
+  using T = uint16_t;
+  static inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+  static inline void store(uint16_t* p, int64_t i, float x) { p[i] = f32_to_bf16(x); }
+};
+
+// e^x for x <= 0 (a score minus the running max). Vectorizes, unlike libm's expf: 2^(x log2 e)
+// = 2^n * 2^f with f in [-0.5, 0.5] and a degree-7 Taylor polynomial (relative error ~2e-8).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.4426950408889634f;
+  const float n = std::floor(t + 0.5f);
+  const float f = (t - n) * 0.6931471805599453f;
+  float p = 1.9841269841269841e-4f;
+  p = p * f + 1.3888888888888889e-3f;
+  p = p * f + 8.3333333333333333e-3f;
+  p = p * f + 4.1666666666666667e-2f;
+  p = p * f + 1.6666666666666667e-1f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+struct Shape {
+  int64_t q_row_stride, out_row_stride;  // elements between query rows (heads * head_dim if contiguous)
+  int64_t block_stride, token_stride;    // elements between cache blocks / tokens in a block
+  int64_t table_stride;
+  int heads, kv_heads, head_dim, block_size;
+  float scale;
+};
+
+// D is a template parameter for the common head sizes (64, 128): fixed trip counts let the compiler
+// keep a head's accumulator in registers and drop the remainder loops (7x faster than a runtime D).
+template <class IO, int D_>
+void attend(const typename IO::T* q, const typename IO::T* kc, const typename IO::T* vc, typename IO::T* out,
+            const int64_t* table, int64_t len, int kv0, int kv1, const Shape& s, float* scratch) {
+  // Query heads [h0, h1) are the GQA heads of kv heads [kv0, kv1). A whole-row item reads each
+  // cache block once for all heads.
+  const int D = D_ > 0 ? D_ : s.head_dim;
+  const int G = s.heads / s.kv_heads, BS = s.block_size;
+  const int h0 = kv0 * G, nh = (kv1 - kv0) * G;
+  float* qf = scratch;            // [nh, D]
+  float* acc = qf + nh * D;       // [nh, D]
+  float* sc = acc + nh * D;       // [nh, BS]
+  float* kb = sc + nh * BS;       // [BS, D]: one kv head's K (then V) rows of the block, as float
+  float* m = kb + BS * D;         // [nh]
+  float* l = m + nh;              // [nh]
+  float* cr = l + nh;             // [nh]: this block's rescale of the head's accumulator
+  for (int h = 0; h < nh; ++h) {
+    const typename IO::T* qh = q + int64_t(h0 + h) * D;
+    for (int d = 0; d < D; ++d) qf[h * D + d] = IO::load(qh, d) * s.scale;
+    m[h] = -INFINITY;
+    l[h] = 0.0f;
+  }
+  std::fill(acc, acc + nh * D, 0.0f);
+  const int64_t nblocks = (len + BS - 1) / BS;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int n = int(std::min<int64_t>(BS, len - b * BS));
+    if (b + 1 < nblocks) {  // blocks are scattered, so the hardware prefetcher cannot guess the next one
+      const int64_t next = table[b + 1] * s.block_stride + int64_t(kv0) * D;
+      const int64_t bytes_per_token = int64_t(kv1 - kv0) * D * sizeof(typename IO::T);
+      for (int j = 0; j < BS; ++j)
+        for (int64_t off = 0; off < bytes_per_token; off += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(kc + next + j * s.token_stride) + off);
+          __builtin_prefetch(reinterpret_cast<const char*>(vc + next + j * s.token_stride) + off);
+        }
+    }
+    for (int kvh = kv0; kvh < kv1; ++kvh) {
+      const int64_t base = table[b] * s.block_stride + int64_t(kvh) * D;
+      for (int j = 0; j < n; ++j) {
+        const typename IO::T* kp = kc + base + j * s.token_stride;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) kb[j * D + d] = IO::load(kp, d);
+      }
+      for (int hh = 0; hh < G; ++hh) {
+        const int h = (kvh - kv0) * G + hh;
+        const float* qh = qf + h * D;
+        float* sh = sc + h * BS;
+        for (int j = 0; j < n; ++j) {
+          const float* kj = kb + j * D;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int d = 0; d < D; ++d) dot += qh[d] * kj[d];
+          sh[j] = dot;
+        }
+        float bmax = sh[0];
+        for (int j = 1; j < n; ++j) bmax = std::max(bmax, sh[j]);
+        const float mnew = std::max(m[h], bmax);
+        const float corr = m[h] == -INFINITY ? 0.0f : exp_nonpositive(m[h] - mnew);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < n; ++j) {
+          const float p = exp_nonpositive(sh[j] - mnew);
+          sh[j] = p;
+          sum += p;
+        }
+        l[h] = l[h] * corr + sum;
+        m[h] = mnew;
+        cr[h] = corr;
+      }
+      for (int j = 0; j < n; ++j) {
+        const typename IO::T* vp = vc + base + j * s.token_stride;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) kb[j * D + d] = IO::load(vp, d);
+      }
+      for (int hh = 0; hh < G; ++hh) {
+        const int h = (kvh - kv0) * G + hh;
+        const float* sh = sc + h * BS;
+        float a[D_ > 0 ? D_ : 1];
+        float* ah = D_ > 0 ? a : acc + h * D;
+        for (int d = 0; d < D; ++d) ah[d] = acc[h * D + d] * cr[h];
+        for (int j = 0; j < n; ++j) {
+          const float p = sh[j];
+          const float* vj = kb + j * D;
+#pragma omp simd
+          for (int d = 0; d < D; ++d) ah[d] += p * vj[d];
+        }
+        for (int d = 0; d < D; ++d) acc[h * D + d] = ah[d];
+      }
+    }
+  }
+  for (int h = 0; h < nh; ++h) {
+    const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;  // len 0: zeros, never NaN
+    typename IO::T* oh = out + int64_t(h0 + h) * D;
+    for (int d = 0; d < D; ++d) IO::store(oh, d, acc[h * D + d] * inv);
+  }
+}
+
+template <class IO, int D_>
+void run(const void* q, const void* k, const void* v, void* out, const int64_t* rows, const int64_t* tables,
+         const int64_t* lens, int64_t n, const Shape& s, int threads) {
+  using T = typename IO::T;
+  const T* qp = static_cast<const T*>(q);
+  const T* kp = static_cast<const T*>(k);
+  const T* vp = static_cast<const T*>(v);
+  T* op = static_cast<T*>(out);
+  // Whole rows read each block once; with few rows, split by kv head so every thread has work.
+  const int per_item = n >= 4 * int64_t(threads) ? s.kv_heads : 1;
+  const int splits = s.kv_heads / per_item;
+  const int64_t items = n * splits;
+  const int nh = per_item * (s.heads / s.kv_heads);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scratch(size_t(2 * nh * s.head_dim + nh * s.block_size + s.block_size * s.head_dim + 3 * nh));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t i = it / splits;
+      const int kv0 = int(it % splits) * per_item;
+      attend<IO, D_>(qp + rows[i] * s.q_row_stride, kp, vp, op + rows[i] * s.out_row_stride,
+                     tables + i * s.table_stride, lens[i], kv0, kv0 + per_item, s, scratch.data());
+    }
+  }
+}
+
+template <class IO>
+void dispatch(const void* q, const void* k, const void* v, void* out, const int64_t* rows, const int64_t* tables,
+              const int64_t* lens, int64_t n, const Shape& s, int threads) {
+  if (s.head_dim == 64)
+    run<IO, 64>(q, k, v, out, rows, tables, lens, n, s, threads);
+  else if (s.head_dim == 128)
+    run<IO, 128>(q, k, v, out, rows, tables, lens, n, s, threads);
+  else
+    run<IO, 0>(q, k, v, out, rows, tables, lens, n, s, threads);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0, or -1 for shapes the kernel does not take (the caller checks them first).
+int kvt_paged_attention(int dtype_bf16, const void* q, int64_t q_row_stride, const void* k_cache,
+                        const void* v_cache, int64_t block_stride, int64_t token_stride, void* out,
+                        int64_t out_row_stride, const int64_t* rows, const int64_t* tables, int64_t table_stride,
+                        const int64_t* lens, int64_t n, int heads, int kv_heads, int head_dim, int block_size,
+                        float scale, int threads) {
+  if (kv_heads <= 0 || heads % kv_heads != 0 || head_dim <= 0 || block_size <= 0)
+    return -1;
+  const Shape s{q_row_stride, out_row_stride, block_stride, token_stride, table_stride,
+                heads, kv_heads, head_dim, block_size, scale};
+  if (dtype_bf16)
+    dispatch<BF16>(q, k_cache, v_cache, out, rows, tables, lens, n, s, threads);
+  else
+    dispatch<F32>(q, k_cache, v_cache, out, rows, tables, lens, n, s, threads);
+  return 0;
+}
+
+int kvt_abi_version() { return 1; }
+
+}  // extern "C"
