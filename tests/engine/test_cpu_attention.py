@@ -91,7 +91,8 @@ def test_bad_arguments_are_refused():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_matches_torch_path_on_a_mixed_batch(dtype):
     """Decodes, a short chunk after cached context (kernel rows), a long chunk after cached context
-    and a fresh prompt (SDPA) in one step: the CPU backend equals the torch backend."""
+    (SDPA, split at the context) and a fresh prompt (causal SDPA) in one step: both CPU backends
+    equal dense attention."""
     from engine.attention import AttentionMetadata, DecodeGroup, PrefillSeq, TorchPagedAttention
     from engine.attention_cpu import IN_PLACE_MAX_QUERY, CpuPagedAttention
 
@@ -119,10 +120,18 @@ def test_backend_matches_torch_path_on_a_mixed_batch(dtype):
     k = torch.randn(total, kvh, d, generator=g).to(dtype)
     v = torch.randn(total, kvh, d, generator=g).to(dtype)
     kc2, vc2 = k_cache.clone(), v_cache.clone()
-    want = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    torch_path = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 0.125)
     got = CpuPagedAttention().forward(q, k, v, kc2, vc2, meta, 0.125)
     assert torch.equal(kc2, k_cache) and torch.equal(vc2, v_cache)  # the same K/V writes
-    _check(got, want, dtype)
+    ref = torch.zeros_like(q)  # dense attention over each row's causal context, in fp32
+    spans = [(p.query_start, p.query_len, ctx, blocks) for p, (_, ctx, blocks) in zip(prefills, seqs)]
+    spans += [(r, 1, n, t) for r, (n, t) in zip(rows, decodes)]
+    for start, qlen, ctx, blocks in spans:
+        kk, vv = (c[torch.tensor(blocks)].flatten(0, 1)[:ctx] for c in (k_cache, v_cache))
+        pos = torch.arange(ctx - qlen, ctx)
+        ref[start : start + qlen] = attend_ref(q[start : start + qlen], kk, vv, pos, 0.125)
+    _check(got.view_as(q), ref, dtype)
+    _check(torch_path.view_as(q), ref, dtype)
 
 
 def test_disabled_by_env_falls_back_with_a_warning(monkeypatch, caplog):
