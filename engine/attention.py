@@ -9,7 +9,7 @@ Cache layout (per layer): K and V are each `[num_blocks, block_size, num_kv_head
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +26,21 @@ class PrefillSeq:
     first_block: int | None = None  # set when block_ids is one consecutive run: no gather needed
     mask: torch.Tensor | None = None  # [query_len, context_len] bool, for a chunk after cached tokens
 
+    _additive: torch.Tensor | None = field(default=None, repr=False)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """`mask` as 0 / -inf in the query's dtype, built on first use and shared by every layer:
+        given the bool mask, SDPA's CPU kernel converted it on each call (`aten::where`: 2.6 s of
+        a 35 s 8k-token prefill in 2k chunks). (Splitting the chunk into context and causal parts
+        merged by log-sum-exp was faster still, but moved hidden states ~1e-6 of their scale away
+        from transformers'.)"""
+        if self._additive is None or self._additive.dtype != dtype:
+            zero = torch.zeros((), dtype=dtype, device=self.mask.device)
+            self._additive = torch.full_like(self.mask, float("-inf"), dtype=dtype).where(~self.mask, zero)
+        return self._additive
+
     def __post_init__(self) -> None:
-        # The CPU path splits such a chunk instead (`_chunk_after_context_cpu`) and never reads the mask.
-        if self.query_len != self.context_len and self.mask is None and self.block_ids.device.type != "cpu":
+        if self.query_len != self.context_len and self.mask is None:
             # Built once per step, not per layer: query i sits at position context_len - query_len + i.
             dev = self.block_ids.device
             rows = torch.arange(self.query_len, device=dev).unsqueeze(1) + (self.context_len - self.query_len)
@@ -55,24 +67,6 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
     prefills: list[PrefillSeq]
     decodes: list[DecodeGroup]
-
-
-def _chunk_after_context_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int,
-                             scale: float) -> torch.Tensor:
-    """A chunk whose first `cached` keys are an earlier context: attention over that context (no
-    mask: every query sees all of it) and causal attention within the chunk, merged by their
-    log-sum-exps. With a `[query, context]` bool mask instead, SDPA's CPU kernel converted the mask
-    and computed every tile: 8k-token prefills in 2k chunks spent 2.6 s of 35 s in `aten::where`.
-    `[1, heads, n, head_dim]` layout, like SDPA's."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    group = q.shape[1] // k.shape[1]
-    if group > 1:  # this op wants as many kv heads as query heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    o_ctx, lse_ctx = flash(q, k[:, :, :cached], v[:, :, :cached], scale=scale)[:2]
-    o_own, lse_own = flash(q, k[:, :, cached:], v[:, :, cached:], is_causal=True, scale=scale)[:2]
-    lse = torch.logaddexp(lse_ctx, lse_own)
-    w_ctx, w_own = (lse_ctx - lse).exp_().unsqueeze(-1), (lse_own - lse).exp_().unsqueeze(-1)
-    return (o_ctx.float() * w_ctx + o_own.float() * w_own).to(q.dtype)
 
 
 class AttentionBackend(ABC):
@@ -138,10 +132,9 @@ class TorchPagedAttention(AttentionBackend):
         gqa = q.shape[1] != k_cache.shape[2]
         if seq.query_len == seq.context_len:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
-        elif q.device.type == "cpu":
-            o = _chunk_after_context_cpu(qs, ks, vs, seq.context_len - seq.query_len, scale)
         else:
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, scale=scale, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.additive_mask(q.dtype), scale=scale,
+                                               enable_gqa=gqa)
         out[seq.query_start : seq.query_start + seq.query_len] = o[0].transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
