@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine import cpu_kernels
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.models import SUPPORTED_ARCHITECTURES
@@ -38,7 +39,8 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max_len: int, device: str):
+def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max_len: int, device: str,
+               fused_ops: bool = True):
     start = time.perf_counter()
     spec = SUPPORTED_ARCHITECTURES[cfg.architecture]
     with torch.device("meta"):
@@ -53,6 +55,10 @@ def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max
     model.eval().requires_grad_(False)
     if device == "cpu" and cfg.dtype in (torch.float32, torch.bfloat16) and packing_available():
         log.info("prepacked %d linear layers into oneDNN's blocked layout", pack_linears(model))
+    if device == "cpu" and fused_ops and cfg.dtype in (torch.float32, torch.bfloat16) and cfg.head_dim <= 512 \
+            and cpu_kernels.get() is not None:
+        model.use_fused_cpu_ops()
+        log.info("norms and rotary embedding run as fused C++ ops")
     log.info("loaded %s (%s, %d layers) from %s in %.1fs", cfg.architecture, cfg.dtype, cfg.num_layers,
              model_dir, time.perf_counter() - start)
     return model

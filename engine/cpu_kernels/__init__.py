@@ -1,7 +1,8 @@
 """C++ kernels for the CPU path, built at first use with the system compiler (`build.py`).
 
-`paged_attention` reads K/V through the block table in place; without a compiler the engine
-falls back to the torch attention path and logs why (`get()` returns None then).
+`paged_attention` reads K/V through the block table in place (`paged_attention.cpp`);
+`add_rms_norm` and `rope_` fuse a decoder layer's norms and rotary embedding (`elementwise.cpp`).
+Without a compiler the engine falls back to the torch ops and logs why (`get()` returns None then).
 """
 from __future__ import annotations
 
@@ -74,3 +75,35 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if rc != 0:
         raise ValueError(f"unsupported shape for the CPU kernel: heads {heads}, kv_heads {kv_heads}, "
                          f"head_dim {head_dim}, block_size {bs}")
+
+
+def _bf16(t: torch.Tensor) -> int:
+    if t.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"float32 or bfloat16 only, got {t.dtype}")
+    return int(t.dtype == torch.bfloat16)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`h += delta` in place (when given), then returns RMSNorm(h) * weight for a contiguous
+    `[rows, n]`, bit-identical to transformers' RMSNorm: torch computes the mean of squares (its
+    reduction order), the kernel the remaining four ops in one pass."""
+    lib = get()
+    assert lib is not None and h.is_contiguous()
+    if delta is not None:
+        h.add_(delta)
+    var = h.float().pow(2).mean(-1)
+    out = torch.empty_like(h)
+    lib.kvt_rms_norm_apply(_bf16(h), h.data_ptr(), var.data_ptr(), weight.data_ptr(), out.data_ptr(), h.shape[0],
+                           h.shape[1], float(eps), torch.get_num_threads())
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotary embedding in place on `x [tokens, heads, dim]` (rows may be strided, heads and dims
+    contiguous) with `cos`/`sin` `[tokens, dim]` contiguous."""
+    lib = get()
+    tokens, heads, dim = x.shape
+    assert lib is not None and x.stride()[1:] == (dim, 1) and cos.is_contiguous() and sin.is_contiguous()
+    assert dim <= 512 and cos.dtype == x.dtype == sin.dtype
+    lib.kvt_rope(_bf16(x), x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads, dim,
+                 torch.get_num_threads())

@@ -1,4 +1,4 @@
-"""Builds the CPU kernels with the system C++ compiler, once per source, compiler and CPU.
+"""Builds the CPU kernels with the system C++ compiler, once per sources, compiler and CPU.
 
 The library is cached under `$KVTIER_CACHE_DIR/cpu_kernels/<key>/`, where the key hashes the
 source, the flags, the compiler's version and the CPU's feature flags (the code is built for this
@@ -20,9 +20,11 @@ from engine.cache_dir import cache_root
 
 log = logging.getLogger("kvtier.cpu_kernels")
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-ABI_VERSION = 1
+_HERE = Path(__file__).parent
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17", "-fno-math-errno")
+# Per-source flags: the elementwise ops must round like torch's (no fused multiply-adds).
+SOURCES = {_HERE / "paged_attention.cpp": (), _HERE / "elementwise.cpp": ("-ffp-contract=off",)}
+ABI_VERSION = 2
 BUILD_TIMEOUT_S = 120
 
 
@@ -53,7 +55,8 @@ def _key(cxx: str) -> str:
     except (OSError, subprocess.SubprocessError) as e:
         raise BuildError(f"{cxx} --version failed: {e}") from e
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+    parts = [src.read_bytes() + " ".join(extra).encode() for src, extra in SOURCES.items()]
+    for part in (*parts, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
         h.update(hashlib.sha256(part).digest())
     return h.hexdigest()[:16]
 
@@ -66,21 +69,29 @@ def build() -> Path:
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".build-", suffix=".so")
-    os.close(fd)
-    cmd = [cxx, *FLAGS, str(SOURCE), "-o", tmp]
-    log.info("building the CPU attention kernel: %s", " ".join(cmd))
+    work = Path(tempfile.mkdtemp(dir=out_dir, prefix=".build-"))
+    try:
+        objects = []
+        for src, extra in SOURCES.items():
+            obj = work / (src.stem + ".o")
+            _run([cxx, *FLAGS, *extra, "-c", str(src), "-o", str(obj)])
+            objects.append(str(obj))
+        tmp = work / lib.name
+        _run([cxx, *FLAGS, "-shared", *objects, "-o", str(tmp)])
+        os.replace(tmp, lib)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return lib
+
+
+def _run(cmd: list[str]) -> None:
+    log.info("building the CPU kernels: %s", " ".join(cmd))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if proc.returncode != 0:
-            raise BuildError(f"{' '.join(cmd)} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, lib)
     except (OSError, subprocess.SubprocessError) as e:
         raise BuildError(f"{' '.join(cmd)} failed: {e}") from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
+    if proc.returncode != 0:
+        raise BuildError(f"{' '.join(cmd)} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
 
 
 def load() -> ctypes.CDLL:
@@ -99,5 +110,9 @@ def load() -> ctypes.CDLL:
     lib.kvt_paged_attention.restype = c_int
     lib.kvt_paged_attention.argtypes = [c_int, ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64,
                                         c_int, c_int, c_int, c_int, ctypes.c_float, c_int]
+    lib.kvt_rms_norm_apply.restype = None
+    lib.kvt_rms_norm_apply.argtypes = [c_int, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, c_int]
+    lib.kvt_rope.restype = None
+    lib.kvt_rope.argtypes = [c_int, ptr, i64, ptr, ptr, i64, c_int, c_int, c_int]
     return lib
 

@@ -227,6 +227,6 @@ int kvt_paged_attention(int dtype_bf16, const void* q, int64_t q_row_stride, con
   return 0;
 }
 
-int kvt_abi_version() { return 1; }
+int kvt_abi_version() { return 2; }
 
 }  // extern "C"

@@ -1,5 +1,6 @@
-"""The C++ CPU attention kernel against a dense fp32 reference (engine/kernels/reference.py), and
-the engine's CPU backend against the torch path on mixed batches."""
+"""The C++ CPU kernels: attention against a dense fp32 reference (engine/kernels/reference.py) and
+the engine's CPU backend on mixed batches; the fused norm and rotary embedding against the eager
+ops; the whole engine with and without them against transformers."""
 from __future__ import annotations
 
 import logging
@@ -90,16 +91,15 @@ def test_bad_arguments_are_refused():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_matches_torch_path_on_a_mixed_batch(dtype):
-    """Decodes, a short chunk after cached context (kernel rows), a long chunk after cached context
-    (SDPA, split at the context) and a fresh prompt (causal SDPA) in one step: both CPU backends
-    equal dense attention."""
+    """Decodes (the kernel), a short and a long chunk after cached context (SDPA with a mask) and
+    a fresh prompt (causal SDPA) in one step: both CPU backends equal dense attention."""
     from engine.attention import AttentionMetadata, DecodeGroup, PrefillSeq, TorchPagedAttention
-    from engine.attention_cpu import IN_PLACE_MAX_QUERY, CpuPagedAttention
+    from engine.attention_cpu import CpuPagedAttention
 
     bs, kvh, heads, d = 16, 2, 6, 64
     k_cache, v_cache, g = _cache(64, bs, kvh, d, dtype, seed=5)
     # (query_len, context_len, blocks): short chunk, long chunk, fresh prompt
-    seqs = [(5, 40, [10, 3, 7]), (IN_PLACE_MAX_QUERY + 20, 70, [20, 21, 22, 23, 24]), (30, 30, [30, 31])]
+    seqs = [(5, 40, [10, 3, 7]), (36, 70, [20, 21, 22, 23, 24]), (30, 30, [30, 31])]
     decodes = [(9, [40, 41]), (33, [50, 51, 52])]
     prefills, slots, start = [], [], 0
     for qlen, ctx, blocks in seqs:
@@ -149,3 +149,64 @@ def test_a_broken_compiler_falls_back_with_the_reason(monkeypatch, caplog, tmp_p
     with caplog.at_level(logging.WARNING, logger="kvtier.cpu_kernels"):
         assert cpu_kernels.get() is None
     assert "/bin/false" in caplog.text and "failed" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_matches_eager(dtype, with_delta):
+    from engine.models.llama import RMSNorm
+
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(37, 576, generator=g).to(dtype) * 3
+    delta = torch.randn(37, 576, generator=g).to(dtype) if with_delta else None
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    norm.weight.data = (1 + 0.2 * torch.randn(576, generator=g)).to(dtype)
+    want_h = h + delta if with_delta else h.clone()
+    want = norm(want_h)
+    got_h = h.clone()
+    got = cpu_kernels.add_rms_norm(got_h, delta, norm.weight, norm.eps)
+    assert torch.equal(got_h, want_h)
+    assert torch.equal(got, want)  # the same float ops in the same order as the eager norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_matches_eager(dtype):
+    from engine.models.llama import _rotate_half
+
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(19, 9 * 64 + 2 * 3 * 64, generator=g).to(dtype)
+    q = qkv[:, : 9 * 64].view(19, 9, 64)  # strided rows, as the projection's split gives them
+    cos, sin = torch.randn(19, 64, generator=g).to(dtype), torch.randn(19, 64, generator=g).to(dtype)
+    want = q * cos.unsqueeze(1) + _rotate_half(q) * sin.unsqueeze(1)
+    rest = qkv[:, 9 * 64 :].clone()
+    cpu_kernels.rope_(q, cos, sin)
+    assert torch.equal(qkv[:, 9 * 64 :], rest)  # k and v untouched
+    if dtype == torch.float32:
+        assert torch.equal(q, want)  # same products and sums, rounded the same way
+    else:
+        _check(q, want, dtype)
+
+
+def test_engine_with_and_without_cpu_kernels_matches_transformers(ckpt_dir, hf_model, monkeypatch):
+    """Greedy tokens with the kernels (the CPU default) and with the torch path both equal
+    transformers'; the prompts cross blocks and the batch mixes prefill chunks with decodes."""
+    from checkpoints import hf_greedy, random_prompt
+    from engine import LLM, SamplingParams
+
+    prompts = [random_prompt(n, 7000 + n) for n in (5, 40, 300)]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def run():
+        llm = LLM(str(ckpt_dir("qwen2")), dtype="float32", block_size=16, num_gpu_blocks=256,
+                  max_num_batched_tokens=64, seed=0)
+        fused = llm.engine.runner.model.fused
+        return [list(o.outputs[0].token_ids) for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)], fused
+
+    with_kernels, fused = run()
+    assert fused
+    monkeypatch.setattr(cpu_kernels, "_state", {"lib": None})
+    without, fused = run()
+    assert not fused
+    want = [hf_greedy(hf_model("qwen2"), p, 10) for p in prompts]
+    assert with_kernels == want and without == want
