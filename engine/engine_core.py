@@ -17,7 +17,7 @@ from connectors.codec import BlockLayout
 from connectors.factory import ConnectorContext, build_connector, has_hidden_states_connector
 from engine.attention import AttentionBackend, TorchPagedAttention
 from engine.attention_cpu import CpuPagedAttention
-from engine import cpu_kernels
+from engine import cpu_kernels, cpu_runtime
 from engine.config import EngineConfig, LoadFailurePolicy, load_model_config
 from engine.fingerprint import model_fingerprint
 from engine.kv_events import KVEventsConfig, ZmqEventPublisher
@@ -80,6 +80,8 @@ class EngineCore:
         self.sampler = Sampler(config.seed)
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        if config.device == "cpu":
+            log.info("CPU: %d torch threads; %s", torch.get_num_threads(), cpu_runtime.describe())
         log.info("G1: %d blocks of %d tokens (%.2f GiB), max_model_len=%d, max_num_batched_tokens=%d",
                  num_blocks, bs, num_blocks * per_block / 2**30, max_len, self.max_num_batched_tokens)
 

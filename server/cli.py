@@ -93,5 +93,34 @@ def main(argv: list[str] | None = None) -> int:
     return COMMANDS[argv[0]][0](argv[1:])
 
 
+def entry() -> None:
+    """The `kvtier` executable. Unlike `main` (which tests and embedders call in-process), it may
+    re-execute the process under tcmalloc/jemalloc first (engine/cpu_runtime)."""
+    argv = sys.argv[1:]
+    if argv[:1] and argv[0] in _ENGINE_COMMANDS and argv[1:2] not in (["-h"], ["--help"]):
+        _reexec_with_allocator()
+    sys.exit(main(argv))
+
+
+_ENGINE_COMMANDS = ("serve", "generate", "extract")
+
+
+def _reexec_with_allocator() -> None:
+    """Runs the command again under tcmalloc/jemalloc when the system has one (engine/cpu_runtime)."""
+    import os
+
+    from engine.cpu_runtime import reexec_env
+
+    try:
+        env = reexec_env(dict(os.environ))
+    except ValueError as e:
+        print(f"kvtier: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if env is not None and getattr(sys, "orig_argv", None):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, sys.orig_argv, env)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -1,0 +1,67 @@
+"""Process set-up for CPU serving: a faster malloc, and a start-up line saying what runs.
+
+glibc's malloc returns large blocks to the kernel on free, so the activations a step allocates
+fault their pages in again every step; tcmalloc (or jemalloc) keeps them. Like vLLM's CPU build,
+`kvtier` preloads one when the system has it (Debian: `libtcmalloc-minimal4`). `LD_PRELOAD` only
+works at exec time, so the CLI re-executes itself once with it set (`reexec_env`); the engine logs
+what it runs with (`describe`). `KVTIER_MALLOC=system` keeps glibc; `KVTIER_MALLOC=/path/lib.so`
+names the library.
+
+Threads are not bound to cores by default (vLLM's CPU build binds them): with OpenMP binding the
+main thread is pinned to the first core, and every thread it starts afterwards (KV transfers,
+tokenizer pool, HTTP server) inherits that one core. Set `OMP_PROC_BIND`/`OMP_PLACES` to bind anyway.
+"""
+from __future__ import annotations
+
+import ctypes.util
+import os
+from pathlib import Path
+
+MALLOC_ENV = "KVTIER_MALLOC"
+_DONE_ENV = "_KVTIER_REEXECED"  # set in the re-executed process so it never loops
+_CANDIDATES = ("tcmalloc_minimal", "tcmalloc", "jemalloc")
+_MARKERS = ("libtcmalloc", "libjemalloc")
+
+
+def find_allocator(env: dict[str, str]) -> str | None:
+    """The allocator library to preload (a path or a soname the loader finds), or None."""
+    choice = env.get(MALLOC_ENV, "")
+    if choice == "system":
+        return None
+    if choice:
+        if not Path(choice).is_file():
+            raise ValueError(f"{MALLOC_ENV}={choice!r}: no such file (use a library path, or 'system')")
+        return choice
+    for name in _CANDIDATES:
+        found = ctypes.util.find_library(name)
+        if found:
+            return found
+    return None
+
+
+def reexec_env(env: dict[str, str]) -> dict[str, str] | None:
+    """The environment to re-execute this process with, or None when it should go on as it is:
+    already re-executed, an allocator already preloaded, or none chosen/found."""
+    if env.get(_DONE_ENV) or any(m in env.get("LD_PRELOAD", "") for m in _MARKERS):
+        return None
+    lib = find_allocator(env)
+    if lib is None:
+        return None
+    new = dict(env)
+    new["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+    new[_DONE_ENV] = "1"
+    return new
+
+
+def describe() -> str:
+    """One line for the start-up log: the allocator and the thread binding this process runs with."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        maps = ""
+    alloc = next((line.split()[-1] for line in maps.splitlines() if any(m in line for m in _MARKERS)), None)
+    what = f"allocator {alloc}" if alloc else (
+        f"allocator glibc malloc ({'chosen by ' + MALLOC_ENV if os.environ.get(MALLOC_ENV) == 'system' else 'no tcmalloc/jemalloc found: install libtcmalloc-minimal4 for faster CPU steps'})")
+    bind = os.environ.get("OMP_PROC_BIND")
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return f"{what}; OpenMP binding {bind or 'none'}, {len(cpus)} usable cpus"
