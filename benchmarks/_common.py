@@ -53,6 +53,20 @@ def set_torch_threads(n: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(n)
 
 
+def preload_allocator() -> None:
+    """Re-executes this benchmark under tcmalloc/jemalloc when the system has one, as the `kvtier`
+    CLI does for serve/generate/extract (engine/cpu_runtime), so in-process engines are measured as
+    users run them. Every engine in this process shares it; KVTIER_MALLOC=system turns it off."""
+    from engine.cpu_runtime import reexec_env
+
+    env = reexec_env(dict(os.environ))
+    if env is not None:
+        log(f"re-executing under LD_PRELOAD={env['LD_PRELOAD']} (KVTIER_MALLOC=system to measure with glibc)")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
 # -- statistics ---------------------------------------------------------------------------------
 def median(values: Sequence[float]) -> float:
     """Median of runs: robust to the one run that a neighbour on the shared machine slowed down."""

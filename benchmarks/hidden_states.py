@@ -43,8 +43,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 sys.path.append(str(_HERE))
 
-from _common import (RESULTS_DIR, Timer, log, print_table, ratio, run_interleaved, set_torch_threads,  # noqa: E402
-                     summarize, usable_cpus, write_json)
+from _common import (RESULTS_DIR, Timer, log, preload_allocator, print_table, ratio, run_interleaved,  # noqa: E402
+                     set_torch_threads, summarize, usable_cpus, write_json)
 
 MAX_OVERHEAD = 0.15  # extract vs plain
 MIN_SPEEDUP = 1.0  # extract vs transformers
@@ -231,4 +231,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    preload_allocator()
     sys.exit(main())

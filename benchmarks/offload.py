@@ -31,7 +31,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 sys.path.append(str(_HERE))
 
-from _common import RESULTS_DIR, Timer, log, median, print_table, ratio, set_torch_threads, usable_cpus, write_json  # noqa: E402
+from _common import (RESULTS_DIR, Timer, log, median, preload_allocator, print_table, ratio,  # noqa: E402
+                     set_torch_threads, usable_cpus, write_json)
 
 TARGETS = {"G2": 100.0, "G3": 50.0, "G4": 30.0}  # speedup over cold at the longest length (issues 3, 6)
 
@@ -262,4 +263,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    preload_allocator()
     sys.exit(main())

@@ -51,8 +51,8 @@ if not _WORKER:
     sys.path.insert(0, str(REPO))
 sys.path.append(str(_HERE))
 
-from _common import (RESULTS_DIR, JsonWorker, Timer, log, median, print_table, ratio,  # noqa: E402
-                     run_interleaved, set_torch_threads, usable_cpus, vllm_cpu_env, worker_reply, write_json)
+from _common import (RESULTS_DIR, JsonWorker, Timer, log, median, preload_allocator, print_table,  # noqa: E402
+                     ratio, run_interleaved, set_torch_threads, usable_cpus, vllm_cpu_env, worker_reply, write_json)
 
 TARGET_RATIO = 2.0  # the issue's acceptance bar: kvtier >= 2x transformers' best batch size
 MIN_TOKEN_ID = 100  # keep random prompts clear of special/control tokens
@@ -395,4 +395,5 @@ if __name__ == "__main__":
     if _WORKER:
         vllm_worker(sys.argv[2], int(sys.argv[3]))
     else:
+        preload_allocator()
         sys.exit(main())
