@@ -54,7 +54,7 @@ def set_torch_threads(n: int) -> None:
 
 
 def preload_allocator() -> None:
-    """Re-executes this benchmark under tcmalloc/jemalloc when the system has one, as the `kvtier`
+    """Re-executes this benchmark under tcmalloc when the system has it, as the `kvtier`
     CLI does for serve/generate/extract (engine/cpu_runtime), so in-process engines are measured as
     users run them. Every engine in this process shares it; KVTIER_MALLOC=system turns it off."""
     from engine.cpu_runtime import reexec_env

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """The `kvtier` executable. Unlike `main` (which tests and embedders call in-process), it may
-    re-execute the process under tcmalloc/jemalloc first (engine/cpu_runtime)."""
+    re-execute the process under tcmalloc first (engine/cpu_runtime)."""
     argv = sys.argv[1:]
     if argv[:1] and argv[0] in _ENGINE_COMMANDS and argv[1:2] not in (["-h"], ["--help"]):
         _reexec_with_allocator()
@@ -106,7 +106,7 @@ _ENGINE_COMMANDS = ("serve", "generate", "extract")
 
 
 def _reexec_with_allocator() -> None:
-    """Runs the command again under tcmalloc/jemalloc when the system has one (engine/cpu_runtime)."""
+    """Runs the command again under tcmalloc when the system has it (engine/cpu_runtime)."""
     import os
 
     from engine.cpu_runtime import reexec_env

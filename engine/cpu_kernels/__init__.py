@@ -68,10 +68,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if t.dtype != torch.int64 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous int64")
     n = rows.numel()
-    rc = lib.kvt_paged_attention(
-        int(q.dtype == torch.bfloat16), _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), k_cache.stride(0),
-        k_cache.stride(1), _ptr(out), out.stride(0), _ptr(rows), _ptr(tables), tables.stride(0) if n else 0,
-        _ptr(lens), n, heads, kv_heads, head_dim, bs, float(scale), torch.get_num_threads())
+    with torch.profiler.record_function("kvtier::cpu_paged_attention"):  # ctypes calls are invisible otherwise
+        rc = lib.kvt_paged_attention(
+            int(q.dtype == torch.bfloat16), _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), k_cache.stride(0),
+            k_cache.stride(1), _ptr(out), out.stride(0), _ptr(rows), _ptr(tables), tables.stride(0) if n else 0,
+            _ptr(lens), n, heads, kv_heads, head_dim, bs, float(scale), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"unsupported shape for the CPU kernel: heads {heads}, kv_heads {kv_heads}, "
                          f"head_dim {head_dim}, block_size {bs}")
