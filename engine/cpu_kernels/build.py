@@ -56,6 +56,7 @@ def _key(cxx: str) -> str:
         raise BuildError(f"{cxx} --version failed: {e}") from e
     h = hashlib.sha256()
     parts = [src.read_bytes() + " ".join(extra).encode() for src, extra in SOURCES.items()]
+    parts += [h.read_bytes() for h in sorted(_HERE.glob("*.h"))]
     for part in (*parts, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
         h.update(hashlib.sha256(part).digest())
     return h.hexdigest()[:16]

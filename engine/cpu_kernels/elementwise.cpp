@@ -6,36 +6,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "dtypes.h"
+
 namespace {
 
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
-
-struct F32 {
-  using T = float;
-  static inline float load(const float* p, int64_t i) { return p[i]; }
-  static inline void store(float* p, int64_t i, float x) { p[i] = x; }
-  static inline float round(float x) { return x; }
-};
-
-struct BF16 {
-  using T = uint16_t;
-  static inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
-  static inline void store(uint16_t* p, int64_t i, float x) { p[i] = f32_to_bf16(x); }
-  static inline float round(float x) { return bf16_to_f32(f32_to_bf16(x)); }  // what a bf16 op stores
-};
+using kvt::BF16;
+using kvt::F32;
 
 // out = w * (h * rsqrt(var + eps)) row by row, with var = mean(h^2) computed by torch: the same
 // float32 operations as transformers' RMSNorm after its reduction, so results are bit-identical

@@ -14,34 +14,12 @@
 #include <cstring>
 #include <vector>
 
+#include "dtypes.h"
+
 namespace {
 
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN (torch's rule)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
-
-struct F32 {
-  using T = float;
-  static inline float load(const float* p, int64_t i) { return p[i]; }
-  static inline void store(float* p, int64_t i, float x) { p[i] = x; }
-};
-
-struct BF16 {
-  using T = uint16_t;
-  static inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
-  static inline void store(uint16_t* p, int64_t i, float x) { p[i] = f32_to_bf16(x); }
-};
+using kvt::BF16;
+using kvt::F32;
 
 // e^x for x <= 0 (a score minus the running max). Vectorizes, unlike libm's expf: 2^(x log2 e)
 // = 2^n * 2^f with f in [-0.5, 0.5] and a degree-7 Taylor polynomial (relative error ~2e-8).
@@ -62,6 +40,15 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, 4);
   return p * scale;
+}
+
+// n cache rows of one kv head (`stride` elements apart) into a dense float [n, D] buffer.
+template <class IO>
+inline void load_rows(const typename IO::T* src, int64_t stride, int n, int D, float* dst) {
+  for (int j = 0; j < n; ++j) {
+#pragma omp simd
+    for (int d = 0; d < D; ++d) dst[j * D + d] = IO::load(src + j * stride, d);
+  }
 }
 
 struct Shape {
@@ -110,11 +97,7 @@ void attend(const typename IO::T* q, const typename IO::T* kc, const typename IO
     }
     for (int kvh = kv0; kvh < kv1; ++kvh) {
       const int64_t base = table[b] * s.block_stride + int64_t(kvh) * D;
-      for (int j = 0; j < n; ++j) {
-        const typename IO::T* kp = kc + base + j * s.token_stride;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) kb[j * D + d] = IO::load(kp, d);
-      }
+      load_rows<IO>(kc + base, s.token_stride, n, D, kb);
       for (int hh = 0; hh < G; ++hh) {
         const int h = (kvh - kv0) * G + hh;
         const float* qh = qf + h * D;
@@ -141,11 +124,7 @@ void attend(const typename IO::T* q, const typename IO::T* kc, const typename IO
         m[h] = mnew;
         cr[h] = corr;
       }
-      for (int j = 0; j < n; ++j) {
-        const typename IO::T* vp = vc + base + j * s.token_stride;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) kb[j * D + d] = IO::load(vp, d);
-      }
+      load_rows<IO>(vc + base, s.token_stride, n, D, kb);
       for (int hh = 0; hh < G; ++hh) {
         const int h = (kvh - kv0) * G + hh;
         const float* sh = sc + h * BS;
