@@ -20,6 +20,12 @@ for _p in (_TESTS_DIR, _TESTS_DIR.parent):
 
 import checkpoints  # noqa: E402
 
+# Triton reads TRITON_INTERPRET when a kernel is *defined*, i.e. when engine.kernels is first
+# imported, and any test module may import it (tests/engine uses engine.kernels.reference): set it
+# here, before any test module is collected, or the kernel tests skip as "not interpreting".
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The test models are tiny (hidden 64): one intra-op thread is as fast as two, and on a
 # busy 2-core machine two OpenMP threads wait on each other (a 30-token forward went from
 # 1 ms to 270 ms).  KVTIER_TEST_THREADS overrides.
