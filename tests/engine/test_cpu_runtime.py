@@ -37,9 +37,8 @@ def test_explicit_choice(monkeypatch, tmp_path):
 
 
 def test_kvtier_generate_logs_its_allocator(ckpt_dir):
-    """A real `kvtier generate`: with tcmalloc or jemalloc on the system (redis-server pulls in
-    jemalloc on Debian) it runs under it, re-executed; else it says glibc and how to get tcmalloc.
-    The log line names what is really mapped into the process."""
+    """A real `kvtier generate`: with tcmalloc on the system it runs under it, re-executed; else it
+    says glibc and how to get tcmalloc. The log line names what is really mapped into the process."""
     kvtier = Path(sys.executable).with_name("kvtier")
     env = {k: v for k, v in os.environ.items() if k not in (cpu_runtime.MALLOC_ENV, "LD_PRELOAD")}
     proc = subprocess.run([str(kvtier), "generate", str(ckpt_dir("llama")), "--prompt", "hello",
