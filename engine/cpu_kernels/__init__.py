@@ -28,7 +28,10 @@ def get() -> ctypes.CDLL | None:
     with _lock:
         if "lib" not in _state:
             lib, why = None, None
-            if os.environ.get(DISABLE_ENV, "1") == "0":
+            choice = os.environ.get(DISABLE_ENV, "1")
+            if choice not in ("0", "1"):
+                raise ValueError(f"{DISABLE_ENV} must be 0 (torch path) or 1 (the default), got {choice!r}")
+            if choice == "0":
                 why = f"{DISABLE_ENV}=0"
             else:
                 try:

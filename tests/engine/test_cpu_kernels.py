@@ -142,6 +142,13 @@ def test_disabled_by_env_falls_back_with_a_warning(monkeypatch, caplog):
     assert f"{cpu_kernels.DISABLE_ENV}=0" in caplog.text
 
 
+def test_a_bad_switch_value_is_an_error_naming_it(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "false")
+    with pytest.raises(ValueError, match=f"{cpu_kernels.DISABLE_ENV} must be 0 .* got 'false'"):
+        cpu_kernels.get()
+
+
 def test_a_broken_compiler_falls_back_with_the_reason(monkeypatch, caplog, tmp_path):
     monkeypatch.setattr(cpu_kernels, "_state", {})
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
