@@ -40,9 +40,9 @@ def get() -> ctypes.CDLL | None:
                     why = str(e)
             _state["lib"] = lib
             if lib is None:
-                log.warning("CPU attention kernel not used (%s); attention gathers the context with torch", why)
+                log.warning("CPU kernels not used (%s): attention, norms and rotary embedding run as torch ops", why)
             else:
-                log.info("CPU attention kernel loaded: attention reads the paged KV cache in place")
+                log.info("CPU kernels loaded: decode attention reads the paged KV cache in place")
         return _state["lib"]  # type: ignore[return-value]
 
 
