@@ -89,7 +89,7 @@ def decode_case(name: str, batch: int, ctx: int, dev: torch.device, cuda: bool, 
     # The engine's torch backend: one padded decode group (gather, then masked SDPA).
     backend = TorchPagedAttention()
     mask = (torch.arange(tables.shape[1] * BS, device=dev) < ctx).expand(batch, 1, 1, -1)
-    meta = AttentionMetadata(tables[:, -1] * BS, [], [DecodeGroup(torch.arange(batch, device=dev), tables, mask)])
+    meta = AttentionMetadata(tables[:, -1] * BS, [], [DecodeGroup(torch.arange(batch, device=dev), tables, lens.long(), mask)])
     kv = torch.randn(batch, hkv, dim, device=dev, dtype=torch.bfloat16)
     eng = bench(lambda: backend.forward(q, kv, kv, kc, vc, meta, scale), cuda)
     # Ideal unpaged baseline: dense K/V, contiguous per sequence.
