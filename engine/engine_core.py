@@ -363,7 +363,17 @@ def _eos_ids(model_dir: Path, tokenizer) -> frozenset[int]:
 
 
 def _attention_backend(device: str) -> AttentionBackend:
-    """The C++ kernel on CPU when it builds here (it logs why not), else the torch path."""
+    """The C++ kernel on CPU when it builds here (it logs why not), the Triton kernels on CUDA
+    when triton is importable, else the torch path."""
     if device == "cpu" and cpu_kernels.get() is not None:
         return CpuPagedAttention()
+    if torch.device(device).type == "cuda":
+        from engine import kernels
+
+        if kernels.available():
+            from engine.attention_triton import TritonPagedAttention
+
+            return TritonPagedAttention()
+        log.warning("Triton kernels unavailable (%s): attention falls back to the torch path",
+                    kernels.unavailable_reason())
     return TorchPagedAttention()

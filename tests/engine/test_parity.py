@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 
 import pytest
 import torch
@@ -30,6 +31,8 @@ from checkpoints import (
 PARITY_LENGTHS = (1, 2, 15, 16, 17, 100, 511, 1030)
 MAX_TOKENS = 16
 LOGITS_RTOL = 1e-4  # max|engine - hf| / max|hf|; never loosen
+# scripts/gpu-check.sh runs this module with KVTIER_TEST_DEVICE=cuda (Triton attention); CI on CPU.
+TEST_DEVICE = os.environ.get("KVTIER_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -62,7 +65,8 @@ def llm(kind, ckpt_dir):
     # the default G1 size (num_gpu_blocks=None) for one kind; allocating it takes seconds,
     # so the other kinds get 1024 blocks (16k tokens, plenty for this batch)
     num_gpu_blocks = None if kind == "qwen3" else 1024
-    engine = LLM(model=str(ckpt_dir(kind)), dtype="float32", block_size=16, seed=0, num_gpu_blocks=num_gpu_blocks)
+    engine = LLM(model=str(ckpt_dir(kind)), dtype="float32", block_size=16, seed=0, num_gpu_blocks=num_gpu_blocks,
+                 device=TEST_DEVICE)
     yield engine
     del engine
     gc.collect()
