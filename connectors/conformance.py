@@ -179,6 +179,20 @@ class BackendConformance:
             problem = _what_is_wrong(g, v, others=tuple(values))
             assert problem is None, f"get of key {i} of 300 {problem}"
 
+    def test_keys_differing_in_one_byte_are_distinct(self, backend: StorageBackend) -> None:
+        """Keys are 16 opaque bytes: one that differs from another in any single byte (first,
+        middle or last) is another key. Catches storage under a truncated or weakly hashed key."""
+        base = key_of("one-byte")
+        keys = [base] + [BlockKey(base[:i] + bytes([base[i] ^ 0x01]) + base[i + 1:]) for i in (0, 7, 8, 15)]
+        values = [value_of(k, 0, 600 + i) for i, k in enumerate(keys)]
+        self._put_ok(backend, keys, values, "blocks under keys one byte apart")
+        got = backend.get(keys)
+        _check_result(got, len(keys), "get", (bytes, type(None)))
+        for i, (g, v) in enumerate(zip(got, values)):
+            problem = _what_is_wrong(g, v, others=tuple(values))
+            where = "the base key" if i == 0 else f"a key differing from it only in byte {(0, 7, 8, 15)[i - 1]}"
+            assert problem is None, f"get of {where} {problem}: are keys truncated or hashed into buckets?"
+
     # ---- misses, exists, overwrite, delete -------------------------------------------
 
     def test_unknown_keys_miss(self, backend: StorageBackend) -> None:
@@ -220,6 +234,13 @@ class BackendConformance:
         assert backend.get_into([a], [bytearray(3000)]) == [False], "get_into after delete must be False"
         self._expect(backend, b, vb, "a key that was not deleted")
         backend.delete([a, unknown, a])  # deleting unknown or already-deleted keys is fine
+        batch = [key_of(f"delete/batch/{i}") for i in range(4)]
+        self._put_ok(backend, batch, [value_of(k, 0, 700) for k in batch], "blocks")
+        backend.delete(batch[:3])
+        kept = [i for i, ok in enumerate(backend.exists(batch[:3])) if ok]
+        assert not kept, f"delete of a batch of 3 keys left key(s) at batch position(s) {kept} (only the first deleted?)"
+        assert backend.get(batch[:3]) == [None] * 3, "get after a batched delete returned a value of a deleted key"
+        self._expect(backend, batch[3], value_of(batch[3], 0, 700), "a key left out of a batched delete")
         va2 = value_of(a, 1, 500)
         self._put_ok(backend, [a], [va2], "a block under a deleted key")
         self._expect(backend, a, va2, "a key stored again after delete", earlier=(va,))
@@ -387,6 +408,30 @@ class BackendConformance:
             final = versions[k][-1]
             self._put_ok(backend, [k], [final], "a block after the concurrent phase")
             self._expect(backend, k, final, "a key after the concurrent phase", earlier=tuple(versions[k][:-1]))
+
+    def test_concurrent_gets_return_their_own_key(self, backend: StorageBackend) -> None:
+        """Transfer threads read different keys at once: each read must return its own key's
+        bytes (a shared read buffer, a connection used by two threads at once, ... return
+        another read's bytes)."""
+        keys = [key_of(f"concurrent-get/{i}") for i in range(self.threads)]
+        values = [value_of(k, 0, 64 * 1024 + i) for i, k in enumerate(keys)]
+        self._put_ok(backend, keys, values, "blocks")
+        everything = dict(zip(values, range(len(values))))
+
+        def work(tid: int, barrier: threading.Barrier) -> None:
+            barrier.wait()
+            for _ in range(20):
+                got = backend.get([keys[tid]])[0]
+                if got == values[tid]:
+                    continue
+                if got in everything:
+                    raise AssertionError(f"concurrent get returned key {everything[got]}'s value for key {tid} "
+                                         "(another key's value): is a read buffer or connection shared between threads?")
+                raise AssertionError(f"concurrent get of key {tid} {_what_is_wrong(got, values[tid])} while other "
+                                     "threads read other keys: is a read buffer or connection shared between threads?")
+
+        errors = self._run_threads(work)
+        assert not errors, f"{len(errors)} errors under concurrent gets of different keys; first: {errors[0]}"
 
     def test_concurrent_puts_not_lost(self, backend: StorageBackend) -> None:
         per_thread = 40
