@@ -26,6 +26,7 @@ TRANSFER_KEYS = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_con
                  "kv_load_failure_policy", "kv_buffer_device", "engine_id"}
 TIERED_NAMES = {"TieredOffloadConnector", "OffloadingConnector"}
 HIDDEN_STATES_NAMES = {"HiddenStatesConnector", "ExampleHiddenStatesConnector"}  # ours, vLLM's
+HIDDEN_STATES_KEYS = {"shared_storage_path", "include_output_tokens", "writer_threads", "max_queued_files"}
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,35 @@ def validate_transfer_config(tc: dict[str, Any]) -> dict[str, Any]:
     return tc
 
 
+def check_transfer_config(tc: dict[str, Any] | None, flags_set: bool) -> None:
+    """Everything about `kv_transfer_config` that can be checked without a model: its keys, the
+    connector's name, and for the built-in connectors their extra-config keys and tier stack
+    (backend names and options). `kvtier serve` calls it before it spawns the engine, so a bad
+    config exits 2 with the message instead of failing in the engine process."""
+    from connectors import stack
+
+    tc = validate_transfer_config(dict(tc or {}))
+    name, extra = tc.get("kv_connector"), tc.get("kv_connector_extra_config", {})
+    if name == "MultiConnector":
+        for sub in extra.get("connectors") or []:
+            if isinstance(sub, dict):
+                check_transfer_config(sub, flags_set)
+    elif name in HIDDEN_STATES_NAMES:
+        _check_keys(extra, HIDDEN_STATES_KEYS, "HiddenStatesConnector")
+    elif name is None or name in TIERED_NAMES:
+        stack.check_extra_keys(extra, flags_set)
+        if stack.TIERS_KEY in extra:
+            stack.check_stack(stack.parse_stack(extra[stack.TIERS_KEY]))
+    else:
+        load_connector_class(name, tc.get("kv_connector_module_path"))
+
+
+def _check_keys(extra: dict[str, Any], known: set[str], connector: str) -> None:
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown} for {connector}; known: {sorted(known)}")
+
+
 def load_connector_class(name: str, module_path: str | None) -> type[KVConnector]:
     """`kv_connector_module_path` + `kv_connector` (vLLM's keys), a `module:Class`, or a
     `kvtier.connectors` entry point."""
@@ -64,72 +94,134 @@ def load_connector_class(name: str, module_path: str | None) -> type[KVConnector
 
 
 def build_tiered(ctx: ConnectorContext) -> KVConnector:
-    from connectors.tiered import TieredOffloadConnector, WritePolicy
-    from kvstore.host import HostTier
-    from policies import make_policy
-
+    """The tiered offload connector over the stack the flags or `extra_config["tiers"]` give
+    (`connectors.stack`)."""
     from dataclasses import replace
 
+    from connectors import stack
+    from connectors.tiered import TieredOffloadConnector, WritePolicy
+
     extra = ctx.extra_config
+    stack.check_extra_keys(extra, flags_set=_flags_set(ctx))
     if "block_size" in extra:  # this connector's own offload block size (e.g. inside a MultiConnector)
         ob, bs = int(extra["block_size"]), ctx.layout.block_size
         if ob <= 0 or ob % bs:
             raise ValueError(f"offload block size {ob} must be a positive multiple of block_size {bs}")
         ctx = replace(ctx, layout=replace(ctx.layout, g1_blocks=ob // bs))
-    g2 = g3 = None
-    if ctx.offloading_size_gib:
-        slots = int(ctx.offloading_size_gib * 2**30) // ctx.layout.encoded_bytes
-        if slots < 1:
-            raise ValueError(f"kv_offloading_size={ctx.offloading_size_gib} GiB holds no offload block of "
-                             f"{ctx.layout.encoded_bytes / 2**20:.1f} MiB; raise it or lower the offload block size")
-        g2 = HostTier(slots, ctx.layout.encoded_bytes, make_policy(extra.get("g2_eviction_policy", ctx.eviction_policy)),
-                      pin_memory=_cuda())
-        g2.events, g2.block_tokens = ctx.events, ctx.layout.tokens
-        log.info("G2: %d blocks of %d tokens (%.2f GiB)", slots, ctx.layout.tokens,
-                 slots * ctx.layout.encoded_bytes / 2**30)
-    if ctx.disk_path is not None:
-        from kvstore.disk import DiskBackend
-
-        g3 = DiskBackend(Path(ctx.disk_path), int(ctx.disk_size_gib * 2**30), ctx.fingerprint,
-                         policy=extra.get("g3_eviction_policy", ctx.eviction_policy), secret=ctx.kv_secret)
-        log.info("G3: %s (%.1f GiB, %d entries found)", ctx.disk_path, ctx.disk_size_gib, len(g3))
-    g4 = build_remote(ctx) if ctx.remote_url else None
+    g2, g3, g4, first = _explicit_stack(ctx) if stack.TIERS_KEY in extra else _flag_stack(ctx)
     policy = extra.get("write_policy", WritePolicy.WRITE_THROUGH.value)
     try:
         write_policy = WritePolicy(policy)
     except ValueError:
         raise ValueError(f"write_policy {policy!r} is not one of {[p.value for p in WritePolicy]}") from None
     connector = TieredOffloadConnector(ctx.layout, ctx.pool, g2, g3,
-                                       g3_timeout_s=float(extra.get("g3_timeout_s", 10.0)),
-                                       g3_read_threads=int(extra.get("g3_read_threads", 4)),
+                                       g3_timeout_s=float(first["read_timeout_s"]),
+                                       g3_read_threads=int(first["read_threads"]),
                                        write_policy=write_policy, g4=g4)
     log.info("offload write policy: %s", write_policy.value)
     connector.events = ctx.events
     return connector
 
 
-def build_remote(ctx: ConnectorContext) -> Any:
-    """G4 from `remote_url` and the extra-config keys g4_prefix, g4_ttl_s, g4_timeout_s and
-    g4_min_uses. An unreachable server or a rejected password does not stop the engine: G4
-    turns into misses (and says so in the log)."""
-    from connectors.remote_tier import RemoteTier
+def _flags_set(ctx: ConnectorContext) -> bool:
+    return bool(ctx.offloading_size_gib) or ctx.disk_path is not None or bool(ctx.remote_url)
+
+
+def _flag_stack(ctx: ConnectorContext) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """G2, G3 and G4 from the flags and the flat extra-config keys (the default stack)."""
+    extra = ctx.extra_config
+    g2 = _host(ctx, ctx.offloading_size_gib, extra.get("g2_eviction_policy")) if ctx.offloading_size_gib else None
+    g3 = None
+    if ctx.disk_path is not None:
+        g3 = _disk(ctx, Path(ctx.disk_path), ctx.disk_size_gib, extra.get("g3_eviction_policy"))
+    g4 = None
+    if ctx.remote_url:
+        ttl = extra.get("g4_ttl_s")
+        g4 = _remote(_redis(ctx, str(ctx.remote_url), str(extra.get("g4_prefix", "kvtier")),
+                            None if ttl is None else float(ttl), float(extra.get("g4_timeout_s", 0.5))),
+                     int(extra.get("g4_min_uses", 1)))
+    first = {"read_timeout_s": extra.get("g3_timeout_s", 10.0), "read_threads": extra.get("g3_read_threads", 4)}
+    return g2, g3, g4, first
+
+
+def _explicit_stack(ctx: ConnectorContext) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """G2 and the storage tiers below it from `extra_config["tiers"]`."""
+    from connectors import stack
+
+    spec = stack.parse_stack(ctx.extra_config[stack.TIERS_KEY])
+    stack.check_stack(spec)  # every tier's options before any tier is built
+    g2 = None
+    if spec.host is not None:
+        g2 = _host(ctx, float(spec.host.options["size_gib"]), spec.host.options.get("eviction_policy"))
+    built, first = [], dict(stack.FIRST_TIER_OPTIONS)
+    for pos, tier in enumerate(spec.storage):
+        mine, opts = stack.split_options(tier, stack.FIRST_TIER_OPTIONS if pos == 0 else stack.SECOND_TIER_OPTIONS)
+        if pos == 0:
+            first = mine
+        if tier.backend == "disk":
+            backend = _disk(ctx, stack.disk_path(opts), float(opts.get("size_gib", 10.0)), opts.get("eviction_policy"))
+        elif tier.backend == "redis":
+            ttl = opts.get("ttl_s")
+            backend = _redis(ctx, str(opts["url"]), str(opts.get("prefix", "kvtier")),
+                             None if ttl is None else float(ttl), float(opts.get("timeout_s", 0.5)))
+        else:
+            backend = stack.build_plugin(tier, opts, ctx.fingerprint, ctx.kv_secret)
+            log.info("G%d: storage backend %r (%s)", pos + 3, tier.backend, type(backend.inner).__name__)
+        built.append(_remote(backend, int(mine["min_uses"])) if pos == 1 else backend)
+    g3 = built[0] if built else None
+    g4 = built[1] if len(built) > 1 else None
+    if g2 is None and g3 is None:
+        raise ValueError("\"tiers\" names no tier")
+    return g2, g3, g4, first
+
+
+def _host(ctx: ConnectorContext, size_gib: float, policy: str | None) -> Any:
+    from kvstore.host import HostTier
+    from policies import make_policy
+
+    slots = int(size_gib * 2**30) // ctx.layout.encoded_bytes
+    if slots < 1:
+        raise ValueError(f"kv_offloading_size={size_gib} GiB holds no offload block of "
+                         f"{ctx.layout.encoded_bytes / 2**20:.1f} MiB; raise it or lower the offload block size")
+    g2 = HostTier(slots, ctx.layout.encoded_bytes, make_policy(policy or ctx.eviction_policy), pin_memory=_cuda())
+    g2.events, g2.block_tokens = ctx.events, ctx.layout.tokens
+    log.info("G2: %d blocks of %d tokens (%.2f GiB)", slots, ctx.layout.tokens, slots * ctx.layout.encoded_bytes / 2**30)
+    return g2
+
+
+def _disk(ctx: ConnectorContext, path: Path, size_gib: float, policy: str | None) -> Any:
+    from kvstore.disk import DiskBackend
+
+    g3 = DiskBackend(path, int(size_gib * 2**30), ctx.fingerprint, policy=policy or ctx.eviction_policy,
+                     secret=ctx.kv_secret)
+    log.info("G3: %s (%.1f GiB, %d entries found)", path, size_gib, len(g3))
+    return g3
+
+
+def _redis(ctx: ConnectorContext, url: str, prefix: str, ttl_s: float | None, timeout_s: float) -> Any:
+    """Redis/Valkey. An unreachable server or a rejected password does not stop the engine: the
+    tier turns into misses (and says so in the log)."""
     from kvstore.remote import RedisBackend, RemoteConfig
 
-    extra = ctx.extra_config
-    ttl = extra.get("g4_ttl_s")
-    cfg = RemoteConfig(str(ctx.remote_url), ctx.fingerprint, prefix=str(extra.get("g4_prefix", "kvtier")),
-                       ttl_s=None if ttl is None else float(ttl), timeout_s=float(extra.get("g4_timeout_s", 0.5)),
-                       secret=ctx.kv_secret)
+    cfg = RemoteConfig(url, ctx.fingerprint, prefix=prefix, ttl_s=ttl_s, timeout_s=timeout_s, secret=ctx.kv_secret)
     backend = RedisBackend(cfg)
-    log.info("G4: %s (key prefix %s, TTL %s, written after %d use(s))", backend.url, cfg.prefix,
-             f"{cfg.ttl_s:g}s" if cfg.ttl_s else "none", int(extra.get("g4_min_uses", 1)))
-    return RemoteTier(backend, min_uses=int(extra.get("g4_min_uses", 1)))
+    log.info("Redis tier: %s (key prefix %s, TTL %s)", backend.url, cfg.prefix, f"{cfg.ttl_s:g}s" if cfg.ttl_s else "none")
+    return backend
+
+
+def _remote(backend: Any, min_uses: int) -> Any:
+    """The second storage tier's batched, reuse-gated writer around `backend`."""
+    from connectors.remote_tier import RemoteTier
+
+    log.info("G4: written after %d use(s)", min_uses)
+    return RemoteTier(backend, min_uses=min_uses)
 
 
 def build_hidden_states(ctx: ConnectorContext) -> KVConnector:
     from connectors.hidden_states import HiddenStatesConnector
 
     extra = ctx.extra_config
+    _check_keys(extra, HIDDEN_STATES_KEYS, "HiddenStatesConnector")
     if ctx.hidden_spec is None:
         raise ValueError("HiddenStatesConnector needs speculative_config with method extract_hidden_states "
                          "(and draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids)")
@@ -164,7 +256,9 @@ def build_connector(ctx: ConnectorContext, transfer_config: dict[str, Any] | Non
 
         from connectors.multi import MultiConnector
 
-        subs = tc.get("kv_connector_extra_config", {}).get("connectors")
+        multi_extra = tc.get("kv_connector_extra_config", {})
+        _check_keys(multi_extra, {"connectors"}, "MultiConnector")
+        subs = multi_extra.get("connectors")
         if not isinstance(subs, list) or not subs:
             raise ValueError('MultiConnector needs kv_connector_extra_config.connectors: a list of connector configs')
         parts = []
@@ -178,10 +272,17 @@ def build_connector(ctx: ConnectorContext, transfer_config: dict[str, Any] | Non
     if name in HIDDEN_STATES_NAMES:
         return build_hidden_states(ctx)
     if name is None or name in TIERED_NAMES:
-        if ctx.offloading_size_gib or ctx.disk_path is not None or ctx.remote_url:
+        from connectors import stack
+
+        stack.check_extra_keys(ctx.extra_config, _flags_set(ctx))  # unknown keys first: they may be why no tier is set
+        if _flags_set(ctx) or stack.TIERS_KEY in ctx.extra_config:
             return build_tiered(ctx)
+        if name is None and ctx.extra_config:
+            raise ValueError(f"kv_connector_extra_config {sorted(ctx.extra_config)} given, but no kv_connector "
+                             'and no offload tier to apply it to')
         if name is not None:
-            raise ValueError(f"{name} needs a tier: set kv_offloading_size and/or kv_offload_disk")
+            raise ValueError(f"{name} needs a tier: set kv_offloading_size, kv_offload_disk or kv_offload_remote, "
+                             'or list them in kv_connector_extra_config "tiers"')
         return None
     return load_connector_class(name, tc.get("kv_connector_module_path"))(ctx)  # type: ignore[call-arg]
 

@@ -41,6 +41,12 @@ from kvstore.keys import BlockKey, extend_keys, token_digest
 log = logging.getLogger("kvtier.offload")
 
 
+def backend_name(backend: StorageBackend) -> str:
+    """What /v1/kv/stats and the metrics call a tier's backend: its registry name when it was
+    built from one (plugin tiers), else its class."""
+    return getattr(backend, "name", None) or type(backend).__name__
+
+
 class WritePolicy(Enum):
     """When G1 blocks are copied down (SGLang HiCache's names)."""
 
@@ -589,15 +595,15 @@ class TieredOffloadConnector(KVConnector):
                        dirty_blocks=len(self._dirty))
         if self.g2 is not None:
             s = self.g2.stats
-            out["G2"] = {"hit_tokens": self.tier_hits["G2"], "miss_tokens": self.tier_misses["G2"],
+            out["G2"] = {"backend": "host", "hit_tokens": self.tier_hits["G2"], "miss_tokens": self.tier_misses["G2"],
                          "blocks": len(self.g2), "capacity_blocks": self.g2.num_slots, "corrupt": s.corrupt,
                          "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "evictions": s.evictions}
         if self.g3 is not None:
             s3 = getattr(self.g3, "stats", None)
-            out["G3"] = {"hit_tokens": self.tier_hits["G3"], "miss_tokens": self.tier_misses["G3"],
-                         **(vars(s3) if s3 is not None else {})}
+            out["G3"] = {"backend": backend_name(self.g3), "hit_tokens": self.tier_hits["G3"],
+                         "miss_tokens": self.tier_misses["G3"], **(vars(s3) if s3 is not None else {})}
         if self.g4 is not None:
-            out["G4"] = {**self.g4.stats(), "hit_tokens": self.tier_hits["G4"], "miss_tokens": self.tier_misses["G4"]}
+            out["G4"] = {"backend": backend_name(self.g4.backend), **self.g4.stats(), "hit_tokens": self.tier_hits["G4"], "miss_tokens": self.tier_misses["G4"]}
         return out
 
     def flush(self) -> None:

@@ -88,13 +88,14 @@ class EngineCore:
     def _build_connector(self, model_dir: Path) -> KVConnector | None:
         cfg, mc = self.config, self.model_config
         tc = dict(cfg.kv_transfer_config or {})
-        if not (cfg.offload_enabled or tc.get("kv_connector")):
+        if not (cfg.offload_enabled or tc):
             if self.hidden_spec is not None:
                 raise ValueError("speculative_config extract_hidden_states needs kv_transfer_config with "
                                  '{"kv_connector": "HiddenStatesConnector", "kv_connector_extra_config": '
                                  '{"shared_storage_path": DIR}}')
             return None
-        if cfg.offload_enabled and not cfg.enable_prefix_caching:
+        explicit_tiers = isinstance(tc.get("kv_connector_extra_config"), dict) and "tiers" in tc["kv_connector_extra_config"]
+        if (cfg.offload_enabled or explicit_tiers) and not cfg.enable_prefix_caching:
             raise ValueError("KV offload needs prefix caching (block keys); drop --no-enable-prefix-caching")
         if "kv_load_failure_policy" in tc:
             object.__setattr__(cfg, "kv_load_failure_policy", LoadFailurePolicy(tc["kv_load_failure_policy"]))

@@ -75,6 +75,8 @@ class DiskConfig:
 class DiskBackend(StorageBackend):
     """The G3 tier. See the module docstring for the format and guarantees."""
 
+    name = "disk"  # its name in a tier stack (connectors.stack) and in /v1/kv/stats
+
     def __init__(
         self, root: Path | str, capacity_bytes: int, namespace: bytes, policy: str = "lru",
         fsync: bool = False, retry_after_s: float = 30.0, secret: bytes | None = None,

@@ -162,6 +162,8 @@ def _connect(cfg: RemoteConfig) -> Any:
 class RedisBackend(StorageBackend):
     """Blocks in Redis/Valkey (see the module docstring). `client` is for tests."""
 
+    name = "redis"  # its name in a tier stack (connectors.stack) and in /v1/kv/stats
+
     def __init__(self, cfg: RemoteConfig, client: Any = None) -> None:
         import redis
         import redis.exceptions

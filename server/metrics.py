@@ -61,17 +61,20 @@ class _EngineCollector(Collector):
         bad = CounterMetricFamily(P + "offload_corrupt_entries", "Tier entries found corrupt and dropped.",
                                   labels=lab + ["tier"])
         evict = CounterMetricFamily(P + "offload_evictions", "Blocks evicted from an offload tier.", labels=lab + ["tier"])
+        info = GaugeMetricFamily(P + "offload_tier_info", "The storage backend of each offload tier (value 1).",
+                                 labels=lab + ["tier", "backend"])
         for tier in OFFLOAD_TIERS:
             t = tiers.get(tier)
             if not t:
                 continue
+            info.add_metric(m + [tier, str(t.get("backend", "unknown"))], 1)
             hits.add_metric(m + [tier], t.get("hit_tokens", 0))
             miss.add_metric(m + [tier], t.get("miss_tokens", 0))
             moved.add_metric(m + [tier, "in"], t.get("bytes_in", t.get("bytes_written", 0)))
             moved.add_metric(m + [tier, "out"], t.get("bytes_out", t.get("bytes_read", 0)))
             bad.add_metric(m + [tier], t.get("corrupt", 0))
             evict.add_metric(m + [tier], t.get("evictions", 0))
-        yield from (hits, miss, moved, bad, evict)
+        yield from (info, hits, miss, moved, bad, evict)
 
 
 class Metrics:

@@ -56,3 +56,23 @@ class TestInstalledExampleBackend(BackendConformance):
 
     def make_backend(self, tmp_path):
         return load_backend("example-dir", root=tmp_path / "store")
+
+
+def test_installed_backend_is_selected_as_a_tier_by_name(installed_example, ckpt_dir, tmp_path: Path) -> None:
+    """Issue 13: the entry-point name in `kv_connector_extra_config["tiers"]`; a second engine on
+    the same store (G1 and G2 empty) gets its prefix from the plugin, with offload-off outputs."""
+    from offload_helpers import KIND, hit_tokens, offload_llm, reference, run, tokens, workload
+
+    model, prompts = ckpt_dir(KIND), workload()
+    tc = {"kv_connector": "TieredOffloadConnector",
+          "kv_connector_extra_config": {"tiers": [{"backend": "example-dir", "root": str(tmp_path / "kv")}]}}
+    for attempt in range(2):
+        llm = offload_llm(model, kv_transfer_config=tc)
+        try:
+            outs = run(llm, prompts)
+            assert tokens(outs) == reference(model, prompts)
+            got = [o.cached_tokens_by_tier.get("G3", 0) for o in outs]
+            assert got == ([0] * len(prompts) if attempt == 0 else [hit_tokens(len(p)) for p in prompts])
+            assert llm.get_stats().tiers["G3"]["backend"] == "example-dir"
+        finally:
+            llm.close()

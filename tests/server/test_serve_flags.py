@@ -122,3 +122,25 @@ def test_bad_flags_exit_2_with_a_message(ckpt_dir, tmp_path):
         r = run_cli(*args)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_plugin_backend_tier_through_the_server(ckpt_dir, tmp_path):
+    """Issue 13: a plugin backend given in --kv-transfer-config "tiers" (by module:Class) serves
+    the repeated prompt once G1 lost it; /v1/kv/stats and /metrics list it as a tier."""
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "kvtier-example-backend"
+    plugin = "kvtier_example_backend:DirBackend"
+    tc = {"kv_connector": "TieredOffloadConnector",
+          "kv_connector_extra_config": {"tiers": [{"backend": plugin, "root": str(tmp_path / "kv")}]}}
+    srv = start_server(str(ckpt_dir("llama")), "--num-gpu-blocks", str(G1_BLOCKS), "--dtype", "float32",
+                       "--kv-transfer-config", json.dumps(tc),
+                       env={"PYTHONPATH": f"{Path(__file__).resolve().parents[2]}:{example}"})
+    try:
+        _, stats, metrics = second_pass_tier(srv, "plugin")
+        g3 = stats["tiers"]["G3"]
+        assert g3["backend"] == plugin and g3["hit_tokens"] >= 256 and g3["hits"] > 0, stats
+        assert metric(metrics, "kvtier:offload_tier_info", tier="G3", backend=plugin) == 1
+        assert metric(metrics, "kvtier:offload_hit_tokens_total", tier="G3") == g3["hit_tokens"]
+    finally:
+        assert srv.stop() == 0

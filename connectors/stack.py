@@ -1,0 +1,177 @@
+"""The offload tier stack: which storage sits below G1, from flags or from an explicit list.
+
+Two ways to say it, never both:
+
+- **Flags** (unchanged): `kv_offloading_size` (G2, host memory), `kv_offload_disk` (G3, the
+  built-in disk backend), `kv_offload_remote` (G4, Redis/Valkey), tuned by the flat
+  `kv_connector_extra_config` keys in `FLAG_STACK_KEYS`.
+- **An explicit stack**: `kv_connector_extra_config = {"tiers": [{"backend": ...}, ...]}`, top
+  first. `host` (G2) may only come first; below it come at most two storage tiers (G3, then G4):
+  `disk`, `redis`, or any storage backend by name (built-in `memory`, a `kvtier.backends` entry
+  point) or `module:Class`. A plugin backend's options go to its constructor; it is wrapped in
+  `kvstore.sealed.SealedBackend`, so its entries are namespaced by the model and checked on read
+  (with the KV secret, MAC'd) like the built-in tiers'.
+
+The first storage tier is read with several reads in flight and written in order; the second is
+read and written in batches and written only after `min_uses` uses. Those roles are the
+connector's today; a stack of three or more storage tiers is refused with that reason.
+
+Every key is checked: an unknown one, an unknown backend, or options a backend refuses raise
+ValueError naming it.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+HOST = "host"
+# Flat keys of the flag-built stack (and what each tunes).
+FLAG_STACK_KEYS = {
+    "g2_eviction_policy": "G2's eviction policy", "g3_eviction_policy": "G3's eviction policy",
+    "g3_timeout_s": "G3 read timeout", "g3_read_threads": "G3 reads in flight",
+    "g4_prefix": "G4 key prefix", "g4_ttl_s": "G4 entry TTL", "g4_timeout_s": "G4 socket timeout",
+    "g4_min_uses": "uses before a block is written to G4",
+}
+# Keys of the connector itself, valid with either form.
+CONNECTOR_KEYS = {"write_policy", "block_size"}
+TIERS_KEY = "tiers"
+# Options every storage tier takes by its position (not passed to the backend).
+FIRST_TIER_OPTIONS = {"read_threads": 4, "read_timeout_s": 10.0}
+SECOND_TIER_OPTIONS = {"min_uses": 1}
+_BUILTIN_OPTIONS = {
+    HOST: {"size_gib", "eviction_policy"},
+    "disk": {"path", "size_gib", "eviction_policy"},
+    "redis": {"url", "prefix", "ttl_s", "timeout_s"},
+}
+MAX_STORAGE_TIERS = 2
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One entry of the stack: a backend name and the options given for it."""
+
+    backend: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError("each tier needs \"backend\": a backend name or module:Class")
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    """The validated explicit stack: `host` (or None) and the storage tiers below it, in order."""
+
+    host: TierSpec | None
+    storage: tuple[TierSpec, ...]
+
+
+def check_extra_keys(extra: dict[str, Any], flags_set: bool) -> None:
+    """ValueError for any key the tiered connector does not take, or for mixing the two forms."""
+    known = set(FLAG_STACK_KEYS) | CONNECTOR_KEYS | {TIERS_KEY}
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown} for the tiered offload connector; "
+                         f"known: {sorted(known)}")
+    if TIERS_KEY in extra:
+        flat = sorted(set(extra) & set(FLAG_STACK_KEYS))
+        if flat:
+            raise ValueError(f"{flat} tune the flag-built stack; with \"tiers\" give each tier its own options")
+        if flags_set:
+            raise ValueError("give the offload tiers either as flags (kv_offloading_size, kv_offload_disk, "
+                             "kv_offload_remote) or as kv_connector_extra_config \"tiers\", not both")
+
+
+def parse_stack(raw: Any) -> StackSpec:
+    """The `tiers` list, checked for shape; each backend's own options are checked when it is built."""
+    if not isinstance(raw, list) or not raw:
+        raise ValueError("\"tiers\" must be a non-empty list of {\"backend\": NAME, ...options} objects")
+    specs = []
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, dict) or "backend" not in entry:
+            raise ValueError(f"tiers[{i}] must be an object with a \"backend\" key; got {entry!r}")
+        opts = {k: v for k, v in entry.items() if k != "backend"}
+        specs.append(TierSpec(entry["backend"], opts))
+    host = specs[0] if specs[0].backend == HOST else None
+    storage = tuple(specs[1:] if host else specs)
+    if any(s.backend == HOST for s in storage):
+        raise ValueError("the host tier (G2) can only be the first entry of \"tiers\"")
+    if len(storage) > MAX_STORAGE_TIERS:
+        raise ValueError(f"at most {MAX_STORAGE_TIERS} storage tiers below host memory (G3, G4) are supported; "
+                         f"got {len(storage)}: {[s.backend for s in storage]}")
+    for pos, spec in enumerate(storage):
+        role = FIRST_TIER_OPTIONS if pos == 0 else SECOND_TIER_OPTIONS
+        other = SECOND_TIER_OPTIONS if pos == 0 else FIRST_TIER_OPTIONS
+        wrong = sorted(set(spec.options) & set(other) - set(role))
+        if wrong:
+            raise ValueError(f"tier option(s) {wrong} of {spec.backend!r} apply to the "
+                             f"{'second' if pos == 0 else 'first'} storage tier, not this one")
+    return StackSpec(host, storage)
+
+
+def split_options(spec: TierSpec, role: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the tier's positional options with defaults, the backend's own options)."""
+    mine = {k: spec.options.get(k, v) for k, v in role.items()}
+    return mine, {k: v for k, v in spec.options.items() if k not in role}
+
+
+def check_builtin_options(spec: TierSpec, options: dict[str, Any], required: tuple[str, ...]) -> None:
+    allowed = _BUILTIN_OPTIONS[spec.backend]
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for the {spec.backend!r} tier; it takes {sorted(allowed)}")
+    missing = [k for k in required if k not in options]
+    if missing:
+        raise ValueError(f"the {spec.backend!r} tier needs {missing}")
+
+
+REQUIRED = {HOST: ("size_gib",), "disk": ("path",), "redis": ("url",)}
+
+
+def check_stack(spec: StackSpec) -> None:
+    """Every tier's options, checked without building anything (no files, no connections): the
+    built-ins' against their option lists, a plugin's against its constructor's signature."""
+    if spec.host is not None:
+        check_builtin_options(spec.host, spec.host.options, REQUIRED[HOST])
+    for pos, tier in enumerate(spec.storage):
+        _, opts = split_options(tier, FIRST_TIER_OPTIONS if pos == 0 else SECOND_TIER_OPTIONS)
+        if tier.backend in REQUIRED:
+            check_builtin_options(tier, opts, REQUIRED[tier.backend])
+        else:
+            plugin_class(tier, opts)
+
+
+def plugin_class(spec: TierSpec, options: dict[str, Any]) -> type:
+    """The backend class `spec` names, after checking that its constructor takes `options`."""
+    from connectors.registry import load_backend_class
+
+    cls = load_backend_class(spec.backend)
+    try:
+        inspect.signature(cls).bind(**options)
+    except TypeError as e:
+        raise ValueError(f"backend {spec.backend!r} does not take options {sorted(options)}: {e}") from None
+    return cls
+
+
+def build_plugin(spec: TierSpec, options: dict[str, Any], namespace: bytes, secret: bytes | None) -> Any:
+    """A storage backend by registry name or module:Class, built with `options`, sealed."""
+    from kvstore.sealed import SealedBackend
+
+    cls = plugin_class(spec, options)
+    try:
+        inner = cls(**options)
+    except (TypeError, ValueError, OSError) as e:
+        raise ValueError(f"backend {spec.backend!r} rejected its options {sorted(options)}: {e}") from e
+    return SealedBackend(inner, namespace, secret, name=spec.backend)
+
+
+def disk_path(options: dict[str, Any]) -> Path:
+    path = options["path"]
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"the disk tier's \"path\" must be a directory path; got {path!r}")
+    return Path(path)

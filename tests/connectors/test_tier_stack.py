@@ -1,0 +1,185 @@
+"""Issue 13: any storage backend is a tier, chosen by `kv_connector_extra_config["tiers"]`.
+
+The plugin here is the out-of-tree example (`examples/kvtier-example-backend`, one file per key),
+named by `module:Class`; tests/connectors/test_plugin_install.py selects it by its entry-point
+name once pip-installed. Oracle: the same prompts with offload off (offload_helpers.reference).
+A restart (a new LLM on the same store) is what flushes G1 and G2.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from offload_helpers import KIND, check_integrity, hit_tokens, offload_llm, reference, run, tokens, workload
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "kvtier-example-backend"
+PLUGIN = "kvtier_example_backend:DirBackend"
+PROMPTS = workload()
+
+
+@pytest.fixture(autouse=True)
+def example_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+
+
+@pytest.fixture(scope="module")
+def model_dir(ckpt_dir):
+    return ckpt_dir(KIND)
+
+
+def stack_llm(model_dir, tiers: list[dict], **kw):
+    tc = {"kv_connector": "TieredOffloadConnector", "kv_connector_extra_config": {"tiers": tiers}}
+    return offload_llm(model_dir, kv_transfer_config=tc, **kw)
+
+
+def plugin_tier(root: Path, **opts) -> dict:
+    return {"backend": PLUGIN, "root": str(root), **opts}
+
+
+def test_plugin_backend_serves_hits_after_a_restart(model_dir, tmp_path):
+    ref = reference(model_dir, PROMPTS)
+    tiers = [{"backend": "host", "size_gib": 0.05}, plugin_tier(tmp_path / "store")]
+    llm = stack_llm(model_dir, tiers)
+    try:
+        assert tokens(run(llm, PROMPTS)) == ref
+        llm.engine.connector.flush()
+        written = llm.get_stats().tiers["G3"]
+        assert written["backend"] == PLUGIN and written["bytes_written"] > 0
+    finally:
+        llm.close()
+    assert list((tmp_path / "store").glob("*.blk")), "nothing reached the plugin's store"
+    llm = stack_llm(model_dir, tiers)  # G1 and G2 empty: everything below G1 comes from the plugin
+    try:
+        outs = run(llm, PROMPTS)
+        assert tokens(outs) == ref
+        assert [o.cached_tokens_by_tier.get("G3", 0) for o in outs] == [hit_tokens(len(p)) for p in PROMPTS]
+        g3 = llm.get_stats().tiers["G3"]
+        assert g3["hit_tokens"] == sum(hit_tokens(len(p)) for p in PROMPTS) and g3["hits"] > 0
+        assert g3["corrupt"] == 0
+        check_integrity(llm)
+    finally:
+        llm.close()
+
+
+def test_plugin_tier_alone_and_as_second_storage_tier(model_dir, tmp_path):
+    """No host tier (the plugin is the only tier), then the plugin below the built-in disk (G4
+    position, batched reuse-gated writes)."""
+    ref = reference(model_dir, PROMPTS)
+    for tiers, name in (([plugin_tier(tmp_path / "a")], "G3"),
+                        ([{"backend": "disk", "path": str(tmp_path / "d"), "size_gib": 0.5},
+                          plugin_tier(tmp_path / "b", min_uses=1)], "G4")):
+        llm = stack_llm(model_dir, tiers)
+        try:
+            assert tokens(run(llm, PROMPTS)) == ref
+            llm.engine.connector.flush()
+        finally:
+            llm.close()
+        if name == "G4":  # take the disk away: the hits must come from the plugin
+            for f in (tmp_path / "d").rglob("*"):
+                if f.is_file():
+                    f.unlink()
+        llm = stack_llm(model_dir, tiers)
+        try:
+            outs = run(llm, PROMPTS)
+            assert tokens(outs) == ref
+            assert sum(o.cached_tokens_by_tier.get(name, 0) for o in outs) == sum(hit_tokens(len(p)) for p in PROMPTS)
+            assert llm.get_stats().tiers[name]["backend"] == PLUGIN
+        finally:
+            llm.close()
+
+
+def test_foreign_and_damaged_entries_in_a_plugin_store_are_never_served(model_dir, tmp_path):
+    ref = reference(model_dir, PROMPTS)
+    store = tmp_path / "store"
+    llm = stack_llm(model_dir, [plugin_tier(store)], kv_namespace="model-a")
+    try:
+        run(llm, PROMPTS)
+        llm.engine.connector.flush()
+    finally:
+        llm.close()
+    # Another model name on the same store: its keys differ, so nothing of model-a's is found.
+    llm = stack_llm(model_dir, [plugin_tier(store)], kv_namespace="model-b")
+    try:
+        outs = run(llm, PROMPTS)
+        assert tokens(outs) == ref and all(o.cached_tokens_by_tier.get("G3", 0) == 0 for o in outs)
+    finally:
+        llm.close()
+    # Damage every one of model-a's entries: each read is rejected, counted and deleted.
+    files = sorted(store.glob("*.blk"))
+    for f in files:
+        raw = bytearray(f.read_bytes())
+        raw[-1] ^= 0xFF
+        f.write_bytes(bytes(raw))
+    llm = stack_llm(model_dir, [plugin_tier(store)], kv_namespace="model-a")
+    try:
+        outs = run(llm, PROMPTS)
+        assert tokens(outs) == ref and all(o.cached_tokens_by_tier.get("G3", 0) == 0 for o in outs)
+        assert llm.get_stats().tiers["G3"]["corrupt"] >= len(PROMPTS)  # each prompt's first block at least
+    finally:
+        llm.close()
+
+
+BAD_STACKS = [
+    ({"tiers": [plugin_tier(Path("/tmp/x"))], "g3_timeout_s": 1}, "g3_timeout_s"),
+    ({"tierz": []}, "tierz"),
+    ({"tiers": [{"backend": "no-such-backend"}]}, "no-such-backend"),
+    ({"tiers": [{"backend": "no-such-backend"}]}, "memory"),  # the error lists what exists, built-ins included
+    ({"tiers": [{"backend": PLUGIN, "rot": "/tmp/x"}]}, "rot"),
+    ({"tiers": [{"backend": "disk", "path": "/tmp/x", "sizegib": 1}]}, "sizegib"),
+    ({"tiers": [{"backend": "disk"}]}, "path"),
+    ({"tiers": [{"backend": "host"}]}, "size_gib"),
+    ({"tiers": [plugin_tier(Path("/tmp/x")), {"backend": "host", "size_gib": 1}]}, "first entry"),
+    ({"tiers": [plugin_tier(Path("/tmp/x"), min_uses=2)]}, "min_uses"),
+    ({"tiers": [plugin_tier(Path("/tmp/a")), plugin_tier(Path("/tmp/b")), plugin_tier(Path("/tmp/c"))]}, "at most 2"),
+    ({"tiers": []}, "non-empty"),
+    ({"tiers": [{"size_gib": 1}]}, "backend"),
+]
+
+
+@pytest.mark.parametrize("extra,named", BAD_STACKS)
+def test_bad_stack_config_fails_at_start_naming_it(model_dir, extra, named):
+    tc = {"kv_connector": "TieredOffloadConnector", "kv_connector_extra_config": extra}
+    with pytest.raises(ValueError, match=named.replace("[", r"\[")):
+        offload_llm(model_dir, kv_transfer_config=tc)
+
+
+def test_flat_extra_keys_are_checked_too(model_dir, tmp_path):
+    tc = {"kv_connector": "TieredOffloadConnector", "kv_connector_extra_config": {"g3_backend": "sqlite"}}
+    with pytest.raises(ValueError, match="g3_backend"):
+        offload_llm(model_dir, kv_offload_disk=str(tmp_path / "d"), kv_transfer_config=tc)
+    # Extra config with no connector and no tier to apply it to is not silently dropped.
+    with pytest.raises(ValueError, match="'backend'"):
+        offload_llm(model_dir, kv_transfer_config={"kv_connector_extra_config": {"backend": "sqlite"}})
+    with pytest.raises(ValueError, match="no kv_connector"):
+        offload_llm(model_dir, kv_transfer_config={"kv_connector_extra_config": {"write_policy": "write_back"}})
+    # The explicit stack and the tier flags are two sources for one thing: refused together.
+    tc = {"kv_connector": "TieredOffloadConnector", "kv_connector_extra_config": {"tiers": [plugin_tier(tmp_path)]}}
+    with pytest.raises(ValueError, match="not both"):
+        offload_llm(model_dir, kv_offloading_size=0.05, kv_transfer_config=tc)
+
+
+def test_bad_backend_option_value_is_a_start_up_error(model_dir, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="rejected its options"):
+        stack_llm(model_dir, [plugin_tier(blocker / "store")])
+
+
+def test_serve_refuses_a_bad_stack_before_starting(model_dir, tmp_path):
+    """`kvtier serve --kv-transfer-config` with a bad stack exits 2 naming the problem, before it
+    spawns the engine (the check needs no weights)."""
+    repo = Path(__file__).resolve().parents[2]
+    for extra, named in ((({"tiers": [{"backend": "no-such-backend"}]}), "no-such-backend"),
+                         ({"tiers": [{"backend": PLUGIN, "rot": "x"}]}, "rot"),
+                         ({"bogus_key": 1}, "bogus_key")):
+        tc = {"kv_connector": "TieredOffloadConnector", "kv_connector_extra_config": extra}
+        proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", str(model_dir), "--port", "0",
+                               "--kv-transfer-config", json.dumps(tc)], cwd=repo, capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "PYTHONPATH": f"{repo}:{EXAMPLE}"})
+        assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+        assert named in proc.stderr
