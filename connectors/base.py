@@ -21,12 +21,28 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from engine.request import Request
+    from kvstore.keys import BlockKey
+
+
+class RequestView(Protocol):
+    """What a connector may read of the engine's request (`engine.request.Request` has these).
+    `block_keys` is the engine's lazily grown list of full-block keys: a connector may extend it
+    with `kvstore.keys.extend_keys`, which computes exactly what the engine would."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_tokens: int
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    block_keys: list[BlockKey]
+    cache_salt: str | None
+    priority: int
+
 
 # The offload tiers below G1, in lookup order (a request's chunks are planned in this order).
 OFFLOAD_TIERS = ("G2", "G3", "G4")
@@ -43,21 +59,28 @@ class ConnectorMeta:
 class KVConnector(ABC):
     # ---- scheduler side ----------------------------------------------------------------
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond `num_computed_tokens` (G1 hits) this connector can supply, and whether
         the load is asynchronous (the request then waits in WAITING_FOR_REMOTE_KVS). Must not
         exceed `request.num_tokens - 1 - num_computed_tokens`: the last token is always computed."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: RequestView, block_ids: list[int], num_external_tokens: int) -> None:
         """G1 blocks were allocated for the request; the external tokens go into
         `block_ids[num_computed // block_size : ...]`."""
 
     @abstractmethod
-    def build_connector_meta(self, scheduled: list[tuple[Request, int, list[int]]]) -> ConnectorMeta:
+    def build_connector_meta(self, scheduled: list[tuple[RequestView, int, list[int]]]) -> ConnectorMeta:
         """Called once per step after scheduling with (request, num_new_tokens, block_ids)."""
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def take_load_split(self, req_id: str) -> dict[str, int]:
+        """For the load just finished for `req_id`: the prompt tokens each tier was to supply,
+        in lookup order (tier name -> tokens). The engine trims it to what landed and reports it
+        per request (`cached_tokens_by_tier`). Called once per load; connectors without tiers
+        return {}."""
+        return {}
+
+    def request_finished(self, request: RequestView, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Returns (delay_free, kv_transfer_params). delay_free=True keeps the blocks until
         `get_finished` reports the request as sent."""
         return False, None

@@ -117,9 +117,8 @@ def build_tiered(ctx: ConnectorContext) -> KVConnector:
     connector = TieredOffloadConnector(ctx.layout, ctx.pool, g2, g3,
                                        g3_timeout_s=float(first["read_timeout_s"]),
                                        g3_read_threads=int(first["read_threads"]),
-                                       write_policy=write_policy, g4=g4)
+                                       write_policy=write_policy, g4=g4, events=ctx.events)
     log.info("offload write policy: %s", write_policy.value)
-    connector.events = ctx.events
     return connector
 
 

@@ -38,6 +38,13 @@ class MultiConnector(KVConnector):
         for i, c in enumerate(self.connectors):
             c.update_state_after_alloc(request, block_ids, num_external_tokens if i == chosen else 0)
 
+    def take_load_split(self, req_id):
+        for c in self.connectors:
+            split = c.take_load_split(req_id)
+            if split:
+                return split
+        return {}
+
     def build_connector_meta(self, scheduled):
         return MultiMeta(parts=[c.build_connector_meta(scheduled) for c in self.connectors])
 

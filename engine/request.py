@@ -80,7 +80,6 @@ class Request:
         self.abort_requested = False  # aborted while loading: finished once the load lands
         # Prompt tokens not computed, by the tier that supplied them ("G1", "G2", "G3", "G4").
         self.cached_by_tier: dict[str, int] = {}
-        self.pending_by_tier: dict[str, int] = {}  # set by the connector for the load in flight
 
     @property
     def num_tokens(self) -> int:

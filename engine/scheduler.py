@@ -12,7 +12,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from connectors.base import OFFLOAD_TIERS, KVConnector
+from connectors.base import KVConnector
 from engine.config import SchedulingPolicy
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestId, RequestStatus
@@ -188,14 +188,14 @@ class Scheduler:
         self.kv.cache_full_blocks(req)
         if loaded < ext:
             req.load_failed = True
+        split = self.connector.take_load_split(req.request_id) if self.connector is not None else {}
         if not req.preempted:
-            left = loaded  # chunks were planned G2, then G3, then G4: trim the split to what landed
-            for tier in OFFLOAD_TIERS:
-                n = min(req.pending_by_tier.get(tier, 0), left)
+            left = loaded  # the split is in lookup order: trim it to what landed
+            for tier, planned in split.items():
+                n = min(planned, left)
                 left -= n
                 if n:
                     req.cached_by_tier[tier] = req.cached_by_tier.get(tier, 0) + n
-        req.pending_by_tier = {}
         req.status = RequestStatus.WAITING
         self.waiting.add(req, front=True)
         return loaded == ext

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from connectors.codec import BlockLayout, payload, write_header
-from connectors.tiered import Chunk, LoadJob, TieredOffloadConnector
+from connectors.offload_plans import Chunk, LoadDone, LoadJob
+from connectors.tiered import TieredOffloadConnector
 from kvstore.g1 import BlockId, BlockPool
 from kvstore.host import HostTier
 from kvstore.keys import BlockKey
@@ -41,15 +42,15 @@ def fill_g2(conn: TieredOffloadConnector, n: int, slot_order: list[int]) -> list
         g2._pending[c.key] = slot  # noqa: SLF001 - arrange the slab layout under test
     for c in chunks:
         buf = g2.slot_view(g2._pending[c.key])  # noqa: SLF001
-        write_header(buf, conn.layout_id, c.digest, conn.layout.payload_bytes)
+        write_header(buf, conn.layout.layout_id(), c.digest, conn.layout.payload_bytes)
         payload(buf, conn.layout).copy_(torch.randn(conn.layout.shape))
         g2.complete_store(c.key, True)
     return chunks
 
 
 def reference(conn: TieredOffloadConnector, chunks: list[Chunk], first_g1: int, dst: list[int]) -> torch.Tensor:
-    assert conn.g2 is not None and conn.kv_cache is not None
-    out = conn.kv_cache.clone()
+    assert conn.g2 is not None and conn.transfer.kv_cache is not None
+    out = conn.transfer.kv_cache.clone()
     k = conn.layout.g1_blocks
     for c in chunks:
         data = payload(conn.g2.slot_view(conn.g2._slot[c.key]), conn.layout)  # noqa: SLF001
@@ -80,14 +81,13 @@ def test_batched_scatter_matches_per_block_copy(k: int, arrangement: str, partia
     elif arrangement == "broken-runs":
         dst[len(dst) // 2:] = [b + 20 for b in dst[len(dst) // 2:]]
     expected = reference(conn, chunks, first_g1, dst)
-    job = LoadJob("r", chunks, first_g1, [BlockId(b) for b in dst], (first_g1 + len(dst)) * 4)
     assert conn.g2 is not None
-    job.g2_slots = dict(zip([c.key for c in chunks], conn.g2.prepare_load([c.key for c in chunks]) or []))
-    conn._run_load(job)  # noqa: SLF001 - the transfer thread's body, run inline
-    kind, (req_id, failed), _ = conn._done.get_nowait()  # noqa: SLF001
-    assert (kind, req_id, failed) == ("load", "r", [])
-    assert torch.equal(conn.kv_cache, expected)
-    assert conn.tier_hits["G2"] == len(dst) * conn.layout.block_size
+    slots = dict(zip([c.key for c in chunks], conn.g2.prepare_load([c.key for c in chunks]) or []))
+    job = LoadJob("r", tuple(chunks), first_g1, tuple(BlockId(b) for b in dst), (first_g1 + len(dst)) * 4, slots)
+    conn.transfer.run_load(job)  # the transfer thread's body, run inline
+    assert conn.transfer.drain() == [LoadDone("r", ())]
+    assert torch.equal(conn.transfer.kv_cache, expected)
+    assert conn.transfer.tier_hits["G2"] == len(dst) * conn.layout.block_size
     conn.g2.check_integrity()
     conn.close()
 
@@ -99,14 +99,13 @@ def test_corrupt_chunk_stops_the_run_there() -> None:
     assert conn.g2 is not None
     conn.g2.slot_view(conn.g2._slot[chunks[3].key])[0] ^= 0xFF  # noqa: SLF001 - flip the magic
     dst = list(range(10, 22))
-    before = conn.kv_cache.clone()  # type: ignore[union-attr]
+    before = conn.transfer.kv_cache.clone()  # type: ignore[union-attr]
     expected = reference(conn, chunks[:3], 0, dst)
-    job = LoadJob("r", chunks, 0, [BlockId(b) for b in dst], len(dst) * 4)
-    job.g2_slots = dict(zip([c.key for c in chunks], conn.g2.prepare_load([c.key for c in chunks]) or []))
-    conn._run_load(job)  # noqa: SLF001
-    _, (_, failed), _ = conn._done.get_nowait()  # noqa: SLF001
-    assert failed == dst[6:]
-    assert torch.equal(conn.kv_cache[:, :, 10:16], expected[:, :, 10:16])  # type: ignore[index]
-    assert torch.equal(conn.kv_cache[:, :, 16:], before[:, :, 16:])  # type: ignore[index]
+    slots = dict(zip([c.key for c in chunks], conn.g2.prepare_load([c.key for c in chunks]) or []))
+    conn.transfer.run_load(LoadJob("r", tuple(chunks), 0, tuple(BlockId(b) for b in dst), len(dst) * 4, slots))
+    (done,) = conn.transfer.drain()
+    assert done.failed_blocks == tuple(dst[6:])
+    assert torch.equal(conn.transfer.kv_cache[:, :, 10:16], expected[:, :, 10:16])  # type: ignore[index]
+    assert torch.equal(conn.transfer.kv_cache[:, :, 16:], before[:, :, 16:])  # type: ignore[index]
     assert conn.g2.stats.corrupt == 1
     conn.close()

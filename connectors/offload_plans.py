@@ -1,0 +1,65 @@
+"""The plans the offload planner (scheduler side) hands the transfer engine (worker side).
+
+Frozen: once the planner has made a plan, nothing changes it; the transfer engine reports what
+happened through `LoadDone` / `StoreDone`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvstore.g1 import BlockId
+from kvstore.keys import BlockKey
+
+
+class WritePolicy(Enum):
+    """When G1 blocks are copied down (SGLang HiCache's names)."""
+
+    WRITE_THROUGH = "write_through"  # as soon as an offload block fills: asynchronous, the default
+    WRITE_BACK = "write_back"  # when G1 evicts it: less copying, but a copy on the step loop
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One offload block of a request, found in `tier` at lookup."""
+
+    index: int  # offload block index within the request
+    key: BlockKey
+    digest: bytes
+    tier: str  # the name of the tier that holds it
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Fill `dst` (G1 blocks, in order) from `chunks`."""
+
+    req_id: str
+    chunks: tuple[Chunk, ...]
+    first_g1: int  # G1 block index (within the request) of the first block to fill
+    dst: tuple[BlockId, ...]
+    end_token: int  # the load supplies tokens before this one (the last block may hold more)
+    g2_slots: dict[BlockKey, int] = field(default_factory=dict)  # pinned by the planner
+
+
+@dataclass(frozen=True)
+class StoreJob:
+    """Copy the G1 blocks `src` (held by the planner until done) down as offload block `key`."""
+
+    key: BlockKey
+    digest: bytes
+    src: tuple[BlockId, ...]
+    priority: int
+
+
+@dataclass(frozen=True)
+class LoadDone:
+    """A load finished; `failed_blocks` are the destination blocks it did not fill."""
+
+    req_id: str
+    failed_blocks: tuple[BlockId, ...]
+
+
+@dataclass(frozen=True)
+class StoreDone:
+    """A store finished copying out of G1: the planner may release its G1 blocks."""
+
+    key: BlockKey
