@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     longest = str(max(lengths))
     moved = results["runs"][longest]["hit_tokens"]["G3"] * per_token
     g2_bw, g3_bw = (results["runs"][longest]["median_load_GBps"][t] for t in ("G2", "G3"))
-    raw = raw_bandwidths(max(moved, 1), work / "g3", engines["G3"].engine.connector.g3_read_threads)
+    raw = raw_bandwidths(max(moved, 1), work / "g3", engines["G3"].engine.connector.tier("G3").read_threads)
     results["raw"] = raw
     best_read = max(raw["file_read_GBps"], raw["file_read_parallel_GBps"])
     print(f"raw torch copy {raw['torch_copy_GBps']:.2f} GB/s; raw file read {raw['file_read_GBps']:.2f} GB/s "

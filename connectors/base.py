@@ -44,8 +44,12 @@ class RequestView(Protocol):
     priority: int
 
 
-# The offload tiers below G1, in lookup order (a request's chunks are planned in this order).
-OFFLOAD_TIERS = ("G2", "G3", "G4")
+
+
+def tier_entries(stats: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The per-tier entries of a connector's `stats()` (a tier's entry has `hit_tokens`), in the
+    connector's order: G2, then its storage tiers."""
+    return {k: v for k, v in stats.items() if isinstance(v, dict) and "hit_tokens" in v}
 
 
 @dataclass

@@ -108,16 +108,13 @@ def build_tiered(ctx: ConnectorContext) -> KVConnector:
         if ob <= 0 or ob % bs:
             raise ValueError(f"offload block size {ob} must be a positive multiple of block_size {bs}")
         ctx = replace(ctx, layout=replace(ctx.layout, g1_blocks=ob // bs))
-    g2, g3, g4, first = _explicit_stack(ctx) if stack.TIERS_KEY in extra else _flag_stack(ctx)
+    g2, tiers = _explicit_stack(ctx) if stack.TIERS_KEY in extra else _flag_stack(ctx)
     policy = extra.get("write_policy", WritePolicy.WRITE_THROUGH.value)
     try:
         write_policy = WritePolicy(policy)
     except ValueError:
         raise ValueError(f"write_policy {policy!r} is not one of {[p.value for p in WritePolicy]}") from None
-    connector = TieredOffloadConnector(ctx.layout, ctx.pool, g2, g3,
-                                       g3_timeout_s=float(first["read_timeout_s"]),
-                                       g3_read_threads=int(first["read_threads"]),
-                                       write_policy=write_policy, g4=g4, events=ctx.events)
+    connector = TieredOffloadConnector(ctx.layout, ctx.pool, g2, tiers, write_policy=write_policy)
     log.info("offload write policy: %s", write_policy.value)
     return connector
 
@@ -126,24 +123,25 @@ def _flags_set(ctx: ConnectorContext) -> bool:
     return bool(ctx.offloading_size_gib) or ctx.disk_path is not None or bool(ctx.remote_url)
 
 
-def _flag_stack(ctx: ConnectorContext) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """G2, G3 and G4 from the flags and the flat extra-config keys (the default stack)."""
+def _flag_stack(ctx: ConnectorContext) -> tuple[Any, list[Any]]:
+    """The default stack from the flags and the flat extra-config keys: G2 host memory, G3 the
+    disk, G4 Redis/Valkey."""
     extra = ctx.extra_config
     g2 = _host(ctx, ctx.offloading_size_gib, extra.get("g2_eviction_policy")) if ctx.offloading_size_gib else None
-    g3 = None
+    tiers = []
     if ctx.disk_path is not None:
-        g3 = _disk(ctx, Path(ctx.disk_path), ctx.disk_size_gib, extra.get("g3_eviction_policy"))
-    g4 = None
+        disk = _disk(ctx, Path(ctx.disk_path), ctx.disk_size_gib, extra.get("g3_eviction_policy"))
+        tiers.append(_parallel(ctx, "G3", disk, {"read_threads": extra.get("g3_read_threads", 4),
+                                                 "read_timeout_s": extra.get("g3_timeout_s", 10.0)}))
     if ctx.remote_url:
         ttl = extra.get("g4_ttl_s")
-        g4 = _remote(_redis(ctx, str(ctx.remote_url), str(extra.get("g4_prefix", "kvtier")),
-                            None if ttl is None else float(ttl), float(extra.get("g4_timeout_s", 0.5))),
-                     int(extra.get("g4_min_uses", 1)))
-    first = {"read_timeout_s": extra.get("g3_timeout_s", 10.0), "read_threads": extra.get("g3_read_threads", 4)}
-    return g2, g3, g4, first
+        redis = _redis(ctx, str(ctx.remote_url), str(extra.get("g4_prefix", "kvtier")),
+                       None if ttl is None else float(ttl), float(extra.get("g4_timeout_s", 0.5)))
+        tiers.append(_batched("G4", redis, int(extra.get("g4_min_uses", 1))))
+    return g2, tiers
 
 
-def _explicit_stack(ctx: ConnectorContext) -> tuple[Any, Any, Any, dict[str, Any]]:
+def _explicit_stack(ctx: ConnectorContext) -> tuple[Any, list[Any]]:
     """G2 and the storage tiers below it from `extra_config["tiers"]`."""
     from connectors import stack
 
@@ -152,26 +150,40 @@ def _explicit_stack(ctx: ConnectorContext) -> tuple[Any, Any, Any, dict[str, Any
     g2 = None
     if spec.host is not None:
         g2 = _host(ctx, float(spec.host.options["size_gib"]), spec.host.options.get("eviction_policy"))
-    built, first = [], dict(stack.FIRST_TIER_OPTIONS)
-    for pos, tier in enumerate(spec.storage):
-        mine, opts = stack.split_options(tier, stack.FIRST_TIER_OPTIONS if pos == 0 else stack.SECOND_TIER_OPTIONS)
-        if pos == 0:
-            first = mine
-        if tier.backend == "disk":
+    tiers = []
+    for st in spec.storage:
+        opts = st.backend_options
+        if st.tier.backend == "disk":
             backend = _disk(ctx, stack.disk_path(opts), float(opts.get("size_gib", 10.0)), opts.get("eviction_policy"))
-        elif tier.backend == "redis":
+        elif st.tier.backend == "redis":
             ttl = opts.get("ttl_s")
             backend = _redis(ctx, str(opts["url"]), str(opts.get("prefix", "kvtier")),
                              None if ttl is None else float(ttl), float(opts.get("timeout_s", 0.5)))
         else:
-            backend = stack.build_plugin(tier, opts, ctx.fingerprint, ctx.kv_secret)
-            log.info("G%d: storage backend %r (%s)", pos + 3, tier.backend, type(backend.inner).__name__)
-        built.append(_remote(backend, int(mine["min_uses"])) if pos == 1 else backend)
-    g3 = built[0] if built else None
-    g4 = built[1] if len(built) > 1 else None
-    if g2 is None and g3 is None:
+            backend = stack.build_plugin(st.tier, opts, ctx.fingerprint, ctx.kv_secret)
+            log.info("%s: storage backend %r (%s)", st.name, st.tier.backend, type(backend.inner).__name__)
+        tiers.append(_batched(st.name, backend, int(st.mode_options["min_uses"])) if st.batched
+                     else _parallel(ctx, st.name, backend, st.mode_options))
+    if g2 is None and not tiers:
         raise ValueError("\"tiers\" names no tier")
-    return g2, g3, g4, first
+    return g2, tiers
+
+
+def _parallel(ctx: ConnectorContext, name: str, backend: Any, opts: dict[str, Any]) -> Any:
+    from connectors.storage_tier import StorageTier
+
+    return StorageTier.parallel(name, backend, read_threads=int(opts["read_threads"]),
+                                read_timeout_s=float(opts["read_timeout_s"]), events=ctx.events,
+                                block_tokens=ctx.layout.tokens)
+
+
+def _batched(name: str, backend: Any, min_uses: int) -> Any:
+    """A batched tier: reuse-gated batched writes and batched reads around `backend`."""
+    from connectors.remote_tier import RemoteTier
+    from connectors.storage_tier import StorageTier
+
+    log.info("%s: written after %d use(s)", name, min_uses)
+    return StorageTier.batched(name, RemoteTier(backend, name=name, min_uses=min_uses))
 
 
 def _host(ctx: ConnectorContext, size_gib: float, policy: str | None) -> Any:
@@ -191,10 +203,10 @@ def _host(ctx: ConnectorContext, size_gib: float, policy: str | None) -> Any:
 def _disk(ctx: ConnectorContext, path: Path, size_gib: float, policy: str | None) -> Any:
     from kvstore.disk import DiskBackend
 
-    g3 = DiskBackend(path, int(size_gib * 2**30), ctx.fingerprint, policy=policy or ctx.eviction_policy,
-                     secret=ctx.kv_secret)
-    log.info("G3: %s (%.1f GiB, %d entries found)", path, size_gib, len(g3))
-    return g3
+    disk = DiskBackend(path, int(size_gib * 2**30), ctx.fingerprint, policy=policy or ctx.eviction_policy,
+                       secret=ctx.kv_secret)
+    log.info("disk tier: %s (%.1f GiB, %d entries found)", path, size_gib, len(disk))
+    return disk
 
 
 def _redis(ctx: ConnectorContext, url: str, prefix: str, ttl_s: float | None, timeout_s: float) -> Any:
@@ -206,14 +218,6 @@ def _redis(ctx: ConnectorContext, url: str, prefix: str, ttl_s: float | None, ti
     backend = RedisBackend(cfg)
     log.info("Redis tier: %s (key prefix %s, TTL %s)", backend.url, cfg.prefix, f"{cfg.ttl_s:g}s" if cfg.ttl_s else "none")
     return backend
-
-
-def _remote(backend: Any, min_uses: int) -> Any:
-    """The second storage tier's batched, reuse-gated writer around `backend`."""
-    from connectors.remote_tier import RemoteTier
-
-    log.info("G4: written after %d use(s)", min_uses)
-    return RemoteTier(backend, min_uses=min_uses)
 
 
 def build_hidden_states(ctx: ConnectorContext) -> KVConnector:

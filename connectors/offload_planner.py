@@ -1,32 +1,28 @@
 """The offload planner (scheduler side): lookups, load and store plans, counters. No tensors.
 
-Lookup: at admission, the longest run of consecutive offload blocks found in G2, then G3, then
-G4 (each tier asked only for what the ones above lack). Load plan: the G1 blocks to fill and the
+Lookup: at admission, the longest run of consecutive offload blocks found in G2, then in each
+storage tier in order (each tier asked only for what the ones above lack). Load plan: the G1 blocks to fill and the
 G2 slots to read, pinned here so the slots cannot be evicted before the transfer engine reads
 them. Store plan: each offload block a step completes, its G1 blocks held (an extra ref) until
 the transfer engine reports the copy done; with write-back, marked dirty instead.
 """
 from __future__ import annotations
 
-import logging
-
-from connectors.backend import BackendError, StorageBackend
 from connectors.base import ConnectorMeta, RequestView
 from connectors.codec import BlockLayout
 from connectors.offload_plans import Chunk, LoadJob, StoreJob
-from connectors.remote_tier import RemoteTier
+from connectors.offload_transfer import HOST
+from connectors.storage_tier import StorageTier
 from connectors.writeback import WriteBackTracker
 from kvstore.g1 import BlockId, BlockPool
 from kvstore.host import HostTier
 from kvstore.keys import BlockKey, extend_keys, token_digest
 
-log = logging.getLogger(__name__)
-
 
 class OffloadPlanner:
-    def __init__(self, layout: BlockLayout, pool: BlockPool, g2: HostTier | None, g3: StorageBackend | None,
-                 g4: RemoteTier | None, write_back: WriteBackTracker | None) -> None:
-        self.layout, self.pool, self.g2, self.g3, self.g4 = layout, pool, g2, g3, g4
+    def __init__(self, layout: BlockLayout, pool: BlockPool, g2: HostTier | None, tiers: list[StorageTier],
+                 write_back: WriteBackTracker | None) -> None:
+        self.layout, self.pool, self.g2, self.tiers = layout, pool, g2, tiers
         self.write_back = write_back
         self.g1_per_chunk = layout.g1_blocks
         self._plans: dict[str, tuple[int, list[Chunk]]] = {}  # req id -> (computed tokens, chunks found)
@@ -36,7 +32,8 @@ class OffloadPlanner:
         self._inflight: set[BlockKey] = set()
         self._counted: set[str] = set()  # requests whose lookup is already in the stats
         self._held: dict[BlockKey, tuple[BlockId, ...]] = {}  # G1 refs held by stores in flight
-        self.tier_misses: dict[str, int] = {"G2": 0, "G3": 0, "G4": 0}  # tokens looked up and not found there
+        # tokens looked up in each tier and not found there
+        self.tier_misses: dict[str, int] = dict.fromkeys([HOST, *(t.name for t in tiers)], 0)
         self.lookup_tokens = 0  # tokens looked up below G1
 
     def _chunk_keys(self, request: RequestView, start: int, end: int) -> list[tuple[int, BlockKey, bytes]]:
@@ -60,28 +57,19 @@ class OffloadPlanner:
         # Admission may be retried while G1 is full: count each request's lookup once.
         count = request.request_id not in self._counted
         self._counted.add(request.request_id)
+        rest = cands
         if self.g2 is not None:
             n = self.g2.lookup([c[1] for c in cands], [c[2] for c in cands])
-            found = [Chunk(j, key, dig, "G2") for j, key, dig in cands[:n]]
-            self.tier_misses["G2"] += (len(cands) - n) * t * count
-        rest = cands[len(found):]
-        if rest and self.g3 is not None:
-            try:
-                exists = self.g3.exists([c[1] for c in rest])
-            except (BackendError, OSError) as e:
-                log.warning("G3 lookup failed, treating as a miss: %s", e)
-                exists = []
-            before = len(found)
-            for (j, key, dig), ok in zip(rest, exists):
-                if not ok:
-                    break
-                found.append(Chunk(j, key, dig, "G3"))
-            self.tier_misses["G3"] += (len(rest) - (len(found) - before)) * t * count
-        rest = cands[len(found):]
-        if rest and self.g4 is not None:
-            n = self.g4.lookup([c[1] for c in rest])  # one round trip for the whole prompt
-            found += [Chunk(j, key, dig, "G4") for j, key, dig in rest[:n]]
-            self.tier_misses["G4"] += (len(rest) - n) * t * count
+            found = [Chunk(j, key, dig, HOST) for j, key, dig in cands[:n]]
+            self.tier_misses[HOST] += (len(cands) - n) * t * count
+            rest = cands[n:]
+        for tier in self.tiers:
+            if not rest:
+                break
+            n = tier.lookup([c[1] for c in rest])
+            found += [Chunk(j, key, dig, tier.name) for j, key, dig in rest[:n]]
+            self.tier_misses[tier.name] += (len(rest) - n) * t * count
+            rest = rest[n:]
         self.lookup_tokens += (last - first) * t * count
         if not found:
             return 0
@@ -98,7 +86,7 @@ class OffloadPlanner:
         end = num_computed + num_external_tokens
         g2_slots: dict[BlockKey, int] = {}
         if self.g2 is not None:
-            g2_keys = [c.key for c in chunks if c.tier == "G2"]
+            g2_keys = [c.key for c in chunks if c.tier == HOST]
             slots = self.g2.prepare_load(g2_keys) if g2_keys else []
             if slots is None:  # evicted since lookup: load nothing, report failure
                 chunks = []

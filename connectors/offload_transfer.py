@@ -1,14 +1,14 @@
 """The offload transfer engine (worker side): moves bytes between G1 and the tiers below it.
 
-Threads: one FIFO transfer thread runs loads and G1 -> G2 stores in order; one thread writes G3
-in order (bounded: past `max_pending_writes` a store waits on the transfer thread, never on the
-step loop); a small pool reads G3 (several reads in flight) and runs G4 round trips. It changes
-no scheduling state: it reports each finished load or store as a `LoadDone` / `StoreDone`, which
-the connector hands to the planner.
+Threads: one FIFO transfer thread runs loads and G1 -> G2 stores in order; each parallel storage
+tier writes on its own thread (`storage_tier.OrderedWriter`); a small pool runs the storage
+tiers' reads. It changes no scheduling state: it reports each finished load or store as a
+`LoadDone` / `StoreDone`, which the connector hands to the planner.
 
-A load walks the job's chunks in lookup order (G2, then G3, then G4), stops at the first chunk
-that is missing, damaged or late, and reports the G1 blocks it did not fill. A G3 or G4 hit is
-promoted into G2 on the way (and a G4 hit into G3 too). A failing tier is a miss and a log line.
+A load walks the job's chunks in lookup order (G2, then the storage tiers top-down), stops at
+the first chunk that is missing, damaged or late, and reports the G1 blocks it did not fill. A
+storage-tier hit is promoted into G2 on the way, and from there written to the parallel tiers
+above the one that served it. A failing tier is a miss and a log line.
 """
 from __future__ import annotations
 
@@ -22,11 +22,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from connectors.backend import BackendError, StorageBackend
 from connectors.codec import HEADER_BYTES, BlockLayout, check_header, hidden_payload, payload, write_header
 from connectors.offload_plans import Chunk, LoadDone, LoadJob, StoreDone, StoreJob
-from connectors.remote_tier import RemoteTier
-from kvstore.events import BlockStored, EventBuffer
+from connectors.storage_tier import StorageTier, TierMode
 from kvstore.g1 import BlockId
 from kvstore.host import HostTier
 from kvstore.keys import BlockKey
@@ -34,28 +32,23 @@ from kvstore.keys import BlockKey
 log = logging.getLogger(__name__)
 
 
+HOST = "G2"  # the host-memory tier's name
+
+
 class TransferEngine:
-    def __init__(self, layout: BlockLayout, g2: HostTier | None, g3: StorageBackend | None, g4: RemoteTier | None,
-                 *, g3_timeout_s: float, g3_read_threads: int, max_pending_writes: int,
-                 events: EventBuffer | None) -> None:
-        if g3_read_threads < 1:
-            raise ValueError(f"g3_read_threads must be >= 1; got {g3_read_threads}")
-        self.layout, self.g2, self.g3, self.g4, self.events = layout, g2, g3, g4, events
+    def __init__(self, layout: BlockLayout, g2: HostTier | None, tiers: list[StorageTier]) -> None:
+        self.layout, self.g2, self.tiers = layout, g2, tiers
         self.g1_per_chunk = layout.g1_blocks
         self.layout_id = layout.layout_id()
-        self.g3_timeout_s = g3_timeout_s
-        self.g3_read_threads = g3_read_threads
         self.kv_cache: torch.Tensor | None = None
         self.hidden_cache: torch.Tensor | None = None  # exported hidden states, when the layout has them
         self._xfer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-xfer")  # FIFO: loads and G2 stores
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="kvtier-g3")  # G3 writes, in order
-        self._reads = ThreadPoolExecutor(g3_read_threads, thread_name_prefix="kvtier-g3-read")
-        self._read_window = 2 * g3_read_threads  # reads one load keeps in flight
-        self._bounce: list[torch.Tensor | None] = [None] * self._read_window  # read targets outside G2
-        self._write_slots = threading.BoundedSemaphore(max_pending_writes)
+        read_threads = max((t.read_threads for t in tiers), default=1)
+        self._reads = ThreadPoolExecutor(read_threads, thread_name_prefix="kvtier-read")
+        self._bounce: list[torch.Tensor | None] = [None] * (2 * read_threads)  # read targets outside G2
         self._done: queue.SimpleQueue[LoadDone | StoreDone] = queue.SimpleQueue()
         self._progress = threading.Event()  # set with every _done item: the idle engine waits on it
-        self.tier_hits: dict[str, int] = {"G2": 0, "G3": 0, "G4": 0}  # tokens served
+        self.tier_hits: dict[str, int] = dict.fromkeys([HOST, *(t.name for t in tiers)], 0)  # tokens served
         self.load_seconds = 0.0  # wall time of load jobs on the transfer thread
         self.load_bytes = 0  # KV bytes those jobs placed into G1
         self.g2_copies = 0  # copy operations G2 loads took (fewer: longer consecutive runs)
@@ -89,32 +82,28 @@ class TransferEngine:
     # ---- loads and stores (transfer thread) -----------------------------------------
     def run_load(self, job: LoadJob) -> None:
         landed = 0  # destination blocks filled, from the first: everything after is reported failed
-        last_tier = "G2"  # the tier of the last block placed
+        last_tier = HOST  # the tier of the last block placed
         start = time.perf_counter()
         try:
-            # Lookup puts every G2 chunk before the first G3 one.
-            g2_chunks = [c for c in job.chunks if c.tier == "G2"]
+            # Lookup puts every G2 chunk first, then each tier's in the tiers' order.
+            g2_chunks = [c for c in job.chunks if c.tier == HOST]
             run: list[tuple[Chunk, int]] = []  # checked G2 chunks, with their slots
             for c in g2_chunks:
                 if not self._g2_ok(c, job):
                     break
                 run.append((c, job.g2_slots[c.key]))
             landed = self._scatter_g2(run, job)
-            if self.g4 is not None:
-                for c, slot in run:  # a reuse: counts towards g4_min_uses
-                    self.g4.note_use(c.key, lambda slot=slot: bytes(self.g2.slot_view(slot).numpy()))  # type: ignore[union-attr]
-            lower = job.chunks[len(g2_chunks):]
-            g3_chunks = [c for c in lower if c.tier == "G3"]
+            for c, slot in run:  # a reuse: counts towards the batched tiers' min_uses
+                self._note_use(self.tiers, c.key, lambda slot=slot: bytes(self.g2.slot_view(slot).numpy()))  # type: ignore[union-attr]
             complete = len(run) == len(g2_chunks)
-            if complete and g3_chunks:
-                from_g3, complete = self._load_g3(g3_chunks, job)
-                landed += from_g3
-                last_tier = "G3" if from_g3 else last_tier
-            g4_chunks = lower[len(g3_chunks):]
-            if complete and g4_chunks:
-                from_g4 = self._load_g4(g4_chunks, job)
-                landed += from_g4
-                last_tier = "G4" if from_g4 else last_tier
+            for i, tier in enumerate(self.tiers):
+                chunks = [c for c in job.chunks if c.tier == tier.name]
+                if not (complete and chunks):
+                    continue
+                load = self._load_parallel if tier.mode is TierMode.PARALLEL else self._load_batched
+                n, complete = load(i, chunks, job)
+                landed += n
+                last_tier = tier.name if n else last_tier
         except Exception as e:  # a plugin tier may raise anything: it must become a miss, never wrong KV
             log.warning("offload load for request %s failed: %s: %s", job.req_id, type(e).__name__, e)
         finally:
@@ -168,70 +157,69 @@ class TransferEngine:
                         hid.view(m, *lay.hidden_shape))
                 n = m * k
             done += n
-            self.tier_hits["G2"] += n * self.layout.block_size
+            self.tier_hits[HOST] += n * self.layout.block_size
             self.g2_copies += 1
             i = j
         return done
 
-    def _load_g3(self, chunks: list[Chunk], job: LoadJob) -> tuple[int, bool]:
-        """Reads G3 chunks with up to `g3_read_threads` reads in flight (a disk serves several
-        queued reads faster than one at a time) and scatters them in order. Each read lands in
-        a G2 slot when G2 exists (the promotion) or else in a bounce buffer. Returns the G1
-        blocks filled and whether every chunk landed; stops at the first chunk that is
-        missing, bad or late."""
+    def _load_parallel(self, i: int, chunks: list[Chunk], job: LoadJob) -> tuple[int, bool]:
+        """Reads a parallel tier's chunks with up to `read_threads` reads in flight (a disk
+        serves several queued reads faster than one at a time) and scatters them in order. Each
+        read lands in a G2 slot when G2 exists (the promotion) or else in a bounce buffer.
+        Returns the G1 blocks filled and whether every chunk landed; stops at the first chunk
+        that is missing, bad or late."""
+        tier = self.tiers[i]
+        window_size = 2 * tier.read_threads
         window: deque[tuple[Chunk, int | None, torch.Tensor, Future]] = deque()
         todo = iter(enumerate(chunks))
         landed, ok, timed_out = 0, True, False
         while True:
-            while ok and len(window) < self._read_window:
+            while ok and len(window) < window_size:
                 nxt = next(todo, None)
                 if nxt is None:
                     break
-                i, c = nxt
+                j, c = nxt
                 slot = self.g2.prepare_store(c.key, c.digest) if self.g2 is not None else None
-                buf = self.g2.slot_view(slot) if slot is not None else self._bounce_buffer(i % self._read_window)
-                window.append((c, slot, buf, self._reads.submit(self.g3.get_into, [c.key],  # type: ignore[union-attr]
+                buf = self.g2.slot_view(slot) if slot is not None else self._bounce_buffer(j % window_size)
+                window.append((c, slot, buf, self._reads.submit(tier.backend.get_into, [c.key],
                                                                 [memoryview(buf.numpy())])))
             if not window:
                 return landed, ok
             c, slot, buf, fut = window.popleft()
             try:
-                reason = None if fut.result(timeout=self.g3_timeout_s if not timed_out else 0)[0] else "miss"
+                reason = None if fut.result(timeout=tier.read_timeout_s if not timed_out else 0)[0] else "miss"
                 reason = reason or check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
             except FutureTimeout:
                 # The read may still land in `buf` later: a G2 slot used as its target stays
                 # reserved (lost) and the bounce buffers are dropped, so nothing reuses them.
                 # After one timeout the rest of the window is not waited for.
                 if not timed_out:
-                    log.warning("G3 read timed out after %.1fs; treating it as a miss", self.g3_timeout_s)
-                self._bounce = [None] * self._read_window
+                    log.warning("%s read timed out after %.1fs; treating it as a miss", tier.name, tier.read_timeout_s)
+                self._bounce = [None] * len(self._bounce)
                 ok, timed_out = False, True
                 continue
             except Exception as e:  # a plugin backend may raise anything: a miss, never wrong KV
-                log.warning("G3 read failed, treating it as a miss: %s: %s", type(e).__name__, e)
+                log.warning("%s read failed, treating it as a miss: %s: %s", tier.name, type(e).__name__, e)
                 reason = "error"
             if reason not in (None, "miss", "error"):
-                log.warning("G3 entry rejected: %s", reason)
-            if slot is not None:
-                assert self.g2 is not None
-                self.g2.complete_store(c.key, reason is None)  # promotion into G2
+                log.warning("%s entry rejected: %s", tier.name, reason)
+            self._promote(i, c.key, slot, buf, reason is None)
             if ok and reason is None:
                 n = self._scatter(buf, c.index, job)
                 landed += n
-                self.tier_hits["G3"] += n * self.layout.block_size
-                if self.g4 is not None:  # a reuse: counts towards g4_min_uses
-                    self.g4.note_use(c.key, lambda buf=buf: bytes(buf.numpy()))
+                self.tier_hits[tier.name] += n * self.layout.block_size
+                self._note_use(self.tiers[i + 1:], c.key, lambda buf=buf: bytes(buf.numpy()))  # a reuse below
             else:
                 ok = False  # later reads in flight still finish (and may still be promoted)
 
-    def _load_g4(self, chunks: list[Chunk], job: LoadJob) -> int:
-        """Reads G4 chunks in batches (one round trip each), promotes them into G2 (and from
-        there into G3), and scatters them in order. The next batch's round trip is in flight
-        while this one is checked and scattered. Returns the G1 blocks filled; stops at the
-        first chunk that is missing or bad."""
-        g4 = self.g4
-        assert g4 is not None
-        batches = [chunks[i:i + g4.batch] for i in range(0, len(chunks), g4.batch)]
+    def _load_batched(self, i: int, chunks: list[Chunk], job: LoadJob) -> tuple[int, bool]:
+        """Reads a batched tier's chunks (one round trip per batch), promotes them, and
+        scatters them in order. The next batch's round trip is in flight while this one is
+        checked and scattered. Returns the G1 blocks filled and whether every chunk landed."""
+        tier = self.tiers[i]
+        remote = tier.remote
+        assert remote is not None
+        batches = [chunks[j:j + remote.batch] for j in range(0, len(chunks), remote.batch)]
 
         def issue(batch: list[Chunk]) -> tuple[list[Chunk], list[int | None], list[torch.Tensor], Future]:
             # Targets are reserved here, on the transfer thread (which owns G2's bookkeeping);
@@ -239,7 +227,7 @@ class TransferEngine:
             slots = [self.g2.prepare_store(c.key, c.digest) if self.g2 is not None else None for c in batch]
             bufs = [self.g2.slot_view(s) if s is not None else torch.empty(self.layout.encoded_bytes, dtype=torch.uint8)
                     for s in slots]
-            return batch, slots, bufs, self._reads.submit(g4.read, [c.key for c in batch],
+            return batch, slots, bufs, self._reads.submit(remote.read, [c.key for c in batch],
                                                           [memoryview(b.numpy()) for b in bufs])
 
         landed, ok, nxt = 0, True, 0
@@ -253,19 +241,40 @@ class TransferEngine:
                 reason = None if hit else "miss"
                 reason = reason or check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
                 if reason not in (None, "miss"):
-                    log.warning("G4 entry rejected: %s", reason)
-                if slot is not None:
-                    assert self.g2 is not None
-                    self.g2.complete_store(c.key, reason is None)  # promotion into G2
-                    if reason is None and self.g3 is not None and self.g2.prepare_load([c.key]) is not None:
-                        self._submit_g3_write(c.key, buf, unpin=True, wait=False)  # ... and into G3
+                    log.warning("%s entry rejected: %s", tier.name, reason)
+                self._promote(i, c.key, slot, buf, reason is None)
                 if ok and reason is None:
                     n = self._scatter(buf, c.index, job)
                     landed += n
-                    self.tier_hits["G4"] += n * self.layout.block_size
+                    self.tier_hits[tier.name] += n * self.layout.block_size
                 else:
                     ok = False  # a batch already in flight is still promoted, not scattered
-        return landed
+        return landed, ok
+
+    def _promote(self, i: int, key: BlockKey, slot: int | None, buf: torch.Tensor, good: bool) -> None:
+        """A read from tier i that landed in G2 slot `slot`: publish it in G2 (or free the slot)
+        and, when good, write it to every parallel tier above i. The rule for every tier."""
+        if slot is None:
+            return
+        assert self.g2 is not None
+        self.g2.complete_store(key, good)
+        if good:
+            for up in self.tiers[:i]:
+                if up.mode is TierMode.PARALLEL:
+                    self._write_from_g2(up, key, buf, wait=False)
+
+    def _note_use(self, tiers: list[StorageTier], key: BlockKey, data) -> None:
+        """A store or reuse of `key`: the batched tiers among `tiers` count it towards min_uses."""
+        for t in tiers:
+            if t.remote is not None:
+                t.remote.note_use(key, data)
+
+    def _write_from_g2(self, tier: StorageTier, key: BlockKey, buf: torch.Tensor, wait: bool) -> bool:
+        """Queue a parallel tier's write of the G2 slot `buf`, pinned until written."""
+        assert self.g2 is not None and tier.writer is not None
+        if self.g2.prepare_load([key]) is None:
+            return False
+        return tier.writer.submit(key, buf, lambda: self.g2.complete_load([key]), wait)  # type: ignore[union-attr]
 
     def _bounce_buffer(self, i: int) -> torch.Tensor:
         buf = self._bounce[i]
@@ -311,9 +320,10 @@ class TransferEngine:
             self._signal(StoreDone(job.key))
 
     def store(self, job: StoreJob, wait_for_write_slot: bool) -> bool:
-        """Copies job.src out of G1 into G2 (then queues G3 from there) or, with no G2, into a
-        buffer queued for G3. False if no tier took it. Runs on the transfer thread, or on the
-        step loop for a write-back (`wait_for_write_slot=False`: a full write queue drops it)."""
+        """Copies job.src out of G1 into G2 (then writes the tiers below from there) or, with no
+        G2, into a buffer written to every storage tier. False if no tier took it. Runs on the
+        transfer thread, or on the step loop for a write-back (`wait_for_write_slot=False`: a
+        full write queue drops it)."""
         if self.g2 is not None:
             slot = self.g2.prepare_store(job.key, job.digest)
             if slot is None:
@@ -321,57 +331,29 @@ class TransferEngine:
             buf = self.g2.slot_view(slot)
             self._gather(job.src, buf, job)
             self.g2.complete_store(job.key, True, job.priority)
-            if self.g3 is not None and self.g2.prepare_load([job.key]) is not None:
-                self._submit_g3_write(job.key, buf, unpin=True, wait=wait_for_write_slot)
-            if self.g4 is not None:
-                self.g4.note_use(job.key, lambda: bytes(buf.numpy()))
+            for tier in self.tiers:
+                if tier.writer is not None:
+                    self._write_from_g2(tier, job.key, buf, wait_for_write_slot)
+            self._note_use(self.tiers, job.key, lambda: bytes(buf.numpy()))
             return True
         buf = torch.empty(self.layout.encoded_bytes, dtype=torch.uint8)
         self._gather(job.src, buf, job)
-        if self.g4 is not None:
-            self.g4.note_use(job.key, lambda: bytes(buf.numpy()))
-        if self.g3 is None:
-            return self.g4 is not None
-        return self._submit_g3_write(job.key, buf, unpin=False, wait=wait_for_write_slot)
-
-    def _submit_g3_write(self, key: BlockKey, buf: torch.Tensor, unpin: bool, wait: bool = True) -> bool:
-        # Bounded: past max_pending_writes a store waits here, on the transfer thread, never
-        # on the step loop (which passes wait=False and drops the write instead); memory
-        # stays bounded when the disk is slower than the engine.
-        if not self._write_slots.acquire(blocking=wait):
-            if unpin and self.g2 is not None:
-                self.g2.complete_load([key])
-            return False
-        self._io.submit(self._write_g3, key, buf, unpin)
-        return True
-
-    def _write_g3(self, key: BlockKey, buf: torch.Tensor, unpin: bool) -> None:
-        assert self.g3 is not None
-        try:
-            stored = self.g3.put([key], [memoryview(buf.numpy())])[0]
-            if stored and self.events is not None:
-                # G3's own evictions are internal to the backend and not reported (yet).
-                self.events.append(BlockStored([key], None, [], self.layout.tokens, "DISK"))
-        except (BackendError, OSError) as e:
-            log.warning("G3 write failed (block stays in G2 only): %s", e)
-        finally:
-            if unpin and self.g2 is not None:
-                self.g2.complete_load([key])
-            self._write_slots.release()
+        self._note_use(self.tiers, job.key, lambda: bytes(buf.numpy()))
+        taken = any(t.remote is not None for t in self.tiers)
+        for tier in self.tiers:
+            if tier.writer is not None:
+                taken = tier.writer.submit(job.key, buf, lambda: None, wait_for_write_slot) or taken
+        return taken
 
     def flush(self) -> None:
-        """Wait until every queued store and G3 write has finished."""
+        """Wait until every queued store and tier write has finished."""
         self._xfer.submit(lambda: None).result()
-        self._io.submit(lambda: None).result()
-        if self.g4 is not None:
-            self.g4.flush()
+        for tier in self.tiers:
+            tier.flush()
 
     def close(self) -> None:
         self.flush()
         self._xfer.shutdown(wait=True)
-        self._io.shutdown(wait=True)
         self._reads.shutdown(wait=True)
-        if self.g3 is not None:
-            self.g3.close()
-        if self.g4 is not None:
-            self.g4.close()
+        for tier in self.tiers:
+            tier.close()

@@ -1,8 +1,8 @@
-"""G4 beside the tiered connector: a shared remote backend (Redis/Valkey), with batched
+"""A batched storage tier's reads and writes (the default stack's G4, Redis/Valkey): batched
 asynchronous writes, an optional reuse threshold, and batched reads.
 
 The connector calls `note_use(key, data)` each time this engine stores or loads an offload
-block; the block is queued for G4 once it has been used `min_uses` times (1: write-through on
+block; the block is queued for the tier once it has been used `min_uses` times (1: write-through on
 first store). A writer thread drains the queue in batches, one pipelined round trip each. The
 queue is bounded: when the remote is slower than the engine, writes are dropped and counted,
 never waited for. Reads are one round trip per batch of blocks.
@@ -21,17 +21,34 @@ from kvstore.keys import BlockKey
 
 log = logging.getLogger("kvtier.g4")
 
-WRITTEN = -1  # a use count meaning "already in G4 (or queued for it)"
+WRITTEN = -1  # a use count meaning "already in the tier (or queued for it)"
 MAX_TRACKED = 1 << 16  # use counts kept (LRU); a forgotten key just counts from zero again
 
 
+def leading_hits(backend: StorageBackend, keys: Sequence[BlockKey], name: str) -> int:
+    """How many of `keys`, from the first, `backend` holds (one `exists` call); a failing
+    backend holds none (and the log says so)."""
+    try:
+        found = backend.exists(list(keys))
+    except (BackendError, OSError) as e:
+        log.warning("%s lookup failed, treating as a miss: %s", name, e)
+        return 0
+    n = 0
+    for ok in found:
+        if not ok:
+            break
+        n += 1
+    return n
+
+
 class RemoteTier:
-    def __init__(self, backend: StorageBackend, *, min_uses: int = 1, batch: int = 16, max_pending: int = 256) -> None:
+    def __init__(self, backend: StorageBackend, *, name: str = "remote", min_uses: int = 1, batch: int = 16,
+                 max_pending: int = 256) -> None:
         if min_uses < 1:
-            raise ValueError(f"g4_min_uses must be >= 1; got {min_uses}")
+            raise ValueError(f"{name}: min_uses must be >= 1; got {min_uses}")
         if batch < 1 or max_pending < batch:
-            raise ValueError("the G4 batch must be >= 1 and max_pending >= batch")
-        self.backend, self.min_uses, self.batch = backend, min_uses, batch
+            raise ValueError(f"{name}: the batch must be >= 1 and max_pending >= batch")
+        self.backend, self.name, self.min_uses, self.batch = backend, name, min_uses, batch
         self._uses: OrderedDict[BlockKey, int] = OrderedDict()
         self._lock = threading.Lock()
         self._q: queue.Queue[tuple[BlockKey, bytes] | None] = queue.Queue(max_pending)
@@ -40,29 +57,19 @@ class RemoteTier:
         self.written_blocks = 0
         self.dropped_writes = 0  # queue full: the remote is slower than the engine
         self.failed_writes = 0  # the remote refused or was unreachable
-        self._writer = threading.Thread(target=self._write_loop, name="kvtier-g4-write", daemon=True)
+        self._writer = threading.Thread(target=self._write_loop, name=f"kvtier-{name.lower()}-write", daemon=True)
         self._writer.start()
 
     # -- reads ---------------------------------------------------------------------------------
     def lookup(self, keys: Sequence[BlockKey]) -> int:
-        """How many of `keys`, from the first, G4 holds (one round trip)."""
-        try:
-            found = self.backend.exists(list(keys))
-        except (BackendError, OSError) as e:
-            log.warning("G4 lookup failed, treating as a miss: %s", e)
-            return 0
-        n = 0
-        for ok in found:
-            if not ok:
-                break
-            n += 1
-        return n
+        """How many of `keys`, from the first, the tier holds (one round trip)."""
+        return leading_hits(self.backend, keys, self.name)
 
     def read(self, keys: Sequence[BlockKey], outs: Sequence[Any]) -> list[bool]:
         try:
             got = self.backend.get_into(list(keys), list(outs))
         except (BackendError, OSError) as e:
-            log.warning("G4 read failed, treating as a miss: %s", e)
+            log.warning("%s read failed, treating as a miss: %s", self.name, e)
             return [False] * len(keys)
         for k, ok in zip(keys, got):
             if ok:
@@ -71,7 +78,7 @@ class RemoteTier:
 
     # -- writes --------------------------------------------------------------------------------
     def note_use(self, key: BlockKey, data: Callable[[], bytes]) -> None:
-        """Counts a use of `key`; queues `data()` for G4 when the count reaches min_uses."""
+        """Counts a use of `key`; queues `data()` for the tier when the count reaches min_uses."""
         with self._lock:
             n = self._uses.get(key, 0)
             if n == WRITTEN:
@@ -115,7 +122,7 @@ class RemoteTier:
             try:
                 stored = self.backend.put([k for k, _ in items], [v for _, v in items])
             except (BackendError, OSError, ValueError) as e:
-                log.warning("G4 write of %d blocks failed: %s", len(items), e)
+                log.warning("%s write of %d blocks failed: %s", self.name, len(items), e)
                 stored = [False] * len(items)
             for (k, _), ok in zip(items, stored):
                 if ok:

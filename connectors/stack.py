@@ -6,15 +6,15 @@ Two ways to say it, never both:
   built-in disk backend), `kv_offload_remote` (G4, Redis/Valkey), tuned by the flat
   `kv_connector_extra_config` keys in `FLAG_STACK_KEYS`.
 - **An explicit stack**: `kv_connector_extra_config = {"tiers": [{"backend": ...}, ...]}`, top
-  first. `host` (G2) may only come first; below it come at most two storage tiers (G3, then G4):
-  `disk`, `redis`, or any storage backend by name (built-in `memory`, a `kvtier.backends` entry
-  point) or `module:Class`. A plugin backend's options go to its constructor; it is wrapped in
-  `kvstore.sealed.SealedBackend`, so its entries are namespaced by the model and checked on read
-  (with the KV secret, MAC'd) like the built-in tiers'.
+  first. `host` (G2) may only come first; below it come storage tiers, named G3, G4, G5, ... by
+  position: `disk`, `redis`, or any storage backend by name (built-in `memory`, a
+  `kvtier.backends` entry point) or `module:Class`. A plugin backend's options go to its
+  constructor; it is wrapped in `kvstore.sealed.SealedBackend`, so its entries are namespaced by
+  the model and checked on read (with the KV secret, MAC'd) like the built-in tiers'.
 
-The first storage tier is read with several reads in flight and written in order; the second is
-read and written in batches and written only after `min_uses` uses. Those roles are the
-connector's today; a stack of three or more storage tiers is refused with that reason.
+Each storage tier is `parallel` (several single-key reads in flight, ordered writes: the default,
+for disks and most plugins) or `batched` (one round trip per batch, writes after `min_uses`
+uses: the default for `redis`); `"mode"` overrides it (`connectors.storage_tier`).
 
 Every key is checked: an unknown one, an unknown backend, or options a backend refuses raise
 ValueError naming it.
@@ -40,15 +40,17 @@ FLAG_STACK_KEYS = {
 # Keys of the connector itself, valid with either form.
 CONNECTOR_KEYS = {"write_policy", "block_size"}
 TIERS_KEY = "tiers"
-# Options every storage tier takes by its position (not passed to the backend).
-FIRST_TIER_OPTIONS = {"read_threads": 4, "read_timeout_s": 10.0}
-SECOND_TIER_OPTIONS = {"min_uses": 1}
+# Options a storage tier takes by its mode (not passed to the backend), with their defaults.
+MODE_KEY = "mode"
+PARALLEL_OPTIONS = {"read_threads": 4, "read_timeout_s": 10.0}
+BATCHED_OPTIONS = {"min_uses": 1}
+BATCHED_BY_DEFAULT = {"redis"}
 _BUILTIN_OPTIONS = {
     HOST: {"size_gib", "eviction_policy"},
     "disk": {"path", "size_gib", "eviction_policy"},
     "redis": {"url", "prefix", "ttl_s", "timeout_s"},
 }
-MAX_STORAGE_TIERS = 2
+MAX_STORAGE_TIERS = 6  # G3..G8: a sanity bound, not a design limit
 
 
 @dataclass(frozen=True)
@@ -64,11 +66,22 @@ class TierSpec:
 
 
 @dataclass(frozen=True)
+class StorageSpec:
+    """A storage tier of the stack: its name, mode, mode options and the backend's own options."""
+
+    name: str
+    tier: TierSpec
+    batched: bool
+    mode_options: dict[str, Any]
+    backend_options: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class StackSpec:
     """The validated explicit stack: `host` (or None) and the storage tiers below it, in order."""
 
     host: TierSpec | None
-    storage: tuple[TierSpec, ...]
+    storage: tuple[StorageSpec, ...]
 
 
 def check_extra_keys(extra: dict[str, Any], flags_set: bool) -> None:
@@ -98,26 +111,26 @@ def parse_stack(raw: Any) -> StackSpec:
         opts = {k: v for k, v in entry.items() if k != "backend"}
         specs.append(TierSpec(entry["backend"], opts))
     host = specs[0] if specs[0].backend == HOST else None
-    storage = tuple(specs[1:] if host else specs)
-    if any(s.backend == HOST for s in storage):
+    rest = specs[1:] if host else specs
+    if any(s.backend == HOST for s in rest):
         raise ValueError("the host tier (G2) can only be the first entry of \"tiers\"")
-    if len(storage) > MAX_STORAGE_TIERS:
-        raise ValueError(f"at most {MAX_STORAGE_TIERS} storage tiers below host memory (G3, G4) are supported; "
-                         f"got {len(storage)}: {[s.backend for s in storage]}")
-    for pos, spec in enumerate(storage):
-        role = FIRST_TIER_OPTIONS if pos == 0 else SECOND_TIER_OPTIONS
-        other = SECOND_TIER_OPTIONS if pos == 0 else FIRST_TIER_OPTIONS
-        wrong = sorted(set(spec.options) & set(other) - set(role))
-        if wrong:
-            raise ValueError(f"tier option(s) {wrong} of {spec.backend!r} apply to the "
-                             f"{'second' if pos == 0 else 'first'} storage tier, not this one")
-    return StackSpec(host, storage)
+    if len(rest) > MAX_STORAGE_TIERS:
+        raise ValueError(f"at most {MAX_STORAGE_TIERS} storage tiers below host memory; got {len(rest)}")
+    return StackSpec(host, tuple(_storage_spec(f"G{pos + 3}", spec) for pos, spec in enumerate(rest)))
 
 
-def split_options(spec: TierSpec, role: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the tier's positional options with defaults, the backend's own options)."""
-    mine = {k: spec.options.get(k, v) for k, v in role.items()}
-    return mine, {k: v for k, v in spec.options.items() if k not in role}
+def _storage_spec(name: str, spec: TierSpec) -> StorageSpec:
+    mode = spec.options.get(MODE_KEY, "batched" if spec.backend in BATCHED_BY_DEFAULT else "parallel")
+    if mode not in ("parallel", "batched"):
+        raise ValueError(f"tier {spec.backend!r}: \"mode\" must be \"parallel\" or \"batched\"; got {mode!r}")
+    mine, other = (BATCHED_OPTIONS, PARALLEL_OPTIONS) if mode == "batched" else (PARALLEL_OPTIONS, BATCHED_OPTIONS)
+    wrong = sorted(set(spec.options) & set(other))
+    if wrong:
+        raise ValueError(f"tier option(s) {wrong} of {spec.backend!r} apply to {'parallel' if mode == 'batched' else 'batched'} "
+                         f"tiers; this one is {mode} (set \"mode\" to change it)")
+    mode_options = {k: spec.options.get(k, v) for k, v in mine.items()}
+    backend_options = {k: v for k, v in spec.options.items() if k not in mine and k != MODE_KEY}
+    return StorageSpec(name, spec, mode == "batched", mode_options, backend_options)
 
 
 def check_builtin_options(spec: TierSpec, options: dict[str, Any], required: tuple[str, ...]) -> None:
@@ -138,12 +151,11 @@ def check_stack(spec: StackSpec) -> None:
     built-ins' against their option lists, a plugin's against its constructor's signature."""
     if spec.host is not None:
         check_builtin_options(spec.host, spec.host.options, REQUIRED[HOST])
-    for pos, tier in enumerate(spec.storage):
-        _, opts = split_options(tier, FIRST_TIER_OPTIONS if pos == 0 else SECOND_TIER_OPTIONS)
-        if tier.backend in REQUIRED:
-            check_builtin_options(tier, opts, REQUIRED[tier.backend])
+    for st in spec.storage:
+        if st.tier.backend in REQUIRED:
+            check_builtin_options(st.tier, st.backend_options, REQUIRED[st.tier.backend])
         else:
-            plugin_class(tier, opts)
+            plugin_class(st.tier, st.backend_options)
 
 
 def plugin_class(spec: TierSpec, options: dict[str, Any]) -> type:

@@ -1,5 +1,5 @@
-"""TieredOffloadConnector: G1 <-> G2 (host memory) <-> G3 (disk, or any StorageBackend)
-<-> G4 (a shared store, `connectors.remote_tier`).
+"""TieredOffloadConnector: G1 <-> G2 (host memory) <-> an ordered list of storage tiers
+(`storage_tier.StorageTier`: the built-in disk and Redis backends, or any StorageBackend).
 
 Three objects, each owning one kind of state, behind the connector API:
 - `OffloadPlanner` (scheduler side, `offload_planner.py`): lookups, load and store plans, the
@@ -13,10 +13,11 @@ come back as `LoadDone` / `StoreDone`.
 
 Write path (write-through, asynchronous): when a request's step completes an offload block
 (`layout.tokens` tokens, a multiple of G1's block size), its G1 blocks are held and a transfer
-thread gathers them into a G2 slot, then queues a G3 write of that slot, and a G4 write once
-the block has been used `g4_min_uses` times. Nothing here blocks the step loop.
+thread gathers them into a G2 slot, then queues a write of that slot to each parallel storage
+tier, and offers it to each batched one (written once used `min_uses` times). Nothing here
+blocks the step loop.
 
-Read path: the longest run of consecutive offload blocks found in G2, then G3, then G4 is
+Read path: the longest run of consecutive offload blocks found in G2, then the storage tiers, is
 loaded asynchronously into newly allocated G1 blocks while the request waits in
 WAITING_FOR_REMOTE_KVS. A load that fails (corrupt, missing, raising or hanging backend)
 reports the blocks it did not fill: the engine recomputes those tokens or fails the request, per
@@ -26,55 +27,46 @@ from __future__ import annotations
 
 from typing import Any
 
-from connectors.backend import StorageBackend
 from connectors.base import ConnectorMeta, KVConnector
 from connectors.codec import BlockLayout
 from connectors.offload_plans import LoadDone, StoreDone, WritePolicy
 from connectors.offload_planner import OffloadPlanner
-from connectors.offload_transfer import TransferEngine
-from connectors.remote_tier import RemoteTier
+from connectors.offload_transfer import HOST, TransferEngine
+from connectors.storage_tier import StorageTier
 from connectors.writeback import WriteBackTracker
-from kvstore.events import EventBuffer
 from kvstore.g1 import BlockPool
 from kvstore.host import HostTier
 
-__all__ = ["TieredOffloadConnector", "WritePolicy", "backend_name"]
-
-
-def backend_name(backend: StorageBackend) -> str:
-    """What /v1/kv/stats and the metrics call a tier's backend: its registry name when it was
-    built from one (plugin tiers), else its class."""
-    return getattr(backend, "name", None) or type(backend).__name__
+__all__ = ["TieredOffloadConnector", "WritePolicy"]
 
 
 class TieredOffloadConnector(KVConnector):
-    def __init__(self, layout: BlockLayout, pool: BlockPool, g2: HostTier | None, g3: StorageBackend | None,
-                 *, g3_timeout_s: float = 10.0, max_pending_writes: int = 64, g3_read_threads: int = 4,
-                 write_policy: WritePolicy = WritePolicy.WRITE_THROUGH, g4: RemoteTier | None = None,
-                 events: EventBuffer | None = None) -> None:
-        if g2 is None and g3 is None and g4 is None:
-            raise ValueError("the tiered offload connector needs at least one tier (G2, G3 or G4)")
+    def __init__(self, layout: BlockLayout, pool: BlockPool, g2: HostTier | None, tiers: list[StorageTier],
+                 *, write_policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> None:
+        if g2 is None and not tiers:
+            raise ValueError("the tiered offload connector needs at least one tier (host memory or storage)")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names) or HOST in names:
+            raise ValueError(f"tier names must be distinct and not {HOST!r}: {names}")
         if write_policy is WritePolicy.WRITE_BACK and not pool.enable_caching:
             raise ValueError("write_back offload needs prefix caching: blocks are written back when the "
                              "prefix cache evicts them, and without it they are never kept to be evicted")
-        self.layout, self.pool, self.g2, self.g3, self.g4 = layout, pool, g2, g3, g4
+        self.layout, self.pool, self.g2, self.tiers = layout, pool, g2, tiers
         self.write_policy = write_policy
-        self.transfer = TransferEngine(layout, g2, g3, g4, g3_timeout_s=g3_timeout_s, g3_read_threads=g3_read_threads,
-                                       max_pending_writes=max_pending_writes, events=events)
+        self.transfer = TransferEngine(layout, g2, tiers)
         self.write_back = None
         if write_policy is WritePolicy.WRITE_BACK:
             self.write_back = WriteBackTracker(pool, lambda job: self.transfer.store(job, wait_for_write_slot=False))
-        self.planner = OffloadPlanner(layout, pool, g2, g3, g4, self.write_back)
+        self.planner = OffloadPlanner(layout, pool, g2, tiers, self.write_back)
         self._failed_blocks: set[int] = set()
         self.load_failures = 0
 
-    @property
-    def g3_timeout_s(self) -> float:
-        return self.transfer.g3_timeout_s
-
-    @property
-    def g3_read_threads(self) -> int:
-        return self.transfer.g3_read_threads
+    def tier(self, name: str) -> StorageTier:
+        """The storage tier called `name` (KeyError naming the ones there are)."""
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(f"no storage tier {name!r}; tiers: {[t.name for t in self.tiers]}")
 
     # ---- scheduler side ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -144,20 +136,16 @@ class TieredOffloadConnector(KVConnector):
                        dirty_blocks=len(self.write_back))
         if self.g2 is not None:
             s = self.g2.stats
-            out["G2"] = {"backend": "host", "hit_tokens": t.tier_hits["G2"], "miss_tokens": p.tier_misses["G2"],
+            out[HOST] = {"backend": "host", "hit_tokens": t.tier_hits[HOST], "miss_tokens": p.tier_misses[HOST],
                          "blocks": len(self.g2), "capacity_blocks": self.g2.num_slots, "corrupt": s.corrupt,
                          "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "evictions": s.evictions}
-        if self.g3 is not None:
-            s3 = getattr(self.g3, "stats", None)
-            out["G3"] = {"backend": backend_name(self.g3), "hit_tokens": t.tier_hits["G3"],
-                         "miss_tokens": p.tier_misses["G3"], **(vars(s3) if s3 is not None else {})}
-        if self.g4 is not None:
-            out["G4"] = {"backend": backend_name(self.g4.backend), **self.g4.stats(),
-                         "hit_tokens": t.tier_hits["G4"], "miss_tokens": p.tier_misses["G4"]}
+        for tier in self.tiers:
+            out[tier.name] = {**tier.stats(), "hit_tokens": t.tier_hits[tier.name],
+                              "miss_tokens": p.tier_misses[tier.name]}
         return out
 
     def flush(self) -> None:
-        """Wait until every queued store and G3 write has finished."""
+        """Wait until every queued store and tier write has finished."""
         self.transfer.flush()
 
     def close(self) -> None:

@@ -2,7 +2,7 @@
 
 With `write_policy=write_back`, a filled offload block is only marked dirty. When G1 is about to
 reuse one of its blocks (the pool's evict hook), the whole offload block is copied down at once,
-synchronously, since the next forward may overwrite it; its G3 write stays asynchronous.
+synchronously, since the next forward may overwrite it; the writes below G2 stay asynchronous.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from connectors.base import OFFLOAD_TIERS
+from connectors.base import tier_entries
 
 P = "kvtier:"
 disable_created_metrics()  # no `_created` series beside every counter (vLLM turns them off too)
@@ -63,10 +63,7 @@ class _EngineCollector(Collector):
         evict = CounterMetricFamily(P + "offload_evictions", "Blocks evicted from an offload tier.", labels=lab + ["tier"])
         info = GaugeMetricFamily(P + "offload_tier_info", "The storage backend of each offload tier (value 1).",
                                  labels=lab + ["tier", "backend"])
-        for tier in OFFLOAD_TIERS:
-            t = tiers.get(tier)
-            if not t:
-                continue
+        for tier, t in tier_entries(tiers).items():
             info.add_metric(m + [tier, str(t.get("backend", "unknown"))], 1)
             hits.add_metric(m + [tier], t.get("hit_tokens", 0))
             miss.add_metric(m + [tier], t.get("miss_tokens", 0))

@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from connectors.base import OFFLOAD_TIERS
+from connectors.base import tier_entries
 from server.api import API, VERSION, APIError, Choice, _check_error, error_response, sse
 from server.client import CoreState, EngineDeadError
 from server.protocol import (
@@ -116,7 +116,7 @@ def build_app(api: API) -> FastAPI:
         g1 = {"num_blocks": st["num_gpu_blocks"], "usage": st["kv_cache_usage"], "free_blocks": st["num_free_blocks"],
               "prefix_cache_queries": st["prefix_cache_queries"], "prefix_cache_hits": st["prefix_cache_hits"],
               "evictions": st["num_evictions"]}
-        tier_view = {"G1": g1, **{t: tiers.pop(t) for t in OFFLOAD_TIERS if t in tiers}}
+        tier_view = {"G1": g1, **{t: tiers.pop(t) for t in tier_entries(tiers)}}
         return {"model": model_name, "tiers": tier_view, "offload": tiers,
                 "requests": {"running": st["num_running"], "waiting": st["num_waiting"],
                              "preemptions": st["num_preemptions"], "prompt_tokens": st["prompt_tokens"],

@@ -99,8 +99,11 @@ def check_integrity(llm: LLM) -> None:
     if conn is not None:
         if getattr(conn, "g2", None) is not None:
             conn.g2.check_integrity()
-        if getattr(conn, "g3", None) is not None and hasattr(conn.g3, "check_integrity"):
-            conn.g3.check_integrity()
+        for tier in getattr(conn, "tiers", ()):
+            if hasattr(tier.backend, "check_integrity"):
+                tier.backend.check_integrity()
+        if hasattr(conn, "check_integrity"):
+            conn.check_integrity()
 
 
 @functools.lru_cache(maxsize=None)

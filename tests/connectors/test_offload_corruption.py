@@ -95,7 +95,7 @@ def test_corrupt_truncated_and_swapped_entries_are_never_served(model_dir, ref, 
     try:
         # start-up found the torn file and the swapped pair (their headers name other keys);
         # the flipped payload passes the header checks and is only caught when read
-        assert llm.engine.connector.g3.stats.corrupt == 3
+        assert llm.engine.connector.tier("G3").backend.stats.corrupt == 3
         outs = run(llm, PROMPTS)
         assert tokens(outs) == ref
         # each prompt is served up to its first bad block, the rest is recomputed

@@ -2,7 +2,7 @@
 completes with outputs identical to offload off. With kv_load_failure_policy="fail" the
 affected request fails with a clear error and the others complete.
 
-Faults, injected into the engine's own G3 (`llm.engine.connector.g3`):
+Faults, injected into the engine's own G3 (`llm.engine.connector.tier("G3").backend`):
 - `get_into` raises (OSError, BackendError), or raises something no tier should (KeyError);
 - `get_into` hangs past `g3_timeout_s` (0.2 s here);
 - a full disk: a real 512 KiB tmpfs where the test may mount one, and ENOSPC from the
@@ -129,7 +129,7 @@ def assert_read_once(seen, prompts) -> None:
 def test_raising_get_is_a_miss(model_dir, refs, tmp_path, caplog, exc, workload_kind):
     fill(model_dir, tmp_path / "g3")
     llm = open_faulty(model_dir, tmp_path / "g3", workload_kind)
-    g3 = llm.engine.connector.g3
+    g3 = llm.engine.connector.tier("G3").backend
     def fault(keys, outs):
         raise exc
 
@@ -159,7 +159,7 @@ def test_unexpected_exception_from_get_is_a_miss(model_dir, refs, tmp_path, capl
     def buggy_get_into(keys, outs):
         raise KeyError("injected: a plugin bug")
 
-    llm.engine.connector.g3.get_into = buggy_get_into
+    llm.engine.connector.tier("G3").backend.get_into = buggy_get_into
     try:
         with deadline(DEADLINE_S):
             outs = run(llm, WARM)
@@ -177,8 +177,8 @@ def test_hanging_get_times_out_into_a_miss(model_dir, refs, tmp_path, caplog, wo
     """The first reads hang for HANG_S, past the 0.2 s timeout; later ones work (as above)."""
     fill(model_dir, tmp_path / "g3")
     llm = open_faulty(model_dir, tmp_path / "g3", workload_kind, **TIMEOUT)
-    assert llm.engine.connector.g3_timeout_s == G3_TIMEOUT_S
-    g3 = llm.engine.connector.g3
+    assert llm.engine.connector.tier("G3").read_timeout_s == G3_TIMEOUT_S
+    g3 = llm.engine.connector.tier("G3").backend
     prompts = WARM if workload_kind == "warm" else PROMPTS
 
     def fault(keys, outs):
@@ -244,7 +244,7 @@ def test_full_disk_stops_writes_and_keeps_serving(model_dir, refs, full_disk, ca
         first = run(llm, PROMPTS)
         assert tokens(first) == refs["cold"]
         llm.engine.connector.flush()
-        g3 = llm.engine.connector.g3
+        g3 = llm.engine.connector.tier("G3").backend
         assert g3.stats.write_errors > 0 and not g3.writable
         assert warned(caplog, os.strerror(errno.ENOSPC))
         stored = len(g3)
@@ -306,7 +306,7 @@ def test_read_only_directory_serves_and_refuses_writes(model_dir, refs, read_onl
         assert tokens(outs) == refs["cold"] + [refs["new"]]
         assert load_kinds(outs) == [{"G3": hit_tokens(len(p))} for p in PROMPTS] + [{}]  # reads work
         llm.engine.connector.flush()
-        g3 = llm.engine.connector.g3
+        g3 = llm.engine.connector.tier("G3").backend
         assert g3.stats.write_errors > 0 and not g3.writable  # NEW's blocks could not be written
         assert warned(caplog, str(root))  # G3's warning names its directory
         assert llm.get_stats().tiers["load_failures"] == 0
@@ -322,7 +322,7 @@ def test_fail_policy_fails_only_the_affected_request(model_dir, refs, tmp_path, 
     kw = ({"kv_load_failure_policy": "fail"} if how == "kwarg"
           else {"kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_load_failure_policy": "fail"}})
     llm = open_faulty(model_dir, tmp_path / "g3", "warm", **kw)
-    g3 = llm.engine.connector.g3
+    g3 = llm.engine.connector.tier("G3").backend
     real_get_into = g3.get_into
 
     def raising_get_into(keys, outs):

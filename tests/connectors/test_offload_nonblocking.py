@@ -52,7 +52,7 @@ def test_slow_g3_load_does_not_stall_running_requests(model_dir, tmp_path):
             eng.step()
         assert all(r.status is RequestStatus.RUNNING for r in runners)
 
-        g3 = eng.connector.g3
+        g3 = eng.connector.tier("G3").backend
         real_get_into, reads = g3.get_into, []
 
         def slow_get_into(keys, outs):
@@ -171,7 +171,7 @@ def test_idle_engine_sleeps_while_a_load_is_in_flight(model_dir, tmp_path):
     llm = offload_llm(model_dir, kv_offload_disk=str(disk), kv_transfer_config=one_reader)
     eng = llm.engine
     try:
-        g3 = eng.connector.g3
+        g3 = eng.connector.tier("G3").backend
         real_get_into = g3.get_into
 
         def slow_get_into(keys, outs):

@@ -39,7 +39,7 @@ for r in spec["runs"]:
     outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]],
                         SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True), use_tqdm=False)
     llm.engine.check_integrity()
-    llm.engine.connector.g3.check_integrity()
+    llm.engine.connector.tier("G3").backend.check_integrity()
     tiers = llm.get_stats().tiers
     llm.close()
     results.append({"tokens": [o.outputs[0].token_ids for o in outs],

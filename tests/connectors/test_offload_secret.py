@@ -85,7 +85,7 @@ def test_planted_g3_entries_are_counted_misses_and_deleted(model_dir, ref, tmp_p
     caplog.set_level(logging.DEBUG)
     llm = offload_llm(model_dir, kv_offload_disk=str(disk), kv_offload_secret_file=secret_file)
     try:
-        assert llm.engine.connector.g3.stats.corrupt == 2  # the two re-sealed headers, at start-up
+        assert llm.engine.connector.tier("G3").backend.stats.corrupt == 2  # the two re-sealed headers, at start-up
         outs = run(llm, PROMPTS)
         assert tokens(outs) == ref
         assert load_kinds(outs) == [{"G3": j * OB} for (_, j) in PLANTS]  # served up to the planted block

@@ -38,7 +38,7 @@ def test_blocks_go_down_only_when_g1_evicts_them(model_dir, ref, tmp_path, tier)
     kw = {"kv_offloading_size": g2_gib(model_dir, 128)} if tier == "G2" else {"kv_offload_disk": str(tmp_path / "g3")}
     llm = offload_llm(model_dir, kv_transfer_config=WRITE_BACK, **kw)
     conn = llm.engine.connector
-    store = conn.g2 if tier == "G2" else conn.g3
+    store = conn.g2 if tier == "G2" else conn.tier("G3").backend
     try:
         first = run(llm, PROMPTS)
         assert tokens(first) == ref

@@ -66,29 +66,36 @@ def test_plugin_backend_serves_hits_after_a_restart(model_dir, tmp_path):
         llm.close()
 
 
-def test_plugin_tier_alone_and_as_second_storage_tier(model_dir, tmp_path):
-    """No host tier (the plugin is the only tier), then the plugin below the built-in disk (G4
-    position, batched reuse-gated writes)."""
+def test_plugin_tier_alone_and_below_other_tiers(model_dir, tmp_path):
+    """The plugin as the only tier; as a batched tier (reuse-gated batched writes) below the
+    built-in disk; and third, below the disk and another parallel plugin tier. The tiers above
+    it are emptied before the second engine starts, so its hits must come from the plugin."""
     ref = reference(model_dir, PROMPTS)
-    for tiers, name in (([plugin_tier(tmp_path / "a")], "G3"),
-                        ([{"backend": "disk", "path": str(tmp_path / "d"), "size_gib": 0.5},
-                          plugin_tier(tmp_path / "b", min_uses=1)], "G4")):
+    disk = {"backend": "disk", "path": str(tmp_path / "d"), "size_gib": 0.5}
+    cases = (([plugin_tier(tmp_path / "a")], "G3", []),
+             ([disk, plugin_tier(tmp_path / "b", mode="batched", min_uses=1)], "G4", [tmp_path / "d"]),
+             ([disk, plugin_tier(tmp_path / "c1"), plugin_tier(tmp_path / "c2", mode="batched")], "G5",
+              [tmp_path / "d", tmp_path / "c1"]))
+    for tiers, name, wipe in cases:
         llm = stack_llm(model_dir, tiers)
         try:
             assert tokens(run(llm, PROMPTS)) == ref
             llm.engine.connector.flush()
         finally:
             llm.close()
-        if name == "G4":  # take the disk away: the hits must come from the plugin
-            for f in (tmp_path / "d").rglob("*"):
+        for root in wipe:
+            for f in root.rglob("*"):
                 if f.is_file():
                     f.unlink()
         llm = stack_llm(model_dir, tiers)
         try:
             outs = run(llm, PROMPTS)
             assert tokens(outs) == ref
-            assert sum(o.cached_tokens_by_tier.get(name, 0) for o in outs) == sum(hit_tokens(len(p)) for p in PROMPTS)
-            assert llm.get_stats().tiers[name]["backend"] == PLUGIN
+            by_tier = [dict(o.cached_tokens_by_tier) for o in outs]
+            assert sum(t.get(name, 0) for t in by_tier) == sum(hit_tokens(len(p)) for p in PROMPTS), by_tier
+            stats = llm.get_stats().tiers
+            assert stats[name]["backend"] == PLUGIN and stats[name]["hit_tokens"] > 0
+            check_integrity(llm)
         finally:
             llm.close()
 
@@ -134,8 +141,10 @@ BAD_STACKS = [
     ({"tiers": [{"backend": "disk"}]}, "path"),
     ({"tiers": [{"backend": "host"}]}, "size_gib"),
     ({"tiers": [plugin_tier(Path("/tmp/x")), {"backend": "host", "size_gib": 1}]}, "first entry"),
-    ({"tiers": [plugin_tier(Path("/tmp/x"), min_uses=2)]}, "min_uses"),
-    ({"tiers": [plugin_tier(Path("/tmp/a")), plugin_tier(Path("/tmp/b")), plugin_tier(Path("/tmp/c"))]}, "at most 2"),
+    ({"tiers": [plugin_tier(Path("/tmp/x"), min_uses=2)]}, "min_uses.*batched"),
+    ({"tiers": [plugin_tier(Path("/tmp/x"), mode="batched", read_threads=2)]}, "read_threads.*parallel"),
+    ({"tiers": [plugin_tier(Path("/tmp/x"), mode="fast")]}, "mode"),
+    ({"tiers": [plugin_tier(Path(f"/tmp/{i}")) for i in range(7)]}, "at most 6"),
     ({"tiers": []}, "non-empty"),
     ({"tiers": [{"size_gib": 1}]}, "backend"),
 ]

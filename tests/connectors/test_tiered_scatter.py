@@ -26,7 +26,7 @@ def make_connector(k: int, num_slots: int) -> TieredOffloadConnector:
     layout = BlockLayout(num_layers=3, g1_blocks=k, block_size=4, kv_heads=2, head_dim=8,
                          dtype=torch.float32, fingerprint="test")
     g2 = HostTier(num_slots, layout.encoded_bytes, make_policy("lru"))
-    conn = TieredOffloadConnector(layout, BlockPool(NUM_G1, make_policy("lru")), g2, None)
+    conn = TieredOffloadConnector(layout, BlockPool(NUM_G1, make_policy("lru")), g2, [])
     conn.register_kv_caches(torch.zeros(3, 2, NUM_G1, 4, 2, 8))
     return conn
 

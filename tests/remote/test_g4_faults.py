@@ -151,11 +151,11 @@ def test_engine_keeps_serving_through_a_redis_outage(ckpt_dir, tmp_path, caplog,
         assert [run(a, [p])[0] for p in prompts[2:6]] == ref[2:6]  # misses, same tokens
         # One timeout and one log line per cool-down the outage spans: on a quiet machine the four
         # requests fit in one (2 s); on a loaded one (CI beside other jobs) they may span two.
-        periods = 1 + int((time.monotonic() - t0) // a.engine.connector.g4.backend.cfg.cooldown_s)
+        periods = 1 + int((time.monotonic() - t0) // a.engine.connector.tier("G4").backend.cfg.cooldown_s)
         failed = len([m for m in g4_warnings(caplog) if "failed" in m])
         assert 1 <= failed <= periods, f"{failed} outage warnings over {periods} cool-down period(s)"
         r.start() if outage == "kill" else r.resume()
-        time.sleep(a.engine.connector.g4.backend.cfg.cooldown_s + 0.2)
+        time.sleep(a.engine.connector.tier("G4").backend.cfg.cooldown_s + 0.2)
         assert run(a, prompts[6:]) == ref[6:]
         a.engine.flush_offload()
     finally:
@@ -188,7 +188,7 @@ def test_a_missing_block_mid_prompt_stops_the_g4_load_there(ckpt_dir, redis_proc
     try:
         keys: list = []
         extend_keys(keys, prompt, 16, None)  # the offload block keys (offload block = G1 block here)
-        client.delete(b.engine.connector.g4.backend._name(keys[5]))
+        client.delete(b.engine.connector.tier("G4").backend._name(keys[5]))
         out = b.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == ref
         assert out.cached_tokens_by_tier.get("G4", 0) == 5 * 16

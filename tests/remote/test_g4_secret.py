@@ -108,7 +108,7 @@ def test_engine_outputs_stay_identical_with_planted_g4_values(ckpt_dir, redis_pr
         outs = b.generate(inputs, sp, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == ref
         assert [o.cached_tokens_by_tier.get("G4", 0) for o in outs] == [16 * blk for blk, _ in bad.values()]
-        assert b.engine.connector.g4.backend.stats.corrupt == 2
+        assert b.engine.connector.tier("G4").backend.stats.corrupt == 2
         b.engine.flush_offload()
     finally:
         b.close()

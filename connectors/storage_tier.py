@@ -1,0 +1,133 @@
+"""A storage tier below host memory (G2): a `StorageBackend` and how the connector uses it.
+
+The connector holds an ordered list of these and names none of them: lookups walk the list
+top-down, a hit is promoted up (into G2, and written to every parallel tier above the one that
+served it), and a stored block goes to every tier (written at once to parallel tiers, offered to
+batched tiers, which write it once it has been used `min_uses` times).
+
+Two read/write modes, one per kind of store:
+- `PARALLEL` (a local disk, a plugin): one key per read, `read_threads` reads in flight, each
+  bounded by `read_timeout_s`; writes in order on one thread, straight from the pinned G2 slot,
+  at most `max_pending_writes` queued (past that a store waits on the transfer thread; the
+  step loop's write-back drops instead).
+- `BATCHED` (a remote store: one round trip per batch): reads of up to `RemoteTier.batch` keys
+  per round trip with the next batch in flight; writes batched on their own thread, queued only
+  after `min_uses` uses and dropped when the queue is full (`connectors.remote_tier`).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from connectors.backend import BackendError, StorageBackend
+from connectors.remote_tier import RemoteTier, leading_hits
+from kvstore.events import BlockStored, EventBuffer
+from kvstore.keys import BlockKey
+
+log = logging.getLogger(__name__)
+
+
+class TierMode(Enum):
+    PARALLEL = "parallel"
+    BATCHED = "batched"
+
+
+class OrderedWriter:
+    """A parallel tier's writes: one thread, in order, bounded."""
+
+    def __init__(self, name: str, backend: StorageBackend, max_pending: int, events: EventBuffer | None,
+                 block_tokens: int) -> None:
+        self.name, self.backend, self.events, self.block_tokens = name, backend, events, block_tokens
+        self._io = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{name.lower()}-write")
+        self._slots = threading.BoundedSemaphore(max_pending)
+
+    def submit(self, key: BlockKey, buf: torch.Tensor, done: Callable[[], None], wait: bool) -> bool:
+        """Queue `buf` (valid until `done()` is called) for `key`. False, with `done()` already
+        called, when `wait` is False and the queue is full."""
+        if not self._slots.acquire(blocking=wait):
+            done()
+            return False
+        self._io.submit(self._write, key, buf, done)
+        return True
+
+    def _write(self, key: BlockKey, buf: torch.Tensor, done: Callable[[], None]) -> None:
+        try:
+            stored = self.backend.put([key], [memoryview(buf.numpy())])[0]
+            if stored and self.events is not None:
+                # The tier's own evictions are internal to the backend and not reported (yet).
+                self.events.append(BlockStored([key], None, [], self.block_tokens, "DISK"))
+        except (BackendError, OSError) as e:
+            log.warning("%s write failed (block stays in the tiers above): %s", self.name, e)
+        finally:
+            done()
+            self._slots.release()
+
+    def flush(self) -> None:
+        self._io.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self.flush()
+        self._io.shutdown(wait=True)
+
+
+@dataclass(eq=False)
+class StorageTier:
+    name: str  # what stats, metrics and per-request hit counts call it
+    backend: StorageBackend
+    mode: TierMode
+    read_threads: int = 4  # PARALLEL: reads in flight
+    read_timeout_s: float = 10.0  # PARALLEL: a read later than this is a miss
+    remote: RemoteTier | None = None  # BATCHED: the reuse-gated batched writer and reader
+    writer: OrderedWriter | None = field(default=None, repr=False)  # PARALLEL
+
+    def __post_init__(self) -> None:
+        if self.read_threads < 1:
+            raise ValueError(f"{self.name}: read_threads must be >= 1; got {self.read_threads}")
+        if self.read_timeout_s <= 0:
+            raise ValueError(f"{self.name}: read_timeout_s must be > 0; got {self.read_timeout_s}")
+        if (self.mode is TierMode.BATCHED) != (self.remote is not None):
+            raise ValueError(f"{self.name}: a batched tier needs its RemoteTier, a parallel one none")
+
+    @classmethod
+    def parallel(cls, name: str, backend: StorageBackend, *, read_threads: int = 4, read_timeout_s: float = 10.0,
+                 max_pending_writes: int = 64, events: EventBuffer | None = None, block_tokens: int = 0) -> StorageTier:
+        writer = OrderedWriter(name, backend, max_pending_writes, events, block_tokens)
+        return cls(name, backend, TierMode.PARALLEL, read_threads, read_timeout_s, writer=writer)
+
+    @classmethod
+    def batched(cls, name: str, remote: RemoteTier) -> StorageTier:
+        return cls(name, remote.backend, TierMode.BATCHED, remote=remote)
+
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """How many of `keys`, from the first, the tier holds; a failing backend holds none."""
+        if self.remote is not None:
+            return self.remote.lookup(keys)  # one round trip
+        return leading_hits(self.backend, keys, self.name)
+
+    def stats(self) -> dict[str, Any]:
+        name = getattr(self.backend, "name", None) or type(self.backend).__name__
+        if self.remote is not None:
+            return {"backend": name, **self.remote.stats()}
+        s = getattr(self.backend, "stats", None)
+        return {"backend": name, **(vars(s) if s is not None else {})}
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+        if self.remote is not None:
+            self.remote.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.remote is not None:
+            self.remote.close()  # closes the backend too
+        else:
+            self.backend.close()
