@@ -167,6 +167,16 @@ class BackendConformance(ConcurrencyChecks):
         self._put_ok(backend, [a], [va2], "a block under a deleted key")
         self._expect(backend, a, va2, "a key stored again after delete", earlier=(va,))
 
+    def test_touch_keeps_values(self, backend: StorageBackend) -> None:
+        """`touch` (a request's priority reaching the tier) changes no value and accepts unknown keys."""
+        k, unknown = key_of("touch"), key_of("touch/unknown")
+        value = value_of(k, 0, 900)
+        self._put_ok(backend, [k], [value], "a block")
+        assert backend.touch([k, unknown, k], 0) is None, "touch must return None"
+        backend.touch([k], 7)
+        self._expect(backend, k, value, "a key after touch")
+        assert backend.get([unknown]) == [None], "touch of an unknown key must not create it"
+
     # ---- get_into --------------------------------------------------------------------
 
     def test_get_into(self, backend: StorageBackend) -> None:

@@ -87,7 +87,7 @@ class OffloadPlanner:
         g2_slots: dict[BlockKey, int] = {}
         if self.g2 is not None:
             g2_keys = [c.key for c in chunks if c.tier == HOST]
-            slots = self.g2.prepare_load(g2_keys) if g2_keys else []
+            slots = self.g2.prepare_load(g2_keys, request.priority) if g2_keys else []
             if slots is None:  # evicted since lookup: load nothing, report failure
                 chunks = []
             else:
@@ -97,7 +97,8 @@ class OffloadPlanner:
             split[c.tier] = split.get(c.tier, 0) + min((c.index + 1) * t, end) - max(c.index * t, num_computed)
         self._split[request.request_id] = split
         dst = tuple(BlockId(b) for b in block_ids[first_g1:-(-end // bs)])
-        self._new_loads.append(LoadJob(request.request_id, tuple(chunks), first_g1, dst, end, g2_slots))
+        self._new_loads.append(LoadJob(request.request_id, tuple(chunks), first_g1, dst, end, g2_slots,
+                                       request.priority))
 
     def take_load_split(self, req_id: str) -> dict[str, int]:
         return self._split.pop(req_id, {})

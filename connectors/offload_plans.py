@@ -38,6 +38,7 @@ class LoadJob:
     dst: tuple[BlockId, ...]
     end_token: int  # the load supplies tokens before this one (the last block may hold more)
     g2_slots: dict[BlockKey, int] = field(default_factory=dict)  # pinned by the planner
+    priority: int = 0  # the request's: blocks promoted into G2 on the way are inserted with it
 
 
 @dataclass(frozen=True)

@@ -203,11 +203,12 @@ class TransferEngine:
                 reason = "error"
             if reason not in (None, "miss", "error"):
                 log.warning("%s entry rejected: %s", tier.name, reason)
-            self._promote(i, c.key, slot, buf, reason is None)
+            self._promote(i, c.key, slot, buf, reason is None, job.priority)
             if ok and reason is None:
                 n = self._scatter(buf, c.index, job)
                 landed += n
                 self.tier_hits[tier.name] += n * self.layout.block_size
+                tier.touch([c.key], job.priority)  # the loading request's priority reaches the tier's policy
                 self._note_use(self.tiers[i + 1:], c.key, lambda buf=buf: bytes(buf.numpy()))  # a reuse below
             else:
                 ok = False  # later reads in flight still finish (and may still be promoted)
@@ -242,7 +243,7 @@ class TransferEngine:
                 reason = reason or check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
                 if reason not in (None, "miss"):
                     log.warning("%s entry rejected: %s", tier.name, reason)
-                self._promote(i, c.key, slot, buf, reason is None)
+                self._promote(i, c.key, slot, buf, reason is None, job.priority)
                 if ok and reason is None:
                     n = self._scatter(buf, c.index, job)
                     landed += n
@@ -251,17 +252,17 @@ class TransferEngine:
                     ok = False  # a batch already in flight is still promoted, not scattered
         return landed, ok
 
-    def _promote(self, i: int, key: BlockKey, slot: int | None, buf: torch.Tensor, good: bool) -> None:
+    def _promote(self, i: int, key: BlockKey, slot: int | None, buf: torch.Tensor, good: bool, priority: int) -> None:
         """A read from tier i that landed in G2 slot `slot`: publish it in G2 (or free the slot)
         and, when good, write it to every parallel tier above i. The rule for every tier."""
         if slot is None:
             return
         assert self.g2 is not None
-        self.g2.complete_store(key, good)
+        self.g2.complete_store(key, good, priority)
         if good:
             for up in self.tiers[:i]:
                 if up.mode is TierMode.PARALLEL:
-                    self._write_from_g2(up, key, buf, wait=False)
+                    self._write_from_g2(up, key, buf, wait=False, priority=priority)
 
     def _note_use(self, tiers: list[StorageTier], key: BlockKey, data) -> None:
         """A store or reuse of `key`: the batched tiers among `tiers` count it towards min_uses."""
@@ -269,12 +270,12 @@ class TransferEngine:
             if t.remote is not None:
                 t.remote.note_use(key, data)
 
-    def _write_from_g2(self, tier: StorageTier, key: BlockKey, buf: torch.Tensor, wait: bool) -> bool:
+    def _write_from_g2(self, tier: StorageTier, key: BlockKey, buf: torch.Tensor, wait: bool, priority: int) -> bool:
         """Queue a parallel tier's write of the G2 slot `buf`, pinned until written."""
         assert self.g2 is not None and tier.writer is not None
         if self.g2.prepare_load([key]) is None:
             return False
-        return tier.writer.submit(key, buf, lambda: self.g2.complete_load([key]), wait)  # type: ignore[union-attr]
+        return tier.writer.submit(key, buf, lambda: self.g2.complete_load([key]), wait, priority)  # type: ignore[union-attr]
 
     def _bounce_buffer(self, i: int) -> torch.Tensor:
         buf = self._bounce[i]
@@ -333,7 +334,7 @@ class TransferEngine:
             self.g2.complete_store(job.key, True, job.priority)
             for tier in self.tiers:
                 if tier.writer is not None:
-                    self._write_from_g2(tier, job.key, buf, wait_for_write_slot)
+                    self._write_from_g2(tier, job.key, buf, wait_for_write_slot, job.priority)
             self._note_use(self.tiers, job.key, lambda: bytes(buf.numpy()))
             return True
         buf = torch.empty(self.layout.encoded_bytes, dtype=torch.uint8)
@@ -342,7 +343,7 @@ class TransferEngine:
         taken = any(t.remote is not None for t in self.tiers)
         for tier in self.tiers:
             if tier.writer is not None:
-                taken = tier.writer.submit(job.key, buf, lambda: None, wait_for_write_slot) or taken
+                taken = tier.writer.submit(job.key, buf, lambda: None, wait_for_write_slot, job.priority) or taken
         return taken
 
     def flush(self) -> None:

@@ -48,18 +48,22 @@ class OrderedWriter:
         self._io = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{name.lower()}-write")
         self._slots = threading.BoundedSemaphore(max_pending)
 
-    def submit(self, key: BlockKey, buf: torch.Tensor, done: Callable[[], None], wait: bool) -> bool:
-        """Queue `buf` (valid until `done()` is called) for `key`. False, with `done()` already
-        called, when `wait` is False and the queue is full."""
+    def submit(self, key: BlockKey, buf: torch.Tensor, done: Callable[[], None], wait: bool,
+               priority: int = 0) -> bool:
+        """Queue `buf` (valid until `done()` is called) for `key`, stored by a request of
+        `priority`. False, with `done()` already called, when `wait` is False and the queue is
+        full."""
         if not self._slots.acquire(blocking=wait):
             done()
             return False
-        self._io.submit(self._write, key, buf, done)
+        self._io.submit(self._write, key, buf, done, priority)
         return True
 
-    def _write(self, key: BlockKey, buf: torch.Tensor, done: Callable[[], None]) -> None:
+    def _write(self, key: BlockKey, buf: torch.Tensor, done: Callable[[], None], priority: int) -> None:
         try:
             stored = self.backend.put([key], [memoryview(buf.numpy())])[0]
+            if stored:
+                self.backend.touch([key], priority)  # the storing request's priority reaches the tier's policy
             if stored and self.events is not None:
                 # The tier's own evictions are internal to the backend and not reported (yet).
                 self.events.append(BlockStored([key], None, [], self.block_tokens, "DISK"))
@@ -110,6 +114,14 @@ class StorageTier:
         if self.remote is not None:
             return self.remote.lookup(keys)  # one round trip
         return leading_hits(self.backend, keys, self.name)
+
+    def touch(self, keys: Sequence[BlockKey], priority: int) -> None:
+        """Tell the backend a request of `priority` used `keys`; a backend that fails at it
+        costs a log line, not the load."""
+        try:
+            self.backend.touch(keys, priority)
+        except Exception as e:  # a plugin may raise anything; the load it is part of goes on
+            log.warning("%s touch failed: %s: %s", self.name, type(e).__name__, e)
 
     def stats(self) -> dict[str, Any]:
         name = getattr(self.backend, "name", None) or type(self.backend).__name__

@@ -111,6 +111,13 @@ class StorageBackend(ABC):
             filled.append(ok)
         return filled
 
+    def touch(self, keys: Sequence[BlockKey], priority: int) -> None:
+        """A request of `priority` (lower = more urgent, as in `policies`) stored or read these
+        keys. A backend with its own eviction may keep urgent blocks longer; unknown keys are
+        ignored. The default does nothing (a store without eviction, or one that evicts by
+        itself, like Redis)."""
+        check_keys(keys)
+
     def __enter__(self) -> StorageBackend:
         return self
 

@@ -299,6 +299,15 @@ class DiskBackend(StorageBackend):
                 self._policy.touch(key)
         return data if out is None else True
 
+    def touch(self, keys: Sequence[BlockKey], priority: int) -> None:
+        """Passes the using request's priority to this tier's eviction policy."""
+        check_keys(keys)
+        self._check_open()
+        with self._lock:
+            for key in keys:
+                if key in self._policy:
+                    self._policy.touch(key, priority)
+
     def _vanished(self, key: BlockKey, path: str) -> None:
         # Removed behind our back (not by us: we unlink under the lock): a plain miss.
         with self._lock:

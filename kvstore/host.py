@@ -68,8 +68,9 @@ class HostTier:
         with self._lock:
             return key in self._slot or key in self._pending
 
-    def prepare_load(self, keys: Sequence[BlockKey]) -> list[int] | None:
-        """Pin and return the slots of `keys`; None (nothing pinned) if any is gone."""
+    def prepare_load(self, keys: Sequence[BlockKey], priority: int | None = None) -> list[int] | None:
+        """Pin and return the slots of `keys`; None (nothing pinned) if any is gone. The policy
+        sees a use of each, with the loading request's `priority` when given."""
         with self._lock:
             if any(k not in self._slot for k in keys):
                 return None
@@ -77,7 +78,7 @@ class HostTier:
                 self._pins[k] = self._pins.get(k, 0) + 1
                 if self._pins[k] == 1:
                     self.policy.pin(k)
-                self.policy.touch(k)
+                self.policy.touch(k, priority)
             return [self._slot[k] for k in keys]
 
     def complete_load(self, keys: Sequence[BlockKey]) -> None:

@@ -111,6 +111,10 @@ class SealedBackend(StorageBackend):
         check_keys(keys)
         self.inner.delete([self._inner_key(k) for k in keys])
 
+    def touch(self, keys: Sequence[BlockKey], priority: int) -> None:
+        check_keys(keys)
+        self.inner.touch([self._inner_key(k) for k in keys], priority)
+
     def close(self) -> None:
         self.inner.close()
 
