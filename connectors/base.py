@@ -10,8 +10,11 @@ A step, as the engine drives it:
     scheduler: get_num_new_matched_tokens -> (allocate) -> update_state_after_alloc
                build_connector_meta(step)                    # what to load/store this step
     worker:    start_load_kv(meta) ; forward ; wait_for_save()   # loads/stores run async
-    engine:    get_finished(finished_ids) -> (sent, received)   # which transfers completed
-    scheduler: request_finished(request, block_ids) -> (delay_free, kv_transfer_params)
+    engine:    get_finished() -> FinishedTransfers              # which loads completed
+    scheduler: request_finished(request, block_ids) -> kv_transfer_params
+
+A connector that must read a finished request's blocks after it ends takes its own refs on them
+(`BlockPool.acquire`) and releases them when done: there is no delayed free.
 
 Most plugin authors want `connectors.backend.StorageBackend` instead: the tiered offload
 connector stacks backends as tiers.
@@ -42,6 +45,7 @@ class RequestView(Protocol):
     block_keys: list[BlockKey]
     cache_salt: str | None
     priority: int
+    error: str | None  # set when the request failed
 
 
 
@@ -50,6 +54,14 @@ def tier_entries(stats: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The per-tier entries of a connector's `stats()` (a tier's entry has `hit_tokens`), in the
     connector's order: G2, then its storage tiers."""
     return {k: v for k, v in stats.items() if isinstance(v, dict) and "hit_tokens" in v}
+
+
+@dataclass(frozen=True)
+class FinishedTransfers:
+    """What `get_finished` reports: the requests whose asynchronous loads completed (all of their
+    blocks, or up to a failed one: `get_block_ids_with_load_errors` says which)."""
+
+    loaded: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -84,10 +96,9 @@ class KVConnector(ABC):
         return {}."""
         return {}
 
-    def request_finished(self, request: RequestView, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Returns (delay_free, kv_transfer_params). delay_free=True keeps the blocks until
-        `get_finished` reports the request as sent."""
-        return False, None
+    def request_finished(self, request: RequestView, block_ids: list[int]) -> dict[str, Any] | None:
+        """The request ended (its blocks are freed right after): returns its kv_transfer_params."""
+        return None
 
     # ---- worker side -------------------------------------------------------------------
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:
@@ -100,18 +111,12 @@ class KVConnector(ABC):
     def start_load_kv(self, meta: ConnectorMeta) -> None:
         """Begin this step's loads; must not block on I/O."""
 
-    def wait_for_layer_load(self, layer: int) -> None:
-        """Block until `layer`'s loads for this step are in (layer-pipelined connectors)."""
-
-    def save_kv_layer(self, layer: int, meta: ConnectorMeta) -> None:
-        """Called after each layer's forward (layer-pipelined connectors)."""
-
     def wait_for_save(self, meta: ConnectorMeta) -> None:
         """Called after the forward: begin (not finish) this step's stores."""
 
     @abstractmethod
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """(ids whose delayed-free sends completed, ids whose async loads completed)."""
+    def get_finished(self) -> FinishedTransfers:
+        """The transfers that completed since the last call. Called at the start of every step."""
 
     def busy(self) -> bool:
         """Transfers are in flight that hold engine resources (G1 blocks); the engine waits
@@ -142,3 +147,20 @@ class KVConnector(ABC):
 
     def close(self) -> None:
         """Flush pending writes and stop threads."""
+
+
+class NullConnector(KVConnector):
+    """No tiers below G1 and no plugins: the engine's connector when none is configured, so the
+    engine never branches on whether there is one."""
+
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: RequestView, block_ids: list[int], num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduled: list[tuple[RequestView, int, list[int]]]) -> ConnectorMeta:
+        return ConnectorMeta()
+
+    def get_finished(self) -> FinishedTransfers:
+        return FinishedTransfers()

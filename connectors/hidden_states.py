@@ -30,11 +30,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from connectors.base import ConnectorMeta, KVConnector
+from connectors.base import ConnectorMeta, FinishedTransfers, KVConnector
 from connectors.hidden_spec import FORMAT_VERSION, HiddenStatesSpec
 from kvstore.g1 import BlockId, BlockPool
 
-log = logging.getLogger("kvtier.hidden_states")
+log = logging.getLogger(__name__)
 
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
@@ -129,7 +129,7 @@ class HiddenStatesConnector(KVConnector):
         # Tokens whose states were computed: the prompt, and with include_output_tokens every
         # output token but the last (it was sampled, never fed through the model).
         if request.error is not None or request.num_computed_tokens < request.num_prompt_tokens:
-            return False, None  # failed or aborted before its prompt was through: no partial files
+            return None  # failed or aborted before its prompt was through: no partial files
         n = request.num_prompt_tokens
         if self.include_output_tokens:
             n = min(max(n, request.num_tokens - 1), request.num_computed_tokens)
@@ -140,15 +140,15 @@ class HiddenStatesConnector(KVConnector):
             self._reserved.add(name)
         path = self.path / name
         self._pending.append(_Pending(request.request_id, blocks, list(request.all_token_ids[:n]), path))
-        return False, {"hidden_states_path": str(path)}
+        return {"hidden_states_path": str(path)}
 
     # ---- worker side -------------------------------------------------------------------
     def register_hidden_cache(self, hidden_cache: torch.Tensor) -> None:
         self.hidden_cache = hidden_cache
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+    def get_finished(self) -> FinishedTransfers:
         self._gather_pending()
-        return set(), set()
+        return FinishedTransfers()
 
     def _gather_pending(self) -> None:
         if self.hidden_cache is None:

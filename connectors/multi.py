@@ -2,15 +2,15 @@
 
 Loads: the first connector (in order) that offers external tokens for a request serves all
 of that request's load; the others are told about the allocation with zero external tokens.
-Stores and worker-side hooks go to every connector. A request's blocks are freed only when
-no connector delays it, and their kv_transfer_params are merged (later keys win).
+Stores and worker-side hooks go to every connector; their kv_transfer_params are merged (later
+keys win).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from connectors.base import ConnectorMeta, KVConnector
+from connectors.base import ConnectorMeta, FinishedTransfers, KVConnector
 
 
 @dataclass
@@ -50,13 +50,12 @@ class MultiConnector(KVConnector):
 
     def request_finished(self, request, block_ids):
         self._loader.pop(request.request_id, None)
-        delay, params = False, None
+        params = None
         for c in self.connectors:
-            d, p = c.request_finished(request, block_ids)
-            delay = delay or d
+            p = c.request_finished(request, block_ids)
             if p:
                 params = {**(params or {}), **p}
-        return delay, params
+        return params
 
     def register_kv_caches(self, kv_cache):
         for c in self.connectors:
@@ -70,28 +69,12 @@ class MultiConnector(KVConnector):
         for c, m in zip(self.connectors, meta.parts):
             c.start_load_kv(m)
 
-    def wait_for_layer_load(self, layer: int) -> None:
-        for c in self.connectors:
-            c.wait_for_layer_load(layer)
-
-    def save_kv_layer(self, layer: int, meta: MultiMeta) -> None:
-        for c, m in zip(self.connectors, meta.parts):
-            c.save_kv_layer(layer, m)
-
     def wait_for_save(self, meta: MultiMeta) -> None:
         for c, m in zip(self.connectors, meta.parts):
             c.wait_for_save(m)
 
-    def get_finished(self, finished_req_ids):
-        # A delayed free completes only when every connector that might hold it is done;
-        # connectors that never delayed a request simply never report it.
-        sent: set[str] = set()
-        received: set[str] = set()
-        for c in self.connectors:
-            s, r = c.get_finished(finished_req_ids)
-            sent |= s
-            received |= r
-        return sent, received
+    def get_finished(self):
+        return FinishedTransfers(frozenset().union(*(c.get_finished().loaded for c in self.connectors)))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed: set[int] = set()

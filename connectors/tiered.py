@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from connectors.base import ConnectorMeta, KVConnector
+from connectors.base import ConnectorMeta, FinishedTransfers, KVConnector
 from connectors.codec import BlockLayout
 from connectors.offload_plans import LoadDone, StoreDone, WritePolicy
 from connectors.offload_planner import OffloadPlanner
@@ -84,9 +84,9 @@ class TieredOffloadConnector(KVConnector):
 
     def request_finished(self, request, block_ids):
         self.planner.finished(request.request_id)
-        return False, None
+        return None
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+    def get_finished(self) -> FinishedTransfers:
         received: set[str] = set()
         for done in self.transfer.drain():
             if isinstance(done, LoadDone):
@@ -96,7 +96,7 @@ class TieredOffloadConnector(KVConnector):
                     self.load_failures += 1
             elif isinstance(done, StoreDone):
                 self.planner.store_done(done.key)
-        return set(), received
+        return FinishedTransfers(frozenset(received))
 
     def busy(self) -> bool:
         return self.planner.busy()

@@ -158,10 +158,13 @@ class EngineConfig:
         from kvstore.entry import load_secret
 
         object.__setattr__(self, "kv_offload_secret", load_secret(self.kv_offload_secret_file))
+        # vLLM puts it in kv_transfer_config; there it wins over the flag (normalized here, once).
+        tc = self.kv_transfer_config if isinstance(self.kv_transfer_config, dict) else {}
+        policy = tc.get("kv_load_failure_policy", self.kv_load_failure_policy)
         try:
-            object.__setattr__(self, "kv_load_failure_policy", LoadFailurePolicy(self.kv_load_failure_policy))
+            object.__setattr__(self, "kv_load_failure_policy", LoadFailurePolicy(policy))
         except ValueError:
-            raise ValueError(f"kv_load_failure_policy must be 'recompute' or 'fail'; got {self.kv_load_failure_policy!r}") from None
+            raise ValueError(f"kv_load_failure_policy must be 'recompute' or 'fail'; got {policy!r}") from None
 
     @property
     def hidden_states(self) -> HiddenStatesSpec | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from connectors.base import KVConnector
+from connectors.base import KVConnector, NullConnector
 from connectors.codec import BlockLayout
 from connectors.factory import ConnectorContext, build_connector, has_hidden_states_connector
 from engine.attention import AttentionBackend, TorchPagedAttention
@@ -34,7 +34,7 @@ from engine.token_ids import check_token_ids
 from kvstore.g1 import BlockPool
 from policies import make_policy
 
-log = logging.getLogger("kvtier.engine")
+log = logging.getLogger(__name__)
 
 # On CPU a chunk this size keeps matmuls efficient without stalling decodes for long.
 DEFAULT_MAX_BATCHED_TOKENS = 2048
@@ -74,7 +74,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.pool, bs)
         self.runner = ModelRunner(model, mc, num_blocks, bs, config.device, self.hidden_spec)
         self.events, self.publisher = self._build_events()
-        self.connector = self._build_connector(model_dir)
+        self.connector: KVConnector = self._build_connector(model_dir) or NullConnector()
         self.scheduler = Scheduler(self.kv, config.scheduling_policy, config.max_num_seqs,
                                    self.max_num_batched_tokens, config.enable_chunked_prefill, self.connector)
         self.sampler = Sampler(config.seed)
@@ -97,8 +97,6 @@ class EngineCore:
         explicit_tiers = isinstance(tc.get("kv_connector_extra_config"), dict) and "tiers" in tc["kv_connector_extra_config"]
         if (cfg.offload_enabled or explicit_tiers) and not cfg.enable_prefix_caching:
             raise ValueError("KV offload needs prefix caching (block keys); drop --no-enable-prefix-caching")
-        if "kv_load_failure_policy" in tc:
-            object.__setattr__(cfg, "kv_load_failure_policy", LoadFailurePolicy(tc["kv_load_failure_policy"]))
         extra = dict(tc.get("kv_connector_extra_config") or {})
         fp = model_fingerprint(model_dir, mc, cfg.block_size, cfg.kv_namespace)
         hs = self.hidden_spec
@@ -138,16 +136,14 @@ class EngineCore:
 
     def flush_offload(self) -> None:
         """Wait for queued offload stores and writes, then release the G1 blocks they held."""
-        if self.connector is not None:
-            self.connector.flush()
-            self._poll_loads()
+        self.connector.flush()
+        self._poll_loads()
 
     def shutdown(self) -> None:
         """Flush pending offload writes and stop transfer threads."""
-        if self.connector is not None:
-            self.connector.close()
-            self.connector = None
-            self.scheduler.connector = None
+        self.connector.close()
+        self.connector = NullConnector()
+        self.scheduler.connector = self.connector
         if self.publisher is not None:
             self._publish_events()
             self.publisher.close()
@@ -190,17 +186,13 @@ class EngineCore:
         """One iteration. Returns the requests that got a new token this step (finished ones
         included, with a finished status)."""
         updated: list[Request] = []
-        if self.connector is not None:
-            updated += self._poll_loads()
+        updated += self._poll_loads()
         sched = self.scheduler.schedule()
         tables = [self.kv.block_table(s.req) for s in sched.scheduled]
-        meta = None
-        if self.connector is not None:
-            meta = self.connector.build_connector_meta(
-                [(s.req, s.num_new_tokens, t) for s, t in zip(sched.scheduled, tables)])
-            self.connector.start_load_kv(meta)
+        meta = self.connector.build_connector_meta([(s.req, s.num_new_tokens, t) for s, t in zip(sched.scheduled, tables)])
+        self.connector.start_load_kv(meta)
         if not sched.scheduled:
-            if self.connector is not None and (self.scheduler.loading or self.connector.busy()):
+            if self.scheduler.loading or self.connector.busy():
                 # Only transfers in flight: sleep until one finishes. Polling here would take a
                 # core from the copies (2 cores: a G2 load ran at ~60% speed while we spun).
                 self.connector.wait_for_progress(self.IDLE_WAIT_S)
@@ -212,7 +204,7 @@ class EngineCore:
         if failed:
             # Never offload this step's blocks: a failed request's may hold unwritten KV.
             updated += [self._fail(req, why) for req, why in failed]
-        elif meta is not None:
+        else:
             self.connector.wait_for_save(meta)
         sampled_reqs = [sched.scheduled[i].req for i in out.sampled]
         samples = self.sampler(out.logits, sampled_reqs) if sampled_reqs else None
@@ -277,14 +269,12 @@ class EngineCore:
         return req
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        if self.connector is not None:
-            # delay_free is not needed yet: connectors here hold their own G1 refs while copying.
-            _, req.kv_transfer_params = self.connector.request_finished(req, self.kv.block_table(req))
+        req.kv_transfer_params = self.connector.request_finished(req, self.kv.block_table(req))
         self.scheduler.finish(req, status)
 
     def _poll_loads(self) -> list[Request]:
         """Hands finished async loads back to the scheduler; returns requests that ended."""
-        _, received = self.connector.get_finished(set())
+        received = self.connector.get_finished().loaded
         failed = self.connector.get_block_ids_with_load_errors()
         ended: list[Request] = []
         for rid in received:
@@ -336,7 +326,7 @@ class EngineCore:
             num_evictions=self.pool.num_evictions,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
-            tiers=self.connector.stats() if self.connector is not None else {},
+            tiers=self.connector.stats(),
         )
 
     def check_integrity(self) -> None:

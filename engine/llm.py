@@ -176,8 +176,7 @@ class LLM:
             raise
         finally:
             bar.close()
-        if self.engine.connector is not None:
-            self.engine.connector.wait_for_outputs()  # e.g. hidden-state files exist on return
+        self.engine.connector.wait_for_outputs()  # e.g. hidden-state files exist on return
         return [self._output(r) for r in reqs]
 
     def _output(self, req: Request) -> RequestOutput:

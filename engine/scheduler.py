@@ -12,7 +12,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from connectors.base import KVConnector
+from connectors.base import KVConnector, NullConnector
 from engine.config import SchedulingPolicy
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestId, RequestStatus
@@ -77,7 +77,7 @@ class WaitingQueue:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: SchedulingPolicy, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
-                 connector: KVConnector | None = None) -> None:
+                 connector: KVConnector | None = None) -> None:  # None: a NullConnector
         self.kv = kv
         self.policy = policy
         self.max_num_seqs = max_num_seqs
@@ -87,7 +87,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
         self.loading: dict[RequestId, Request] = {}  # WAITING_FOR_REMOTE_KVS
-        self.connector = connector
+        self.connector = connector if connector is not None else NullConnector()
         self.num_preemptions = 0
 
     def add_request(self, req: Request) -> None:
@@ -128,7 +128,7 @@ class Scheduler:
             fresh = not self.kv.block_table(req)  # else resuming after an async load
             hits = self.kv.get_computed_blocks(req) if fresh else []
             num_cached = len(hits) * self.kv.block_size if fresh else req.num_computed_tokens
-            if fresh and self.connector is not None and not req.load_failed:
+            if fresh and not req.load_failed:
                 ext, is_async = self.connector.get_num_new_matched_tokens(req, num_cached)
                 if ext > 0:
                     # Blocks for the whole prompt, not just the loaded part: a request that waits
@@ -188,7 +188,7 @@ class Scheduler:
         self.kv.cache_full_blocks(req)
         if loaded < ext:
             req.load_failed = True
-        split = self.connector.take_load_split(req.request_id) if self.connector is not None else {}
+        split = self.connector.take_load_split(req.request_id)
         if not req.preempted:
             left = loaded  # the split is in lookup order: trim it to what landed
             for tier, planned in split.items():

@@ -30,7 +30,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import zmq
@@ -38,7 +38,10 @@ import zmq
 from engine.request import FINISH_REASONS, Request
 from engine.sampling_params import SamplingParams
 
-log = logging.getLogger("kvtier.core")
+if TYPE_CHECKING:
+    from engine.llm import LLM
+
+log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100  # how long an idle core blocks on its socket before checking its parent
 HEARTBEAT_INTERVAL_S = 0.25
@@ -57,7 +60,7 @@ def params_to_wire(p: SamplingParams) -> dict[str, Any]:
     return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "return_first_logits"}
 
 
-def stats_snapshot(llm: Any) -> dict[str, Any]:
+def stats_snapshot(llm: LLM) -> dict[str, Any]:
     s = llm.get_stats()
     return {**{f.name: getattr(s, f.name) for f in dataclasses.fields(s)}, "num_free_blocks": llm.engine.pool.num_free_blocks()}
 
@@ -65,7 +68,7 @@ def stats_snapshot(llm: Any) -> dict[str, Any]:
 class CoreLoop:
     """Steps the engine and streams per-request deltas. Bookkeeping only; `run_core` owns the sockets."""
 
-    def __init__(self, llm: Any, push: zmq.Socket) -> None:
+    def __init__(self, llm: LLM, push: zmq.Socket) -> None:
         self.llm, self.engine, self.push = llm, llm.engine, push
         self.sent: dict[str, int] = {}  # request id -> output tokens already sent
         self.draining_until: float | None = None
@@ -101,7 +104,7 @@ class CoreLoop:
         if not updated:
             return
         deltas = [self._delta(r) for r in updated if r.request_id in self.sent]
-        if any(d.get("kv_transfer_params") for d in deltas) and self.engine.connector is not None:
+        if any(d.get("kv_transfer_params") for d in deltas):
             self.engine.connector.wait_for_outputs()  # the file a response names exists when it is sent
         self.push.send(pack(["outputs", deltas]))
 

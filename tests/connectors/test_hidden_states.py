@@ -219,7 +219,7 @@ def test_writer_queue_is_bounded_and_applies_backpressure(tmp_path, monkeypatch)
                               request_id=f"r{i}", all_token_ids=list(range(7)))
         conn.request_finished(req, blocks)
         pool.release(blocks)
-    worker = threading.Thread(target=conn.get_finished, args=(set(),))
+    worker = threading.Thread(target=conn.get_finished)
     worker.start()
     time.sleep(0.3)
     assert worker.is_alive(), "gathering did not wait for the stuck writer"

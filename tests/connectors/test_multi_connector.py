@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from checkpoints import random_prompt
-from connectors.base import ConnectorMeta, KVConnector
+from connectors.base import ConnectorMeta, FinishedTransfers, KVConnector
 from engine import LLM, SamplingParams
 
 
@@ -28,10 +28,10 @@ class RecordingConnector(KVConnector):
 
     def request_finished(self, request, block_ids):
         self.finished.append(request.request_id)
-        return False, {"recorded_by": "RecordingConnector"}
+        return {"recorded_by": "RecordingConnector"}
 
-    def get_finished(self, finished_req_ids):
-        return set(), set()
+    def get_finished(self):
+        return FinishedTransfers()
 
 
 def test_multi_connector_offloads_and_runs_plugins(ckpt_dir):

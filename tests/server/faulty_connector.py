@@ -3,7 +3,7 @@ raises inside the engine's step when a request's prompt is TRIGGER. The engine c
 on the request, so the core must die loudly rather than report a clean stop."""
 from __future__ import annotations
 
-from connectors.base import ConnectorMeta, KVConnector
+from connectors.base import ConnectorMeta, FinishedTransfers, KVConnector
 
 TRIGGER = [5, 4, 3, 2, 1]
 
@@ -23,5 +23,5 @@ class FaultyConnector(KVConnector):
             raise RuntimeError("FaultyConnector: a plugin bug")
         return ConnectorMeta()
 
-    def get_finished(self, finished_req_ids):
-        return set(), set()
+    def get_finished(self):
+        return FinishedTransfers()
