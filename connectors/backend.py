@@ -1,6 +1,6 @@
 """The storage-backend plugin API, re-exported for plugin authors.
 
-It is defined in `kvstore.backend` because kvtier's own tiers (G3 disk, the memory reference)
+It is defined in `kvstore.backend` because kvtier's own tiers (the disk, Redis, the memory reference)
 are backends, and `kvstore` must not import `connectors`.
 """
 from kvstore.backend import (BackendError, BackendStats, Buffer, StorageBackend, byte_view, check_blocks,

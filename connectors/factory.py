@@ -19,7 +19,7 @@ from kvstore.events import EventBuffer
 from kvstore.g1 import BlockPool
 from policies.plugins import load_plugin_class
 
-log = logging.getLogger("kvtier.connectors")
+log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "kvtier.connectors"
 TRANSFER_KEYS = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_connector_module_path",

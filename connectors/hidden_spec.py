@@ -3,7 +3,7 @@
 Layer ids follow DESIGN.md: 0 is the embedding output, k the residual stream after decoder
 layer k-1, before any final norm; so N (the number of layers) is the last layer's output.
 The engine keeps the states of every computed token in a paged G1 tensor beside the KV cache,
-`[num_blocks, block_size, len(layer_ids), hidden]`, so prefix hits (G1, or G2/G3 where the
+`[num_blocks, block_size, len(layer_ids), hidden]`, so prefix hits (G1, or a lower tier where the
 offload block carries them) supply them instead of recomputation.
 """
 from __future__ import annotations

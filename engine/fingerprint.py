@@ -34,7 +34,7 @@ try:
 except ImportError:  # a dependency; blake2b keeps a broken install working (another namespace)
     xxhash = None
 
-log = logging.getLogger("kvtier.fingerprint")
+log = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 1
 ALGORITHM = "xxh3_128" if xxhash is not None else "blake2b_128"

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvstore.events import BlockRemoved, BlockStored, KVEvent
 
-log = logging.getLogger("kvtier.engine")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from engine.models import SUPPORTED_ARCHITECTURES
 from engine.models.llama import rope_tables
 from engine.models.packed_linear import pack_linears, packing_available
 
-log = logging.getLogger("kvtier.loader")
+log = logging.getLogger(__name__)
 
 
 def weight_files(model_dir: Path) -> list[str]:

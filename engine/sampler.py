@@ -16,7 +16,7 @@ import torch
 
 from engine.request import Request
 
-log = logging.getLogger("kvtier.engine")
+log = logging.getLogger(__name__)
 
 
 @dataclass

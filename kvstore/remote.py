@@ -37,7 +37,7 @@ from kvstore.backend import BackendError, BackendStats, Buffer, StorageBackend, 
 from kvstore.entry import HEADER_SIZE, CorruptEntry, EntryCodec, check_secret
 from kvstore.keys import KEY_BYTES, BlockKey
 
-log = logging.getLogger("kvtier.g4")
+log = logging.getLogger(__name__)
 
 SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
 ENV_USER, ENV_PASSWORD = "KVTIER_REDIS_USERNAME", "KVTIER_REDIS_PASSWORD"

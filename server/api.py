@@ -29,7 +29,7 @@ from server.protocol import (
 )
 from server.tokenizing import Tokenizing
 
-log = logging.getLogger("kvtier.server")
+log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 _LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 

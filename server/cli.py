@@ -15,7 +15,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from engine.args import add_engine_args, llm_kwargs
+from server.args import add_engine_args, llm_kwargs
 
 
 def _generate(argv: list[str]) -> int:

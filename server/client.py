@@ -20,7 +20,7 @@ import zmq.asyncio
 from engine.sampling_params import SamplingParams
 from server.core import core_main, pack, params_to_wire, unpack
 
-log = logging.getLogger("kvtier.server")
+log = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.25
 DEFAULT_HEARTBEAT_TIMEOUT_S = 120.0  # longer than any one step should take (a 2k-token chunk of a 7B model on CPU)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from engine.args import add_engine_args, llm_kwargs
+from server.args import add_engine_args, llm_kwargs
 
 PROG = "kvtier extract"
 MANIFEST = "manifest.jsonl"

@@ -20,10 +20,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from engine.args import add_engine_args, llm_kwargs
+from server.args import add_engine_args, llm_kwargs
 from server.client import DEFAULT_HEARTBEAT_TIMEOUT_S
 
-log = logging.getLogger("kvtier.server")
+log = logging.getLogger(__name__)
 DEATH_LINGER_S = 5.0  # how long a server whose engine core died keeps answering 503 before it exits 1
 
 

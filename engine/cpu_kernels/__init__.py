@@ -15,7 +15,7 @@ import torch
 
 from engine.cpu_kernels.build import BuildError, load
 
-log = logging.getLogger("kvtier.cpu_kernels")
+log = logging.getLogger(__name__)
 
 DISABLE_ENV = "KVTIER_CPU_KERNELS"  # "0": use the torch path (for comparisons and bisecting)
 

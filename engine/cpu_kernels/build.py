@@ -18,7 +18,7 @@ from pathlib import Path
 
 from engine.cache_dir import cache_root
 
-log = logging.getLogger("kvtier.cpu_kernels")
+log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17", "-fno-math-errno")

@@ -13,7 +13,7 @@ import logging
 import torch
 from torch import nn
 
-log = logging.getLogger("kvtier.loader")
+log = logging.getLogger(__name__)
 
 
 def packing_available() -> bool:

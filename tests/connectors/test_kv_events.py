@@ -68,7 +68,7 @@ def test_events_off_the_loopback_warn_that_they_reveal_prompts(caplog):
     assert not is_loopback("tcp://0.0.0.0:5557") and not is_loopback("tcp://*:5557")
     for endpoint, warns in [("tcp://127.0.0.1:*", False), ("tcp://0.0.0.0:*", True)]:
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="kvtier.engine"):
+        with caplog.at_level(logging.WARNING, logger="engine"):
             pub = ZmqEventPublisher(KVEventsConfig(endpoint))
             pub.close()
         assert any("can read prompts" in r.message for r in caplog.records) == warns, endpoint

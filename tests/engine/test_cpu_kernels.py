@@ -137,7 +137,7 @@ def test_backend_matches_torch_path_on_a_mixed_batch(dtype):
 def test_disabled_by_env_falls_back_with_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(cpu_kernels, "_state", {})
     monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
-    with caplog.at_level(logging.WARNING, logger="kvtier.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
         assert cpu_kernels.get() is None
     assert f"{cpu_kernels.DISABLE_ENV}=0" in caplog.text
 
@@ -153,7 +153,7 @@ def test_a_broken_compiler_falls_back_with_the_reason(monkeypatch, caplog, tmp_p
     monkeypatch.setattr(cpu_kernels, "_state", {})
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "/bin/false")
-    with caplog.at_level(logging.WARNING, logger="kvtier.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
         assert cpu_kernels.get() is None
     assert "/bin/false" in caplog.text and "failed" in caplog.text
 

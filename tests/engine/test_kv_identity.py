@@ -129,7 +129,7 @@ def _count_hashes(monkeypatch) -> list[Path]:
 def test_digest_cache_is_used_and_invalidated(base, tmp_path, monkeypatch, caplog) -> None:
     model = _copy(base, tmp_path / "m")
     calls = _count_hashes(monkeypatch)
-    caplog.set_level(logging.INFO, logger="kvtier.fingerprint")
+    caplog.set_level(logging.INFO, logger="engine.fingerprint")
     first = fp.weights_identity(model)
     assert len(calls) == 1 and (model / fp.CACHE_NAME).is_file()
     assert "hashed 1 file(s)" in caplog.text and " s (" in caplog.text  # how long it took
@@ -198,7 +198,7 @@ def test_no_writable_cache_is_logged_not_fatal(base, tmp_path, monkeypatch, capl
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(blocker))
-    with caplog.at_level(logging.WARNING, logger="kvtier.fingerprint"):
+    with caplog.at_level(logging.WARNING, logger="engine.fingerprint"):
         first = fp.weights_identity(model)
     assert "cannot cache the weights digest" in caplog.text
     assert fp.weights_identity(model) == first
@@ -258,7 +258,7 @@ def test_cli_refuses_a_bad_secret_or_namespace_with_exit_2(ckpt_dir, tmp_path, c
 def test_help_explains_both_flags(capsys) -> None:
     import argparse
 
-    from engine.args import add_engine_args
+    from server.args import add_engine_args
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
