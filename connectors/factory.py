@@ -17,7 +17,7 @@ from connectors.codec import BlockLayout
 from connectors.hidden_spec import HiddenStatesSpec
 from kvstore.events import EventBuffer
 from kvstore.g1 import BlockPool
-from policies.plugins import load_plugin_class
+from plugins import load_plugin_class
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from connectors.backend import StorageBackend
-from policies.plugins import load_plugin_class
+from plugins import load_plugin_class
 
 BACKEND_GROUP = "kvtier.backends"
 

@@ -6,7 +6,7 @@ from importlib.metadata import EntryPoint, entry_points
 
 from policies.base import EvictionPolicy
 from policies.lru import LRUPolicy
-from policies.plugins import load_plugin_class
+from plugins import load_plugin_class
 from policies.priority import PriorityPolicy
 
 ENTRY_POINT_GROUP = "kvtier.policies"

@@ -1,7 +1,8 @@
 """Plugin class loading shared by every kvtier registry (policies, backends, connectors).
 
 A spec is a builtin name, an entry-point name in the registry's group, or a `module:Class`
-path. It lives in the bottom layer so that every package can use it.
+path. It is its own bottom-level package (stdlib only, below `policies`) so that every package
+can use it without depending on the eviction policies.
 """
 from __future__ import annotations
 
