@@ -18,7 +18,8 @@ import zmq
 import zmq.asyncio
 
 from engine.sampling_params import SamplingParams
-from server.core import core_main, pack, params_to_wire, unpack
+from server import channel as ch
+from server.core import core_main, params_to_wire
 
 log = logging.getLogger(__name__)
 
@@ -93,17 +94,17 @@ class EngineClient:
         deadline = loop.time() + timeout_s
         while True:
             if await self._from_core.poll(200):
-                msg = unpack(await self._from_core.recv())
-                if msg[0] == "ready":
-                    i = msg[1]
+                msg = ch.decode_from_core(await self._from_core.recv())
+                if isinstance(msg, ch.Ready):
+                    i = msg.info
                     self.info = CoreInfo(i["max_model_len"], i["vocab_size"], i["num_gpu_blocks"],
                                          tuple(i["eos_token_ids"]))
                     break
-                if msg[0] == "startup_error":
+                if isinstance(msg, ch.StartupError):
                     await loop.run_in_executor(None, self.proc.join, 10)
                     if self.proc.is_alive():
                         self.proc.kill()
-                    raise StartupError(msg[1])
+                    raise StartupError(msg.message)
             if not self.proc.is_alive():
                 raise StartupError(f"engine core exited with code {self.proc.exitcode} while loading")
             if loop.time() > deadline:
@@ -123,8 +124,8 @@ class EngineClient:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
         try:  # packed before the queue exists: a value msgpack cannot carry must not leak a pending slot
-            msg = pack(["add", {"request_id": request_id, "prompt_token_ids": prompt_token_ids,
-                                "params": params_to_wire(params), "priority": priority, "cache_salt": cache_salt}])
+            msg = ch.encode(ch.Add({"request_id": request_id, "prompt_token_ids": prompt_token_ids,
+                                    "params": params_to_wire(params), "priority": priority, "cache_salt": cache_salt}))
         except (OverflowError, UnicodeEncodeError, TypeError, ValueError) as e:
             raise ValueError(f"request {request_id!r} cannot be sent to the engine: {e}") from None
         self._send(msg)
@@ -144,7 +145,7 @@ class EngineClient:
     async def abort(self, request_ids: list[str]) -> None:
         live = [r for r in request_ids if self._queues.pop(r, None) is not None]
         if live and self.state in (CoreState.READY, CoreState.DRAINING):
-            self._send_quietly(pack(["abort", live]))
+            self._send_quietly(ch.encode(ch.Abort(live)))
 
     async def abort_all(self) -> int:
         """Ends every request in flight now (the shutdown grace period is over): each gets a last
@@ -153,7 +154,7 @@ class EngineClient:
         for rid in ids:
             self._queues.pop(rid).put_nowait({"id": rid, "token_ids": [], "finish_reason": "abort"})
         if ids and self.state in (CoreState.READY, CoreState.DRAINING):
-            self._send_quietly(pack(["abort", ids]))
+            self._send_quietly(ch.encode(ch.Abort(ids)))
         return len(ids)
 
     def _send_quietly(self, msg: bytes) -> None:
@@ -169,7 +170,7 @@ class EngineClient:
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._stats_waiters[nonce] = fut
         try:
-            self._send(pack(["stats", nonce]))
+            self._send(ch.encode(ch.StatsQuery(nonce)))
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._stats_waiters.pop(nonce, None)
@@ -181,29 +182,28 @@ class EngineClient:
     # -- background tasks ------------------------------------------------------------------
     async def _read_loop(self) -> None:
         while True:
-            msg = unpack(await self._from_core.recv())
-            kind = msg[0]
-            if kind == "outputs":
-                for d in msg[1]:
+            msg = ch.decode_from_core(await self._from_core.recv())
+            if isinstance(msg, ch.Outputs):
+                for d in msg.deltas:
                     q = self._queues.get(d["id"])
                     if q is None:
                         continue  # aborted here already
                     if d.get("finish_reason") is not None:
                         del self._queues[d["id"]]
                     q.put_nowait(d)
-            elif kind == "stats":
-                fut = self._stats_waiters.get(msg[1])
+            elif isinstance(msg, ch.StatsReply):
+                fut = self._stats_waiters.get(msg.nonce)
                 if fut is not None and not fut.done():
-                    fut.set_result(msg[2])
-            elif kind == "add_error":
-                q = self._queues.pop(msg[1], None)
+                    fut.set_result(msg.stats)
+            elif isinstance(msg, ch.AddError):
+                q = self._queues.pop(msg.request_id, None)
                 if q is not None:
-                    q.put_nowait(ValueError(msg[2]))
-            elif kind == "heartbeat":
-                self._last_beat, self._loop_age = asyncio.get_running_loop().time(), float(msg[1])
-            elif kind == "fatal":
-                self._die(f"engine core failed: {msg[1]}")
-            elif kind == "stopped":
+                    q.put_nowait(ValueError(msg.message))
+            elif isinstance(msg, ch.Heartbeat):
+                self._last_beat, self._loop_age = asyncio.get_running_loop().time(), float(msg.loop_age_s)
+            elif isinstance(msg, ch.Fatal):
+                self._die(f"engine core failed: {msg.message}")
+            elif isinstance(msg, ch.Stopped):
                 if self.state is not CoreState.DRAINING:  # nobody asked it to stop
                     self._die("engine core stopped unasked")
                 self._stopped.set()
@@ -254,7 +254,7 @@ class EngineClient:
         core to flush its offload writes and exit."""
         if self.proc is not None and self.proc.is_alive() and self.state is CoreState.READY:
             self.state = CoreState.DRAINING
-            self._send_quietly(pack(["shutdown", grace_s]))
+            self._send_quietly(ch.encode(ch.Shutdown(grace_s)))
             try:
                 await asyncio.wait_for(self._stopped.wait(), grace_s + 120)
             except asyncio.TimeoutError:

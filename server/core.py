@@ -1,23 +1,7 @@
 """The engine-core process: owns an `LLM`'s `EngineCore` and steps it, talking to the API
-process over two ZMQ PUSH/PULL sockets with msgpack messages.
+process over two ZMQ PUSH/PULL sockets.
 
-Messages, API -> core (each a msgpack list whose first item is the kind):
-  ["add", {request_id, prompt_token_ids, params, priority, cache_salt}]
-  ["abort", [request_id, ...]]
-  ["stats", nonce]
-  ["shutdown", grace_seconds]   finish running requests for up to grace_seconds, abort the
-                                rest, flush offload writes, exit 0
-Core -> API:
-  ["ready", {max_model_len, vocab_size, num_gpu_blocks, eos_token_ids}]
-  ["startup_error", message]    configuration rejected; the process exits 2
-  ["outputs", [delta, ...]]     per request: new token ids and logprobs since the last delta,
-                                and on finish the reason, cached-token counts and transfer params
-  ["stats", nonce, {...}]
-  ["add_error", request_id, message]
-  ["heartbeat", loop_age_s]     every HEARTBEAT_INTERVAL_S from a thread of its own: seconds since
-                                the step loop last went round (a long step, or a deadlock, shows)
-  ["stopped"]                   after a requested shutdown only
-  ["fatal", message]            the loop raised: the core exits 1 (a death, not a stop)
+Messages: `server.channel` (typed dataclasses, msgpack lists on the wire).
 
 The core never decodes text (the API process detokenizes) except to check stop strings,
 which the engine does itself.
@@ -32,11 +16,11 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import msgpack
 import zmq
 
 from engine.request import FINISH_REASONS, Request
 from engine.sampling_params import SamplingParams
+from server import channel as ch
 
 if TYPE_CHECKING:
     from engine.llm import LLM
@@ -45,15 +29,6 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100  # how long an idle core blocks on its socket before checking its parent
 HEARTBEAT_INTERVAL_S = 0.25
-
-
-def pack(msg: list[Any]) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
-
-
-def unpack(data: bytes) -> list[Any]:
-    # strict_map_key=False: logprob maps are keyed by token id.
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
 def params_to_wire(p: SamplingParams) -> dict[str, Any]:
@@ -73,30 +48,29 @@ class CoreLoop:
         self.sent: dict[str, int] = {}  # request id -> output tokens already sent
         self.draining_until: float | None = None
 
-    def handle(self, msg: list[Any]) -> bool:
+    def handle(self, msg: ch.ToCore) -> bool:
         """Applies one message; False when the core should stop taking new work."""
-        kind = msg[0]
-        if kind == "add":
-            a = msg[1]
+        if isinstance(msg, ch.Add):
+            a = msg.request
             try:
                 params = SamplingParams(**a["params"])
                 req = self.engine.make_request(a["request_id"], a["prompt_token_ids"], params,
                                                priority=a.get("priority", 0), cache_salt=a.get("cache_salt"))
-            except (ValueError, TypeError) as e:
-                self.push.send(pack(["add_error", a.get("request_id"), str(e)]))
+            except (ValueError, TypeError, KeyError) as e:
+                self.push.send(ch.encode(ch.AddError(a.get("request_id"), str(e))))
                 return True
             self.engine.add_request(req)
             self.sent[req.request_id] = 0
-        elif kind == "abort":
-            for rid in msg[1]:
+        elif isinstance(msg, ch.Abort):
+            for rid in msg.request_ids:
                 self.sent.pop(rid, None)  # the API side has stopped listening
                 if self.engine.abort_request(rid):
                     log.info("request %s aborted", rid)
-        elif kind == "stats":
-            self.push.send(pack(["stats", msg[1], stats_snapshot(self.llm)]))
-        elif kind == "shutdown":
-            self.draining_until = time.monotonic() + float(msg[1])
-            log.info("shutdown: draining %d request(s) for up to %.1fs", len(self.sent), float(msg[1]))
+        elif isinstance(msg, ch.StatsQuery):
+            self.push.send(ch.encode(ch.StatsReply(msg.nonce, stats_snapshot(self.llm))))
+        elif isinstance(msg, ch.Shutdown):
+            self.draining_until = time.monotonic() + float(msg.grace_s)
+            log.info("shutdown: draining %d request(s) for up to %.1fs", len(self.sent), float(msg.grace_s))
         return True
 
     def step(self) -> None:
@@ -106,7 +80,7 @@ class CoreLoop:
         deltas = [self._delta(r) for r in updated if r.request_id in self.sent]
         if any(d.get("kv_transfer_params") for d in deltas):
             self.engine.connector.wait_for_outputs()  # the file a response names exists when it is sent
-        self.push.send(pack(["outputs", deltas]))
+        self.push.send(ch.encode(ch.Outputs(deltas)))
 
     def _delta(self, r: Request) -> dict[str, Any]:
         start = self.sent[r.request_id]
@@ -129,8 +103,8 @@ class CoreLoop:
             self.step()
         if ids:
             log.warning("shutdown: aborted %d request(s) still running after the grace period", len(ids))
-            self.push.send(pack(["outputs", [{"id": rid, "token_ids": [], "finish_reason": "abort"}
-                                             for rid in ids if rid in self.sent]]))
+            self.push.send(ch.encode(ch.Outputs([{"id": rid, "token_ids": [], "finish_reason": "abort"}
+                                                 for rid in ids if rid in self.sent])))
             self.sent.clear()
 
 
@@ -151,14 +125,14 @@ def run_core(llm_kwargs: dict[str, Any], to_core: str, from_core: str, log_level
 
         llm = LLM(**llm_kwargs)
     except (ValueError, FileNotFoundError, OSError) as e:
-        push.send(pack(["startup_error", f"{type(e).__name__}: {e}"]))
+        push.send(ch.encode(ch.StartupError(f"{type(e).__name__}: {e}")))
         push.close(linger=5000)
         pull.close(linger=0)  # term() waits for every socket
         ctx.term()
         return 2
     eng = llm.engine
-    push.send(pack(["ready", {"max_model_len": eng.max_model_len, "vocab_size": eng.model_config.vocab_size,
-                              "num_gpu_blocks": eng.pool.num_blocks, "eos_token_ids": sorted(eng.eos_token_ids)}]))
+    push.send(ch.encode(ch.Ready({"max_model_len": eng.max_model_len, "vocab_size": eng.model_config.vocab_size,
+                                  "num_gpu_blocks": eng.pool.num_blocks, "eos_token_ids": sorted(eng.eos_token_ids)})))
     loop = CoreLoop(llm, push)
     beat = Heartbeat(ctx, from_core)
     status = 1
@@ -169,7 +143,7 @@ def run_core(llm_kwargs: dict[str, Any], to_core: str, from_core: str, log_level
             if pull.poll(0 if busy else IDLE_POLL_MS):
                 while True:
                     try:
-                        loop.handle(unpack(pull.recv(zmq.NOBLOCK)))
+                        loop.handle(ch.decode_to_core(pull.recv(zmq.NOBLOCK)))
                     except zmq.Again:
                         break
             if loop.draining_until is not None and (not eng.has_unfinished() or time.monotonic() > loop.draining_until):
@@ -184,13 +158,13 @@ def run_core(llm_kwargs: dict[str, Any], to_core: str, from_core: str, log_level
                 break
     except Exception as e:  # noqa: BLE001 - an error no request could be blamed for: report it, then die
         log.exception("engine core failed")
-        push.send(pack(["fatal", f"{type(e).__name__}: {e}"]))
+        push.send(ch.encode(ch.Fatal(f"{type(e).__name__}: {e}")))
     finally:
         beat.stop()
         llm.close()  # flushes pending G3 writes
         if status == 0:
             log.info("engine core stopped")
-            push.send(pack(["stopped"]))
+            push.send(ch.encode(ch.Stopped()))
         push.close()
         pull.close(linger=0)
         ctx.term()
@@ -217,7 +191,7 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(HEARTBEAT_INTERVAL_S):
             try:
-                self._sock.send(pack(["heartbeat", time.monotonic() - self.last_tick]), zmq.NOBLOCK)
+                self._sock.send(ch.encode(ch.Heartbeat(time.monotonic() - self.last_tick)), zmq.NOBLOCK)
             except zmq.Again:  # the API side is not reading: it will notice the silence itself
                 continue
 
