@@ -205,11 +205,7 @@ class TransferEngine:
                 log.warning("%s entry rejected: %s", tier.name, reason)
             self._promote(i, c.key, slot, buf, reason is None, job.priority)
             if ok and reason is None:
-                n = self._scatter(buf, c.index, job)
-                landed += n
-                self.tier_hits[tier.name] += n * self.layout.block_size
-                tier.touch([c.key], job.priority)  # the loading request's priority reaches the tier's policy
-                self._note_use(self.tiers[i + 1:], c.key, lambda buf=buf: bytes(buf.numpy()))  # a reuse below
+                landed += self._land(i, c, buf, job)
             else:
                 ok = False  # later reads in flight still finish (and may still be promoted)
 
@@ -245,12 +241,20 @@ class TransferEngine:
                     log.warning("%s entry rejected: %s", tier.name, reason)
                 self._promote(i, c.key, slot, buf, reason is None, job.priority)
                 if ok and reason is None:
-                    n = self._scatter(buf, c.index, job)
-                    landed += n
-                    self.tier_hits[tier.name] += n * self.layout.block_size
+                    landed += self._land(i, c, buf, job)
                 else:
                     ok = False  # a batch already in flight is still promoted, not scattered
         return landed, ok
+
+    def _land(self, i: int, c: Chunk, buf: torch.Tensor, job: LoadJob) -> int:
+        """A checked hit from tier i: scatter it into G1, count it, tell the tier who used it
+        (priority) and the batched tiers below that it was reused. Returns the G1 blocks filled."""
+        tier = self.tiers[i]
+        n = self._scatter(buf, c.index, job)
+        self.tier_hits[tier.name] += n * self.layout.block_size
+        tier.touch([c.key], job.priority)
+        self._note_use(self.tiers[i + 1:], c.key, lambda: bytes(buf.numpy()))
+        return n
 
     def _promote(self, i: int, key: BlockKey, slot: int | None, buf: torch.Tensor, good: bool, priority: int) -> None:
         """A read from tier i that landed in G2 slot `slot`: publish it in G2 (or free the slot)
