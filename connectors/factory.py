@@ -56,7 +56,7 @@ def validate_transfer_config(tc: dict[str, Any]) -> dict[str, Any]:
     return tc
 
 
-def check_transfer_config(tc: dict[str, Any] | None, flags_set: bool) -> None:
+def check_transfer_config(tc: dict[str, Any] | None, flag_tiers: set[str]) -> None:
     """Everything about `kv_transfer_config` that can be checked without a model: its keys, the
     connector's name, and for the built-in connectors their extra-config keys and tier stack
     (backend names and options). `kvtier serve` calls it before it spawns the engine, so a bad
@@ -68,11 +68,11 @@ def check_transfer_config(tc: dict[str, Any] | None, flags_set: bool) -> None:
     if name == "MultiConnector":
         for sub in extra.get("connectors") or []:
             if isinstance(sub, dict):
-                check_transfer_config(sub, flags_set)
+                check_transfer_config(sub, flag_tiers)
     elif name in HIDDEN_STATES_NAMES:
         _check_keys(extra, HIDDEN_STATES_KEYS, "HiddenStatesConnector")
     elif name is None or name in TIERED_NAMES:
-        stack.check_extra_keys(extra, flags_set)
+        stack.check_extra_keys(extra, flag_tiers)
         if stack.TIERS_KEY in extra:
             stack.check_stack(stack.parse_stack(extra[stack.TIERS_KEY]))
     else:
@@ -102,7 +102,7 @@ def build_tiered(ctx: ConnectorContext) -> KVConnector:
     from connectors.tiered import TieredOffloadConnector, WritePolicy
 
     extra = ctx.extra_config
-    stack.check_extra_keys(extra, flags_set=_flags_set(ctx))
+    stack.check_extra_keys(extra, _flag_tiers(ctx))
     if "block_size" in extra:  # this connector's own offload block size (e.g. inside a MultiConnector)
         ob, bs = int(extra["block_size"]), ctx.layout.block_size
         if ob <= 0 or ob % bs:
@@ -120,7 +120,17 @@ def build_tiered(ctx: ConnectorContext) -> KVConnector:
 
 
 def _flags_set(ctx: ConnectorContext) -> bool:
-    return bool(ctx.offloading_size_gib) or ctx.disk_path is not None or bool(ctx.remote_url)
+    return bool(_flag_tiers(ctx))
+
+
+def _flag_tiers(ctx: ConnectorContext) -> set[str]:
+    return flag_tiers(ctx.offloading_size_gib, ctx.disk_path, ctx.remote_url)
+
+
+def flag_tiers(offloading_size: float | None, disk_path: str | None, remote_url: str | None) -> set[str]:
+    """Which tiers of the default stack the flags configure ("g2", "g3", "g4")."""
+    return {t for t, on in (("g2", bool(offloading_size)), ("g3", disk_path is not None), ("g4", bool(remote_url)))
+            if on}
 
 
 def _flag_stack(ctx: ConnectorContext) -> tuple[Any, list[Any]]:
@@ -131,8 +141,11 @@ def _flag_stack(ctx: ConnectorContext) -> tuple[Any, list[Any]]:
     tiers = []
     if ctx.disk_path is not None:
         disk = _disk(ctx, Path(ctx.disk_path), ctx.disk_size_gib, extra.get("g3_eviction_policy"))
-        tiers.append(_parallel(ctx, "G3", disk, {"read_threads": extra.get("g3_read_threads", 4),
-                                                 "read_timeout_s": extra.get("g3_timeout_s", 10.0)}))
+        from connectors.stack import PARALLEL_OPTIONS
+
+        tiers.append(_parallel(ctx, "G3", disk, {
+            "read_threads": extra.get("g3_read_threads", PARALLEL_OPTIONS["read_threads"]),
+            "read_timeout_s": extra.get("g3_timeout_s", PARALLEL_OPTIONS["read_timeout_s"])}))
     if ctx.remote_url:
         ttl = extra.get("g4_ttl_s")
         redis = _redis(ctx, str(ctx.remote_url), str(extra.get("g4_prefix", "kvtier")),
@@ -277,7 +290,7 @@ def build_connector(ctx: ConnectorContext, transfer_config: dict[str, Any] | Non
     if name is None or name in TIERED_NAMES:
         from connectors import stack
 
-        stack.check_extra_keys(ctx.extra_config, _flags_set(ctx))  # unknown keys first: they may be why no tier is set
+        stack.check_extra_keys(ctx.extra_config, _flag_tiers(ctx))  # unknown keys first: they may be why no tier is set
         if _flags_set(ctx) or stack.TIERS_KEY in ctx.extra_config:
             return build_tiered(ctx)
         if name is None and ctx.extra_config:

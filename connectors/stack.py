@@ -84,8 +84,13 @@ class StackSpec:
     storage: tuple[StorageSpec, ...]
 
 
-def check_extra_keys(extra: dict[str, Any], flags_set: bool) -> None:
-    """ValueError for any key the tiered connector does not take, or for mixing the two forms."""
+FLAG_TIER_SOURCE = {"g2": "kv_offloading_size", "g3": "kv_offload_disk", "g4": "kv_offload_remote"}
+
+
+def check_extra_keys(extra: dict[str, Any], flag_tiers: set[str]) -> None:
+    """ValueError for any key the tiered connector does not take, for a flat key tuning a tier the
+    flags did not set up (it would be ignored), or for mixing the two forms. `flag_tiers`: which
+    of "g2", "g3", "g4" the flags configure."""
     known = set(FLAG_STACK_KEYS) | CONNECTOR_KEYS | {TIERS_KEY}
     unknown = sorted(set(extra) - known)
     if unknown:
@@ -95,9 +100,13 @@ def check_extra_keys(extra: dict[str, Any], flags_set: bool) -> None:
         flat = sorted(set(extra) & set(FLAG_STACK_KEYS))
         if flat:
             raise ValueError(f"{flat} tune the flag-built stack; with \"tiers\" give each tier its own options")
-        if flags_set:
+        if flag_tiers:
             raise ValueError("give the offload tiers either as flags (kv_offloading_size, kv_offload_disk, "
                              "kv_offload_remote) or as kv_connector_extra_config \"tiers\", not both")
+    idle = sorted(k for k in set(extra) & set(FLAG_STACK_KEYS) if k[:2] not in flag_tiers)
+    if idle and TIERS_KEY not in extra:
+        raise ValueError(f"{idle} tune tier(s) that are not configured: set "
+                         f"{sorted({FLAG_TIER_SOURCE[k[:2]] for k in idle})} or drop them")
 
 
 def parse_stack(raw: Any) -> StackSpec:

@@ -129,10 +129,10 @@ def main(argv: list[str]) -> int:
 
         for key in ("kv_transfer_config", "kv_events_config", "speculative_config"):
             kwargs[key] = _parse_json(kwargs[key], key)
-        from connectors.factory import check_transfer_config
+        from connectors.factory import check_transfer_config, flag_tiers
 
-        check_transfer_config(kwargs["kv_transfer_config"], bool(kwargs.get("kv_offloading_size"))
-                              or kwargs.get("kv_offload_disk") is not None or bool(kwargs.get("kv_offload_remote")))
+        check_transfer_config(kwargs["kv_transfer_config"], flag_tiers(
+            kwargs.get("kv_offloading_size"), kwargs.get("kv_offload_disk"), kwargs.get("kv_offload_remote")))
         from engine.loader import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)

@@ -166,6 +166,10 @@ def test_flat_extra_keys_are_checked_too(model_dir, tmp_path):
         offload_llm(model_dir, kv_transfer_config={"kv_connector_extra_config": {"backend": "sqlite"}})
     with pytest.raises(ValueError, match="no kv_connector"):
         offload_llm(model_dir, kv_transfer_config={"kv_connector_extra_config": {"write_policy": "write_back"}})
+    # A flat key tuning a tier the flags did not set up would be ignored: refused, naming it.
+    tc = {"kv_connector": "TieredOffloadConnector", "kv_connector_extra_config": {"g4_min_uses": 2}}
+    with pytest.raises(ValueError, match="g4_min_uses.*kv_offload_remote"):
+        offload_llm(model_dir, kv_offload_disk=str(tmp_path / "d"), kv_transfer_config=tc)
     # The explicit stack and the tier flags are two sources for one thing: refused together.
     tc = {"kv_connector": "TieredOffloadConnector", "kv_connector_extra_config": {"tiers": [plugin_tier(tmp_path)]}}
     with pytest.raises(ValueError, match="not both"):
