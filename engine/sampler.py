@@ -36,9 +36,10 @@ class Sampler:
         want_logprobs = any(r.params.logprobs is not None for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         out = SamplerOutput([], [])
+        greedy = self._plain_greedy(logits, reqs)
         for i, req in enumerate(reqs):
             try:
-                token = self._sample(logits[i], req)
+                token = greedy[i] if greedy[i] >= 0 else self._sample(logits[i], req)
                 out.token_ids.append(token)
                 out.logprobs.append(None if raw_logprobs is None else _logprobs(raw_logprobs[i], token, req))
             except (IndexError, RuntimeError, ValueError, OverflowError) as e:  # this row's settings
@@ -48,8 +49,25 @@ class Sampler:
                 out.logprobs.append(None)
         return out
 
+    @staticmethod
+    def _plain_greedy(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+        """The argmax of every greedy row without penalties, -1 for the others: one batched call
+        instead of one per row (64 single-threaded row argmaxes were ~8 ms of a 177 ms batch-64
+        decode step here). `max(-1).indices` keeps argmax's first-maximum rule and ran 0.9 ms on
+        [64, 49152] float32 against argmax(-1)'s 2.5 ms."""
+        rows = [i for i, r in enumerate(reqs) if r.params.greedy and not _has_penalty(r)]
+        tokens = [-1] * len(reqs)
+        if rows:
+            picked = (logits if len(rows) == len(reqs) else logits[rows]).max(dim=-1).indices
+            for i, t in zip(rows, picked.tolist()):
+                tokens[i] = t
+        return tokens
+
     def _sample(self, row: torch.Tensor, req: Request) -> int:
         p = req.params
+        # Rows that are not plain greedy are sampled on the host: requests' generators are CPU
+        # generators, so a seeded request draws the same tokens on any device.
+        row = row.cpu()
         if _has_penalty(req):
             row = _apply_penalties(row.clone(), req)
         if p.greedy:
