@@ -302,19 +302,28 @@ class TransferEngine:
             if hid is not None:
                 self.hidden_cache[dst[0]:dst[0] + n].copy_(hid)  # type: ignore[index]
         else:
-            idx = torch.tensor(dst, dtype=torch.long)
-            self.kv_cache.index_copy_(2, idx, data[:, :, lo:])
+            dev = self.kv_cache.device  # index_copy_ wants index and source on the cache's device
+            idx = torch.tensor(dst, dtype=torch.long, device=dev)
+            self.kv_cache.index_copy_(2, idx, data[:, :, lo:].to(dev))
             if hid is not None:
-                self.hidden_cache.index_copy_(0, idx, hid)  # type: ignore[union-attr]
+                self.hidden_cache.index_copy_(0, idx, hid.to(dev))  # type: ignore[union-attr]
         return n
 
     def _gather(self, src: list[BlockId], buf: torch.Tensor, job: StoreJob) -> None:
         assert self.kv_cache is not None
         write_header(buf, self.layout_id, job.digest, self.layout.payload_bytes)
-        idx = torch.tensor(src, dtype=torch.long)
-        torch.index_select(self.kv_cache, 2, idx, out=payload(buf, self.layout))
+        if self.kv_cache.device.type == "cpu":  # straight into the buffer, no temporary
+            idx = torch.tensor(src, dtype=torch.long)
+            torch.index_select(self.kv_cache, 2, idx, out=payload(buf, self.layout))
+            if self.hidden_cache is not None:
+                torch.index_select(self.hidden_cache, 0, idx, out=hidden_payload(buf, self.layout))
+            return
+        # On a GPU: gather on the device, one copy down. It runs on the current (default) stream,
+        # so it is ordered after the forward that wrote these blocks.
+        idx = torch.tensor(src, dtype=torch.long, device=self.kv_cache.device)
+        payload(buf, self.layout).copy_(self.kv_cache.index_select(2, idx))
         if self.hidden_cache is not None:
-            torch.index_select(self.hidden_cache, 0, idx, out=hidden_payload(buf, self.layout))
+            hidden_payload(buf, self.layout).copy_(self.hidden_cache.index_select(0, idx))
 
     def _run_store(self, job: StoreJob) -> None:
         try:

@@ -17,34 +17,40 @@ import torch.nn.functional as F
 
 @dataclass
 class PrefillSeq:
-    """One sequence whose query has more than one token (a prompt or a prompt chunk)."""
+    """One sequence whose query has more than one token (a prompt or a prompt chunk).
+
+    `block_ids` stay on the host (the Triton backend builds its tables from them once per step);
+    the torch path copies them to the cache's device once per step, not once per layer."""
 
     query_start: int
     query_len: int
     context_len: int  # tokens in the cache after this step, including the query
     block_ids: torch.Tensor  # [ceil(context_len / block_size)] int64
     first_block: int | None = None  # set when block_ids is one consecutive run: no gather needed
-    mask: torch.Tensor | None = None  # [query_len, context_len] bool, for a chunk after cached tokens
 
-    _additive: torch.Tensor | None = field(default=None, repr=False)
+    _on_device: dict[tuple[str, torch.dtype | None], torch.Tensor] = field(default_factory=dict, repr=False)
 
-    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """`mask` as 0 / -inf in the query's dtype, built on first use and shared by every layer:
-        given the bool mask, SDPA's CPU kernel converted it on each call (`aten::where`: 2.6 s of
-        a 35 s 8k-token prefill in 2k chunks). (Splitting the chunk into context and causal parts
-        merged by log-sum-exp was faster still, but moved hidden states ~1e-6 of their scale away
-        from transformers'.)"""
-        if self._additive is None or self._additive.dtype != dtype:
-            zero = torch.zeros((), dtype=dtype, device=self.mask.device)
-            self._additive = torch.full_like(self.mask, float("-inf"), dtype=dtype).where(~self.mask, zero)
-        return self._additive
+    def block_ids_on(self, device: torch.device) -> torch.Tensor:
+        key = (str(device), None)
+        if key not in self._on_device:
+            self._on_device[key] = self.block_ids.to(device)
+        return self._on_device[key]
 
-    def __post_init__(self) -> None:
-        if self.query_len != self.context_len and self.mask is None:
-            # Built once per step, not per layer: query i sits at position context_len - query_len + i.
-            dev = self.block_ids.device
-            rows = torch.arange(self.query_len, device=dev).unsqueeze(1) + (self.context_len - self.query_len)
-            self.mask = torch.arange(self.context_len, device=dev).unsqueeze(0) <= rows
+    def additive_mask(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The causal mask of a chunk after cached tokens, `[query_len, context_len]`, as 0 / -inf
+        in the query's dtype, built on first use and shared by every layer: given a bool mask,
+        SDPA's CPU kernel converted it on each call (`aten::where`: 2.6 s of a 35 s 8k-token
+        prefill in 2k chunks). (Splitting the chunk into context and causal parts merged by
+        log-sum-exp was faster still, but moved hidden states ~1e-6 of their scale away from
+        transformers'.) Query i sits at position context_len - query_len + i."""
+        key = (str(device), dtype)
+        if key not in self._on_device:
+            rows = torch.arange(self.query_len, device=device).unsqueeze(1) + (self.context_len - self.query_len)
+            allowed = torch.arange(self.context_len, device=device).unsqueeze(0) <= rows
+            zero = torch.zeros((), dtype=dtype, device=device)
+            self._on_device[key] = torch.full(allowed.shape, float("-inf"), dtype=dtype, device=device).where(
+                ~allowed, zero)
+        return self._on_device[key]
 
 
 @dataclass
@@ -109,7 +115,7 @@ class TorchPagedAttention(AttentionBackend):
         if seq.first_block is not None:  # a view: skips a copy of the whole context per layer
             nb = seq.block_ids.numel()
             return cache[seq.first_block : seq.first_block + nb].flatten(0, 1)[: seq.context_len]
-        return self._gather(name, cache, seq.block_ids)[: seq.context_len]
+        return self._gather(name, cache, seq.block_ids_on(cache.device))[: seq.context_len]
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         num_tokens, num_heads, head_dim = q.shape
@@ -133,7 +139,7 @@ class TorchPagedAttention(AttentionBackend):
         if seq.query_len == seq.context_len:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.additive_mask(q.dtype), scale=scale,
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.additive_mask(q.dtype, q.device), scale=scale,
                                                enable_gqa=gqa)
         out[seq.query_start : seq.query_start + seq.query_len] = o[0].transpose(0, 1)
 

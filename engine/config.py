@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,15 +34,47 @@ class SchedulingPolicy(str, enum.Enum):
     PRIORITY = "priority"
 
 
-def resolve_dtype(name: str, checkpoint_dtype: Any) -> torch.dtype:
-    """`auto` takes the checkpoint's dtype; float16 falls back to float32 on CPU, where it is slow
-    and loses precision in matmul accumulation."""
+# Token budget of one step when max_num_batched_tokens is not given: vLLM's CPU defaults. An
+# offline batch (LLM, generate, extract) favours throughput: on the prefill-heavy workload of
+# benchmarks/throughput.py 4096 gave 858 total tok/s against 802 at 2048 (fewer prompts split into
+# chunks after cached context). A server (`kvtier serve` passes its own) favours short gaps between
+# a running request's tokens.
+OFFLINE_MAX_BATCHED_TOKENS = 4096
+SERVER_MAX_BATCHED_TOKENS = 2048
+
+# G1 size on CPU when neither kv_cache_memory_gib nor num_gpu_blocks is given (on CUDA the
+# budget comes from gpu_memory_utilization instead).
+CPU_KV_CACHE_GIB = 2.0
+
+
+def resolve_device(name: str) -> str:
+    """`auto` is CUDA when torch sees a GPU, else the CPU; an explicit CUDA device must exist."""
     if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return name
+    if name == "cuda" or re.fullmatch(r"cuda:\d+", name):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: torch sees no CUDA device here (use 'cpu' or 'auto')")
+        index = int(name.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+        return name
+    raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {name!r}")
+
+
+def resolve_dtype(name: str, checkpoint_dtype: Any, device: str = "cpu") -> torch.dtype:
+    """`auto` takes the checkpoint's dtype, except that float32 checkpoints run in bfloat16 on a GPU
+    (vLLM's rule: float32 there halves throughput for no gain in serving)."""
+    if name == "auto":
+        found = torch.float32
         if isinstance(checkpoint_dtype, torch.dtype):
-            return checkpoint_dtype
-        if isinstance(checkpoint_dtype, str) and checkpoint_dtype in _DTYPES:
-            return _DTYPES[checkpoint_dtype]
-        return torch.float32
+            found = checkpoint_dtype
+        elif isinstance(checkpoint_dtype, str) and checkpoint_dtype in _DTYPES:
+            found = _DTYPES[checkpoint_dtype]
+        if found == torch.float32 and device != "cpu":
+            return torch.bfloat16
+        return found
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
     return _DTYPES[name]
@@ -88,8 +121,10 @@ class EngineConfig:
     dtype: str = "auto"
     block_size: int = 16
     num_gpu_blocks: int | None = None
-    # CPU has no "GPU memory utilization"; size G1 by bytes instead (like VLLM_CPU_KVCACHE_SPACE).
-    kv_cache_memory_gib: float = 2.0
+    # G1 in GiB (like VLLM_CPU_KVCACHE_SPACE); None: CPU_KV_CACHE_GIB on CPU, and on CUDA what
+    # gpu_memory_utilization leaves after the weights and a profiled forward's peak.
+    kv_cache_memory_gib: float | None = None
+    gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -98,7 +133,7 @@ class EngineConfig:
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     kv_eviction_policy: str = "lru"
     seed: int = 0
-    device: str = "cpu"
+    device: str = "auto"  # resolved in __post_init__: auto, cpu, cuda or cuda:N
     # Offload tiers (vLLM's flag names): G2 host memory and G3 disk, sizes in GiB.
     kv_offloading_size: float | None = None
     kv_offload_disk: str | None = None
@@ -128,8 +163,11 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two; got {self.block_size}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be >= 1; got {self.num_gpu_blocks}")
-        if self.kv_cache_memory_gib <= 0:
+        if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0; got {self.kv_cache_memory_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
+        object.__setattr__(self, "device", resolve_device(self.device))
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
         if self.max_num_seqs < 1:
@@ -189,7 +227,7 @@ def check_kv_namespace(name: object) -> None:
         raise ValueError(f"kv_namespace must be printable (no control characters); got {name!r}")
 
 
-def load_model_config(model_dir: Path, dtype: str) -> ModelConfig:
+def load_model_config(model_dir: Path, dtype: str, device: str = "cpu") -> ModelConfig:
     from transformers import AutoConfig
 
     from engine.models import SUPPORTED_ARCHITECTURES, _bias_flag
@@ -227,6 +265,6 @@ def load_model_config(model_dir: Path, dtype: str) -> ModelConfig:
         # Qwen2's biases are on q/k/v only; the others put attention_bias on o_proj too.
         o_proj_bias=_bias_flag(hf) and arch != "Qwen2ForCausalLM",
         qk_norm=SUPPORTED_ARCHITECTURES[arch].qk_norm,
-        dtype=resolve_dtype(dtype, getattr(hf, "dtype", None) or raw.get("torch_dtype")),
+        dtype=resolve_dtype(dtype, getattr(hf, "dtype", None) or raw.get("torch_dtype"), device),
         hf_config=hf,
     )

@@ -17,8 +17,8 @@ from connectors.codec import BlockLayout
 from connectors.factory import ConnectorContext, build_connector, has_hidden_states_connector
 from engine.attention import AttentionBackend, TorchPagedAttention
 from engine.attention_cpu import CpuPagedAttention
-from engine import cpu_kernels, cpu_runtime
-from engine.config import EngineConfig, LoadFailurePolicy, load_model_config
+from engine import cpu_kernels, cpu_runtime, gpu_memory
+from engine.config import CPU_KV_CACHE_GIB, OFFLINE_MAX_BATCHED_TOKENS, EngineConfig, LoadFailurePolicy, load_model_config
 from engine.fingerprint import model_fingerprint
 from engine.kv_events import KVEventsConfig, ZmqEventPublisher
 from kvstore.events import EventBuffer
@@ -36,9 +36,6 @@ from policies import make_policy
 
 log = logging.getLogger(__name__)
 
-# On CPU a chunk this size keeps matmuls efficient without stalling decodes for long.
-DEFAULT_MAX_BATCHED_TOKENS = 2048
-
 
 class EngineCore:
     IDLE_WAIT_S = 0.05  # longest idle sleep while transfers are in flight (a finish wakes it sooner)
@@ -46,7 +43,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         model_dir = Path(config.model)
-        self.model_config = mc = load_model_config(model_dir, config.dtype)
+        self.model_config = mc = load_model_config(model_dir, config.dtype, config.device)
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_token_ids = _eos_ids(model_dir, self.tokenizer)
         bs = config.block_size
@@ -54,10 +51,22 @@ class EngineCore:
         if self.hidden_spec is not None:
             self.hidden_spec.check_model(mc.num_layers)
         per_block = kv_cache_bytes_per_block(mc, bs, len(self.hidden_spec.layer_ids) if self.hidden_spec else 0)
-        num_blocks = config.num_gpu_blocks or int(config.kv_cache_memory_gib * 2**30 // per_block)
         max_len = config.max_model_len or mc.max_position_embeddings
         if max_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={mc.max_position_embeddings}")
+        torch.manual_seed(config.seed)
+        backend = _attention_backend(config.device)
+        # On a GPU with no explicit size, G1 is what gpu_memory_utilization leaves after the weights
+        # and a profiled forward, so the model loads first (its rope tables at the longest length).
+        profiled = config.device != "cpu" and config.num_gpu_blocks is None and config.kv_cache_memory_gib is None
+        model = load_model(model_dir, mc, backend, max_len, config.device) if profiled else None
+        if profiled:
+            num_blocks = gpu_memory.profiled_num_blocks(
+                model, mc, config.device, config.gpu_memory_utilization, per_block,
+                _step_token_budget(config, max_len), config.max_num_seqs, bs, max_len)
+        else:
+            num_blocks = config.num_gpu_blocks or int((config.kv_cache_memory_gib or CPU_KV_CACHE_GIB) * 2**30
+                                                      // per_block)
         if -(-max_len // bs) > num_blocks:
             if config.max_model_len is not None:
                 raise ValueError(f"max_model_len={max_len} needs {-(-max_len // bs)} KV blocks but G1 has {num_blocks}; "
@@ -65,11 +74,9 @@ class EngineCore:
             max_len = num_blocks * bs
             log.warning("max_model_len lowered to %d so one sequence fits in G1 (%d blocks)", max_len, num_blocks)
         self.max_model_len = max_len
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(DEFAULT_MAX_BATCHED_TOKENS, 0)
-        if not config.enable_chunked_prefill and self.max_num_batched_tokens < max_len:
-            self.max_num_batched_tokens = max_len  # without chunking a whole prompt must fit in one step
-        torch.manual_seed(config.seed)
-        model = load_model(model_dir, mc, _attention_backend(config.device), max_len, config.device)
+        self.max_num_batched_tokens = _step_token_budget(config, max_len)
+        if model is None:
+            model = load_model(model_dir, mc, backend, max_len, config.device)
         self.pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy), config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, bs)
         self.runner = ModelRunner(model, mc, num_blocks, bs, config.device, self.hidden_spec)
@@ -351,6 +358,12 @@ def _eos_ids(model_dir: Path, tokenizer) -> frozenset[int]:
     if not ids and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
+
+
+def _step_token_budget(config: EngineConfig, max_len: int) -> int:
+    budget = config.max_num_batched_tokens or OFFLINE_MAX_BATCHED_TOKENS
+    # Without chunking a whole prompt must fit in one step.
+    return budget if config.enable_chunked_prefill else max(budget, max_len)
 
 
 def _attention_backend(device: str) -> AttentionBackend:

@@ -29,7 +29,8 @@ class LLM:
         dtype: str = "auto",
         block_size: int = 16,
         num_gpu_blocks: int | None = None,
-        kv_cache_memory_gib: float = 2.0,
+        kv_cache_memory_gib: float | None = None,
+        gpu_memory_utilization: float = 0.9,
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
@@ -38,7 +39,7 @@ class LLM:
         scheduling_policy: str = "fcfs",
         kv_eviction_policy: str = "lru",
         seed: int = 0,
-        device: str = "cpu",
+        device: str = "auto",
         kv_offloading_size: float | None = None,
         kv_offload_disk: str | None = None,
         kv_offload_disk_size: float = 10.0,
@@ -57,7 +58,8 @@ class LLM:
             model = str(ensure_demo_model())
         self.config = EngineConfig(
             model=str(model), dtype=dtype, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-            kv_cache_memory_gib=kv_cache_memory_gib, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            kv_cache_memory_gib=kv_cache_memory_gib, gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, scheduling_policy=scheduling_policy,
             kv_eviction_policy=kv_eviction_policy, seed=seed, device=device,

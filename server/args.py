@@ -18,15 +18,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     g.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="G1 size in blocks; overrides --kv-cache-memory (default: derived from it)")
-    g.add_argument("--kv-cache-memory", type=float, default=2.0, metavar="GIB",
-                   help="G1 size in GiB when --num-gpu-blocks is not given (default: %(default)s)")
+    g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="G1 size in GiB when --num-gpu-blocks is not given (default: 2 on CPU; on a GPU, what "
+                        "--gpu-memory-utilization leaves after the weights and a profiled forward)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
+                   help="share of the GPU's memory this engine may use: weights, activations and G1 "
+                        "(default: %(default)s; ignored on CPU, where --kv-cache-memory sizes G1)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the model runs: auto takes CUDA when torch sees a GPU (default: %(default)s)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's max_position_embeddings, "
                         "lowered to what G1 holds)")
     g.add_argument("--max-num-seqs", type=int, default=256,
                    help="most requests running at once (default: %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step; long prompts are chunked to fit (default: 2048)")
+                   help="token budget of one step; long prompts are chunked to fit (default: 2048 for serve, "
+                        "4096 for offline commands, vLLM's CPU defaults)")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off G1 prefix caching")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
@@ -84,6 +91,8 @@ def llm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         "block_size": ns.block_size,
         "num_gpu_blocks": ns.num_gpu_blocks,
         "kv_cache_memory_gib": ns.kv_cache_memory,
+        "gpu_memory_utilization": ns.gpu_memory_utilization,
+        "device": ns.device,
         "max_model_len": ns.max_model_len,
         "max_num_seqs": ns.max_num_seqs,
         "max_num_batched_tokens": ns.max_num_batched_tokens,

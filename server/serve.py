@@ -109,6 +109,10 @@ def main(argv: list[str]) -> int:
     from server.api import API, ServerSettings
 
     kwargs = llm_kwargs(ns)
+    if kwargs["max_num_batched_tokens"] is None:  # a server's default, not an offline batch's
+        from engine.config import SERVER_MAX_BATCHED_TOKENS
+
+        kwargs["max_num_batched_tokens"] = SERVER_MAX_BATCHED_TOKENS
     try:
         if kwargs["model"] is None:
             from engine.demo_model import ensure_demo_model

@@ -318,8 +318,8 @@ def load_hf(path: Path, dtype: torch.dtype = torch.float32):
 @torch.no_grad()
 def hf_last_logits(model, prompt_ids: Sequence[int]) -> torch.Tensor:
     """float32 ``[vocab]`` logits after the full prompt (no padding, no cache)."""
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
-    return model(input_ids=ids).logits[0, -1].float()
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=model.device)
+    return model(input_ids=ids).logits[0, -1].float().cpu()
 
 
 @torch.no_grad()
@@ -328,7 +328,7 @@ def hf_greedy(model, prompt_ids: Sequence[int], max_new_tokens: int, *, return_s
 
     Returns the generated ids (and, with ``return_scores``, the raw logits of every step).
     """
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=model.device)
     # transformers 5: eos_token_id=None falls back to the model's generation_config (and
     # stops at EOS); an empty list really disables stopping.  min_new_tokens is left at 0
     # so no logits processor touches the EOS logit.
@@ -345,7 +345,7 @@ def hf_greedy(model, prompt_ids: Sequence[int], max_new_tokens: int, *, return_s
     toks = out.sequences[0, ids.shape[1]:].tolist()
     assert len(toks) == max_new_tokens, (len(toks), max_new_tokens)
     if return_scores:
-        return toks, [s[0].float() for s in out.logits]
+        return toks, [s[0].float().cpu() for s in out.logits]
     return toks
 
 

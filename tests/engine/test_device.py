@@ -1,0 +1,84 @@
+"""Device selection, the GPU dtype rule and G1 sizing (issue 14), checked on any machine: the
+rules are pure functions; the CUDA profiling itself is exercised by `pytest -m gpu`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import CPU_KV_CACHE_GIB, EngineConfig, resolve_device, resolve_dtype
+from engine.gpu_memory import MemoryProfile, g1_budget_bytes
+from engine.model_runner import kv_cache_bytes_per_block
+
+GIB = 2**30
+
+
+def test_auto_follows_torch_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == "cuda"
+
+
+@pytest.mark.parametrize("name", ["tpu", "cuda:x", "CPU", "", "cuda:0:1"])
+def test_unknown_device_is_refused(name):
+    with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N"):
+        resolve_device(name)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("name", ["cuda", "cuda:0"])
+def test_cuda_without_a_gpu_is_refused(name):
+    with pytest.raises(ValueError, match="no CUDA device"):
+        resolve_device(name)
+
+
+@pytest.mark.parametrize("ckpt,device,want", [
+    (torch.float32, "cpu", torch.float32),
+    ("float32", "cpu", torch.float32),
+    (torch.bfloat16, "cpu", torch.bfloat16),
+    (torch.float32, "cuda", torch.bfloat16),  # vLLM's rule: float32 checkpoints serve in bf16 on GPU
+    (None, "cuda:1", torch.bfloat16),
+    (torch.float16, "cuda", torch.float16),
+    (torch.bfloat16, "cuda", torch.bfloat16),
+])
+def test_auto_dtype(ckpt, device, want):
+    assert resolve_dtype("auto", ckpt, device) == want
+
+
+def test_explicit_dtype_wins_on_gpu():
+    assert resolve_dtype("float32", torch.float32, "cuda") == torch.float32
+
+
+def test_config_resolves_auto_and_validates_utilization(tmp_path):
+    assert EngineConfig(model=str(tmp_path)).device == ("cuda" if torch.cuda.is_available() else "cpu")
+    for bad in (0.0, -0.1, 1.01):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            EngineConfig(model=str(tmp_path), gpu_memory_utilization=bad)
+    with pytest.raises(ValueError, match="kv_cache_memory_gib"):
+        EngineConfig(model=str(tmp_path), kv_cache_memory_gib=0)
+
+
+def test_g1_budget_is_what_utilization_leaves():
+    p = MemoryProfile(total=80 * GIB, in_use=17 * GIB, peak_activation=3 * GIB)
+    assert g1_budget_bytes(p, 0.9) == int(80 * GIB * 0.9) - 20 * GIB
+    assert g1_budget_bytes(p, 1.0) == 60 * GIB
+
+
+def test_no_room_for_kv_names_the_knobs():
+    p = MemoryProfile(total=24 * GIB, in_use=20 * GIB, peak_activation=2 * GIB)
+    with pytest.raises(ValueError, match="--gpu-memory-utilization.*--kv-cache-memory"):
+        g1_budget_bytes(p, 0.9)
+    with pytest.raises(ValueError, match="bad memory profile"):
+        MemoryProfile(total=0, in_use=0, peak_activation=0)
+
+
+def test_cpu_engine_sizes_g1_by_the_cpu_default(llama_ckpt):
+    from engine.llm import LLM
+
+    llm = LLM(str(llama_ckpt), dtype="float32", device="cpu")
+    try:
+        mc = llm.engine.model_config
+        per_block = kv_cache_bytes_per_block(mc, 16)
+        assert llm.engine.pool.num_blocks == int(CPU_KV_CACHE_GIB * GIB // per_block)
+    finally:
+        llm.close()

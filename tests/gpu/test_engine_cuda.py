@@ -1,0 +1,96 @@
+"""The engine on a CUDA device (issue 14). Marked `gpu`: skipped without one; scripts/gpu-check.sh
+runs them with `pytest -m gpu`. Oracles: transformers on the same GPU, and the engine itself with
+offload off."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import hf_greedy, load_hf, random_prompt
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32():
+    # TF32 matmuls would make float32 a 10-bit-mantissa format on both sides of the comparison.
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def _greedy(llm, prompts, n=12):
+    from engine.sampling_params import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_auto_picks_cuda_bf16_and_sizes_g1_from_utilization(llama_ckpt):
+    from engine.llm import LLM
+
+    llm = LLM(str(llama_ckpt), gpu_memory_utilization=0.3)
+    try:
+        core = llm.engine
+        assert core.config.device == "cuda"
+        assert core.model_config.dtype == torch.bfloat16  # the checkpoint is float32
+        assert core.runner.kv_cache.is_cuda
+        total = torch.cuda.get_device_properties(0).total_memory
+        assert 0 < core.runner.kv_cache.numel() * core.runner.kv_cache.element_size() <= 0.3 * total
+        assert all(len(t) == 12 for t in _greedy(llm, [random_prompt(40, 1), random_prompt(300, 2)]))
+    finally:
+        llm.close()
+
+
+def test_greedy_tokens_match_transformers_on_the_gpu_in_float32(llama_ckpt):
+    from engine.llm import LLM
+
+    hf = load_hf(llama_ckpt).to("cuda")
+    prompts = [random_prompt(n, seed) for seed, n in enumerate((5, 17, 130, 700))]
+    want = [hf_greedy(hf, p, 12) for p in prompts]
+    llm = LLM(str(llama_ckpt), dtype="float32", device="cuda", kv_cache_memory_gib=0.5)
+    try:
+        assert _greedy(llm, prompts) == want
+    finally:
+        llm.close()
+
+
+def test_offload_on_and_off_give_the_same_tokens(llama_ckpt, tmp_path):
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    prompts = [random_prompt(n, 10 + n) for n in (64, 257, 1000)]
+    plain = LLM(str(llama_ckpt), device="cuda", kv_cache_memory_gib=0.5)
+    try:
+        want = _greedy(plain, prompts)
+    finally:
+        plain.close()
+    tiered = LLM(str(llama_ckpt), device="cuda", kv_cache_memory_gib=0.5, kv_offloading_size=0.5,
+                 kv_offload_disk=str(tmp_path / "g3"), kv_offload_disk_size=1.0)
+    try:
+        assert _greedy(tiered, prompts) == want
+        tiered.engine.flush_offload()
+        tiered.engine.pool.reset_prefix_cache()
+        outs = tiered.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert sum(o.cached_tokens_by_tier.get("G2", 0) for o in outs) > 0  # the second pass loaded from G2
+    finally:
+        tiered.close()
+
+
+def test_seeded_sampling_is_reproducible_on_the_gpu(llama_ckpt):
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    llm = LLM(str(llama_ckpt), device="cuda", kv_cache_memory_gib=0.5)
+    try:
+        sp = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True)
+        a = llm.generate([{"prompt_token_ids": random_prompt(50, 3)}], sp, use_tqdm=False)[0].outputs[0].token_ids
+        b = llm.generate([{"prompt_token_ids": random_prompt(50, 3)}], sp, use_tqdm=False)[0].outputs[0].token_ids
+        assert a == b and len(a) == 10
+    finally:
+        llm.close()
