@@ -5,7 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup serve demo test test-all bench-throughput bench-policies bench-offload bench-serve bench-hidden-states soak
+.PHONY: setup serve demo test test-all bench-throughput bench-policies bench-offload bench-serve bench-hidden-states soak gpu-wheels gpu-check
 
 setup:
 	@PYTHON=$(PY) VENV=$(VENV) bash scripts/setup.sh
@@ -45,3 +45,11 @@ bench-hidden-states: setup
 # every output is checked against a clean server's. Exit 1 on a wrong output. Root for the mounts.
 soak: setup
 	$(BIN)/python benchmarks/soak.py
+
+# The GPU path on a CUDA machine (issue 14). gpu-wheels runs on a networked machine and fills .whl/
+# with the dependencies the offline GPU machine's python lacks; gpu-check runs there (see the script).
+gpu-wheels: setup
+	bash scripts/gpu-wheels.sh
+
+gpu-check:
+	bash scripts/gpu-check.sh

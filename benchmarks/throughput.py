@@ -101,7 +101,7 @@ class KvtierEngine:
 
         self.llm = LLM(model, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens)
-        self.config = f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_num_batched_tokens or 'default'}"
+        self.config = f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={self.llm.engine.max_num_batched_tokens}"
 
     def generate(self, wl: Workload, salt: str) -> dict[str, Any]:
         from engine import SamplingParams
@@ -177,7 +177,7 @@ class VllmEngine:
 
     def wait_ready(self, timeout: float = 900) -> None:
         msg = self.worker.recv(timeout)  # start-up takes 1-2 min on 2 cores
-        self.config = f"vllm {msg['vllm']}, kv {msg['kv_gib']} GiB"
+        self.config = f"vllm {msg['vllm']}, kv {msg['kv_gib']} GiB, max_num_batched_tokens={msg.get('max_num_batched_tokens')}"
         log(f"vllm ready (load {msg['load_s']:.0f} s)")
 
     def generate(self, wl: Workload) -> dict[str, Any]:
@@ -203,7 +203,9 @@ def vllm_worker(spec_path: str, reply_fd: int) -> None:
         for w in range(spec["warmup"]):
             llm.generate([{"prompt_token_ids": list(range(MIN_TOKEN_ID + 16 * w, MIN_TOKEN_ID + 16 * w + 16))}] * 2,
                          warm, use_tqdm=False)
-        send(vllm=vllm.__version__, load_s=time.perf_counter() - t0, kv_gib=os.environ.get("VLLM_CPU_KVCACHE_SPACE"))
+        sched = getattr(getattr(llm.llm_engine, "vllm_config", None), "scheduler_config", None)
+        send(vllm=vllm.__version__, load_s=time.perf_counter() - t0, kv_gib=os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+             max_num_batched_tokens=getattr(sched, "max_num_batched_tokens", None))
         prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
         for cmd in sys.stdin:
             if cmd.strip() != "run":

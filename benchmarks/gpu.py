@@ -1,0 +1,297 @@
+"""The GPU path's figures in one run (issue 14), on a random-weight Llama-3-8B-shaped model in bf16.
+
+  kernels   benchmarks/kernels.py: the Triton decode and prefill attention kernels against SDPA
+            (flash) on the same shapes, and decode bandwidth against a device-to-device copy.
+  ttft      time to first token at --lengths (default 8k and 32k tokens): cold, G1 hit, G2 hit,
+            G3 hit (one engine per tier, loaded in turn so that one model's weights are on the GPU
+            at a time), and the G2 -> G1 load bandwidth against a raw pinned host-to-device copy_
+            of the same bytes.
+  decode    output tokens/s at batch 1, 16, 64 and 256 (prompts of --decode-prompt tokens,
+            --decode-output tokens each, EOS ignored): kvtier against transformers' `generate`
+            on the same GPU, greedy, same prompts.
+
+Every section writes into one JSON (--out). The model is written once under --model-dir (weights
+drawn on the device, no download). `--smoke` runs every section on a tiny model on any device, CPU
+included, to check the script (CI does).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+sys.path.append(str(_HERE))
+sys.path.append(str(_HERE.parent / "tests"))  # checkpoints.build_tokenizer: the test checkpoints' tokenizer
+
+import torch  # noqa: E402
+
+from _common import RESULTS_DIR, Timer, log, median, print_table, ratio, write_json  # noqa: E402
+
+# Llama-3-8B's shape (the vocabulary is the test tokenizer's: the benchmark needs no real text).
+SHAPES = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, max_position_embeddings=40960),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=4096),
+}
+INIT_STD = 0.02
+
+
+@torch.no_grad()
+def write_model(path: Path, shape: str, device: torch.device) -> Path:
+    """A random bf16 Llama checkpoint of `shape` with the test tokenizer; kept when it exists."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    from checkpoints import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
+
+    if (path / "done").is_file():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), rms_norm_eps=1e-5, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                      pad_token_id=PAD_ID, tie_word_embeddings=False, dtype="bfloat16",
+                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, **SHAPES[shape])
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(path)
+    tok.save_pretrained(path)
+    g = torch.Generator(device=device).manual_seed(0)
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    kv = cfg.num_key_value_heads * h // cfg.num_attention_heads
+
+    def rand(*shape_):
+        return (torch.randn(shape_, generator=g, device=device, dtype=torch.float32) * INIT_STD).bfloat16().cpu()
+
+    ones = torch.ones(h, dtype=torch.bfloat16)
+    index: dict[str, str] = {}
+    save = {"model.embed_tokens.weight": rand(cfg.vocab_size, h), "lm_head.weight": rand(cfg.vocab_size, h),
+            "model.norm.weight": ones.clone()}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        save.update({p + "self_attn.q_proj.weight": rand(h, h), p + "self_attn.k_proj.weight": rand(kv, h),
+                     p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, h),
+                     p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
+                     p + "mlp.down_proj.weight": rand(h, inter), p + "input_layernorm.weight": ones.clone(),
+                     p + "post_attention_layernorm.weight": ones.clone()})
+        if i % 4 == 3 or i == cfg.num_hidden_layers - 1:  # ~1.8 GB shards at the 8B shape
+            name = f"model-{i:05d}.safetensors"
+            save_file(save, str(path / name), metadata={"format": "pt"})
+            index.update(dict.fromkeys(save, name))
+            save = {}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    (path / "done").write_text("")
+    return path
+
+
+def _free() -> None:
+    """Returns a closed engine's device memory (call once nothing refers to it), so the next engine
+    sizes G1 from a clean GPU."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def kernels_section(smoke: bool, work: Path) -> dict[str, Any]:
+    """benchmarks/kernels.py in a subprocess (its JSON is read back)."""
+    out_dir = work / "kernels"
+    cmd = [sys.executable, str(_HERE / "kernels.py"), "--copy-to", str(out_dir)] + (["--smoke"] if smoke else [])
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"  # the smoke run on CPU: Triton's interpreter
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    print(proc.stdout, end="")
+    if proc.returncode != 0:
+        return {"error": f"benchmarks/kernels.py exited {proc.returncode}: {proc.stderr[-2000:]}"}
+    return json.loads(next(out_dir.glob("kernels-*.json")).read_text())
+
+
+def pinned_h2d_GBps(nbytes: int, device: torch.device) -> float:
+    """A raw copy_ of `nbytes` from pinned host memory to the device (host-to-host on CPU)."""
+    cuda = device.type == "cuda"
+    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=cuda)
+    if cuda:
+        torch.cuda.synchronize(device)
+    with Timer() as t:
+        dst.copy_(src, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize(device)
+    return nbytes / t.seconds / 1e9
+
+
+def _tier_runs(model: Path, tier: str, engine_kw: dict[str, Any], prompts: dict[int, list[list[int]]],
+               times: dict[int, dict[str, list[float]]], load_bw: dict[int, list[float]]) -> None:
+    """One engine with `tier` below G1: each prompt cold then (G1) again, or (G2/G3) stored, G1
+    emptied, and loaded back."""
+    from engine import LLM
+    from offload import ttft
+
+    llm = LLM(str(model), **engine_kw)
+    try:
+        for n, runs in prompts.items():
+            for r, prompt in enumerate(runs):
+                salt = uuid.uuid4().hex
+                t, _ = ttft(llm, prompt, salt)
+                if tier == "G1":
+                    times[n]["cold"].append(t)
+                    times[n]["G1"].append(ttft(llm, prompt, salt)[0])
+                    continue
+                llm.engine.flush_offload()
+                llm.engine.pool.reset_prefix_cache()
+                before = llm.get_stats().tiers
+                t, out = ttft(llm, prompt, salt)
+                after = llm.get_stats().tiers
+                times[n][tier].append(t)
+                secs = after["load_seconds"] - before["load_seconds"]
+                if tier == "G2" and secs:
+                    load_bw[n].append((after["load_bytes"] - before["load_bytes"]) / secs / 1e9)
+                log(f"[{tier}, {n} tokens, run {r + 1}] TTFT {t:.3f} s, hit {out.cached_tokens_by_tier}")
+    finally:
+        llm.close()
+
+
+def ttft_section(model: Path, lengths: list[int], runs: int, device: str, work: Path) -> dict[str, Any]:
+    import random
+
+    from checkpoints import FIRST_WORD_ID
+    from engine.config import load_model_config
+
+    rng = random.Random(0)
+    prompts = {n: [[rng.randrange(FIRST_WORD_ID, 90) for _ in range(n)] for _ in range(runs)] for n in lengths}
+    longest = max(lengths)
+    common = dict(dtype="bfloat16", device=device, max_model_len=longest + 8, max_num_batched_tokens=8192)
+    mc = load_model_config(model, "bfloat16", device)
+    per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2
+    gib = max(1.0, 2.5 * longest * per_token / 2**30)  # room for every run's prompt of the longest length
+    tiers = {"G1": {}, "G2": {"kv_offloading_size": gib},
+             "G3": {"kv_offload_disk": str(work / "g3"), "kv_offload_disk_size": gib * runs}}
+    times: dict[int, dict[str, list[float]]] = {n: {"cold": [], "G1": [], "G2": [], "G3": []} for n in lengths}
+    load_bw: dict[int, list[float]] = {n: [] for n in lengths}
+    for tier, extra in tiers.items():  # one engine at a time: one copy of the weights on the device
+        _tier_runs(model, tier, {**common, **extra}, prompts, times, load_bw)
+        _free()
+    raw = pinned_h2d_GBps(longest * per_token, torch.device(device))
+    rows, out = [], {"raw_pinned_copy_GBps": raw, "lengths": {}}
+    for n in lengths:
+        med = {k: median(v) for k, v in times[n].items()}
+        bw = median(load_bw[n]) if load_bw[n] else 0.0
+        out["lengths"][str(n)] = {"ttft_s": times[n], "median_s": med, "g2_load_GBps": bw}
+        rows.append([n, *(f"{med[k]:.3f}" for k in ("cold", "G1", "G2", "G3")),
+                     *(f"{ratio(med['cold'], med[k]):.1f}x" for k in ("G1", "G2", "G3")),
+                     f"{bw:.1f}", f"{bw / raw:.0%}"])
+    print_table(["tokens", "cold s", "G1 s", "G2 s", "G3 s", "G1 vs cold", "G2 vs cold", "G3 vs cold",
+                 "G2 load GB/s", "vs raw pinned copy"], rows)
+    print(f"raw pinned host-to-device copy_: {raw:.1f} GB/s")
+    return out
+
+
+def _kvtier_decode(model: Path, prompts: torch.Tensor, batches: list[int], output_len: int,
+                   device: str) -> dict[int, float]:
+    from engine import LLM, SamplingParams
+
+    out: dict[int, float] = {}
+    llm = LLM(str(model), dtype="bfloat16", device=device, max_model_len=prompts.shape[1] + output_len + 8,
+              max_num_seqs=max(batches))
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        for b in batches:
+            batch = [{"prompt_token_ids": p} for p in prompts[:b].tolist()]
+            llm.generate(batch[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+            with Timer() as t:
+                llm.generate(batch, sp, use_tqdm=False)
+            out[b] = b * output_len / t.seconds
+            log(f"kvtier batch {b}: {out[b]:.0f} output tok/s")
+    finally:
+        llm.close()
+    return out
+
+
+def decode_section(model: Path, batches: list[int], prompt_len: int, output_len: int, device: str) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(10, 90, (max(batches), prompt_len), generator=g)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    res: dict[str, Any] = {"kvtier": _kvtier_decode(model, prompts, batches, output_len, device), "transformers": {}}
+    _free()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
+    for b in batches:
+        ids = prompts[:b].to(device)
+        kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=output_len,
+                  min_new_tokens=output_len, pad_token_id=0, eos_token_id=[])
+        hf.generate(ids[:1], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2, "attention_mask": kw["attention_mask"][:1]})
+        sync()
+        with Timer() as t:
+            hf.generate(ids, **kw)
+            sync()
+        res["transformers"][b] = b * output_len / t.seconds
+        log(f"transformers batch {b}: {res['transformers'][b]:.0f} output tok/s")
+    del hf
+    rows = [[b, f"{res['kvtier'][b]:.0f}", f"{res['transformers'][b]:.0f}",
+             f"{ratio(res['kvtier'][b], res['transformers'][b]):.2f}x"] for b in batches]
+    print_table(["batch", "kvtier tok/s", "transformers tok/s", "kvtier / transformers"], rows)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny model, short prompts, any device (checks the script)")
+    ap.add_argument("--device", default="auto", help="auto, cuda or cpu (default: auto; cpu only with --smoke)")
+    ap.add_argument("--model-dir", type=Path, help="where the random model is written and reused "
+                    "(default: $KVTIER_CACHE_DIR/gpu-bench-<shape>)")
+    ap.add_argument("--lengths", default="8000,32000", help="TTFT prompt lengths (default %(default)s)")
+    ap.add_argument("--runs", type=int, default=3, help="TTFT runs per length and tier; medians (default 3)")
+    ap.add_argument("--batches", default="1,16,64,256", help="decode batch sizes (default %(default)s)")
+    ap.add_argument("--decode-prompt", type=int, default=128, help="decode prompts' tokens (default 128)")
+    ap.add_argument("--decode-output", type=int, default=128, help="decode output tokens (default 128)")
+    ap.add_argument("--sections", default="kernels,ttft,decode", help="which sections run (default: all)")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "gpu.json", help="JSON results (default %(default)s)")
+    args = ap.parse_args(argv)
+    from engine.cache_dir import cache_root
+    from engine.config import resolve_device
+
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        ap.error(str(e))
+    if device == "cpu" and not args.smoke:
+        ap.error("no CUDA device here: the GPU benchmark needs one (--smoke checks the script on CPU)")
+    sections = set(args.sections.split(","))
+    if sections - {"kernels", "ttft", "decode"}:
+        ap.error(f"unknown --sections: {sorted(sections - {'kernels', 'ttft', 'decode'})}")
+    lengths = [64, 200] if args.smoke else [int(x) for x in args.lengths.split(",")]
+    batches = [1, 4] if args.smoke else [int(x) for x in args.batches.split(",")]
+    prompt_len, output_len = (16, 8) if args.smoke else (args.decode_prompt, args.decode_output)
+    shape = "tiny" if args.smoke else "llama3-8b"
+    dev = torch.device(device)
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                               "torch": torch.__version__, "shape": shape, "dtype": "bfloat16"}
+    with tempfile.TemporaryDirectory(prefix="kvtier-gpu-bench-") as tmp:
+        work = Path(tmp)
+        model = write_model(args.model_dir or (cache_root() / f"gpu-bench-{shape}"), shape, dev)
+        log(f"model: {model} ({shape}, random bf16 weights) on {results['device']}")
+        if "kernels" in sections:
+            results["kernels"] = kernels_section(args.smoke, work)
+        if "ttft" in sections:
+            results["ttft"] = ttft_section(model, lengths, 1 if args.smoke else args.runs, device, work)
+        if "decode" in sections:
+            results["decode"] = decode_section(model, batches, prompt_len, output_len, device)
+    path = write_json(args.out, results)
+    log(f"wrote {path}")
+    return 0 if "error" not in results.get("kernels", {}) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
