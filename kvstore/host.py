@@ -1,4 +1,4 @@
-"""G2: the host-memory tier. A slab of fixed-size slots, pinned when CUDA is present.
+"""G2: the host-memory tier. A slab of fixed-size slots, page-locked when CUDA is present (`pinned.py`).
 
 One slot holds one offload block contiguously across all layers, so one copy moves it.
 Bookkeeping follows the two-phase lifecycle shared by every tier:
@@ -19,6 +19,7 @@ import torch
 
 from kvstore.events import BlockRemoved, BlockStored, EventBuffer
 from kvstore.keys import BlockKey
+from kvstore.pinned import HostSlab
 from policies import EvictionPolicy
 
 
@@ -38,7 +39,8 @@ class HostTier:
         if num_slots < 1:
             raise ValueError(f"G2 needs at least one slot of {slot_bytes} bytes")
         self.slot_bytes = slot_bytes
-        self.slab = torch.empty(num_slots, slot_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self._memory = HostSlab(num_slots, slot_bytes, pin=pin_memory)
+        self.slab = self._memory.tensor
         self.policy = policy
         self._lock = threading.Lock()
         self._slot: dict[BlockKey, int] = {}  # readable entries

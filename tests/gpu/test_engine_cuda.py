@@ -94,3 +94,20 @@ def test_seeded_sampling_is_reproducible_on_the_gpu(llama_ckpt):
         assert a == b and len(a) == 10
     finally:
         llm.close()
+
+
+def test_g2_slab_is_page_locked_in_spans_and_released():
+    import gc
+
+    from kvstore.pinned import HostSlab
+
+    for _ in range(2):  # a second slab over reused pages must register again: the first unregistered
+        slab = HostSlab(64, 100_000, pin=True, max_register_bytes=1_000_000)
+        assert slab.pinned_spans > 1 and slab.tensor.is_pinned()
+        src = torch.arange(64 * 100_000, dtype=torch.int64).remainder(251).to(torch.uint8).view(64, 100_000)
+        slab.tensor.copy_(src)
+        dev = slab.tensor.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(dev.cpu(), src)
+        del slab, dev
+        gc.collect()
