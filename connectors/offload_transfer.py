@@ -23,6 +23,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 
 from connectors.codec import HEADER_BYTES, BlockLayout, check_header, hidden_payload, payload, write_header
+from connectors.copy_stream import CopyStream
 from connectors.offload_plans import Chunk, LoadDone, LoadJob, StoreDone, StoreJob
 from connectors.storage_tier import StorageTier, TierMode
 from kvstore.g1 import BlockId
@@ -41,6 +42,7 @@ class TransferEngine:
         self.g1_per_chunk = layout.g1_blocks
         self.layout_id = layout.layout_id()
         self.kv_cache: torch.Tensor | None = None
+        self._copies = CopyStream(torch.device("cpu"))  # re-made for the cache's device on register
         self.hidden_cache: torch.Tensor | None = None  # exported hidden states, when the layout has them
         self._xfer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-xfer")  # FIFO: loads and G2 stores
         read_threads = max((t.read_threads for t in tiers), default=1)
@@ -54,6 +56,10 @@ class TransferEngine:
         self.g2_copies = 0  # copy operations G2 loads took (fewer: longer consecutive runs)
 
     # ---- the connector's side --------------------------------------------------------
+    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+        self._copies = CopyStream(kv_cache.device)
+
     def start_load(self, job: LoadJob) -> None:
         self._xfer.submit(self.run_load, job)
 
@@ -85,25 +91,26 @@ class TransferEngine:
         last_tier = HOST  # the tier of the last block placed
         start = time.perf_counter()
         try:
-            # Lookup puts every G2 chunk first, then each tier's in the tiers' order.
-            g2_chunks = [c for c in job.chunks if c.tier == HOST]
-            run: list[tuple[Chunk, int]] = []  # checked G2 chunks, with their slots
-            for c in g2_chunks:
-                if not self._g2_ok(c, job):
-                    break
-                run.append((c, job.g2_slots[c.key]))
-            landed = self._scatter_g2(run, job)
-            for c, slot in run:  # a reuse: counts towards the batched tiers' min_uses
-                self._note_use(self.tiers, c.key, lambda slot=slot: bytes(self.g2.slot_view(slot).numpy()))  # type: ignore[union-attr]
-            complete = len(run) == len(g2_chunks)
-            for i, tier in enumerate(self.tiers):
-                chunks = [c for c in job.chunks if c.tier == tier.name]
-                if not (complete and chunks):
-                    continue
-                load = self._load_parallel if tier.mode is TierMode.PARALLEL else self._load_batched
-                n, complete = load(i, chunks, job)
-                landed += n
-                last_tier = tier.name if n else last_tier
+            with self._copies.scope():  # on CUDA: its own stream, synced before LoadDone
+                # Lookup puts every G2 chunk first, then each tier's in the tiers' order.
+                g2_chunks = [c for c in job.chunks if c.tier == HOST]
+                run: list[tuple[Chunk, int]] = []  # checked G2 chunks, with their slots
+                for c in g2_chunks:
+                    if not self._g2_ok(c, job):
+                        break
+                    run.append((c, job.g2_slots[c.key]))
+                landed = self._scatter_g2(run, job)
+                for c, slot in run:  # a reuse: counts towards the batched tiers' min_uses
+                    self._note_use(self.tiers, c.key, lambda slot=slot: bytes(self.g2.slot_view(slot).numpy()))  # type: ignore[union-attr]
+                complete = len(run) == len(g2_chunks)
+                for i, tier in enumerate(self.tiers):
+                    chunks = [c for c in job.chunks if c.tier == tier.name]
+                    if not (complete and chunks):
+                        continue
+                    load = self._load_parallel if tier.mode is TierMode.PARALLEL else self._load_batched
+                    n, complete = load(i, chunks, job)
+                    landed += n
+                    last_tier = tier.name if n else last_tier
         except Exception as e:  # a plugin tier may raise anything: it must become a miss, never wrong KV
             log.warning("offload load for request %s failed: %s: %s", job.req_id, type(e).__name__, e)
         finally:
@@ -318,8 +325,8 @@ class TransferEngine:
             if self.hidden_cache is not None:
                 torch.index_select(self.hidden_cache, 0, idx, out=hidden_payload(buf, self.layout))
             return
-        # On a GPU: gather on the device, one copy down. It runs on the current (default) stream,
-        # so it is ordered after the forward that wrote these blocks.
+        # On a GPU: gather on the device, one copy down, on the copy stream (`store` entered its
+        # scope, which waits for the forward that wrote these blocks).
         idx = torch.tensor(src, dtype=torch.long, device=self.kv_cache.device)
         payload(buf, self.layout).copy_(self.kv_cache.index_select(2, idx))
         if self.hidden_cache is not None:
@@ -343,7 +350,8 @@ class TransferEngine:
             if slot is None:
                 return False
             buf = self.g2.slot_view(slot)
-            self._gather(job.src, buf, job)
+            with self._copies.scope():  # on CUDA: after the forward that wrote src, synced here
+                self._gather(job.src, buf, job)
             self.g2.complete_store(job.key, True, job.priority)
             for tier in self.tiers:
                 if tier.writer is not None:
@@ -351,7 +359,8 @@ class TransferEngine:
             self._note_use(self.tiers, job.key, lambda: bytes(buf.numpy()))
             return True
         buf = torch.empty(self.layout.encoded_bytes, dtype=torch.uint8)
-        self._gather(job.src, buf, job)
+        with self._copies.scope():
+            self._gather(job.src, buf, job)
         self._note_use(self.tiers, job.key, lambda: bytes(buf.numpy()))
         taken = any(t.remote is not None for t in self.tiers)
         for tier in self.tiers:

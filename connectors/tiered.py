@@ -110,7 +110,7 @@ class TieredOffloadConnector(KVConnector):
 
     # ---- worker side -------------------------------------------------------------------
     def register_kv_caches(self, kv_cache) -> None:
-        self.transfer.kv_cache = kv_cache
+        self.transfer.register_kv_cache(kv_cache)
 
     def register_hidden_cache(self, hidden_cache) -> None:
         if not self.layout.hidden_layer_ids:

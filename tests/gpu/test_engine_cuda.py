@@ -111,3 +111,18 @@ def test_g2_slab_is_page_locked_in_spans_and_released():
         assert torch.equal(dev.cpu(), src)
         del slab, dev
         gc.collect()
+
+
+def test_copy_stream_waits_for_queued_work_and_finishes_before_leaving():
+    from connectors.copy_stream import CopyStream
+
+    dev = torch.device("cuda")
+    copies = CopyStream(dev)
+    x = torch.zeros(1 << 24, device=dev)
+    torch.cuda._sleep(50_000_000)  # the default stream is busy for a while...
+    x.fill_(7.0)  # ...before it writes what the copy must see (a forward writing a block)
+    host = torch.empty(x.shape, pin_memory=True)
+    with copies.scope():
+        assert torch.cuda.current_stream(dev) != torch.cuda.default_stream(dev)
+        host.copy_(x, non_blocking=True)
+    assert bool((host == 7.0).all())  # ordered after fill_, complete when the scope ended
