@@ -82,7 +82,8 @@ class ConcurrencyChecks(KitBase):
                     want = rng.choice(versions[k])
                     buf = bytearray(len(want))
                     if backend.get_into([k], [buf]) == [True]:
-                        assert bytes(buf) == want, "get_into returned True with wrong bytes under concurrent use"
+                        assert bytes(buf) == want, ("get_into returned True with bytes that no put ever stored for "
+                                                    "this key (torn or wrong bytes) under concurrent use")
                 else:
                     res = backend.exists([k])
                     assert res in ([True], [False]), f"exists returned {res!r}"
