@@ -82,3 +82,15 @@ def test_cpu_engine_sizes_g1_by_the_cpu_default(llama_ckpt):
         assert llm.engine.pool.num_blocks == int(CPU_KV_CACHE_GIB * GIB // per_block)
     finally:
         llm.close()
+
+
+def test_gpu_memory_utilization_on_cpu_is_said_aloud(llama_ckpt, caplog):
+    from engine.llm import LLM
+
+    with caplog.at_level("WARNING", logger="engine.engine_core"):
+        LLM(str(llama_ckpt), dtype="float32", device="cpu", gpu_memory_utilization=0.5).close()
+    assert "gpu_memory_utilization=0.5 does not apply on CPU" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="engine.engine_core"):
+        LLM(str(llama_ckpt), dtype="float32", device="cpu").close()
+    assert "gpu_memory_utilization" not in caplog.text
