@@ -89,10 +89,11 @@ class EngineCore:
         self.generation_tokens = 0
         if config.device == "cpu":
             log.info("CPU: %d torch threads; %s", torch.get_num_threads(), cpu_runtime.describe())
-            if config.gpu_memory_utilization != EngineConfig.gpu_memory_utilization:
-                # Accepted for vLLM command lines, like vLLM's CPU build does, but said aloud.
-                log.warning("gpu_memory_utilization=%s does not apply on CPU: G1 is sized by kv_cache_memory_gib",
-                            config.gpu_memory_utilization)
+        if not profiled and config.gpu_memory_utilization != EngineConfig.gpu_memory_utilization:
+            # Accepted for vLLM command lines (vLLM's CPU build does too), but said aloud.
+            why = "on CPU" if config.device == "cpu" else "with kv_cache_memory_gib / num_gpu_blocks set"
+            log.warning("gpu_memory_utilization=%s does not apply %s: G1 comes from kv_cache_memory_gib "
+                        "(or num_gpu_blocks)", config.gpu_memory_utilization, why)
         log.info("G1: %d blocks of %d tokens (%.2f GiB), max_model_len=%d, max_num_batched_tokens=%d",
                  num_blocks, bs, num_blocks * per_block / 2**30, max_len, self.max_num_batched_tokens)
 

@@ -23,7 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "--gpu-memory-utilization leaves after the weights and a profiled forward)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
                    help="share of the GPU's memory this engine may use: weights, activations and G1 "
-                        "(default: %(default)s; on CPU it does not apply, --kv-cache-memory sizes G1, and a warning says so)")
+                        "(default: %(default)s; it does not apply on CPU or with --kv-cache-memory / --num-gpu-blocks, "
+                        "and a warning says so)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the model runs: auto takes CUDA when torch sees a GPU (default: %(default)s)")
     g.add_argument("--max-model-len", type=int, default=None,
