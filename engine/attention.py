@@ -73,6 +73,20 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
     prefills: list[PrefillSeq]
     decodes: list[DecodeGroup]
+    _packed: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def packed_prefills(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefills as one kernel call's input, built on first use and shared by every layer:
+        `[n, 4]` int64 rows `(query_start, query_len, context_len, table_offset)` and every
+        sequence's block ids concatenated (host tensors)."""
+        if self._packed is None:
+            rows, offset = [], 0
+            for seq in self.prefills:
+                rows.append((seq.query_start, seq.query_len, seq.context_len, offset))
+                offset += seq.block_ids.numel()
+            tables = torch.cat([s.block_ids for s in self.prefills]) if self.prefills else torch.empty(0, dtype=torch.long)
+            self._packed = (torch.tensor(rows, dtype=torch.long).view(-1, 4), tables.contiguous())
+        return self._packed
 
 
 class AttentionBackend(ABC):

@@ -1,13 +1,10 @@
-"""Attention on CPU through the C++ kernel (`engine/cpu_kernels`), which reads K/V in place.
+"""Attention on CPU through the C++ kernels (`engine/cpu_kernels`), which read K/V in place.
 
-Decodes go through the kernel. Prompt chunks keep the torch path (SDPA over the context,
-gathered unless its blocks are one run), for two reasons:
-- a chunk's attention costs query_len x context_len per layer while the gather costs context_len,
-  so for all but the shortest chunks the copy is noise and SDPA's blocked GEMMs beat a row-at-a-time
-  kernel;
-- the rows of a chunk computed after a prefix hit must equal, bit for bit, the same rows computed
-  in a fresh prefill (SDPA over the whole prompt), or a prefix hit could change an output; the
-  kernel sums in another order than SDPA.
+Decodes go through `paged_attention`, prompt chunks through `prefill_attention`: all of a step's
+chunks in one call, causal without computing the masked part, and with each row's result
+depending only on the row and its keys, so rows computed after a prefix hit equal, bit for bit,
+the same rows of a fresh prefill (a prefix hit never changes an output). The torch path (SDPA
+over the context) is kept for shapes the prefill kernel does not take.
 """
 from __future__ import annotations
 
@@ -30,6 +27,11 @@ class CpuPagedAttention(TorchPagedAttention):
         for group in meta.decodes:
             cpu_kernels.paged_attention(q, k_cache, v_cache, out, group.query_idx, group.block_tables,
                                         group.context_lens, scale)
-        for seq in meta.prefills:
-            self._prefill(q, k_cache, v_cache, seq, scale, out)
+        if meta.prefills:
+            if cpu_kernels.prefill_supported(num_heads, kv_heads, k_cache.shape[1]):
+                seqs, tables = meta.packed_prefills()
+                cpu_kernels.prefill_attention(q, k_cache, v_cache, out, seqs, tables, scale)
+            else:
+                for seq in meta.prefills:
+                    self._prefill(q, k_cache, v_cache, seq, scale, out)
         return out.view(num_tokens, num_heads * head_dim)

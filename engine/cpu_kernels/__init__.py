@@ -1,6 +1,7 @@
 """C++ kernels for the CPU path, built at first use with the system compiler (`build.py`).
 
-`paged_attention` reads K/V through the block table in place (`paged_attention.cpp`);
+`paged_attention` (decodes, `paged_attention.cpp`) and `prefill_attention` (prompt chunks,
+`prefill_attention.cpp`) read K/V through the block table in place;
 `add_rms_norm` and `rope_` fuse a decoder layer's norms and rotary embedding (`elementwise.cpp`).
 Without a compiler the engine falls back to the torch ops and logs why (`get()` returns None then).
 """
@@ -61,12 +62,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise RuntimeError("the CPU attention kernel is not available")
     nb, bs, kv_heads, head_dim = k_cache.shape
     heads = q.shape[1]
-    if q.dtype not in (torch.float32, torch.bfloat16) or not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype):
-        raise ValueError(f"dtypes must match and be float32 or bfloat16: q {q.dtype}, cache {k_cache.dtype}")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride()[1:] != (kv_heads * head_dim, head_dim, 1):
-        raise ValueError(f"cache blocks must be contiguous with equal strides: {k_cache.stride()}, {v_cache.stride()}")
-    if q.stride()[1:] != (head_dim, 1) or out.stride()[1:] != (head_dim, 1):
-        raise ValueError("q and out need contiguous rows")
+    _check_cache(q, k_cache, v_cache, out)
     for name, t in (("rows", rows), ("tables", tables), ("lens", lens)):
         if t.dtype != torch.int64 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous int64")
@@ -79,6 +75,50 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if rc != 0:
         raise ValueError(f"unsupported shape for the CPU kernel: heads {heads}, kv_heads {kv_heads}, "
                          f"head_dim {head_dim}, block_size {bs}")
+
+
+def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
+    head_dim, kv_heads = k_cache.shape[3], k_cache.shape[2]
+    if q.dtype not in (torch.float32, torch.bfloat16) or not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype):
+        raise ValueError(f"dtypes must match and be float32 or bfloat16: q {q.dtype}, cache {k_cache.dtype}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride()[1:] != (kv_heads * head_dim, head_dim, 1):
+        raise ValueError(f"cache blocks must be contiguous with equal strides: {k_cache.stride()}, {v_cache.stride()}")
+    if q.stride()[1:] != (head_dim, 1) or out.stride()[1:] != (head_dim, 1):
+        raise ValueError("q and out need contiguous rows")
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                      seqs: torch.Tensor, tables: torch.Tensor, scale: float) -> None:
+    """Causal attention of prompt chunks over the paged cache, in place. `seqs` `[n, 4]` int64 rows
+    `(q0, qlen, ctx, table_offset)`: rows `q0 .. q0+qlen-1` of `q` sit at positions `ctx-qlen ..
+    ctx-1` and attend to keys `0 .. their position`, reached through the block ids
+    `tables[table_offset:]`. Each row's result depends only on that row and its keys (see
+    `prefill_attention.cpp`): a chunk after a prefix hit gives the bits of a fresh prefill."""
+    lib = get()
+    if lib is None:
+        raise RuntimeError("the CPU attention kernel is not available")
+    _check_cache(q, k_cache, v_cache, out)
+    for name, t in (("seqs", seqs), ("tables", tables)):
+        if t.dtype != torch.int64 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous int64")
+    if seqs.dim() != 2 or seqs.shape[1] != 4:
+        raise ValueError(f"seqs must be [n, 4], got {tuple(seqs.shape)}")
+    nb, bs, kv_heads, head_dim = k_cache.shape
+    heads = q.shape[1]
+    with torch.profiler.record_function("kvtier::cpu_prefill_attention"):
+        rc = lib.kvt_prefill_attention(
+            int(q.dtype == torch.bfloat16), _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), k_cache.stride(0),
+            k_cache.stride(1), _ptr(out), out.stride(0), _ptr(seqs), seqs.shape[0], _ptr(tables), heads, kv_heads,
+            head_dim, bs, float(scale), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"unsupported input for the CPU prefill kernel: heads {heads}, kv_heads {kv_heads}, "
+                         f"head_dim {head_dim}, block_size {bs}, or a chunk with qlen < 1 or ctx < qlen")
+
+
+def prefill_supported(heads: int, kv_heads: int, block_size: int) -> bool:
+    """Shapes `prefill_attention` takes (the C++ side checks the same)."""
+    return (kv_heads > 0 and heads % kv_heads == 0 and heads // kv_heads <= 16
+            and (block_size % 16 == 0 or 16 % block_size == 0))
 
 
 def _bf16(t: torch.Tensor) -> int:

@@ -71,7 +71,11 @@ def test_exported_states_equal_transformers(ckpt_dir, hf_model, tmp_path, kind):
         assert hs.dtype == torch.float32 and hs.shape == (len(prompt), len(layer_ids), model.config.hidden_size)
         ref = hf_states(model, prompt)
         for j, lid in enumerate(layer_ids):
-            torch.testing.assert_close(hs[:, j], ref[lid], rtol=1e-5, atol=1e-5, msg=f"layer id {lid}")
+            # float32 summed in another order than transformers' SDPA (kvtier's attention kernels):
+            # errors grow with the residual stream's scale (~20 here), so the bound is relative to
+            # it: 1e-6 of the scale is a few ulps of the largest element, far below any real defect.
+            scale = ref[lid].abs().max().item()
+            torch.testing.assert_close(hs[:, j], ref[lid], rtol=1e-5, atol=1e-6 * scale, msg=f"layer id {lid}")
         with safe_open(str(path), "pt") as f:
             meta = f.metadata()
         assert meta == {"model": ckpt_dir(kind).name, "layer_ids": json.dumps(layer_ids), "format_version": "1"}

@@ -1,0 +1,205 @@
+// Causal attention for prompt chunks on CPU, reading K/V through the block table in place.
+//
+// Why not SDPA: a chunk after cached context needs a [query_len, context_len] mask, so SDPA's flash
+// kernel does the masked half of the work too, and SDPA sums in an order that depends on the chunk's
+// shape, so a row computed after a prefix hit would differ in the last bits from the same row in a
+// fresh prefill. Here every row's arithmetic depends only on the row and its keys:
+// - a work item is 16 consecutive query positions (one per SIMD lane) of one kv head, for each of
+//   its GQA query heads; the lanes never mix, so a row's result does not depend on its tile;
+// - keys are taken 16 at a time in slices fixed by absolute position (a block, or a 16-key part of
+//   one), each lane sums its dot products over d = 0..D-1 in order, and the online softmax
+//   visits the slices in order; keys a row must not see get probability exactly 0, and a slice
+//   with none of its keys visible is an exact no-op (its rescale factor is exp(0) = 1);
+// so a chunk split anywhere, a fresh prefill and a prefill after a prefix hit give the same bits.
+//
+// Layout per item: the query tile is held transposed (qt[d] = 16 lanes), scores are 16 vectors
+// (one per key, rows in lanes), and the output accumulator is transposed too (ot[d]); max, exp
+// and sums are then lane-wise, with no horizontal reductions.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "dtypes.h"
+#include "vec16.h"
+
+namespace {
+
+using kvt::BF16;
+using kvt::F32;
+using kvt::V16;
+
+constexpr int L = 16;  // lanes = query rows per tile = keys per slice
+
+struct Shape {
+  int64_t q_row_stride, out_row_stride, block_stride, token_stride;
+  int heads, kv_heads, head_dim, block_size;
+  float scale;
+};
+
+struct Seq {  // one prompt chunk: rows [q0, q0 + qlen) of q attend to keys [0, ctx); row i is at ctx - qlen + i
+  int64_t q0, qlen, ctx, table_offset;
+};
+
+struct Item {
+  int32_t seq, kvh;
+  int64_t row0;  // first row of the tile, relative to the chunk
+};
+
+// Keys [k0, k0 + n) of one kv head as a dense float [L, D] slice, rows n..L-1 zero (they may be
+// past the sequence's end: never-written cache, which must not reach a product even as 0 * NaN).
+template <class IO>
+inline void load_slice(const typename IO::T* src, int64_t stride, int n, int D, float* dst) {
+  for (int j = 0; j < n; ++j)
+    for (int d = 0; d < D; ++d) dst[j * D + d] = IO::load(src + j * stride, d);
+  std::fill(dst + int64_t(n) * D, dst + int64_t(L) * D, 0.0f);
+}
+
+template <class IO, int D_>
+void attend_tile(const typename IO::T* q, const typename IO::T* kc, const typename IO::T* vc, typename IO::T* out,
+                 const int64_t* table, const Seq& sq, const Item& it, const Shape& s, float* scratch) {
+  const int D = D_ > 0 ? D_ : s.head_dim;
+  const int G = s.heads / s.kv_heads, BS = s.block_size;
+  const int rows = int(std::min<int64_t>(L, sq.qlen - it.row0));
+  const int64_t pos0 = sq.ctx - sq.qlen + it.row0;  // position of lane 0
+  float* qt = scratch;                      // [G][D][L]
+  float* ot = qt + int64_t(G) * D * L;      // [G][D][L]
+  float* kbuf = ot + int64_t(G) * D * L;    // [L][D]
+  float* vbuf = kbuf + int64_t(L) * D;      // [L][D]
+  float posf[L];
+  for (int r = 0; r < L; ++r) posf[r] = float(pos0 + std::min(r, rows - 1));  // spare lanes copy the last row
+  const V16 rowpos = V16::load(posf);
+  V16 m[16], l[16];  // per head (G <= 16, checked by the caller)
+  for (int h = 0; h < G; ++h) {
+    const int qh = it.kvh * G + h;
+    for (int r = 0; r < L; ++r) {
+      const typename IO::T* qr = q + (sq.q0 + it.row0 + std::min(r, rows - 1)) * s.q_row_stride + int64_t(qh) * D;
+      for (int d = 0; d < D; ++d) qt[(int64_t(h) * D + d) * L + r] = IO::load(qr, d) * s.scale;
+    }
+    std::fill(ot + int64_t(h) * D * L, ot + int64_t(h + 1) * D * L, 0.0f);
+    m[h] = V16::set1(-INFINITY);
+    l[h] = V16::zero();
+  }
+  const int slice = std::min(BS, L);  // keys per slice: a block, or a 16-key part of one
+  const int64_t last = pos0 + rows - 1;  // the tile's last row sees keys [0, last]
+  for (int64_t k0 = 0; k0 <= last; k0 += slice) {
+    const int n = int(std::min<int64_t>(slice, sq.ctx - k0));
+    const int64_t base = table[k0 / BS] * s.block_stride + (k0 % BS) * s.token_stride + int64_t(it.kvh) * D;
+    // Dense float copies: the products then address K and V at fixed offsets, and bf16 is converted once.
+    load_slice<IO>(kc + base, s.token_stride, n, D, kbuf);
+    load_slice<IO>(vc + base, s.token_stride, n, D, vbuf);
+    float keyf[L];  // slots past the slice's valid keys are masked for every row
+    for (int j = 0; j < L; ++j) keyf[j] = j < n ? float(k0 + j) : INFINITY;
+    for (int h = 0; h < G; ++h) {
+      V16 sc[L];
+      #pragma GCC unroll 16
+      for (int j = 0; j < L; ++j) sc[j] = V16::zero();
+      const float* qh = qt + int64_t(h) * D * L;
+      for (int d = 0; d < D; ++d) {
+        const V16 qd = V16::load(qh + d * L);
+        #pragma GCC unroll 16
+        for (int j = 0; j < L; ++j) sc[j] = V16::fmadd(qd, V16::set1(kbuf[j * D + d]), sc[j]);
+      }
+      V16 bmax = V16::set1(-INFINITY);
+      #pragma GCC unroll 16
+      for (int j = 0; j < L; ++j) {
+        sc[j] = V16::masked_below(sc[j], rowpos, keyf[j]);  // -inf where the key is after the row
+        bmax = V16::max(bmax, sc[j]);
+      }
+      const V16 mnew = V16::max(m[h], bmax);
+      const V16 corr = V16::exp_nonpositive(m[h] - mnew);
+      V16 sum = V16::zero();
+      #pragma GCC unroll 16
+      for (int j = 0; j < L; ++j) {
+        sc[j] = V16::zero_where_neg_inf(V16::exp_nonpositive(sc[j] - mnew), sc[j]);
+        sum = sum + sc[j];
+      }
+      l[h] = V16::fmadd(l[h], corr, sum);
+      m[h] = mnew;
+      float* oh = ot + int64_t(h) * D * L;
+      for (int d = 0; d < D; ++d) {
+        V16 o = V16::load(oh + d * L) * corr;
+        #pragma GCC unroll 16
+        for (int j = 0; j < L; ++j) o = V16::fmadd(sc[j], V16::set1(vbuf[j * D + d]), o);
+        o.store(oh + d * L);
+      }
+    }
+  }
+  for (int h = 0; h < G; ++h) {
+    float inv[L];
+    (V16::set1(1.0f) / l[h]).store(inv);  // l >= 1: every row sees its own key
+    const float* oh = ot + int64_t(h) * D * L;
+    for (int r = 0; r < rows; ++r) {
+      typename IO::T* orow = out + (sq.q0 + it.row0 + r) * s.out_row_stride + int64_t(it.kvh * G + h) * D;
+      for (int d = 0; d < D; ++d) IO::store(orow, d, oh[d * L + r] * inv[r]);
+    }
+  }
+}
+
+template <class IO, int D_>
+void run(const void* q, const void* k, const void* v, void* out, const Seq* seqs, int64_t nseq,
+         const int64_t* tables, const Shape& s, int threads) {
+  using T = typename IO::T;
+  std::vector<Item> items;
+  for (int64_t i = 0; i < nseq; ++i)
+    for (int64_t r = 0; r < seqs[i].qlen; r += L)
+      for (int kvh = 0; kvh < s.kv_heads; ++kvh) items.push_back({int32_t(i), kvh, r});
+  // Longest first (the tiles furthest into their sequence see the most keys), so the dynamic
+  // schedule does not end on one thread with a long tile.
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+    return seqs[a.seq].ctx - seqs[a.seq].qlen + a.row0 > seqs[b.seq].ctx - seqs[b.seq].qlen + b.row0;
+  });
+  const int G = s.heads / s.kv_heads;
+  const size_t floats = size_t(2 * G * s.head_dim * L + 2 * L * s.head_dim);
+  const int64_t n = int64_t(items.size());
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scratch(floats);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+      const Seq& sq = seqs[items[i].seq];
+      attend_tile<IO, D_>(static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
+                          static_cast<T*>(out), tables + sq.table_offset, sq, items[i], s, scratch.data());
+    }
+  }
+}
+
+template <class IO>
+void dispatch(const void* q, const void* k, const void* v, void* out, const Seq* seqs, int64_t nseq,
+              const int64_t* tables, const Shape& s, int threads) {
+  if (s.head_dim == 64)
+    run<IO, 64>(q, k, v, out, seqs, nseq, tables, s, threads);
+  else if (s.head_dim == 128)
+    run<IO, 128>(q, k, v, out, seqs, nseq, tables, s, threads);
+  else
+    run<IO, 0>(q, k, v, out, seqs, nseq, tables, s, threads);
+}
+
+}  // namespace
+
+extern "C" {
+
+// seqs: nseq rows of (q0, qlen, ctx, table_offset) int64; tables: the block ids every row's
+// table_offset points into. Returns 0, or -1 for shapes the kernel does not take.
+int kvt_prefill_attention(int dtype_bf16, const void* q, int64_t q_row_stride, const void* k_cache,
+                          const void* v_cache, int64_t block_stride, int64_t token_stride, void* out,
+                          int64_t out_row_stride, const int64_t* seqs, int64_t nseq, const int64_t* tables, int heads,
+                          int kv_heads, int head_dim, int block_size, float scale, int threads) {
+  if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > 16 || head_dim <= 0 || block_size <= 0 ||
+      (block_size % L != 0 && L % block_size != 0))
+    return -1;
+  for (int64_t i = 0; i < nseq; ++i) {
+    const int64_t* r = seqs + 4 * i;
+    if (r[1] < 1 || r[2] < r[1]) return -1;
+  }
+  const Shape s{q_row_stride, out_row_stride, block_stride, token_stride, heads, kv_heads, head_dim, block_size, scale};
+  const Seq* sq = reinterpret_cast<const Seq*>(seqs);
+  if (dtype_bf16)
+    dispatch<BF16>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
+  else
+    dispatch<F32>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,94 @@
+// 16 float lanes: AVX-512 where the build machine has it, plain loops otherwise (the same
+// operations lane by lane, so the kernels' results do not depend on which lane a row sits in).
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace kvt {
+
+#if defined(__AVX512F__)
+struct V16 {
+  __m512 v;
+  static inline V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static inline V16 set1(float x) { return {_mm512_set1_ps(x)}; }
+  static inline V16 zero() { return {_mm512_setzero_ps()}; }
+  inline void store(float* p) const { _mm512_storeu_ps(p, v); }
+  static inline V16 fmadd(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static inline V16 max(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+  friend inline V16 operator+(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+  friend inline V16 operator-(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  friend inline V16 operator*(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  friend inline V16 operator/(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+  // -inf in the lanes where key > pos (the key is after the row), x elsewhere
+  static inline V16 masked_below(V16 x, V16 pos, float key) {
+    const __mmask16 after = _mm512_cmp_ps_mask(pos.v, _mm512_set1_ps(key), _CMP_LT_OQ);
+    return {_mm512_mask_mov_ps(x.v, after, _mm512_set1_ps(-INFINITY))};
+  }
+  static inline V16 zero_where_neg_inf(V16 x, V16 s) {
+    const __mmask16 m = _mm512_cmp_ps_mask(s.v, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    return {_mm512_mask_mov_ps(x.v, m, _mm512_setzero_ps())};
+  }
+  // e^x for x <= 0, as engine/cpu_kernels/paged_attention.cpp's scalar exp_nonpositive.
+  static inline V16 exp_nonpositive(V16 x) {
+    const __m512 xc = _mm512_max_ps(x.v, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(xc, _mm512_set1_ps(1.4426950408889634f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+    __m512 p = _mm512_set1_ps(1.9841269841269841e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3888888888888889e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3333333333333333e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1666666666666667e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666666666666667e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return {_mm512_mul_ps(p, _mm512_castsi512_ps(bits))};
+  }
+};
+#else
+struct V16 {
+  float v[16];
+  static inline V16 load(const float* p) { V16 r; std::memcpy(r.v, p, sizeof r.v); return r; }
+  static inline V16 set1(float x) { V16 r; std::fill(r.v, r.v + 16, x); return r; }
+  static inline V16 zero() { return set1(0.0f); }
+  inline void store(float* p) const { std::memcpy(p, v, sizeof v); }
+  template <class F>
+  static inline V16 map(F f) { V16 r; for (int i = 0; i < 16; ++i) r.v[i] = f(i); return r; }
+  static inline V16 fmadd(V16 a, V16 b, V16 c) { return map([&](int i) { return std::fma(a.v[i], b.v[i], c.v[i]); }); }
+  static inline V16 max(V16 a, V16 b) { return map([&](int i) { return std::max(a.v[i], b.v[i]); }); }
+  friend inline V16 operator+(V16 a, V16 b) { return map([&](int i) { return a.v[i] + b.v[i]; }); }
+  friend inline V16 operator-(V16 a, V16 b) { return map([&](int i) { return a.v[i] - b.v[i]; }); }
+  friend inline V16 operator*(V16 a, V16 b) { return map([&](int i) { return a.v[i] * b.v[i]; }); }
+  friend inline V16 operator/(V16 a, V16 b) { return map([&](int i) { return a.v[i] / b.v[i]; }); }
+  static inline V16 masked_below(V16 x, V16 pos, float key) {
+    return map([&](int i) { return pos.v[i] < key ? -INFINITY : x.v[i]; });
+  }
+  static inline V16 zero_where_neg_inf(V16 x, V16 s) {
+    return map([&](int i) { return s.v[i] == -INFINITY ? 0.0f : x.v[i]; });
+  }
+  static inline V16 exp_nonpositive(V16 x) {
+    return map([&](int i) {
+      const float t = std::max(x.v[i], -87.0f) * 1.4426950408889634f;
+      const float n = std::floor(t + 0.5f);
+      const float f = (t - n) * 0.6931471805599453f;
+      float p = 1.9841269841269841e-4f;
+      for (float c : {1.3888888888888889e-3f, 8.3333333333333333e-3f, 4.1666666666666667e-2f,
+                      1.6666666666666667e-1f, 0.5f, 1.0f, 1.0f})
+        p = std::fma(p, f, c);
+      const int32_t bits = (int32_t(n) + 127) << 23;
+      float scale;
+      std::memcpy(&scale, &bits, 4);
+      return p * scale;
+    });
+  }
+};
+#endif
+
+}  // namespace kvt

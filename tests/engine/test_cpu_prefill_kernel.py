@@ -1,0 +1,109 @@
+"""The C++ prefill kernel (engine/cpu_kernels/prefill_attention.cpp): against dense fp32
+attention (engine/kernels/reference.py), and bit for bit against itself however a prompt is cut
+into chunks: the property that lets a prefix hit never change an output."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import cpu_kernels
+from engine.kernels.reference import attend_ref
+
+if cpu_kernels.get() is None:
+    pytest.skip("the CPU kernels did not build here (no C++ compiler?)", allow_module_level=True)
+
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2}  # max |kernel - ref| / max |ref|
+
+
+def _setup(num_blocks, bs, kv_heads, heads, head_dim, tokens, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(2, num_blocks, bs, kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
+    return kv[0], kv[1], q, g
+
+
+def _run(q, k, v, chunks, tables, scale, out=None):
+    """chunks: (q0, qlen, ctx, table) per sequence; one kernel call for all of them."""
+    out = torch.full_like(q, float("nan")) if out is None else out
+    rows, flat, off = [], [], 0
+    for q0, qlen, ctx, table in chunks:
+        rows.append((q0, qlen, ctx, off))
+        flat.append(table)
+        off += table.numel()
+    cpu_kernels.prefill_attention(q, k, v, out, torch.tensor(rows, dtype=torch.long), torch.cat(flat), scale)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,bs", [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 80, 8),
+                                                        (6, 1, 32, 32), (2, 2, 64, 1)])
+def test_chunks_match_dense_attention(dtype, heads, kv_heads, head_dim, bs):
+    """A fresh prompt, chunks after cached context (long and 1-token, ending mid-block) and a
+    prompt shorter than a tile, with scattered block tables, in one call; rows no chunk owns stay
+    untouched."""
+    nb = 96 if bs > 1 else 400
+    k, v, q, g = _setup(nb, bs, kv_heads, heads, head_dim, 140, dtype, seed=heads * bs)
+    specs = [(0, 45, 45), (50, 37, 101), (90, 1, 70), (100, 3, 3)]  # (q0, qlen, ctx)
+    chunks = []
+    for q0, qlen, ctx in specs:
+        chunks.append((q0, qlen, ctx, torch.randperm(nb, generator=g)[: -(-ctx // bs)]))
+    out = _run(q, k, v, chunks, None, 0.3)
+    owned = set()
+    for q0, qlen, ctx, table in chunks:
+        kk, vv = (c[table].flatten(0, 1)[:ctx] for c in (k, v))
+        want = attend_ref(q[q0 : q0 + qlen], kk, vv, torch.arange(ctx - qlen, ctx), 0.3)
+        got = out[q0 : q0 + qlen]
+        err = (got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
+        assert err <= TOL[dtype], (q0, err)
+        owned.update(range(q0, q0 + qlen))
+    assert torch.isnan(out[[i for i in range(140) if i not in owned]]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs", [16, 8, 32])
+def test_any_chunking_gives_the_bits_of_a_fresh_prefill(dtype, bs):
+    """One prompt computed whole, then cut at random points (each chunk attending to the cache the
+    earlier ones filled; slots past the sequence's end hold NaN, as never-written memory may): every
+    row is identical, bit for bit."""
+    heads, kv_heads, d, n = 9, 3, 64, 300
+    nb = -(-n // bs)
+    k, v, q, g = _setup(nb + 1, bs, kv_heads, heads, d, n, dtype, seed=bs)
+    k[nb:], v[nb:] = float("nan"), float("nan")
+    table = torch.randperm(nb, generator=g)
+    whole = _run(q, k, v, [(0, n, n, table)], None, 0.125)
+    for trial in range(4):
+        cuts = sorted(torch.randperm(n - 1, generator=g)[: 1 + trial * 3].add(1).tolist())
+        out = torch.full_like(q, float("nan"))
+        for a, b in zip([0, *cuts], [*cuts, n]):
+            kc, vc = k.clone(), v.clone()  # keys past this chunk's end are garbage
+            flat_k, flat_v = kc[table].flatten(0, 1), vc[table].flatten(0, 1)
+            flat_k[b:], flat_v[b:] = float("nan"), float("nan")
+            kc[table], vc[table] = flat_k.view(nb, bs, kv_heads, d), flat_v.view(nb, bs, kv_heads, d)
+            _run(q, kc, vc, [(a, b - a, b, table[: -(-b // bs)])], None, 0.125, out=out)
+        assert torch.equal(out, whole), (cuts, (out.float() - whole.float()).abs().max().item())
+
+
+def test_rows_of_different_sequences_do_not_mix_tiles():
+    """Two sequences in one call give the same bits as each alone."""
+    k, v, q, g = _setup(64, 16, 2, 4, 64, 60, torch.float32, seed=3)
+    a = (0, 21, 21, torch.tensor([3, 9]))
+    b = (21, 39, 50, torch.tensor([10, 11, 40, 41]))
+    both = _run(q, k, v, [a, b], None, 0.2)
+    alone = _run(q, k, v, [a], None, 0.2)
+    alone = _run(q, k, v, [b], None, 0.2, out=alone)
+    assert torch.equal(both, alone)
+
+
+def test_unsupported_shapes_and_bad_chunks_are_refused():
+    k, v, q, _ = _setup(8, 12, 2, 4, 64, 8, torch.float32, seed=0)
+    assert not cpu_kernels.prefill_supported(4, 2, 12)  # 12 neither divides nor is a multiple of 16
+    with pytest.raises(ValueError, match="unsupported input"):
+        _run(q, k, v, [(0, 4, 4, torch.tensor([0]))], None, 1.0)
+    k, v, q, _ = _setup(8, 16, 2, 4, 64, 8, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="unsupported input"):  # context shorter than the chunk
+        _run(q, k, v, [(0, 4, 3, torch.tensor([0]))], None, 1.0)
+    with pytest.raises(ValueError, match=r"seqs must be \[n, 4\]"):
+        cpu_kernels.prefill_attention(q, k, v, torch.empty_like(q), torch.zeros(3, dtype=torch.long),
+                                      torch.zeros(1, dtype=torch.long), 1.0)
+    assert cpu_kernels.prefill_supported(9, 3, 16) and cpu_kernels.prefill_supported(4, 4, 64)
+    assert not cpu_kernels.prefill_supported(34, 2, 16)  # 17 query heads per kv head
