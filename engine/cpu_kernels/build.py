@@ -21,7 +21,8 @@ from engine.cache_dir import cache_root
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17", "-fno-math-errno")
+FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=c++17", "-fno-math-errno")
+MARCH = "native"  # tests also build for a baseline x86-64 to cover the kernels' non-AVX-512 code
 # Per-source flags: the elementwise ops must round like torch's (no fused multiply-adds).
 SOURCES = {_HERE / "paged_attention.cpp": (), _HERE / "prefill_attention.cpp": (),
            _HERE / "elementwise.cpp": ("-ffp-contract=off",)}
@@ -50,7 +51,11 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def _key(cxx: str) -> str:
+def _flags(march: str) -> tuple[str, ...]:
+    return (*FLAGS, f"-march={march}")
+
+
+def _key(cxx: str, march: str) -> str:
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
@@ -58,15 +63,15 @@ def _key(cxx: str) -> str:
     h = hashlib.sha256()
     parts = [src.read_bytes() + " ".join(extra).encode() for src, extra in SOURCES.items()]
     parts += [h.read_bytes() for h in sorted(_HERE.glob("*.h"))]
-    for part in (*parts, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+    for part in (*parts, " ".join(_flags(march)).encode(), version.encode(), _cpu_flags().encode()):
         h.update(hashlib.sha256(part).digest())
     return h.hexdigest()[:16]
 
 
-def build() -> Path:
+def build(march: str = MARCH) -> Path:
     """Path of the built library, compiling it if this machine has not yet."""
     cxx = _compiler()
-    out_dir = cache_root() / "cpu_kernels" / _key(cxx)
+    out_dir = cache_root() / "cpu_kernels" / _key(cxx, march)
     lib = out_dir / "libkvtier_cpu.so"
     if lib.exists():
         return lib
@@ -76,10 +81,10 @@ def build() -> Path:
         objects = []
         for src, extra in SOURCES.items():
             obj = work / (src.stem + ".o")
-            _run([cxx, *FLAGS, *extra, "-c", str(src), "-o", str(obj)])
+            _run([cxx, *_flags(march), *extra, "-c", str(src), "-o", str(obj)])
             objects.append(str(obj))
         tmp = work / lib.name
-        _run([cxx, *FLAGS, "-shared", *objects, "-o", str(tmp)])
+        _run([cxx, *_flags(march), "-shared", *objects, "-o", str(tmp)])
         os.replace(tmp, lib)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -96,11 +101,11 @@ def _run(cmd: list[str]) -> None:
         raise BuildError(f"{' '.join(cmd)} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
 
 
-def load() -> ctypes.CDLL:
+def load(march: str = MARCH) -> ctypes.CDLL:
     """Builds if needed and loads the library; raises `BuildError` with the reason otherwise."""
     import torch  # noqa: F401  (torch's libgomp must be loaded first: the kernel then shares its pool)
 
-    path = build()
+    path = build(march)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:

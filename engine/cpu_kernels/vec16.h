@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "dtypes.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -25,6 +27,29 @@ struct V16 {
   friend inline V16 operator-(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
   friend inline V16 operator*(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
   friend inline V16 operator/(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+  static inline V16 load_bf16(const uint16_t* p) {
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))};
+  }
+  static inline V16 lane(V16 x, int j) { return {_mm512_permutexvar_ps(_mm512_set1_epi32(j), x.v)}; }
+  inline float hmax() const { return _mm512_reduce_max_ps(v); }
+  static inline V16 neg_inf_from(V16 x, int n) {  // lanes n..15 = -inf
+    return {_mm512_mask_mov_ps(x.v, __mmask16(~((1u << n) - 1u)), _mm512_set1_ps(-INFINITY))};
+  }
+  inline float hsum() const { return _mm512_reduce_add_ps(v); }
+  // lane j = the sum of x[j]'s lanes: a transpose-and-add tree (30 shuffles and adds for 16 sums)
+  static inline V16 hsum16(const V16* x) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; ++i)
+      a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i].v, x[2 * i + 1].v), _mm512_unpackhi_ps(x[2 * i].v, x[2 * i + 1].v));
+    for (int i = 0; i < 4; ++i) {
+      const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]));
+      const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]));
+      b[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    for (int i = 0; i < 2; ++i)
+      c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+    return {_mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd))};
+  }
   // -inf in the lanes where key > pos (the key is after the row), x elsewhere
   static inline V16 masked_below(V16 x, V16 pos, float key) {
     const __mmask16 after = _mm512_cmp_ps_mask(pos.v, _mm512_set1_ps(key), _CMP_LT_OQ);
@@ -67,6 +92,12 @@ struct V16 {
   friend inline V16 operator-(V16 a, V16 b) { return map([&](int i) { return a.v[i] - b.v[i]; }); }
   friend inline V16 operator*(V16 a, V16 b) { return map([&](int i) { return a.v[i] * b.v[i]; }); }
   friend inline V16 operator/(V16 a, V16 b) { return map([&](int i) { return a.v[i] / b.v[i]; }); }
+  static inline V16 load_bf16(const uint16_t* p) { return map([&](int i) { return bf16_to_f32(p[i]); }); }
+  static inline V16 lane(V16 x, int j) { return set1(x.v[j]); }
+  inline float hmax() const { return *std::max_element(v, v + 16); }
+  static inline V16 neg_inf_from(V16 x, int n) { return map([&](int i) { return i >= n ? -INFINITY : x.v[i]; }); }
+  inline float hsum() const { float t = 0.0f; for (float e : v) t += e; return t; }
+  static inline V16 hsum16(const V16* x) { return map([&](int i) { return x[i].hsum(); }); }
   static inline V16 masked_below(V16 x, V16 pos, float key) {
     return map([&](int i) { return pos.v[i] < key ? -INFINITY : x.v[i]; });
   }

@@ -29,7 +29,9 @@ def _check(got: torch.Tensor, want: torch.Tensor, dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,bs", [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 80, 8), (6, 1, 32, 32)])
+# 64 and 128 take the lanes path (attend_lanes), other head sizes the generic one
+@pytest.mark.parametrize("heads,kv_heads,head_dim,bs", [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 64, 8), (6, 1, 128, 32),
+                                                        (8, 2, 80, 8), (6, 1, 32, 32)])
 @pytest.mark.parametrize("n", [1, 3, 40])  # few rows split by kv head; many rows go whole
 def test_decode_matches_reference(dtype, heads, kv_heads, head_dim, bs, n):
     k, v, g = _cache(96, bs, kv_heads, head_dim, dtype, seed=n + heads)

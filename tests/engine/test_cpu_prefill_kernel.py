@@ -107,3 +107,27 @@ def test_unsupported_shapes_and_bad_chunks_are_refused():
                                       torch.zeros(1, dtype=torch.long), 1.0)
     assert cpu_kernels.prefill_supported(9, 3, 16) and cpu_kernels.prefill_supported(4, 4, 64)
     assert not cpu_kernels.prefill_supported(34, 2, 16)  # 17 query heads per kv head
+
+
+def test_the_baseline_x86_64_build_gives_the_same_results(monkeypatch, tmp_path):
+    """The kernels' portable code (vec16.h without AVX-512), built for a baseline x86-64: decode and
+    prefill against the references, and chunking still bit-identical."""
+    import platform
+
+    from engine.cpu_kernels import build
+    from engine.kernels.reference import paged_decode_ref
+
+    if platform.machine() != "x86_64":
+        pytest.skip("the baseline build is for x86-64")
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_state", {"lib": build.load(march="x86-64")})
+    test_chunks_match_dense_attention(torch.float32, 9, 3, 64, 16)
+    test_chunks_match_dense_attention(torch.bfloat16, 8, 2, 80, 8)
+    test_any_chunking_gives_the_bits_of_a_fresh_prefill(torch.float32, 16)
+    k, v, q, g = _setup(40, 16, 3, 9, 64, 5, torch.float32, seed=7)
+    tables = torch.randint(0, 40, (5, 6), generator=g)
+    lens = torch.tensor([1, 16, 17, 50, 96])
+    out = torch.full_like(q, float("nan"))
+    cpu_kernels.paged_attention(q, k, v, out, torch.arange(5), tables, lens, 0.125)
+    want = paged_decode_ref(q, k, v, tables, lens, 0.125)
+    assert (out - want).abs().max() <= TOL[torch.float32] * want.abs().max()
