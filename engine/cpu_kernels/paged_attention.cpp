@@ -61,6 +61,18 @@ struct Shape {
   float scale;
 };
 
+// Blocks are scattered, so the hardware prefetcher cannot guess the next one: fetch its K and V
+// rows of kv heads [kv0, kv0 + nkv) while this block is computed.
+template <class T, class S>
+inline void prefetch_block(const T* kc, const T* vc, int64_t offset, int nkv, int D, const S& s) {
+  const int64_t bytes_per_token = int64_t(nkv) * D * sizeof(T);
+  for (int j = 0; j < s.block_size; ++j)
+    for (int64_t off = 0; off < bytes_per_token; off += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(kc + offset + j * s.token_stride) + off);
+      __builtin_prefetch(reinterpret_cast<const char*>(vc + offset + j * s.token_stride) + off);
+    }
+}
+
 // D is a template parameter for the common head sizes (64, 128): fixed trip counts let the compiler
 // keep a head's accumulator in registers and drop the remainder loops (7x faster than a runtime D).
 template <class IO, int D_>
@@ -88,15 +100,7 @@ void attend(const typename IO::T* q, const typename IO::T* kc, const typename IO
   const int64_t nblocks = (len + BS - 1) / BS;
   for (int64_t b = 0; b < nblocks; ++b) {
     const int n = int(std::min<int64_t>(BS, len - b * BS));
-    if (b + 1 < nblocks) {  // blocks are scattered, so the hardware prefetcher cannot guess the next one
-      const int64_t next = table[b + 1] * s.block_stride + int64_t(kv0) * D;
-      const int64_t bytes_per_token = int64_t(kv1 - kv0) * D * sizeof(typename IO::T);
-      for (int j = 0; j < BS; ++j)
-        for (int64_t off = 0; off < bytes_per_token; off += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(kc + next + j * s.token_stride) + off);
-          __builtin_prefetch(reinterpret_cast<const char*>(vc + next + j * s.token_stride) + off);
-        }
-    }
+    if (b + 1 < nblocks) prefetch_block(kc, vc, table[b + 1] * s.block_stride + int64_t(kv0) * D, kv1 - kv0, D, s);
     for (int kvh = kv0; kvh < kv1; ++kvh) {
       const int64_t base = table[b] * s.block_stride + int64_t(kvh) * D;
       load_rows<IO>(kc + base, s.token_stride, n, D, kb);
@@ -176,15 +180,7 @@ void attend_lanes(const typename IO::T* q, const typename IO::T* kc, const typen
   const int64_t nblocks = (len + BS - 1) / BS;
   for (int64_t b = 0; b < nblocks; ++b) {
     const int n = int(std::min<int64_t>(BS, len - b * BS));
-    if (b + 1 < nblocks) {  // blocks are scattered, so the hardware prefetcher cannot guess the next one
-      const int64_t next = table[b + 1] * s.block_stride + int64_t(kv0) * D;
-      const int64_t bytes_per_token = int64_t(kv1 - kv0) * D * sizeof(typename IO::T);
-      for (int j = 0; j < BS; ++j)
-        for (int64_t off = 0; off < bytes_per_token; off += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(kc + next + j * s.token_stride) + off);
-          __builtin_prefetch(reinterpret_cast<const char*>(vc + next + j * s.token_stride) + off);
-        }
-    }
+    if (b + 1 < nblocks) prefetch_block(kc, vc, table[b + 1] * s.block_stride + int64_t(kv0) * D, kv1 - kv0, D, s);
     for (int kvh = kv0; kvh < kv1; ++kvh) {
       for (int k0 = 0; k0 < n; k0 += 16) {
         const int nk = std::min(16, n - k0);
