@@ -128,6 +128,9 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    # vLLM's flag. kvtier compiles nothing and captures no CUDA graphs yet, so both values run the
+    # same eager code; accepted so that vLLM command lines and LLM(...) calls work unchanged.
+    enforce_eager: bool = False
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS

@@ -35,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step; long prompts are chunked to fit (default: 2048 for serve, "
                         "4096 for offline commands, vLLM's CPU defaults)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="vLLM's switch off torch.compile and CUDA graphs; kvtier uses neither yet, so this "
+                        "changes nothing today and is accepted so vLLM command lines run unchanged")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off G1 prefix caching")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
@@ -97,6 +100,7 @@ def llm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": ns.max_model_len,
         "max_num_seqs": ns.max_num_seqs,
         "max_num_batched_tokens": ns.max_num_batched_tokens,
+        "enforce_eager": ns.enforce_eager,
         "enable_prefix_caching": ns.enable_prefix_caching,
         "scheduling_policy": ns.scheduling_policy,
         "kv_eviction_policy": ns.kv_eviction_policy,
