@@ -91,6 +91,7 @@ void attend_tile(const typename IO::T* q, const typename IO::T* kc, const typena
     load_slice<IO>(vc + base, s.token_stride, n, D, vbuf);
     float keyf[L];  // slots past the slice's valid keys are masked for every row
     for (int j = 0; j < L; ++j) keyf[j] = j < n ? float(k0 + j) : INFINITY;
+    const bool visible = n == L && k0 + L - 1 <= pos0;  // every key of the slice is visible to every row
     for (int h = 0; h < G; ++h) {
       V16 sc[L];
       #pragma GCC unroll 16
@@ -101,25 +102,42 @@ void attend_tile(const typename IO::T* q, const typename IO::T* kc, const typena
         #pragma GCC unroll 16
         for (int j = 0; j < L; ++j) sc[j] = V16::fmadd(qd, V16::set1(kbuf[j * D + d]), sc[j]);
       }
+      // The shortcuts below skip only operations that would leave every lane unchanged (a mask
+      // with nothing to mask, a rescale by exactly 1), so the bits do not depend on them.
       V16 bmax = V16::set1(-INFINITY);
-      #pragma GCC unroll 16
-      for (int j = 0; j < L; ++j) {
-        sc[j] = V16::masked_below(sc[j], rowpos, keyf[j]);  // -inf where the key is after the row
-        bmax = V16::max(bmax, sc[j]);
+      if (visible) {
+        #pragma GCC unroll 16
+        for (int j = 0; j < L; ++j) bmax = V16::max(bmax, sc[j]);
+      } else {
+        #pragma GCC unroll 16
+        for (int j = 0; j < L; ++j) {
+          sc[j] = V16::masked_below(sc[j], rowpos, keyf[j]);  // -inf where the key is after the row
+          bmax = V16::max(bmax, sc[j]);
+        }
       }
       const V16 mnew = V16::max(m[h], bmax);
       const V16 corr = V16::exp_nonpositive(m[h] - mnew);
       V16 sum = V16::zero();
-      #pragma GCC unroll 16
-      for (int j = 0; j < L; ++j) {
-        sc[j] = V16::zero_where_neg_inf(V16::exp_nonpositive(sc[j] - mnew), sc[j]);
-        sum = sum + sc[j];
+      if (visible) {
+        #pragma GCC unroll 16
+        for (int j = 0; j < L; ++j) {
+          sc[j] = V16::exp_nonpositive(sc[j] - mnew);
+          sum = sum + sc[j];
+        }
+      } else {
+        #pragma GCC unroll 16
+        for (int j = 0; j < L; ++j) {
+          sc[j] = V16::zero_where_neg_inf(V16::exp_nonpositive(sc[j] - mnew), sc[j]);
+          sum = sum + sc[j];
+        }
       }
       l[h] = V16::fmadd(l[h], corr, sum);
       m[h] = mnew;
+      const bool rescale = !V16::all_one(corr);
       float* oh = ot + int64_t(h) * D * L;
       for (int d = 0; d < D; ++d) {
-        V16 o = V16::load(oh + d * L) * corr;
+        V16 o = V16::load(oh + d * L);
+        if (rescale) o = o * corr;
         #pragma GCC unroll 16
         for (int j = 0; j < L; ++j) o = V16::fmadd(sc[j], V16::set1(vbuf[j * D + d]), o);
         o.store(oh + d * L);

@@ -32,6 +32,7 @@ struct V16 {
   }
   static inline V16 lane(V16 x, int j) { return {_mm512_permutexvar_ps(_mm512_set1_epi32(j), x.v)}; }
   inline float hmax() const { return _mm512_reduce_max_ps(v); }
+  static inline bool all_one(V16 x) { return _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(1.0f), _CMP_EQ_OQ) == 0xffff; }
   static inline V16 neg_inf_from(V16 x, int n) {  // lanes n..15 = -inf
     return {_mm512_mask_mov_ps(x.v, __mmask16(~((1u << n) - 1u)), _mm512_set1_ps(-INFINITY))};
   }
@@ -95,6 +96,7 @@ struct V16 {
   static inline V16 load_bf16(const uint16_t* p) { return map([&](int i) { return bf16_to_f32(p[i]); }); }
   static inline V16 lane(V16 x, int j) { return set1(x.v[j]); }
   inline float hmax() const { return *std::max_element(v, v + 16); }
+  static inline bool all_one(V16 x) { return std::all_of(x.v, x.v + 16, [](float e) { return e == 1.0f; }); }
   static inline V16 neg_inf_from(V16 x, int n) { return map([&](int i) { return i >= n ? -INFINITY : x.v[i]; }); }
   inline float hsum() const { float t = 0.0f; for (float e : v) t += e; return t; }
   static inline V16 hsum16(const V16* x) { return map([&](int i) { return x[i].hsum(); }); }
