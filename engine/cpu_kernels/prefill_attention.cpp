@@ -135,9 +135,17 @@ void attend_tile(const typename IO::T* q, const typename IO::T* kc, const typena
       m[h] = mnew;
       const bool rescale = !V16::all_one(corr);
       float* oh = ot + int64_t(h) * D * L;
-      for (int d = 0; d < D; ++d) {
-        V16 o = V16::load(oh + d * L);
-        if (rescale) o = o * corr;
+      int d = 0;
+      for (; d + 4 <= D; d += 4) {  // four independent FMA chains (one per d) hide the FMA latency
+        V16 o[4];
+        for (int u = 0; u < 4; ++u) o[u] = rescale ? V16::load(oh + (d + u) * L) * corr : V16::load(oh + (d + u) * L);
+        #pragma GCC unroll 16
+        for (int j = 0; j < L; ++j)
+          for (int u = 0; u < 4; ++u) o[u] = V16::fmadd(sc[j], V16::set1(vbuf[j * D + d + u]), o[u]);
+        for (int u = 0; u < 4; ++u) o[u].store(oh + (d + u) * L);
+      }
+      for (; d < D; ++d) {
+        V16 o = rescale ? V16::load(oh + d * L) * corr : V16::load(oh + d * L);
         #pragma GCC unroll 16
         for (int j = 0; j < L; ++j) o = V16::fmadd(sc[j], V16::set1(vbuf[j * D + d]), o);
         o.store(oh + d * L);
