@@ -108,11 +108,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     with torch.profiler.record_function("kvtier::cpu_prefill_attention"):
         rc = lib.kvt_prefill_attention(
             int(q.dtype == torch.bfloat16), _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), k_cache.stride(0),
-            k_cache.stride(1), _ptr(out), out.stride(0), _ptr(seqs), seqs.shape[0], _ptr(tables), heads, kv_heads,
+            k_cache.stride(1), _ptr(out), out.stride(0), _ptr(seqs), seqs.shape[0], _ptr(tables), tables.numel(),
+            heads, kv_heads,
             head_dim, bs, float(scale), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"unsupported input for the CPU prefill kernel: heads {heads}, kv_heads {kv_heads}, "
-                         f"head_dim {head_dim}, block_size {bs}, or a chunk with qlen < 1 or ctx < qlen")
+                         f"head_dim {head_dim}, block_size {bs}, or a chunk with qlen < 1, ctx < qlen or a "
+                         f"block table shorter than its context")
 
 
 def prefill_supported(heads: int, kv_heads: int, block_size: int) -> bool:

@@ -291,6 +291,6 @@ int kvt_paged_attention(int dtype_bf16, const void* q, int64_t q_row_stride, con
   return 0;
 }
 
-int kvt_abi_version() { return 3; }
+int kvt_abi_version() { return 4; }
 
 }  // extern "C"

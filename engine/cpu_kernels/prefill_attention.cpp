@@ -207,17 +207,19 @@ void dispatch(const void* q, const void* k, const void* v, void* out, const Seq*
 extern "C" {
 
 // seqs: nseq rows of (q0, qlen, ctx, table_offset) int64; tables: the block ids every row's
-// table_offset points into. Returns 0, or -1 for shapes the kernel does not take.
+// table_offset points into (ntables of them). Returns 0, or -1 for shapes the kernel does not take
+// or a chunk whose table would run past the end of `tables`.
 int kvt_prefill_attention(int dtype_bf16, const void* q, int64_t q_row_stride, const void* k_cache,
                           const void* v_cache, int64_t block_stride, int64_t token_stride, void* out,
-                          int64_t out_row_stride, const int64_t* seqs, int64_t nseq, const int64_t* tables, int heads,
+                          int64_t out_row_stride, const int64_t* seqs, int64_t nseq, const int64_t* tables,
+                          int64_t ntables, int heads,
                           int kv_heads, int head_dim, int block_size, float scale, int threads) {
   if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > 16 || head_dim <= 0 || block_size <= 0 ||
       (block_size % L != 0 && L % block_size != 0))
     return -1;
   for (int64_t i = 0; i < nseq; ++i) {
     const int64_t* r = seqs + 4 * i;
-    if (r[1] < 1 || r[2] < r[1]) return -1;
+    if (r[1] < 1 || r[2] < r[1] || r[3] < 0 || r[3] + (r[2] + block_size - 1) / block_size > ntables) return -1;
   }
   const Shape s{q_row_stride, out_row_stride, block_stride, token_stride, heads, kv_heads, head_dim, block_size, scale};
   const Seq* sq = reinterpret_cast<const Seq*>(seqs);

@@ -102,6 +102,8 @@ def test_unsupported_shapes_and_bad_chunks_are_refused():
     k, v, q, _ = _setup(8, 16, 2, 4, 64, 8, torch.float32, seed=0)
     with pytest.raises(ValueError, match="unsupported input"):  # context shorter than the chunk
         _run(q, k, v, [(0, 4, 3, torch.tensor([0]))], None, 1.0)
+    with pytest.raises(ValueError, match="block table shorter"):  # 40 tokens need 3 blocks, the table has 2
+        _run(q, k, v, [(0, 4, 40, torch.tensor([0, 1]))], None, 1.0)
     with pytest.raises(ValueError, match=r"seqs must be \[n, 4\]"):
         cpu_kernels.prefill_attention(q, k, v, torch.empty_like(q), torch.zeros(3, dtype=torch.long),
                                       torch.zeros(1, dtype=torch.long), 1.0)
