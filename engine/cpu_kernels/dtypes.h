@@ -35,4 +35,13 @@ struct BF16 {
   static inline float round(float x) { return bf16_to_f32(f32_to_bf16(x)); }  // what a bf16 op stores
 };
 
+// n cache rows of one kv head (`stride` elements apart) into a dense float [n, D] buffer.
+template <class IO>
+inline void load_rows(const typename IO::T* src, int64_t stride, int n, int D, float* dst) {
+  for (int j = 0; j < n; ++j) {
+#pragma omp simd
+    for (int d = 0; d < D; ++d) dst[j * D + d] = IO::load(src + j * stride, d);
+  }
+}
+
 }  // namespace kvt

@@ -21,6 +21,7 @@ namespace {
 
 using kvt::BF16;
 using kvt::F32;
+using kvt::load_rows;
 using kvt::V16;
 
 // e^x for x <= 0 (a score minus the running max). Vectorizes, unlike libm's expf: 2^(x log2 e)
@@ -42,15 +43,6 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, 4);
   return p * scale;
-}
-
-// n cache rows of one kv head (`stride` elements apart) into a dense float [n, D] buffer.
-template <class IO>
-inline void load_rows(const typename IO::T* src, int64_t stride, int n, int D, float* dst) {
-  for (int j = 0; j < n; ++j) {
-#pragma omp simd
-    for (int d = 0; d < D; ++d) dst[j * D + d] = IO::load(src + j * stride, d);
-  }
 }
 
 struct Shape {

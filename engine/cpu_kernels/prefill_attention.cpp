@@ -51,8 +51,7 @@ struct Item {
 // past the sequence's end: never-written cache, which must not reach a product even as 0 * NaN).
 template <class IO>
 inline void load_slice(const typename IO::T* src, int64_t stride, int n, int D, float* dst) {
-  for (int j = 0; j < n; ++j)
-    for (int d = 0; d < D; ++d) dst[j * D + d] = IO::load(src + j * stride, d);
+  kvt::load_rows<IO>(src, stride, n, D, dst);
   std::fill(dst + int64_t(n) * D, dst + int64_t(L) * D, 0.0f);
 }
 
