@@ -20,30 +20,10 @@
 namespace {
 
 using kvt::BF16;
+using kvt::exp_nonpositive;
 using kvt::F32;
 using kvt::load_rows;
 using kvt::V16;
-
-// e^x for x <= 0 (a score minus the running max). Vectorizes, unlike libm's expf: 2^(x log2 e)
-// = 2^n * 2^f with f in [-0.5, 0.5] and a degree-7 Taylor polynomial (relative error ~2e-8).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.4426950408889634f;
-  const float n = std::floor(t + 0.5f);
-  const float f = (t - n) * 0.6931471805599453f;
-  float p = 1.9841269841269841e-4f;
-  p = p * f + 1.3888888888888889e-3f;
-  p = p * f + 8.3333333333333333e-3f;
-  p = p * f + 4.1666666666666667e-2f;
-  p = p * f + 1.6666666666666667e-1f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  const int32_t bits = (int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
 
 struct Shape {
   int64_t q_row_stride, out_row_stride;  // elements between query rows (heads * head_dim if contiguous)

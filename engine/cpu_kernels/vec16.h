@@ -14,6 +14,24 @@
 
 namespace kvt {
 
+// e^x for x <= 0 (a score minus the running max): 2^t with t = x log2(e) split as n + f, n the
+// nearest integer (f in [-0.5, 0.5], t - n exact), 2^f by its degree-7 Taylor polynomial (relative
+// error < 1e-8) and scaled by 2^n. Vectorizes, unlike libm's expf; V16::exp_nonpositive is the
+// same arithmetic in lanes, so the scalar and vector paths agree bit for bit.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.0f) * 1.4426950408889634f;
+  const float n = std::nearbyint(t);
+  const float f = t - n;
+  float p = 1.5252733804059838e-05f;
+  for (float c : {1.5403530393381606e-04f, 1.3333558146428441e-03f, 9.618129107628477e-03f, 5.5504108664821576e-02f,
+                  2.402265069591007e-01f, 6.931471805599453e-01f, 1.0f})
+    p = std::fma(p, f, c);
+  const int32_t bits = (int32_t(n) + 127) << 23;  // 2^n, normal: n >= -126 after the clamp
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;  // one rounding, as scalef's
+}
+
 #if defined(__AVX512F__)
 struct V16 {
   __m512 v;
@@ -60,22 +78,20 @@ struct V16 {
     const __mmask16 m = _mm512_cmp_ps_mask(s.v, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
     return {_mm512_mask_mov_ps(x.v, m, _mm512_setzero_ps())};
   }
-  // e^x for x <= 0, as engine/cpu_kernels/paged_attention.cpp's scalar exp_nonpositive.
+  // kvt::exp_nonpositive in lanes (the same operations, so the same bits).
   static inline V16 exp_nonpositive(V16 x) {
-    const __m512 xc = _mm512_max_ps(x.v, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(xc, _mm512_set1_ps(1.4426950408889634f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
-    __m512 p = _mm512_set1_ps(1.9841269841269841e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3888888888888889e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3333333333333333e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1666666666666667e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666666666666667e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x.v, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.4426950408889634f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5252733804059838e-05f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428441e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821576e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return {_mm512_mul_ps(p, _mm512_castsi512_ps(bits))};
+    return {_mm512_scalef_ps(p, n)};
   }
 };
 #else
@@ -106,21 +122,7 @@ struct V16 {
   static inline V16 zero_where_neg_inf(V16 x, V16 s) {
     return map([&](int i) { return s.v[i] == -INFINITY ? 0.0f : x.v[i]; });
   }
-  static inline V16 exp_nonpositive(V16 x) {
-    return map([&](int i) {
-      const float t = std::max(x.v[i], -87.0f) * 1.4426950408889634f;
-      const float n = std::floor(t + 0.5f);
-      const float f = (t - n) * 0.6931471805599453f;
-      float p = 1.9841269841269841e-4f;
-      for (float c : {1.3888888888888889e-3f, 8.3333333333333333e-3f, 4.1666666666666667e-2f,
-                      1.6666666666666667e-1f, 0.5f, 1.0f, 1.0f})
-        p = std::fma(p, f, c);
-      const int32_t bits = (int32_t(n) + 127) << 23;
-      float scale;
-      std::memcpy(&scale, &bits, 4);
-      return p * scale;
-    });
-  }
+  static inline V16 exp_nonpositive(V16 x) { return map([&](int i) { return kvt::exp_nonpositive(x.v[i]); }); }
 };
 #endif
 
