@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +94,11 @@ class AttentionBackend(ABC):
     """Contract: given this step's q/k/v (`[num_tokens, heads, head_dim]`), write k/v into the
     layer's cache at `meta.slot_mapping`, then return the attention output `[num_tokens,
     num_heads * head_dim]` where each token attends causally to its own sequence's cache."""
+
+    # Whether decodes should come as groups of similar context length (a backend that pads every
+    # row of a group to its longest): the model runner then bounds the padding. Kernels that take
+    # each row's length get all decodes as one group, longest first.
+    pads_decodes: ClassVar[bool] = True
 
     @abstractmethod
     def forward(

@@ -17,6 +17,8 @@ from engine.attention import AttentionMetadata, TorchPagedAttention
 class CpuPagedAttention(TorchPagedAttention):
     """Same contract and results as `TorchPagedAttention` (to float rounding); faster on CPU."""
 
+    pads_decodes = False  # the kernel walks each row's own table; one call per layer balances best
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale):
         num_tokens, num_heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]

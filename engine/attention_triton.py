@@ -75,6 +75,8 @@ class TritonPagedAttention(AttentionBackend):
     """`AttentionBackend` on the Triton kernels: `kv_write`, one `paged_prefill` for every prompt
     chunk of the step, one `paged_decode` for every decode."""
 
+    pads_decodes = False  # rows carry their own lengths
+
     def __init__(self, window: int = 0) -> None:
         if not kernels.available():
             raise RuntimeError(f"the Triton attention backend cannot run here: {kernels.unavailable_reason()}")

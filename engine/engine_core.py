@@ -79,7 +79,8 @@ class EngineCore:
             model = load_model(model_dir, mc, backend, max_len, config.device)
         self.pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy), config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, bs)
-        self.runner = ModelRunner(model, mc, num_blocks, bs, config.device, self.hidden_spec)
+        self.runner = ModelRunner(model, mc, num_blocks, bs, config.device, self.hidden_spec,
+                                  group_decodes=backend.pads_decodes)
         self.events, self.publisher = self._build_events()
         self.connector: KVConnector = self._build_connector(model_dir) or NullConnector()
         self.scheduler = Scheduler(self.kv, config.scheduling_policy, config.max_num_seqs,

@@ -32,8 +32,9 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, hidden_layers: i
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int, device: str,
-                 hidden_spec: HiddenStatesSpec | None = None) -> None:
+                 hidden_spec: HiddenStatesSpec | None = None, group_decodes: bool = True) -> None:
         self.model = model
+        self.group_decodes = group_decodes  # the backend's `pads_decodes`
         self.cfg = cfg
         self.block_size = block_size
         self.device = device
@@ -102,7 +103,13 @@ class ModelRunner:
         return ModelOutput(logits.float(), sampled)
 
     def _decode_groups(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
-        """Split decodes, shortest first, into groups whose padding stays under ~25%."""
+        """Split decodes, shortest first, into groups whose padding stays under ~25%; or, for a
+        backend that does not pad, one group, longest first (the longest rows start first)."""
+        if not rows:
+            return []
+        if not self.group_decodes:
+            order = sorted(range(len(rows)), key=lambda i: -lens[i])
+            return [self._decode_group([rows[i] for i in order], [tables[i] for i in order], [lens[i] for i in order])]
         order = sorted(range(len(rows)), key=lambda i: lens[i])
         groups: list[list[int]] = []
         for i in order:
