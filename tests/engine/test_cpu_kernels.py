@@ -61,6 +61,19 @@ def test_rows_are_scattered_and_other_rows_untouched():
     assert out[others].abs().sum() == 0
 
 
+def test_kernel_calls_show_in_a_profile_only_while_profiling(monkeypatch):
+    k, v, g = _cache(8, 16, 1, 64, torch.float32, seed=2)
+    q = torch.randn(1, 2, 64, generator=g)
+    args = (q, k, v, torch.empty_like(q), torch.tensor([0]), torch.tensor([[1, 4]]), torch.tensor([20]), 0.125)
+    with torch.profiler.profile() as prof:
+        cpu_kernels.paged_attention(*args)
+    assert "kvtier::cpu_paged_attention" in {e.key for e in prof.key_averages()}
+    opened: list[str] = []
+    monkeypatch.setattr(torch.profiler, "record_function", lambda name: opened.append(name))
+    cpu_kernels.paged_attention(*args)  # no profiler: no range (it costs ~10 us a call)
+    assert opened == []
+
+
 def test_zero_length_row_gives_zeros_not_nan():
     k, v, _ = _cache(4, 16, 1, 64, torch.float32, seed=2)
     out = torch.full((1, 1, 64), float("nan"))
