@@ -22,25 +22,47 @@ def packing_available() -> bool:
 
 class PackedLinear(nn.Module):
     """`y = x W^T + b` with W held only in oneDNN's blocked layout (the plain copy is released,
-    unless another module shares the Parameter, e.g. tied input embeddings)."""
+    unless another module shares the Parameter, e.g. tied input embeddings).
 
-    def __init__(self, linear: nn.Linear) -> None:
+    `parts` (output sizes summing to `out_features`) packs the rows of W as that many matrices:
+    `forward_parts` then returns each part as its own contiguous tensor. The results are the same
+    bits as slicing the fused output (each output column is the same dot product)."""
+
+    def __init__(self, linear: nn.Linear, parts: tuple[int, ...] | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        w = linear.weight.detach()
+        b = None if linear.bias is None else linear.bias.detach()
+        if parts is None:
+            self.parts: tuple[int, ...] = (self.out_features,)
+            self.packed = [torch.ops.mkldnn._reorder_linear_weight(w, None)]
+            self.biases = [b]
+        else:
+            if sum(parts) != self.out_features or min(parts) < 1:
+                raise ValueError(f"parts {parts} do not split {self.out_features} output features")
+            self.parts = tuple(parts)
+            self.packed = [torch.ops.mkldnn._reorder_linear_weight(wi.contiguous(), None) for wi in w.split(parts)]
+            self.biases = list(b.split(parts)) if b is not None else [None] * len(parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if len(self.packed) == 1:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed[0], self.biases[0], "none", [], "")
+        return torch.cat(self.forward_parts(x), dim=-1)
+
+    def forward_parts(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") for w, b in zip(self.packed, self.biases)]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.biases[0] is not None}, parts={self.parts}")
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replaces every `nn.Linear` of a CPU model in place; returns how many were packed."""
+    """Replaces every `nn.Linear` of a CPU model in place; returns how many were packed. A module
+    may name linears to pack in parts with a `packed_parts() -> {child name: output sizes}`."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        parts = parent.packed_parts().get(name) if hasattr(parent, "packed_parts") else None
+        setattr(parent, name, PackedLinear(child, parts))
     return len(targets)

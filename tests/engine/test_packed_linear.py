@@ -46,3 +46,32 @@ def test_the_engine_packs_its_cpu_model(ckpt_dir):
     linears = [type(m).__name__ for m in llm.engine.runner.model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
     assert linears and set(linears) == {"PackedLinear"}
     llm.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_parts_are_the_fused_outputs_bit_for_bit(dtype, bias):
+    torch.manual_seed(1)
+    lin = nn.Linear(64, 96, bias=bias).to(dtype)
+    x = torch.randn(300, 64, dtype=dtype)
+    fused = PackedLinear(lin)(x)
+    split = PackedLinear(lin, parts=(32, 48, 16))
+    got = split.forward_parts(x)
+    assert [t.shape[-1] for t in got] == [32, 48, 16] and all(t.is_contiguous() for t in got)
+    assert all(torch.equal(a, b) for a, b in zip(got, fused.split([32, 48, 16], dim=-1)))
+    assert torch.equal(split(x), fused)
+
+
+def test_parts_that_do_not_add_up_are_refused():
+    with pytest.raises(ValueError, match="do not split 96"):
+        PackedLinear(nn.Linear(64, 96), parts=(32, 32))
+
+
+def test_the_engine_packs_gate_and_up_apart(ckpt_dir):
+    from engine import LLM
+
+    llm = LLM(model=str(ckpt_dir("llama")), dtype="float32", num_gpu_blocks=32)
+    mlp = llm.engine.runner.model.layers[0].mlp
+    half = mlp.gate_up_proj.out_features // 2
+    assert mlp.gate_up_proj.parts == (half, half)
+    llm.close()
