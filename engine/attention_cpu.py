@@ -24,8 +24,8 @@ class CpuPagedAttention(TorchPagedAttention):
         kv_heads = k_cache.shape[2]
         k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        # q may be a view into the fused q/k/v output: the kernels take its row stride as is.
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for group in meta.decodes:
             cpu_kernels.paged_attention(q, k_cache, v_cache, out, group.query_idx, group.block_tables,
                                         group.context_lens, scale)
@@ -34,6 +34,7 @@ class CpuPagedAttention(TorchPagedAttention):
                 seqs, tables = meta.packed_prefills()
                 cpu_kernels.prefill_attention(q, k_cache, v_cache, out, seqs, tables, scale)
             else:
+                q = q.contiguous()
                 for seq in meta.prefills:
                     self._prefill(q, k_cache, v_cache, seq, scale, out)
         return out.view(num_tokens, num_heads * head_dim)
