@@ -56,10 +56,11 @@ class PrefillSeq:
 
 @dataclass
 class DecodeGroup:
-    """Decodes of similar context length, batched into one padded attention call.
+    """Decodes of similar context length, batched into one padded attention call; for a backend
+    that does not pad (`AttentionBackend.pads_decodes` False), all of a step's decodes, longest first.
 
     Grouping by length bounds the padding: one group for the whole batch would gather every
-    sequence up to the longest one, and on CPU that copy is most of decode attention's cost."""
+    sequence up to the longest one, and on the torch path that copy is most of decode attention's cost."""
 
     query_idx: torch.Tensor  # [n] int64 rows of the flat query
     block_tables: torch.Tensor  # [n, max_blocks] int64 (padded with 0)
