@@ -128,8 +128,11 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    # vLLM's flag. kvtier compiles nothing and captures no CUDA graphs yet, so both values run the
-    # same eager code; accepted so that vLLM command lines and LLM(...) calls work unchanged.
+    # vLLM's -O / --optimization-level: 0 runs the model eagerly; 1-3 compile it with torch.compile
+    # (engine/compiled.py; kvtier has no CUDA graphs yet, so 2 and 3 are 1). 0 by default, unlike
+    # vLLM's 2: on CPU the eager path (fused C++ ops, prepacked GEMMs) is faster than inductor's code.
+    optimization_level: int = 0
+    # vLLM's flag: never compile (it overrides optimization_level, with a warning).
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -168,6 +171,8 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks must be >= 1; got {self.num_gpu_blocks}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0; got {self.kv_cache_memory_gib}")
+        if type(self.optimization_level) is not int or self.optimization_level not in (0, 1, 2, 3):
+            raise ValueError(f"optimization_level must be 0, 1, 2 or 3; got {self.optimization_level!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         object.__setattr__(self, "device", resolve_device(self.device))

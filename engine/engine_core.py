@@ -23,6 +23,7 @@ from engine.fingerprint import model_fingerprint
 from engine.kv_events import KVEventsConfig, ZmqEventPublisher
 from kvstore.events import EventBuffer
 from engine.kv_cache_manager import KVCacheManager
+from engine.compiled import CompiledForward
 from engine.loader import load_model, load_tokenizer
 from engine.model_runner import ModelOutput, ModelRunner, kv_cache_bytes_per_block
 from engine.request import Request, RequestId, RequestStatus
@@ -59,7 +60,11 @@ class EngineCore:
         # On a GPU with no explicit size, G1 is what gpu_memory_utilization leaves after the weights
         # and a profiled forward, so the model loads first (its rope tables at the longest length).
         profiled = config.device != "cpu" and config.num_gpu_blocks is None and config.kv_cache_memory_gib is None
-        model = load_model(model_dir, mc, backend, max_len, config.device) if profiled else None
+        compiled = config.optimization_level > 0 and not config.enforce_eager
+        if config.optimization_level > 0 and config.enforce_eager:
+            log.warning("optimization_level=%d not applied: enforce_eager runs the model eagerly",
+                        config.optimization_level)
+        model = load_model(model_dir, mc, backend, max_len, config.device, compiled=compiled) if profiled else None
         if profiled:
             num_blocks = gpu_memory.profiled_num_blocks(
                 model, mc, config.device, config.gpu_memory_utilization, per_block,
@@ -76,11 +81,12 @@ class EngineCore:
         self.max_model_len = max_len
         self.max_num_batched_tokens = _step_token_budget(config, max_len)
         if model is None:
-            model = load_model(model_dir, mc, backend, max_len, config.device)
+            model = load_model(model_dir, mc, backend, max_len, config.device, compiled=compiled)
         self.pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy), config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, bs)
         self.runner = ModelRunner(model, mc, num_blocks, bs, config.device, self.hidden_spec,
-                                  group_decodes=backend.pads_decodes)
+                                  group_decodes=backend.pads_decodes,
+                                  forward=CompiledForward(model, backend) if compiled else None)
         self.events, self.publisher = self._build_events()
         self.connector: KVConnector = self._build_connector(model_dir) or NullConnector()
         self.scheduler = Scheduler(self.kv, config.scheduling_policy, config.max_num_seqs,

@@ -5,6 +5,7 @@ block's bytes for every layer can be gathered with one index (what offload tiers
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +33,10 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, hidden_layers: i
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int, device: str,
-                 hidden_spec: HiddenStatesSpec | None = None, group_decodes: bool = True) -> None:
+                 hidden_spec: HiddenStatesSpec | None = None, group_decodes: bool = True,
+                 forward: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] | None = None) -> None:
         self.model = model
+        self.forward = forward or model  # engine/compiled.py's CompiledForward, or the eager model
         self.group_decodes = group_decodes  # the backend's `pads_decodes`
         self.cfg = cfg
         self.block_size = block_size
@@ -88,7 +91,7 @@ class ModelRunner:
             decodes=self._decode_groups(decode_rows, decode_tables, decode_lens),
         )
         capture = self.hidden_spec.capture_order if self.hidden_spec is not None else ()
-        hidden, captured = self.model(
+        hidden, captured = self.forward(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
             self.layer_caches,

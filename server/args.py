@@ -35,9 +35,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step; long prompts are chunked to fit (default: 2048 for serve, "
                         "4096 for offline commands, vLLM's CPU defaults)")
+    g.add_argument("-O", "--optimization-level", type=int, default=0, choices=[0, 1, 2, 3], metavar="{0,1,2,3}",
+                   help="vLLM's levels: 0 runs the model eagerly; 1-3 compile it with torch.compile (inductor; "
+                        "no CUDA graphs yet, so 2 and 3 equal 1), the first steps of each shape then take tens "
+                        "of seconds, cached under $KVTIER_CACHE_DIR/inductor. Default %(default)s: on CPU the "
+                        "eager path is faster here (README)")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="vLLM's switch off torch.compile and CUDA graphs; kvtier uses neither yet, so this "
-                        "changes nothing today and is accepted so vLLM command lines run unchanged")
+                   help="vLLM's switch off torch.compile (and CUDA graphs): overrides -O with a warning")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off G1 prefix caching")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
@@ -100,6 +104,7 @@ def llm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": ns.max_model_len,
         "max_num_seqs": ns.max_num_seqs,
         "max_num_batched_tokens": ns.max_num_batched_tokens,
+        "optimization_level": ns.optimization_level,
         "enforce_eager": ns.enforce_eager,
         "enable_prefix_caching": ns.enable_prefix_caching,
         "scheduling_policy": ns.scheduling_policy,

@@ -67,8 +67,9 @@ SPLIT_GEMM_MIN_TOKENS = 256
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
         # q, k and v share one matmul: fewer, larger GEMMs are much faster on CPU.
@@ -84,7 +85,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         n = x.shape[0]
-        if n >= SPLIT_GEMM_MIN_TOKENS and type(self.qkv_proj) is nn.Linear:  # not for prepacked weights
+        # Compiled, the split is inductor's choice (and a size test would be one more graph).
+        if not torch.compiler.is_compiling() and n >= SPLIT_GEMM_MIN_TOKENS and type(self.qkv_proj) is nn.Linear:
             w, b = self.qkv_proj.weight, self.qkv_proj.bias
             parts = w.split([self.q_size, self.kv_size, self.kv_size])
             bs = b.split([self.q_size, self.kv_size, self.kv_size]) if b is not None else (None,) * 3
@@ -103,6 +105,8 @@ class Attention(nn.Module):
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
+        if meta is None:  # compiled (engine/compiled.py): the op finds the step's cache and metadata itself
+            return self.o_proj(torch.ops.kvtier.attention(q, k, v, self.layer_idx, self.scale))
         return self.o_proj(self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale))
 
 
@@ -123,7 +127,8 @@ class MLP(nn.Module):
         if isinstance(self.gate_up_proj, PackedLinear):
             gate, up = self.gate_up_proj.forward_parts(x)
             return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))
-        if x.shape[0] >= SPLIT_GEMM_MIN_TOKENS and type(self.gate_up_proj) is nn.Linear:
+        if not torch.compiler.is_compiling() and x.shape[0] >= SPLIT_GEMM_MIN_TOKENS \
+                and type(self.gate_up_proj) is nn.Linear:
             w_gate, w_up = self.gate_up_proj.weight.chunk(2)
             h = nn.functional.silu(nn.functional.linear(x, w_gate)).mul_(nn.functional.linear(x, w_up))
             return self.down_proj(h)
@@ -132,10 +137,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.fused = False
@@ -156,7 +161,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.fused = False
@@ -170,19 +175,22 @@ class LlamaFamilyForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        meta: AttentionMetadata | None,
         capture_layers: tuple[int, ...] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final-normed hidden states `[num_tokens, hidden]` and the residual stream at
-        each id in `capture_layers` (0 = embeddings, k = after decoder layer k-1, pre-norm)."""
+        each id in `capture_layers` (0 = embeddings, k = after decoder layer k-1, pre-norm).
+        `kv_caches` and `meta` are None when compiled: attention reads them from engine/compiled.py's
+        step context instead, so that the graph sees only token-sized tensors."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         captured = [h] if 0 in capture_layers else []
         if self.fused:
             captured = [x.clone() for x in captured]  # fused layers update `h` in place
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_caches[i][0], kv_caches[i][1], meta)
+            k_cache, v_cache = kv_caches[i] if kv_caches is not None else (None, None)
+            h = layer(h, cos, sin, k_cache, v_cache, meta)
             if i + 1 in capture_layers:
                 captured.append(h.clone() if self.fused else h)
         return self.norm(h), captured

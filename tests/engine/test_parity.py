@@ -4,7 +4,7 @@ Oracle: transformers (float32, sdpa) on the small random-weight checkpoints of
 tests/checkpoints.py, one prompt at a time, no padding.  The engine runs all prompts of a
 kind as one batch, through the paged KV cache (block_size 16), so prompts of 1 to 1030
 tokens cover partial, exact and multi-block prompts and llama3 rope past its original
-256-position window.
+256-position window. Each kind runs eagerly and compiled (torch.compile, engine/compiled.py).
 """
 
 from __future__ import annotations
@@ -58,15 +58,18 @@ def oracle(kind, hf_model, prompts):
     return {"tokens": tokens, "margins": margins, "last_logits": last}
 
 
-@pytest.fixture(scope="module")
-def llm(kind, ckpt_dir):
+@pytest.fixture(scope="module", params=["eager", "compiled"])
+def llm(request, kind, ckpt_dir):
+    """The engine run eagerly (`enforce_eager`) and compiled (`optimization_level=3`, torch.compile)."""
     from engine import LLM
 
+    compiled = request.param == "compiled"
     # the default G1 size (num_gpu_blocks=None) for one kind; allocating it takes seconds,
     # so the other kinds get 1024 blocks (16k tokens, plenty for this batch)
-    num_gpu_blocks = None if kind == "qwen3" else 1024
+    num_gpu_blocks = None if kind == "qwen3" and not compiled else 1024
     engine = LLM(model=str(ckpt_dir(kind)), dtype="float32", block_size=16, seed=0, num_gpu_blocks=num_gpu_blocks,
-                 device=TEST_DEVICE)
+                 device=TEST_DEVICE, optimization_level=3 if compiled else 0, enforce_eager=not compiled)
+    assert (engine.engine.runner.forward is engine.engine.runner.model) != compiled
     yield engine
     del engine
     gc.collect()
