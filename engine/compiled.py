@@ -5,8 +5,8 @@ step's attention metadata and the paged KV cache stay outside it, in a forward c
 `kvtier::attention` op reads. So one graph, with the token count as its only dynamic size,
 serves every step: nothing about a step's mix of prompts and decodes causes a recompile, and
 the attention kernels (C++ on CPU, Triton on CUDA) run exactly as in eager mode. Inductor compiles everything between them: the norms, rotary
-embedding, SiLU-and-multiply and residual adds become fused loops, and with freezing the
-weights are prepacked for oneDNN. Compiled code is cached on disk under
+embedding, SiLU-and-multiply and residual adds become fused loops; on CPU the GEMMs stay the
+eager path's prepacked oneDNN ones (`kvtier::packed_linear`). Compiled code is cached on disk under
 `$KVTIER_CACHE_DIR/inductor` (unless `TORCHINDUCTOR_CACHE_DIR` is set): a restart pays only
 dynamo's trace, not inductor's code generation.
 """
@@ -92,10 +92,7 @@ class CompiledForward:
         start = time.perf_counter()
         torch._dynamo.decorators.mark_unbacked(input_ids, 0)
         torch._dynamo.decorators.mark_unbacked(positions, 0)
-        # Freezing makes the weights constants, which inductor prepacks for oneDNN (on CPU). It is
-        # read while compiling, inside a call (given as torch.compile's `options` it did not reach
-        # the pass: steps 1.7x slower, measured).
-        with step_context(self.backend, caches, meta), torch._inductor.config.patch(freezing=True):
+        with step_context(self.backend, caches, meta):
             out = self._fn(input_ids, positions, None, None, capture)
         if not self._compiled:
             self._compiled = True

@@ -41,8 +41,8 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max_len: int, device: str,
                fused_ops: bool = True, compiled: bool = False):
-    """`compiled`: for torch.compile (engine/compiled.py), which fuses and prepacks by itself, so
-    the weights stay plain `nn.Linear` and the eager fused C++ ops are not switched on."""
+    """`compiled`: for torch.compile (engine/compiled.py), which fuses the norms and rotary
+    embedding by itself, so the eager fused C++ ops are not switched on."""
     start = time.perf_counter()
     spec = SUPPORTED_ARCHITECTURES[cfg.architecture]
     with torch.device("meta"):
@@ -55,10 +55,10 @@ def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights((k, v.to(cfg.dtype)) for k, v in iter_safetensors(model_dir))
     model.eval().requires_grad_(False)
-    cpu_eager = device == "cpu" and not compiled and cfg.dtype in (torch.float32, torch.bfloat16)
-    if cpu_eager and packing_available():
+    cpu = device == "cpu" and cfg.dtype in (torch.float32, torch.bfloat16)
+    if cpu and packing_available():
         log.info("prepacked %d linear layers into oneDNN's blocked layout", pack_linears(model))
-    if cpu_eager and fused_ops and cfg.head_dim <= 512 and cpu_kernels.get() is not None:
+    if cpu and fused_ops and not compiled and cfg.head_dim <= 512 and cpu_kernels.get() is not None:
         model.use_fused_cpu_ops()
         log.info("norms and rotary embedding run as fused C++ ops")
     log.info("loaded %s (%s, %d layers) from %s in %.1fs", cfg.architecture, cfg.dtype, cfg.num_layers,

@@ -8,12 +8,34 @@ summation order), which keeps greedy tokens identical to transformers on the par
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import weakref
 
 import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+# Under torch.compile, a packed GEMM is the opaque op `kvtier::packed_linear`, which finds its
+# weights here by key: inductor cannot take oneDNN's packed tensors as graph constants, and its
+# own prepacking (freezing) bypasses its on-disk cache, so every process recompiled (27 s).
+_live: dict[int, weakref.ref[PackedLinear]] = {}
+_keys = itertools.count()
+
+
+@torch.library.custom_op("kvtier::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, key: int, part: int, out_features: int) -> torch.Tensor:
+    """`PackedLinear` number `key`'s part `part` applied to `x`."""
+    owner = _live[key]()
+    if owner is None:
+        raise RuntimeError(f"packed linear {key} was released")
+    return torch.ops.mkldnn._linear_pointwise(x, owner.packed[part], owner.biases[part], "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, key, part, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 def packing_available() -> bool:
@@ -43,14 +65,21 @@ class PackedLinear(nn.Module):
             self.parts = tuple(parts)
             self.packed = [torch.ops.mkldnn._reorder_linear_weight(wi.contiguous(), None) for wi in w.split(parts)]
             self.biases = list(b.split(parts)) if b is not None else [None] * len(parts)
+        self.key = next(_keys)
+        _live[self.key] = weakref.ref(self, lambda _, k=self.key: _live.pop(k, None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.packed) == 1:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed[0], self.biases[0], "none", [], "")
+            return self._part(x, 0)
         return torch.cat(self.forward_parts(x), dim=-1)
 
     def forward_parts(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return [torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") for w, b in zip(self.packed, self.biases)]
+        return [self._part(x, i) for i in range(len(self.packed))]
+
+    def _part(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.kvtier.packed_linear(x, self.key, i, self.parts[i])
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed[i], self.biases[i], "none", [], "")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,6 +57,30 @@ def test_one_graph_serves_every_step_and_tokens_equal_eager(ckpt_dir, tmp_path, 
     assert sum("compiled in" in r.getMessage() for r in caplog.records) == 1
     cached = list((tmp_path / "cache" / "inductor").rglob("*"))
     assert any(p.is_file() for p in cached), "inductor's cache is not under $KVTIER_CACHE_DIR/inductor"
+
+
+_COMPILE_ONCE = """
+import json, sys, torch
+from engine import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="float32", num_gpu_blocks=64, optimization_level=1)
+llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)
+print(json.dumps(dict(torch._dynamo.utils.counters["inductor"])))
+"""
+
+
+def test_a_restart_reuses_the_compiled_code_from_disk(ckpt_dir, tmp_path):
+    """The second process finds inductor's graph in $KVTIER_CACHE_DIR/inductor (a freezing build
+    bypassed that cache: every process recompiled)."""
+    env = {**os.environ, "KVTIER_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).parents[2])}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _COMPILE_ONCE, str(ckpt_dir(KIND))], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert runs[0].get("fxgraph_cache_miss") == 1 and not runs[0].get("fxgraph_cache_hit"), runs[0]
+    assert runs[1].get("fxgraph_cache_hit") == 1 and not runs[1].get("fxgraph_cache_miss"), runs[1]
 
 
 def test_exported_hidden_states_equal_eager(ckpt_dir, tmp_path):
