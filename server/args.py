@@ -35,11 +35,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step; long prompts are chunked to fit (default: 2048 for serve, "
                         "4096 for offline commands, vLLM's CPU defaults)")
-    g.add_argument("-O", "--optimization-level", type=int, default=0, choices=[0, 1, 2, 3], metavar="{0,1,2,3}",
+    g.add_argument("-O", "--optimization-level", type=int, default=None, choices=[0, 1, 2, 3], metavar="{0,1,2,3}",
                    help="vLLM's levels: 0 runs the model eagerly; 1-3 compile it with torch.compile (inductor; "
-                        "no CUDA graphs yet, so 2 and 3 equal 1), the first steps of each shape then take tens "
-                        "of seconds, cached under $KVTIER_CACHE_DIR/inductor. Default %(default)s: on CPU the "
-                        "eager path is faster here (README)")
+                        "no CUDA graphs yet, so 2 and 3 equal 1) at start-up: ~25 s for the demo model the first "
+                        "time, ~6 s once inductor's code is cached under $KVTIER_CACHE_DIR/inductor. Default: "
+                        "$KVTIER_OPTIMIZATION_LEVEL if set, else 1 on CPU (faster here, README) and 0 on CUDA")
     g.add_argument("--enforce-eager", action="store_true",
                    help="vLLM's switch off torch.compile (and CUDA graphs): overrides -O with a warning")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",

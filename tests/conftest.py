@@ -26,6 +26,11 @@ import checkpoints  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Engines in tests run eagerly unless a test asks for a level: compiling costs seconds per engine
+# (hundreds of them), and the parity suite and tests/engine/test_compiled.py run the compiled model.
+# Inherited by the servers and CLIs the tests start.
+os.environ.setdefault("KVTIER_OPTIMIZATION_LEVEL", "0")
+
 # The test models are tiny (hidden 64): one intra-op thread is as fast as two, and on a
 # busy 2-core machine two OpenMP threads wait on each other (a 30-token forward went from
 # 1 ms to 270 ms).  KVTIER_TEST_THREADS overrides.

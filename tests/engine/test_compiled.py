@@ -50,10 +50,12 @@ def test_one_graph_serves_every_step_and_tokens_equal_eager(ckpt_dir, tmp_path, 
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with caplog.at_level(logging.INFO, logger="engine.compiled"):
         llm = _llm(ckpt_dir, max_num_batched_tokens=64, optimization_level=1)
+        compiled_at_start = sum("compiled in" in r.getMessage() for r in caplog.records)
         for round_ in range(2):  # the second round starts from prefix hits
             assert _tokens(llm, PROMPTS, 24) == want, f"round {round_}"
         assert _tokens(llm, PROMPTS[:1], 5) == [want[0][:5]]  # one request alone: 1-token steps
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+    assert compiled_at_start == 1, "the model should compile at start-up, not in a request's step"
     assert sum("compiled in" in r.getMessage() for r in caplog.records) == 1
     cached = list((tmp_path / "cache" / "inductor").rglob("*"))
     assert any(p.is_file() for p in cached), "inductor's cache is not under $KVTIER_CACHE_DIR/inductor"
@@ -111,18 +113,35 @@ def test_exported_hidden_states_equal_eager(ckpt_dir, tmp_path):
 
 
 def test_enforce_eager_overrides_the_level_and_says_so(ckpt_dir, caplog):
-    with caplog.at_level(logging.WARNING, logger="engine.engine_core"):
+    with caplog.at_level(logging.WARNING, logger="engine.config"):
         llm = _llm(ckpt_dir, optimization_level=3, enforce_eager=True, num_gpu_blocks=64)
     assert llm.engine.runner.forward is llm.engine.runner.model
+    assert llm.config.optimization_level == 0
     assert any("optimization_level=3 not applied" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("level", [-1, 4, True])
+def test_default_level_by_device_and_environment(monkeypatch, caplog):
+    from engine.config import OPT_LEVEL_ENV, EngineConfig
+
+    monkeypatch.delenv(OPT_LEVEL_ENV)
+    assert EngineConfig(model="x", device="cpu").optimization_level == 1  # compiled: faster on CPU (README)
+    with caplog.at_level(logging.WARNING, logger="engine.config"):
+        assert EngineConfig(model="x", device="cpu", enforce_eager=True).optimization_level == 0
+    assert not caplog.records, "a default level overridden by enforce_eager is not worth a warning"
+    monkeypatch.setenv(OPT_LEVEL_ENV, "2")
+    assert EngineConfig(model="x", device="cpu").optimization_level == 2
+    assert EngineConfig(model="x", device="cpu", optimization_level=0).optimization_level == 0  # explicit wins
+    monkeypatch.setenv(OPT_LEVEL_ENV, "fast")
+    with pytest.raises(ValueError, match=OPT_LEVEL_ENV):
+        EngineConfig(model="x", device="cpu")
+
+
+@pytest.mark.parametrize("level", [-1, 4, True, "1"])
 def test_bad_level_is_a_clear_error(level):
     from engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="optimization_level"):
-        EngineConfig(model="x", optimization_level=level)
+        EngineConfig(model="x", device="cpu", optimization_level=level)
 
 
 def test_cli_takes_vllm_spellings():
@@ -130,11 +149,27 @@ def test_cli_takes_vllm_spellings():
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    for argv, want in ((["-O3"], 3), (["-O", "1"], 1), (["--optimization-level", "2"], 2), ([], 0)):
+    for argv, want in ((["-O3"], 3), (["-O", "1"], 1), (["--optimization-level", "2"], 2), ([], None)):
         assert llm_kwargs(p.parse_args(argv))["optimization_level"] == want, argv
     with pytest.raises(SystemExit) as e:
         p.parse_args(["-O5"])
     assert e.value.code == 2
+
+
+def test_a_failed_compile_falls_back_to_eager_and_says_why(ckpt_dir, monkeypatch, caplog):
+    import engine.compiled
+
+    def fail(self, *args):
+        raise torch._dynamo.exc.TorchDynamoException("no C++ compiler found")
+
+    monkeypatch.setattr(engine.compiled.CompiledForward, "__call__", fail)
+    with caplog.at_level(logging.WARNING, logger="engine.engine_core"):
+        llm = _llm(ckpt_dir, optimization_level=1, num_gpu_blocks=64)
+    assert llm.engine.runner.forward is llm.engine.runner.model
+    assert any("torch.compile failed" in r.getMessage() and "no C++ compiler" in r.getMessage()
+               for r in caplog.records)
+    eager = _llm(ckpt_dir, optimization_level=0, num_gpu_blocks=64)
+    assert _tokens(llm, PROMPTS[2:4], 8) == _tokens(eager, PROMPTS[2:4], 8)
 
 
 def test_attention_op_outside_a_step_raises():
