@@ -82,7 +82,8 @@ class EngineCore:
         self.pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy), config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, bs)
         self.runner = ModelRunner(model, mc, num_blocks, bs, config.device, self.hidden_spec,
-                                  group_decodes=backend.pads_decodes,
+                                  group_decodes=backend.pads_decodes, max_rows=config.max_num_seqs,
+                                  max_model_len=max_len,
                                   forward=CompiledForward(model, backend) if compiled else None)
         if compiled:
             try:
@@ -294,6 +295,7 @@ class EngineCore:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.kv_transfer_params = self.connector.request_finished(req, self.kv.block_table(req))
         self.scheduler.finish(req, status)
+        self.runner.release(req.request_id)
 
     def _poll_loads(self) -> list[Request]:
         """Hands finished async loads back to the scheduler; returns requests that ended."""
@@ -359,6 +361,9 @@ class EngineCore:
             raise RuntimeError("a request is running twice")
         if self.kv.num_requests() > len(self.scheduler.requests):
             raise RuntimeError("block tables outlive their requests")
+        self.runner.batch.check_integrity()
+        if not self.runner.batch.request_ids() <= set(self.scheduler.requests):
+            raise RuntimeError("input-batch rows outlive their requests")
 
 
 def _eos_ids(model_dir: Path, tokenizer) -> frozenset[int]:

@@ -12,6 +12,8 @@ import torch
 
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from engine.config import ModelConfig
+from engine.input_batch import InputBatch
+from engine.request import RequestId
 from connectors.hidden_spec import HiddenStatesSpec
 from engine.scheduler import SchedulerOutput
 
@@ -33,7 +35,8 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, hidden_layers: i
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int, device: str,
-                 hidden_spec: HiddenStatesSpec | None = None, group_decodes: bool = True,
+                 hidden_spec: HiddenStatesSpec | None = None, group_decodes: bool = True, max_rows: int = 256,
+                 max_model_len: int = 8192,
                  forward: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] | None = None) -> None:
         self.model = model
         self.forward = forward or model  # engine/compiled.py's CompiledForward, or the eager model
@@ -45,6 +48,7 @@ class ModelRunner:
             cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=device
         )
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        self.batch = InputBatch(max_rows, -(-max_model_len // block_size), device)
         # Exported hidden states live in paged blocks beside the KV, so a prefix hit has them.
         self.hidden_spec = hidden_spec
         self.hidden_cache: torch.Tensor | None = None
@@ -53,30 +57,35 @@ class ModelRunner:
                                             dtype=cfg.dtype, device=device)
             self._file_order = hidden_spec.file_order
 
+    def release(self, req_id: RequestId) -> None:
+        """The request finished: its input-batch row is free for another."""
+        self.batch.release(req_id)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelOutput:
         bs = self.block_size
+        for req in sched.preempted:
+            self.batch.release(req.request_id)
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        batch_rows: list[int] = []  # each scheduled request's input-batch row
         prefills: list[PrefillSeq] = []
         decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
+        decode_batch_rows: list[int] = []
         decode_lens: list[int] = []
         sample_rows: list[int] = []
         sampled: list[int] = []
         for idx, (item, table) in enumerate(zip(sched.scheduled, block_tables)):
             req, n = item.req, item.num_new_tokens
             start = req.num_computed_tokens
+            batch_rows.append(self.batch.sync(req.request_id, table))
             q_start = len(input_ids)
             input_ids.extend(req.all_token_ids[start : start + n])
-            pos = range(start, start + n)
-            positions.extend(pos)
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            positions.extend(range(start, start + n))
             ctx = start + n
             if n == 1 and start > 0:
                 decode_rows.append(q_start)
-                decode_tables.append(table[: -(-ctx // bs)])
+                decode_batch_rows.append(batch_rows[-1])
                 decode_lens.append(ctx)
             else:
                 ids = table[: -(-ctx // bs)]
@@ -85,15 +94,18 @@ class ModelRunner:
             if ctx == req.num_tokens:  # the whole known sequence is in: sample its next token
                 sample_rows.append(q_start + n - 1)
                 sampled.append(idx)
+        positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        counts = torch.tensor([s.num_new_tokens for s in sched.scheduled], dtype=torch.long, device=self.device)
+        token_rows = torch.tensor(batch_rows, dtype=torch.long, device=self.device).repeat_interleave(counts)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            slot_mapping=self.batch.block_table[token_rows, positions_t // bs] * bs + positions_t % bs,
             prefills=prefills,
-            decodes=self._decode_groups(decode_rows, decode_tables, decode_lens),
+            decodes=self._decode_groups(decode_rows, decode_batch_rows, decode_lens),
         )
         capture = self.hidden_spec.capture_order if self.hidden_spec is not None else ()
         hidden, captured = self.forward(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
+            positions_t,
             self.layer_caches,
             meta,
             capture,
@@ -117,28 +129,33 @@ class ModelRunner:
         ids = torch.zeros(2, dtype=torch.long, device=self.device)
         self.forward(ids, torch.arange(2, device=self.device), self.layer_caches, meta, capture)
 
-    def _decode_groups(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+    def _decode_groups(self, rows: list[int], batch_rows: list[int], lens: list[int]) -> list[DecodeGroup]:
         """Split decodes, shortest first, into groups whose padding stays under ~25%; or, for a
-        backend that does not pad, one group, longest first (the longest rows start first)."""
+        backend that does not pad, one group, longest first (the longest rows start first).
+        `rows`: query rows; `batch_rows`: their input-batch rows; `lens`: their context lengths."""
         if not rows:
             return []
         if not self.group_decodes:
             order = sorted(range(len(rows)), key=lambda i: -lens[i])
-            return [self._decode_group([rows[i] for i in order], [tables[i] for i in order], [lens[i] for i in order])]
+            return [self._decode_group([rows[i] for i in order], [batch_rows[i] for i in order],
+                                       [lens[i] for i in order])]
         order = sorted(range(len(rows)), key=lambda i: lens[i])
         groups: list[list[int]] = []
+        bs = self.block_size
         for i in order:
             g = groups[-1] if groups else None
             # A new group pays one more attention call; only worth it once it is big enough.
-            if g is None or (len(g) >= MIN_DECODE_GROUP and len(tables[i]) > 1.25 * len(tables[g[0]])):
+            if g is None or (len(g) >= MIN_DECODE_GROUP and -(-lens[i] // bs) > 1.25 * -(-lens[g[0]] // bs)):
                 groups.append([i])
             else:
                 g.append(i)
-        return [self._decode_group([rows[i] for i in g], [tables[i] for i in g], [lens[i] for i in g]) for g in groups]
+        return [self._decode_group([rows[i] for i in g], [batch_rows[i] for i in g], [lens[i] for i in g])
+                for g in groups]
 
-    def _decode_group(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> DecodeGroup:
-        width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
+    def _decode_group(self, rows: list[int], batch_rows: list[int], lens: list[int]) -> DecodeGroup:
+        width = -(-max(lens) // self.block_size)
+        # Entries past a row's own blocks are stale or 0; the mask and the kernels' lengths skip them.
+        padded = self.batch.block_table[torch.tensor(batch_rows, dtype=torch.long, device=self.device), :width]
         lens_t = torch.tensor(lens, dtype=torch.long, device=self.device)
         mask = torch.arange(width * self.block_size, device=self.device).unsqueeze(0) < lens_t.unsqueeze(1)
         return DecodeGroup(torch.tensor(rows, dtype=torch.long, device=self.device), padded, lens_t,
