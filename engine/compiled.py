@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,17 +36,18 @@ class _StepContext:
     meta: AttentionMetadata
 
 
-_current: list[_StepContext] = []  # the step being run (a stack: one engine step at a time per process)
+_local = threading.local()  # `.step`: the step this thread is running (engines in other threads have theirs)
 
 
 @contextlib.contextmanager
 def step_context(backend: AttentionBackend, caches: list[tuple[torch.Tensor, torch.Tensor]],
                  meta: AttentionMetadata) -> Iterator[None]:
-    _current.append(_StepContext(backend, caches, meta))
+    outer = getattr(_local, "step", None)
+    _local.step = _StepContext(backend, caches, meta)
     try:
         yield
     finally:
-        _current.pop()
+        _local.step = outer
 
 
 @torch.library.custom_op("kvtier::attention", mutates_args=())
@@ -53,9 +55,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sca
     """`AttentionBackend.forward` for decoder layer `layer` of the step in `step_context`: writes
     k/v into that layer's cache (state the graph does not see, so nothing is declared mutated)
     and returns `[num_tokens, heads * head_dim]`."""
-    if not _current:
+    ctx = getattr(_local, "step", None)
+    if ctx is None:
         raise RuntimeError("kvtier::attention called outside a model step")
-    ctx = _current[-1]
     k_cache, v_cache = ctx.caches[layer]
     if q.stride()[1:] != (q.shape[2], 1):  # the kernels need contiguous heads; inductor may lay q out otherwise
         q = q.contiguous()
