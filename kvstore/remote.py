@@ -116,6 +116,13 @@ class CircuitBreaker:
                 return True
             return False
 
+    def next_probe_in(self) -> float:
+        """Seconds until an open breaker lets a probe through (0 when closed or due now)."""
+        with self._lock:
+            if self.state is BreakerState.CLOSED:
+                return 0.0
+            return max(0.0, self._until - self.clock())
+
     def success(self) -> None:
         with self._lock:
             if self.state is not BreakerState.CLOSED:
