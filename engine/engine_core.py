@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -99,6 +100,8 @@ class EngineCore:
         self.sampler = Sampler(config.seed)
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.busy_seconds = 0.0  # steps that ran a forward, and the forwards in them (EngineStats)
+        self.forward_seconds = 0.0
         if config.device == "cpu":
             log.info("CPU: %d torch threads; %s", torch.get_num_threads(), cpu_runtime.describe())
         if not profiled and config.gpu_memory_utilization != EngineConfig.gpu_memory_utilization:
@@ -209,6 +212,7 @@ class EngineCore:
     def step(self) -> list[Request]:
         """One iteration. Returns the requests that got a new token this step (finished ones
         included, with a finished status)."""
+        start = time.perf_counter()
         updated: list[Request] = []
         updated += self._poll_loads()
         sched = self.scheduler.schedule()
@@ -224,7 +228,9 @@ class EngineCore:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending")
             return updated
+        forward_start = time.perf_counter()
         out, failed = self._execute(sched, tables)
+        self.forward_seconds += time.perf_counter() - forward_start
         if failed:
             # Never offload this step's blocks: a failed request's may hold unwritten KV.
             updated += [self._fail(req, why) for req, why in failed]
@@ -256,6 +262,7 @@ class EngineCore:
                 self._finish(req, status)
             updated.append(req)
         self._publish_events()
+        self.busy_seconds += time.perf_counter() - start
         return updated
 
     def _execute(self, sched: SchedulerOutput, tables: list[list[int]]) -> tuple[ModelOutput, list[tuple[Request, str]]]:
@@ -352,6 +359,8 @@ class EngineCore:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             tiers=self.connector.stats(),
+            busy_seconds=self.busy_seconds,
+            forward_seconds=self.forward_seconds,
         )
 
     def check_integrity(self) -> None:

@@ -18,7 +18,16 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     tiers: dict[str, Any] = field(default_factory=dict)  # per offload tier: hits, bytes, evictions, ...
+    # Wall time of steps that ran a forward (schedule to update), and of the forwards in them: the
+    # rest is the "bubble" async scheduling would hide (scheduling, input preparation, sampling).
+    busy_seconds: float = 0.0
+    forward_seconds: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of busy step time in which no forward ran."""
+        return 1.0 - self.forward_seconds / self.busy_seconds if self.busy_seconds > 0 else 0.0

@@ -37,7 +37,8 @@ def params_to_wire(p: SamplingParams) -> dict[str, Any]:
 
 def stats_snapshot(llm: LLM) -> dict[str, Any]:
     s = llm.get_stats()
-    return {**{f.name: getattr(s, f.name) for f in dataclasses.fields(s)}, "num_free_blocks": llm.engine.pool.num_free_blocks()}
+    return {**{f.name: getattr(s, f.name) for f in dataclasses.fields(s)}, "num_free_blocks": llm.engine.pool.num_free_blocks(),
+            "bubble_fraction": s.bubble_fraction}
 
 
 class CoreLoop:

@@ -120,7 +120,9 @@ def build_app(api: API) -> FastAPI:
         return {"model": model_name, "tiers": tier_view, "offload": tiers,
                 "requests": {"running": st["num_running"], "waiting": st["num_waiting"],
                              "preemptions": st["num_preemptions"], "prompt_tokens": st["prompt_tokens"],
-                             "generation_tokens": st["generation_tokens"]}}
+                             "generation_tokens": st["generation_tokens"]},
+                "steps": {"busy_seconds": st["busy_seconds"], "forward_seconds": st["forward_seconds"],
+                          "bubble_fraction": st["bubble_fraction"]}}
 
     # -- generation ------------------------------------------------------------------------
     @app.post("/v1/completions")

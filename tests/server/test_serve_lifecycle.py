@@ -111,6 +111,8 @@ def test_stream_disconnect_aborts_and_frees_g1(long_server):
     assert 5 <= generated < LONG["max_tokens"] // 2, generated  # stopped, far from done
     time.sleep(0.3)
     assert kv_stats(long_server)["requests"]["generation_tokens"] - before == generated  # and stays stopped
+    steps = st["steps"]  # the engine's step timing reaches the stats endpoint
+    assert 0 < steps["forward_seconds"] < steps["busy_seconds"] and 0 < steps["bubble_fraction"] < 1, steps
 
 
 @pytest.mark.parametrize("path,body", [
