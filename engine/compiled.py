@@ -4,11 +4,12 @@ vLLM's approach: the graph sees only tensors whose sizes follow the step's token
 step's attention metadata and the paged KV cache stay outside it, in a forward context that the
 `kvtier::attention` op reads. So one graph, with the token count as its only dynamic size,
 serves every step: nothing about a step's mix of prompts and decodes causes a recompile, and
-the attention kernels (C++ on CPU, Triton on CUDA) run exactly as in eager mode. Inductor compiles everything between them: the norms, rotary
-embedding, SiLU-and-multiply and residual adds become fused loops; on CPU the GEMMs stay the
-eager path's prepacked oneDNN ones (`kvtier::packed_linear`). Compiled code is cached on disk under
-`$KVTIER_CACHE_DIR/inductor` (unless `TORCHINDUCTOR_CACHE_DIR` is set): a restart pays only
-dynamo's trace, not inductor's code generation.
+the attention kernels (C++ on CPU, Triton on CUDA) run exactly as in eager mode. Inductor
+compiles everything between them: the norms, rotary embedding, SiLU-and-multiply and residual
+adds become fused loops; on CPU the GEMMs stay the eager path's prepacked oneDNN ones
+(`kvtier::packed_linear`). Compiled code is cached on disk under `$KVTIER_CACHE_DIR/inductor`
+(unless `TORCHINDUCTOR_CACHE_DIR` is set): a restart pays only dynamo's trace, not inductor's
+code generation.
 """
 from __future__ import annotations
 

@@ -153,8 +153,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     # vLLM's -O / --optimization-level: 0 runs the model eagerly; 1-3 compile it with torch.compile
     # (engine/compiled.py; kvtier has no CUDA graphs yet, so 2 and 3 are 1). None: $OPT_LEVEL_ENV
-    # when set (the test suite sets 0), else 1 on CPU (3-5% more throughput than eager, README) and
-    # 0 on CUDA, where the compiled model has not run yet (scripts/gpu-check.sh tests it).
+    # when set (the test suite sets 0), else 1 on CPU (vLLM's behaviour; as fast as eager here,
+    # README) and 0 on CUDA, where the compiled model has not run yet (scripts/gpu-check.sh tests it).
     optimization_level: int | None = None
     # vLLM's flag: never compile (it overrides optimization_level, with a warning).
     enforce_eager: bool = False

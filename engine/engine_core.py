@@ -90,7 +90,7 @@ class EngineCore:
             try:
                 self.runner.warm_up()  # compiles now (logged), not in the first request's step
             except COMPILE_ERRORS as e:
-                self.runner.forward = model
+                self.runner.use_eager()
                 log.warning("torch.compile failed, the model runs eagerly (with torch ops, not the fused C++ "
                             "ones; -O0 or --enforce-eager avoid this): %s", str(e).strip().splitlines()[0][:300])
         self.events, self.publisher = self._build_events()

@@ -35,9 +35,9 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, hidden_layers: i
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int, device: str,
-                 hidden_spec: HiddenStatesSpec | None = None, group_decodes: bool = True, max_rows: int = 256,
-                 max_model_len: int = 8192,
-                 forward: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] | None = None) -> None:
+                 hidden_spec: HiddenStatesSpec | None = None, group_decodes: bool = True, *, max_rows: int,
+                 max_model_len: int, forward: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] | None = None
+                 ) -> None:
         self.model = model
         self.forward = forward or model  # engine/compiled.py's CompiledForward, or the eager model
         self.group_decodes = group_decodes  # the backend's `pads_decodes`
@@ -56,6 +56,10 @@ class ModelRunner:
             self.hidden_cache = torch.zeros(num_blocks, block_size, len(hidden_spec.layer_ids), cfg.hidden_size,
                                             dtype=cfg.dtype, device=device)
             self._file_order = hidden_spec.file_order
+
+    def use_eager(self) -> None:
+        """Runs the model as it is from now on (the compiled forward failed)."""
+        self.forward = self.model
 
     def release(self, req_id: RequestId) -> None:
         """The request finished: its input-batch row is free for another."""

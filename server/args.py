@@ -39,7 +39,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's levels: 0 runs the model eagerly; 1-3 compile it with torch.compile (inductor; "
                         "no CUDA graphs yet, so 2 and 3 equal 1) at start-up: ~25 s for the demo model the first "
                         "time, ~6 s once inductor's code is cached under $KVTIER_CACHE_DIR/inductor. Default: "
-                        "$KVTIER_OPTIMIZATION_LEVEL if set, else 1 on CPU (faster here, README) and 0 on CUDA")
+                        "$KVTIER_OPTIMIZATION_LEVEL if set, else 1 on CPU (vLLM's behaviour; as fast as eager "
+                        "here, README) and 0 on CUDA")
     g.add_argument("--enforce-eager", action="store_true",
                    help="vLLM's switch off torch.compile (and CUDA graphs): overrides -O with a warning")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
