@@ -47,15 +47,9 @@ class HiddenStatesSpec:
 
     @staticmethod
     def from_speculative_config(cfg: dict[str, Any] | str | None) -> HiddenStatesSpec | None:
+        cfg = load_speculative_config(cfg)
         if cfg is None:
             return None
-        if isinstance(cfg, str):
-            try:
-                cfg = json.loads(cfg)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(cfg, dict):
-            raise ValueError("speculative_config must be a JSON object")
         method = cfg.get("method")
         if method != METHOD:
             raise ValueError(f"speculative_config method {method!r} is not supported; kvtier supports {METHOD!r}")
@@ -68,6 +62,18 @@ class HiddenStatesSpec:
             raise ValueError("speculative_config needs draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids: "
                              "a list of layer ids")
         return HiddenStatesSpec(tuple(ids))
+
+
+def load_speculative_config(cfg: dict[str, Any] | str | None) -> dict[str, Any] | None:
+    """The speculative_config object, from JSON text if given as a string."""
+    if isinstance(cfg, str):
+        try:
+            cfg = json.loads(cfg)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+    if cfg is not None and not isinstance(cfg, dict):
+        raise ValueError("speculative_config must be a JSON object")
+    return cfg
 
 
 def eagle3_layer_ids(num_layers: int, include_last: bool = False) -> list[int]:

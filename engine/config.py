@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from connectors.hidden_spec import HiddenStatesSpec
+from engine.spec_config import SpeculativeConfig, parse_speculative_config
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,8 @@ class EngineConfig:
     kv_transfer_config: dict[str, Any] | None = None
     kv_load_failure_policy: LoadFailurePolicy = field(default="recompute")  # type: ignore[assignment]
     kv_events_config: dict[str, Any] | None = None
-    # vLLM's speculative_config; only method "extract_hidden_states" (hidden-state export).
+    # vLLM's speculative_config: ngram, draft_model or eagle3 speculation (engine/spec_config.py), or
+    # method "extract_hidden_states" (hidden-state export); not both.
     speculative_config: dict[str, Any] | None = None
     # Operator-chosen name for this model's KV in G3/G4, instead of the whole-file weights digest
     # (engine.fingerprint); dtype, layout and block size still go into the namespace.
@@ -222,7 +224,7 @@ class EngineConfig:
             from kvstore.remote import check_url
 
             check_url(self.kv_offload_remote)  # before any weights load
-        HiddenStatesSpec.from_speculative_config(self.speculative_config)  # validates
+        parse_speculative_config(self.speculative_config)  # validates
         if self.kv_namespace is not None:
             check_kv_namespace(self.kv_namespace)
         from kvstore.entry import load_secret
@@ -238,7 +240,11 @@ class EngineConfig:
 
     @property
     def hidden_states(self) -> HiddenStatesSpec | None:
-        return HiddenStatesSpec.from_speculative_config(self.speculative_config)
+        return parse_speculative_config(self.speculative_config)[0]
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return parse_speculative_config(self.speculative_config)[1]
 
     @property
     def offload_enabled(self) -> bool:

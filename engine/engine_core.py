@@ -28,9 +28,10 @@ from engine.compiled import COMPILE_ERRORS, CompiledForward
 from engine.loader import load_model, load_tokenizer
 from engine.model_runner import ModelOutput, ModelRunner, kv_cache_bytes_per_block
 from engine.request import Request, RequestId, RequestStatus
-from engine.sampler import Sampler
+from engine.sampler import Sampler, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec_decode import build_spec_decoder
 from engine.stats import EngineStats
 from engine.token_ids import check_token_ids
 from kvstore.g1 import BlockPool
@@ -98,6 +99,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.scheduling_policy, config.max_num_seqs,
                                    self.max_num_batched_tokens, config.enable_chunked_prefill, self.connector)
         self.sampler = Sampler(config.seed)
+        self.spec = build_spec_decoder(config.speculative, self.sampler.generator)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.busy_seconds = 0.0  # steps that ran a forward, and the forwards in them (EngineStats)
@@ -217,7 +219,10 @@ class EngineCore:
         updated += self._poll_loads()
         sched = self.scheduler.schedule()
         tables = [self.kv.block_table(s.req) for s in sched.scheduled]
-        meta = self.connector.build_connector_meta([(s.req, s.num_new_tokens, t) for s, t in zip(sched.scheduled, tables)])
+        # Connectors see committed tokens only: a block that proposals would complete is stored
+        # once verification has kept them (a later step's plan).
+        meta = self.connector.build_connector_meta([(s.req, s.num_committed_tokens, t)
+                                                    for s, t in zip(sched.scheduled, tables)])
         self.connector.start_load_kv(meta)
         if not sched.scheduled:
             if self.scheduler.loading or self.connector.busy():
@@ -236,34 +241,93 @@ class EngineCore:
             updated += [self._fail(req, why) for req, why in failed]
         else:
             self.connector.wait_for_save(meta)
-        sampled_reqs = [sched.scheduled[i].req for i in out.sampled]
-        samples = self.sampler(out.logits, sampled_reqs) if sampled_reqs else None
-        bad_rows = samples.errors if samples is not None else {}
+        emitted, logprobs, bad_rows = self._sample(out, sched)
+        sampled = {sched.scheduled[i].req.request_id for i in out.sampled}
         for s in sched.scheduled:
-            if not s.req.status.finished:
-                s.req.num_computed_tokens += s.num_new_tokens
+            if not s.req.status.finished and s.req.request_id not in sampled:
+                s.req.num_computed_tokens += s.num_new_tokens  # a prompt chunk
                 self.kv.cache_full_blocks(s.req)
-        for row, req in enumerate(sampled_reqs):
-            if row in bad_rows:
-                updated.append(self._fail(req, bad_rows[row]))
+        for j, i in enumerate(out.sampled):
+            s = sched.scheduled[i]
+            req = s.req
+            if req.status.finished:
+                continue
+            if j in bad_rows:
+                req.num_computed_tokens += s.num_committed_tokens
+                self.kv.cache_full_blocks(req)
+                updated.append(self._fail(req, bad_rows[j]))
                 continue
             if req.params.return_first_logits and req.first_logits is None:
-                req.first_logits = out.logits[row].clone()
-            req.append_token(samples.token_ids[row])
-            self.generation_tokens += 1
-            if req.logprobs is not None:
-                req.logprobs.append(samples.logprobs[row])
-            try:
-                status = self._check_stop(req)
-            except (ValueError, TypeError, IndexError, OverflowError) as e:  # e.g. the tokenizer on its output
-                updated.append(self._fail(req, f"checking stop conditions failed: {type(e).__name__}: {e}"))
+                req.first_logits = out.rows(j)[0].clone()
+            status, kept = self._append(req, emitted[j], logprobs[j])
+            # KV is kept for the committed tokens and the proposals that match kept tokens; the
+            # last kept token is computed next step, as after any decode.
+            req.num_computed_tokens += s.num_committed_tokens + min(len(s.spec_token_ids), kept - 1)
+            self.kv.cache_full_blocks(req)
+            if isinstance(status, str):
+                updated.append(self._fail(req, status))
                 continue
             if status is not None:
                 self._finish(req, status)
             updated.append(req)
+        if self.spec is not None:
+            self.spec.propose([sched.scheduled[i].req for i in out.sampled])
         self._publish_events()
         self.busy_seconds += time.perf_counter() - start
         return updated
+
+    def _sample(self, out: ModelOutput, sched: SchedulerOutput
+                ) -> tuple[list[list[int]], list[list[dict[int, float]] | None], dict[int, str]]:
+        """Tokens (1 + accepted proposals) and their logprobs for each `out.sampled` entry, and
+        the entries whose sampling failed, with why."""
+        items = [sched.scheduled[i] for i in out.sampled]
+        tokens: list[list[int]] = [[] for _ in items]
+        logprobs: list[list[dict[int, float]] | None] = [None] * len(items)
+        errors: dict[int, str] = {}
+        plain = [j for j, s in enumerate(items) if not s.spec_token_ids]
+        if plain:
+            rows = out.logits if len(plain) == out.logits.shape[0] else out.logits[[out.row_starts[j] for j in plain]]
+            samples = self.sampler(rows, [items[j].req for j in plain])
+            for row, j in enumerate(plain):
+                if row in samples.errors:
+                    errors[j] = samples.errors[row]
+                else:
+                    tokens[j] = [samples.token_ids[row]]
+                    logprobs[j] = [samples.logprobs[row]] if items[j].req.logprobs is not None else None
+        spec = [j for j, s in enumerate(items) if s.spec_token_ids]
+        if spec:
+            best = out.logits.max(dim=-1).indices.tolist() if any(items[j].req.params.greedy for j in spec) else None
+            for j in spec:
+                req, start = items[j].req, out.row_starts[j]
+                rows = out.rows(j)
+                try:
+                    tokens[j] = self.spec.verify(req, items[j].spec_token_ids, rows,
+                                                 best[start:start + rows.shape[0]] if best else None)
+                except (IndexError, RuntimeError, ValueError) as e:  # this request's settings
+                    errors[j] = f"verifying proposed tokens failed: {type(e).__name__}: {e}"
+                    continue
+                if req.logprobs is not None:
+                    raw = torch.log_softmax(rows[: len(tokens[j])], dim=-1)
+                    logprobs[j] = [token_logprobs(raw[p], t, req) for p, t in enumerate(tokens[j])]
+        return tokens, logprobs, errors
+
+    def _append(self, req: Request, tokens: list[int], logprobs: list[dict[int, float]] | None
+                ) -> tuple[RequestStatus | str | None, int]:
+        """Appends `tokens` one at a time, checking stop conditions after each, as if each came
+        from its own step. Returns the finish status (or why checking failed) and how many were
+        kept."""
+        for i, token in enumerate(tokens):
+            req.append_token(token)
+            self.generation_tokens += 1
+            if req.logprobs is not None and logprobs is not None:
+                req.logprobs.append(logprobs[i])
+            try:
+                status = self._check_stop(req)
+            except (ValueError, TypeError, IndexError, OverflowError) as e:  # e.g. the tokenizer on its output
+                return f"checking stop conditions failed: {type(e).__name__}: {e}", i + 1
+            if status is not None:
+                return status, i + 1
+        return None, len(tokens)
 
     def _execute(self, sched: SchedulerOutput, tables: list[list[int]]) -> tuple[ModelOutput, list[tuple[Request, str]]]:
         """Runs the forward; if it raises, finds which requests make it fail by running each alone
@@ -361,6 +425,7 @@ class EngineCore:
             tiers=self.connector.stats(),
             busy_seconds=self.busy_seconds,
             forward_seconds=self.forward_seconds,
+            spec_decode=self.spec.stats.as_dict() if self.spec is not None else None,
         )
 
     def check_integrity(self) -> None:

@@ -6,7 +6,7 @@ block's bytes for every layer can be gathered with one index (what offload tiers
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,8 +23,16 @@ MIN_DECODE_GROUP = 8
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [num_sampled, vocab] float32, rows in `sampled` order
+    # [rows, vocab] float32: for each entry of `sampled` in order, 1 + its number of spec tokens
+    # rows (the logits after the last known token, then after each proposed token).
+    logits: torch.Tensor
     sampled: list[int]  # indices into scheduler_output.scheduled that produce a token
+    row_starts: list[int] = field(default_factory=list)  # first logits row of each `sampled` entry
+
+    def rows(self, i: int) -> torch.Tensor:
+        """The logits rows of the i-th sampled entry."""
+        end = self.row_starts[i + 1] if i + 1 < len(self.row_starts) else self.logits.shape[0]
+        return self.logits[self.row_starts[i]:end]
 
 
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, hidden_layers: int = 0) -> int:
@@ -79,12 +87,14 @@ class ModelRunner:
         decode_lens: list[int] = []
         sample_rows: list[int] = []
         sampled: list[int] = []
+        row_starts: list[int] = []
         for idx, (item, table) in enumerate(zip(sched.scheduled, block_tables)):
-            req, n = item.req, item.num_new_tokens
+            req, n, spec = item.req, item.num_new_tokens, item.spec_token_ids
             start = req.num_computed_tokens
             batch_rows.append(self.batch.sync(req.request_id, table))
             q_start = len(input_ids)
-            input_ids.extend(req.all_token_ids[start : start + n])
+            input_ids.extend(req.all_token_ids[start : start + n - len(spec)])
+            input_ids.extend(spec)
             positions.extend(range(start, start + n))
             ctx = start + n
             if n == 1 and start > 0:
@@ -95,8 +105,9 @@ class ModelRunner:
                 ids = table[: -(-ctx // bs)]
                 run = ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
                 prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(ids, dtype=torch.long), run))
-            if ctx == req.num_tokens:  # the whole known sequence is in: sample its next token
-                sample_rows.append(q_start + n - 1)
+            if ctx - len(spec) == req.num_tokens:  # the whole known sequence is in: sample its next token
+                row_starts.append(len(sample_rows))
+                sample_rows.extend(range(q_start + n - 1 - len(spec), q_start + n))
                 sampled.append(idx)
         positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         counts = torch.tensor([s.num_new_tokens for s in sched.scheduled], dtype=torch.long, device=self.device)
@@ -119,7 +130,7 @@ class ModelRunner:
             n, h = states.shape[1:]
             self.hidden_cache.view(-1, n, h).index_copy_(0, meta.slot_mapping, states)
         logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else hidden.new_empty(0, 0)
-        return ModelOutput(logits.float(), sampled)
+        return ModelOutput(logits.float(), sampled, row_starts)
 
     @torch.inference_mode()
     def warm_up(self) -> None:

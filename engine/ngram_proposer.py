@@ -3,7 +3,7 @@
 The last n tokens of a sequence (n from `prompt_lookup_max` down to `prompt_lookup_min`) are
 looked up earlier in the same sequence, prompt and output; the tokens that followed the most
 recent earlier occurrence are the proposal. It costs no model and pays off where the output
-copies its input (summaries, edits, code). Not wired into the engine yet (issue 15).
+copies its input (summaries, edits, code). `engine.spec_decode` adapts it to the batch `Proposer` interface.
 """
 from __future__ import annotations
 

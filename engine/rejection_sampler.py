@@ -13,7 +13,7 @@ Precision, as vLLM's sampler: the ratio test and the residual in float64, unifor
 the residual draw an exponential race (Gumbel-max) in float64. Each request draws from its own
 generator, so a seeded request's output does not depend on its batch.
 
-Not wired into the engine yet: the scheduler, KV rollback and proposers come next (issue 15).
+`engine.spec_decode.SpecDecoder` calls it for each request with proposals.
 """
 from __future__ import annotations
 
@@ -54,13 +54,7 @@ def verify(req: VerifyRequest, generator: torch.Generator | None = None) -> list
     """The tokens the request emits this step: the kept proposals plus one more (1 to k + 1)."""
     drafts = req.draft_token_ids
     if req.greedy:
-        best = req.target_logits.argmax(dim=-1).tolist()
-        out: list[int] = []
-        for d, t in zip(drafts, best):
-            out.append(t)
-            if t != d:
-                return out
-        return out + [best[len(drafts)]]
+        return accept_greedy(drafts, req.target_logits.argmax(dim=-1).tolist())
     p = req.target_probs.double()
     q = req.draft_probs.double() if req.draft_probs is not None else None
     uniforms = torch.rand(len(drafts), dtype=torch.float64, generator=generator)
@@ -79,6 +73,17 @@ def verify(req: VerifyRequest, generator: torch.Generator | None = None) -> list
             residual = p[i]
         return out + [_draw(residual, generator)]
     return out + [_draw(p[len(drafts)], generator)]
+
+
+def accept_greedy(drafts: tuple[int, ...] | list[int], best: list[int]) -> list[int]:
+    """Greedy verification given the target's argmax at each of the k + 1 positions: the
+    longest prefix of `drafts` that matches, then the target's own token."""
+    out: list[int] = []
+    for d, t in zip(drafts, best):
+        out.append(t)
+        if t != d:
+            return out
+    return out + [best[len(drafts)]]
 
 
 def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:

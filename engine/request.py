@@ -80,6 +80,10 @@ class Request:
         self.abort_requested = False  # aborted while loading: finished once the load lands
         # Prompt tokens not computed, by the tier that supplied them ("G1", "G2", "G3", "G4").
         self.cached_by_tier: dict[str, int] = {}
+        # Speculative decoding: tokens proposed for the next step (not part of the sequence yet),
+        # and the draft's distributions they were drawn from ([k, vocab]; None: a point mass).
+        self.spec_token_ids: list[int] = []
+        self.spec_probs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

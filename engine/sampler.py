@@ -41,7 +41,7 @@ class Sampler:
             try:
                 token = greedy[i] if greedy[i] >= 0 else self._sample(logits[i], req)
                 out.token_ids.append(token)
-                out.logprobs.append(None if raw_logprobs is None else _logprobs(raw_logprobs[i], token, req))
+                out.logprobs.append(None if raw_logprobs is None else token_logprobs(raw_logprobs[i], token, req))
             except (IndexError, RuntimeError, ValueError, OverflowError) as e:  # this row's settings
                 log.error("request %s: sampling failed: %s: %s", req.request_id, type(e).__name__, e)
                 out.errors[i] = f"sampling failed: {type(e).__name__}: {e}"
@@ -55,7 +55,7 @@ class Sampler:
         instead of one per row (64 single-threaded row argmaxes were ~8 ms of a 177 ms batch-64
         decode step here). `max(-1).indices` keeps argmax's first-maximum rule and ran 0.9 ms on
         [64, 49152] float32 against argmax(-1)'s 2.5 ms."""
-        rows = [i for i, r in enumerate(reqs) if r.params.greedy and not _has_penalty(r)]
+        rows = [i for i, r in enumerate(reqs) if r.params.greedy and not has_penalty(r)]
         tokens = [-1] * len(reqs)
         if rows:
             picked = (logits if len(rows) == len(reqs) else logits[rows]).max(dim=-1).indices
@@ -68,14 +68,14 @@ class Sampler:
         # Rows that are not plain greedy are sampled on the host: requests' generators are CPU
         # generators, so a seeded request draws the same tokens on any device.
         row = row.cpu()
-        if _has_penalty(req):
+        if has_penalty(req):
             row = _apply_penalties(row.clone(), req)
         if p.greedy:
             return int(row.argmax())
         return _sample_row(row / p.temperature, p.top_k, p.top_p, p.min_p, req.generator or self.generator)
 
 
-def _logprobs(row: torch.Tensor, token: int, req: Request) -> dict[int, float] | None:
+def token_logprobs(row: torch.Tensor, token: int, req: Request) -> dict[int, float] | None:
     n = req.params.logprobs
     if n is None:
         return None
@@ -86,7 +86,7 @@ def _logprobs(row: torch.Tensor, token: int, req: Request) -> dict[int, float] |
     return entry
 
 
-def _has_penalty(req: Request) -> bool:
+def has_penalty(req: Request) -> bool:
     p = req.params
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
             or req.num_output_suppressed())
@@ -107,14 +107,40 @@ def _apply_penalties(row: torch.Tensor, req: Request) -> torch.Tensor:
     return row
 
 
+def sampling_distribution(rows: torch.Tensor, req: Request) -> torch.Tensor:
+    """What a sampled (not greedy, no penalties) request draws from at each of `rows` (logits,
+    `[m, vocab]`): temperature, top-k, top-p and min-p applied, float64 `[m, vocab]` on the host.
+    A degenerate row (inf/NaN logits, nothing left) is a point mass on its argmax, the token the
+    sampler returns for it."""
+    p = req.params
+    out = []
+    for row in rows.cpu().float():
+        probs = _filtered_probs(row / p.temperature, p.top_k, p.top_p, p.min_p)
+        if probs is None:
+            probs = torch.zeros_like(row)
+            probs[int(row.argmax())] = 1.0
+        probs = probs.double()
+        out.append(probs / probs.sum())  # top-p / min-p leave it unnormalised
+    return torch.stack(out)
+
+
 def _sample_row(row: torch.Tensor, top_k: int, top_p: float, min_p: float, gen: torch.Generator) -> int:
-    fallback = int(row.argmax())  # what any degenerate case below returns: the most likely token
+    probs = _filtered_probs(row, top_k, top_p, min_p)
+    if probs is None:
+        return int(row.argmax())  # the most likely token
+    # Exponential race (Gumbel-max equivalent): one draw per vocab entry from this row's stream.
+    q = torch.empty_like(probs).exponential_(generator=gen)
+    return int((probs / q).argmax())
+
+
+def _filtered_probs(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor | None:
+    """The distribution a row is sampled from; None in a degenerate case."""
     if top_k > 0 and top_k < row.shape[0]:
         kth = row.topk(top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
     probs = torch.softmax(row, dim=-1)
     if not bool(torch.isfinite(probs).all()):  # inf or NaN logits (a huge 1/temperature, a broken model)
-        return fallback
+        return None
     if top_p < 1.0:
         sorted_p, idx = probs.sort(descending=True)
         # Keep the smallest prefix whose mass reaches top_p; the first token always stays, however
@@ -125,7 +151,5 @@ def _sample_row(row: torch.Tensor, top_k: int, top_p: float, min_p: float, gen: 
     if min_p > 0.0:
         probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
     if not float(probs.sum()) > 0.0:
-        return fallback
-    # Exponential race (Gumbel-max equivalent): one draw per vocab entry from this row's stream.
-    q = torch.empty_like(probs).exponential_(generator=gen)
-    return int((probs / q).argmax())
+        return None
+    return probs

@@ -21,7 +21,14 @@ from engine.request import Request, RequestId, RequestStatus
 @dataclass
 class ScheduledRequest:
     req: Request
-    num_new_tokens: int
+    num_new_tokens: int  # spec tokens included
+    # Proposed tokens scored after the request's last token (the last len(spec) of num_new_tokens).
+    spec_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_committed_tokens(self) -> int:
+        """Tokens whose KV is kept whatever verification decides."""
+        return self.num_new_tokens - len(self.spec_token_ids)
 
 
 @dataclass
@@ -111,14 +118,21 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            # Proposals ride on a decode, within the budget (one token of it is the decode's).
+            spec = tuple(req.spec_token_ids[: budget - 1]) if n == 1 else ()
+            req.spec_token_ids = []
+            n += len(spec)
             while not self.kv.allocate_slots(req, n):
+                if spec:  # never preempt anyone for proposals: decode without them
+                    n, spec = n - len(spec), ()
+                    continue
                 victim = self._pick_victim(scheduled)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, n))
+                out.scheduled.append(ScheduledRequest(req, n, spec))
                 scheduled.add(req.request_id)
                 budget -= n
                 i += 1
@@ -215,6 +229,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.preempted = True
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         self.num_preemptions += 1
         self.waiting.add(req, front=True)
 

@@ -22,6 +22,8 @@ class EngineStats:
     # rest is the "bubble" async scheduling would hide (scheduling, input preparation, sampling).
     busy_seconds: float = 0.0
     forward_seconds: float = 0.0
+    # Speculative decoding (engine.spec_decode.SpecDecodeStats.as_dict), None when it is off.
+    spec_decode: dict[str, Any] | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:

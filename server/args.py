@@ -84,11 +84,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help='publish KV block stored/removed events, e.g. \'{"enable_kv_cache_events": true, '
                         '"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}\'')
-    h = p.add_argument_group("hidden-state export")
+    h = p.add_argument_group("speculative decoding and hidden-state export")
     h.add_argument("-sc", "--speculative-config", default=None, metavar="JSON",
-                   help='vLLM-style JSON; only {"method": "extract_hidden_states", "num_speculative_tokens": 1, '
-                        '"draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [...]}}} '
-                        "is supported (with --kv-transfer-config naming HiddenStatesConnector)")
+                   help='vLLM-style JSON. Speculation: {"method": "ngram", "num_speculative_tokens": K, '
+                        '"prompt_lookup_min": N, "prompt_lookup_max": M}. Hidden-state export: {"method": '
+                        '"extract_hidden_states", "num_speculative_tokens": 1, "draft_model_config": {"hf_config": '
+                        '{"eagle_aux_hidden_state_layer_ids": [...]}}} with --kv-transfer-config naming '
+                        "HiddenStatesConnector")
     o.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                    help="when a lower-tier load fails: recompute the tokens, or fail the request (default: %(default)s)")
 

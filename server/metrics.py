@@ -51,6 +51,16 @@ class _EngineCollector(Collector):
         yield counter("prompt_tokens", "Prompt tokens received by the engine.", s["prompt_tokens"])
         yield counter("generation_tokens", "Tokens generated.", s["generation_tokens"])
         yield counter("kv_cache_evictions", "Cached G1 blocks evicted.", s["num_evictions"])
+        sd = s.get("spec_decode")
+        if sd is not None:  # vLLM's spec_decode_* series
+            yield counter("spec_decode_num_drafts", "Verified proposals (one per request per step).", sd["num_drafts"])
+            yield counter("spec_decode_num_draft_tokens", "Proposed tokens.", sd["num_draft_tokens"])
+            yield counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", sd["num_accepted_tokens"])
+            per_pos = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos",
+                                          "Proposed tokens accepted, by position in the proposal.", labels=lab + ["position"])
+            for pos, n in enumerate(sd["accepted_per_pos"]):
+                per_pos.add_metric(m + [str(pos)], n)
+            yield per_pos
         tiers = s.get("tiers") or {}
         hits = CounterMetricFamily(P + "offload_hit_tokens", "Prompt tokens served by an offload tier.",
                                    labels=lab + ["tier"])

@@ -122,7 +122,8 @@ def build_app(api: API) -> FastAPI:
                              "preemptions": st["num_preemptions"], "prompt_tokens": st["prompt_tokens"],
                              "generation_tokens": st["generation_tokens"]},
                 "steps": {"busy_seconds": st["busy_seconds"], "forward_seconds": st["forward_seconds"],
-                          "bubble_fraction": st["bubble_fraction"]}}
+                          "bubble_fraction": st["bubble_fraction"]},
+                "spec_decode": st.get("spec_decode")}
 
     # -- generation ------------------------------------------------------------------------
     @app.post("/v1/completions")

@@ -151,7 +151,7 @@ def test_connector_and_speculative_config_need_each_other(ckpt_dir, tmp_path):
     with pytest.raises(ValueError, match="speculative_config"):
         LLM(str(ckpt_dir("llama")), kv_transfer_config=hs_transfer(tmp_path / "hs"), num_gpu_blocks=64)
     with pytest.raises(ValueError, match="not supported"):
-        LLM(str(ckpt_dir("llama")), speculative_config={"method": "eagle3"}, num_gpu_blocks=64)
+        LLM(str(ckpt_dir("llama")), speculative_config={"method": "medusa", "num_speculative_tokens": 2}, num_gpu_blocks=64)
 
 
 def test_vllm_connector_name_is_an_alias(ckpt_dir, tmp_path):

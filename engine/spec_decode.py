@@ -1,0 +1,133 @@
+"""Speculative decoding: proposals before a step, verification after it, and the counters.
+
+After each step every running request that got tokens asks the proposer for up to k tokens
+(`Request.spec_token_ids`); the scheduler appends them to the request's next decode, so the
+target scores the last token and the k proposals in one forward (the prompt-chunk attention
+path: k + 1 query tokens). Verification (`rejection_sampler`) turns the k + 1 logits rows into
+1..k + 1 tokens; the engine keeps the KV of the accepted ones and overwrites the rest later.
+
+A request is only given proposals when its output can be verified exactly as sampled: no
+repetition/presence/frequency penalty and no `min_tokens` suppression pending (both make each
+position's distribution depend on the tokens before it in ways the sampler applies per step).
+Such requests decode one token at a time, unchanged.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from engine.ngram_proposer import NgramProposer
+from engine.rejection_sampler import VerifyRequest, accept_greedy, verify
+from engine.request import Request
+from engine.sampler import has_penalty, sampling_distribution
+from engine.spec_config import SpeculativeConfig, SpecMethod
+
+
+@dataclass(frozen=True)
+class Proposal:
+    token_ids: tuple[int, ...]
+    # [len(token_ids), vocab]: the distribution each token was drawn from; None: chosen outright
+    # (a point mass, as n-gram lookup and greedy drafts are).
+    probs: torch.Tensor | None = None
+
+
+class Proposer(Protocol):
+    """Proposes tokens for a batch of requests. `limits[i]` (>= 1) caps the i-th proposal's
+    length; a proposal may be shorter, or empty."""
+
+    def propose(self, reqs: Sequence[Request], limits: Sequence[int]) -> list[Proposal]: ...
+
+
+@dataclass(frozen=True)
+class NgramBatchProposer:
+    lookup: NgramProposer
+
+    def propose(self, reqs: Sequence[Request], limits: Sequence[int]) -> list[Proposal]:
+        return [Proposal(tuple(self.lookup.propose(r.all_token_ids)[:n])) for r, n in zip(reqs, limits)]
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's spec_decode_* counters: drafts (requests that were given proposals, per step),
+    draft tokens, accepted tokens, and accepted tokens by position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verified step: 1 (the target's own) plus the accepted drafts."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, "accepted_per_pos": list(self.accepted_per_pos),
+                "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length}
+
+
+def can_speculate(req: Request) -> bool:
+    return not has_penalty(req)  # has_penalty includes a pending min_tokens suppression
+
+
+class SpecDecoder:
+    """Owns the proposer and the counters; reads and writes only requests' proposal fields."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, generator: torch.Generator) -> None:
+        self.k = config.num_speculative_tokens
+        self.proposer = proposer
+        self.generator = generator  # unseeded requests' stream (the sampler's)
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
+
+    def propose(self, reqs: Sequence[Request]) -> None:
+        """Sets `spec_token_ids` (and `spec_probs`) of each running request that can take some."""
+        picked, limits = [], []
+        for r in reqs:
+            r.spec_token_ids, r.spec_probs = [], None
+            # Room for the k proposals and the bonus token within max_tokens.
+            n = min(self.k, r.max_output_tokens - len(r.output_token_ids) - 1)
+            if n > 0 and not r.status.finished and can_speculate(r):
+                picked.append(r)
+                limits.append(n)
+        if not picked:
+            return
+        for r, p, n in zip(picked, self.proposer.propose(picked, limits), limits):
+            r.spec_token_ids = list(p.token_ids[:n])
+            r.spec_probs = p.probs[: len(r.spec_token_ids)] if p.probs is not None else None
+
+    def verify(self, req: Request, drafts: tuple[int, ...], rows: torch.Tensor, best: list[int] | None) -> list[int]:
+        """The tokens `req` emits: `rows` are the target's k + 1 logits rows, `best` their argmax
+        (given for greedy requests, computed for the batch in one call)."""
+        if req.params.greedy:
+            tokens = accept_greedy(drafts, best if best is not None else rows.argmax(-1).tolist())
+        else:
+            probs = req.spec_probs
+            req.spec_probs = None
+            tokens = verify(VerifyRequest(drafts, rows, sampling_distribution(rows, req),
+                                          probs.float() if probs is not None else None),
+                            req.generator or self.generator)
+        accepted = len(tokens) - 1
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += len(drafts)
+        s.num_accepted_tokens += accepted
+        for i in range(accepted):
+            s.accepted_per_pos[i] += 1
+        return tokens
+
+
+def build_spec_decoder(config: SpeculativeConfig | None, generator: torch.Generator) -> SpecDecoder | None:
+    if config is None:
+        return None
+    if config.method is SpecMethod.NGRAM:
+        lookup = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
+        return SpecDecoder(config, NgramBatchProposer(lookup), generator)
+    raise ValueError(f"speculative_config method {config.method.value!r} is not implemented yet")

@@ -1,0 +1,305 @@
+"""Speculative decoding in the engine (issue 15).
+
+Oracles: the same engine with speculation off (itself token-identical to transformers, the
+parity suite), transformers' exact next-token distributions for the sampling test, and prefix
+caching / offload off for the KV that accepted proposals leave behind.
+
+Random-weight checkpoints rarely repeat themselves, so n-gram lookup alone accepts little; the
+`OracleProposer` proposes the known continuation with a share of tokens made wrong, which drives
+every acceptance length (0..k) through the engine, including stops inside an accepted run.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from checkpoints import build_checkpoint, load_hf, random_prompt
+from engine import LLM, SamplingParams
+from engine.spec_config import SpeculativeConfig, parse_speculative_config
+from engine.spec_decode import Proposal
+
+KIND = "llama"
+K = 4
+
+
+def ngram(k: int = K) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+class OracleProposer:
+    """Proposes each request's reference continuation; each token is replaced by a wrong one with
+    probability `error`."""
+
+    def __init__(self, ref: dict[tuple[int, ...], list[int]], error: float, vocab: int, seed: int = 0) -> None:
+        self.ref, self.error, self.vocab = ref, error, vocab
+        self.rng = random.Random(seed)
+
+    def propose(self, reqs, limits):
+        out = []
+        for r, n in zip(reqs, limits):
+            cont = self.ref.get(tuple(r.prompt_token_ids), [])
+            done = len(r.output_token_ids)
+            toks = [t if self.rng.random() >= self.error else (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+                    for t in cont[done:done + n]]
+            out.append(Proposal(tuple(toks)))
+        return out
+
+
+def _llm(ckpt: str, spec: dict | None = None, **kw) -> LLM:
+    kw.setdefault("num_gpu_blocks", 256)
+    return LLM(ckpt, block_size=16, speculative_config=spec, **kw)
+
+
+def _generate(llm: LLM, prompts, params):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def _summary(outs):
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+
+
+def _repetitive(n: int, seed: int) -> list[int]:
+    """A prompt that repeats itself, so n-gram lookup finds proposals."""
+    base = random_prompt(24 + seed % 7, seed)
+    return (base * 4)[:n]
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+def test_ngram_greedy_identical_with_prefix_caching_and_offload(ckpt_dir, batch):
+    ckpt = str(ckpt_dir(KIND))
+    prompts = [_repetitive(70 + 3 * i, 100 + i % 8) for i in range(batch)]  # shared prefixes: G1 hits
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    kw = dict(kv_offloading_size=0.01, num_gpu_blocks=160)  # G1 tight enough to preempt at batch 32
+    with _llm(ckpt, **kw) as off:
+        ref = _summary(_generate(off, prompts, params))
+    with _llm(ckpt, ngram(), **kw) as on:
+        got = _summary(_generate(on, prompts, params))
+        on.engine.flush_offload()
+        on.engine.check_integrity()
+        sd = on.get_stats().spec_decode
+    assert got == ref
+    assert sd["num_drafts"] > 0 and sd["num_accepted_tokens"] > 0, sd
+    assert 0 <= sd["acceptance_rate"] <= 1 and sum(sd["accepted_per_pos"]) == sd["num_accepted_tokens"]
+
+
+def _stop_cases(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts and params whose reference outputs end every way a request can end."""
+    g = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    probe = [random_prompt(30 + 7 * i, 300 + i) for i in range(16)]
+    free = _generate(llm, probe, SamplingParams(temperature=0.0, max_tokens=40))
+    eos = [p for p, o in zip(probe, free) if o.outputs[0].finish_reason == "stop" and len(o.outputs[0].token_ids) > 3]
+    assert len(eos) >= 2, "no prompt whose greedy output reaches EOS"
+    plain = _generate(llm, probe[:2], g)
+    words = plain[0].outputs[0].text.split()
+    cases = [
+        (probe[0], g),
+        (eos[0], SamplingParams(temperature=0.0, max_tokens=60)),  # EOS inside an accepted run
+        (eos[1], SamplingParams(temperature=0.0, max_tokens=60, min_tokens=len(free[probe.index(eos[1])]
+                                                                            .outputs[0].token_ids) + 2)),
+        (probe[1], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                  stop_token_ids=[plain[1].outputs[0].token_ids[17]])),
+        (probe[0], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[" ".join(words[9:11])])),
+        (probe[2], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)),
+        (probe[3], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)),
+        (probe[4], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, logprobs=2)),
+        (probe[5], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3)),
+    ]
+    return [c[0] for c in cases], [c[1] for c in cases]
+
+
+def test_every_acceptance_length_gives_identical_outputs(ckpt_dir):
+    """Stops, max_tokens, min_tokens, logprobs and penalties behave as without speculation when
+    the proposals are long runs of right tokens with wrong ones among them."""
+    ckpt = str(ckpt_dir(KIND))
+    with _llm(ckpt) as off:
+        prompts, params = _stop_cases(off)
+        ref = [_generate(off, [p], sp)[0] for p, sp in zip(prompts, params)]
+    reasons = [o.outputs[0].finish_reason for o in ref]
+    assert [reasons[i] for i in (1, 3, 4)] == ["stop"] * 3, reasons
+    assert len(ref[2].outputs[0].token_ids) >= params[2].min_tokens  # min_tokens held EOS back
+    for error in (0.0, 0.3):
+        with _llm(ckpt, ngram()) as on:
+            got = []
+            for p, sp, r in zip(prompts, params, ref):  # one at a time: probe[0] runs twice
+                on.engine.spec.proposer = OracleProposer({tuple(p): r.outputs[0].token_ids}, error, 512, seed=len(got))
+                got += _generate(on, [p], sp)
+            on.engine.check_integrity()
+            sd = on.get_stats().spec_decode
+        assert _summary(got) == _summary(ref), f"error={error}"
+        for g, r in zip(got, ref):  # the target's logprobs for accepted tokens
+            lp_g, lp_r = g.outputs[0].logprobs, r.outputs[0].logprobs
+            assert (lp_g is None) == (lp_r is None)
+            for a, b in zip(lp_g or (), lp_r or ()):
+                assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+        if error == 0.0:  # whole proposals accepted: 5 tokens a step
+            assert sd["accepted_per_pos"][K - 1] > 0 and sd["mean_acceptance_length"] > 3, sd
+        else:
+            assert 0 < sd["acceptance_rate"] < 0.9, sd
+
+
+def test_penalised_requests_get_no_proposals(ckpt_dir):
+    ckpt = str(ckpt_dir(KIND))
+    with _llm(ckpt, ngram()) as on:
+        _generate(on, [_repetitive(80, 5)], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                                           repetition_penalty=1.2))
+        assert on.get_stats().spec_decode["num_drafts"] == 0
+
+
+def test_only_accepted_tokens_reach_prefix_cache_and_offload(ckpt_dir):
+    """Continuing a speculated request from its output must hit G1 and, after G1 is flushed, G2
+    on blocks that hold generated tokens, and give what a fresh engine without any cache gives."""
+    ckpt = str(ckpt_dir(KIND))
+    prompts = [random_prompt(n, 500 + n) for n in (40, 75, 100)]
+    params = SamplingParams(temperature=0.0, max_tokens=45, ignore_eos=True)
+    with _llm(ckpt) as off:
+        first = _generate(off, prompts, params)
+    continuation = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, first)}
+    longer = [p + o.outputs[0].token_ids[:-1] for p, o in zip(prompts, first)]  # 84, 119, 144 tokens
+    follow = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with _llm(ckpt, enable_prefix_caching=False) as fresh:
+        expect = _summary(_generate(fresh, longer, follow))
+    with _llm(ckpt, ngram(), kv_offloading_size=0.01, num_gpu_blocks=40) as on:
+        on.engine.spec.proposer = OracleProposer(continuation, 0.4, 512, seed=3)
+        assert _summary(_generate(on, prompts, params)) == _summary(first)
+        assert on.get_stats().spec_decode["num_accepted_tokens"] > 20
+        g1 = _generate(on, longer, follow)
+        assert _summary(g1) == expect
+        assert [o.num_cached_tokens for o in g1] == [(len(p) - 1) // 16 * 16 for p in longer]
+        on.engine.flush_offload()
+        _generate(on, [random_prompt(600, 9)], SamplingParams(temperature=0.0, max_tokens=1))  # evicts G1
+        on.engine.flush_offload()
+        g2 = _generate(on, longer, follow)
+        on.engine.check_integrity()
+    assert _summary(g2) == expect
+    # an offload hit may end one token short of a full last block (that token is recomputed)
+    assert [o.cached_tokens_by_tier.get("G2", 0) for o in g2] == [min(len(p) // 16 * 16, len(p) - 1) for p in longer]
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(ckpt_dir):
+    ckpt = str(ckpt_dir(KIND))
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30, ignore_eos=True, seed=7)
+    other = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    prompt = _repetitive(60, 11)
+    with _llm(ckpt, ngram()) as on:
+        alone = _generate(on, [prompt], seeded)[0].outputs[0].token_ids
+    with _llm(ckpt, ngram()) as on:
+        mixed = _generate(on, [_repetitive(50, 12), prompt, _repetitive(70, 13)], [other, seeded, other])
+    assert mixed[1].outputs[0].token_ids == alone
+
+
+# -- the output distribution ---------------------------------------------------------------
+VOCAB = 8
+SAMPLES = 20_000
+MAX_TOKENS = 4  # after the first token, 2 proposals and a bonus token
+
+
+class RandomDraft:
+    """A deliberately bad draft: draws its tokens from a random distribution per position (or,
+    with `point_mass`, from one fixed skewed distribution, proposing them as if certain: a
+    uniform point-mass draft would hide some verification bugs, whose errors then cancel)."""
+
+    def __init__(self, point_mass: bool, seed: int) -> None:
+        self.point_mass = point_mass
+        self.gen = torch.Generator().manual_seed(seed)
+        self.fixed = torch.softmax(2 * torch.randn(VOCAB, generator=self.gen), dim=0)
+
+    def propose(self, reqs, limits):
+        out = []
+        for n in limits:
+            if self.point_mass:
+                toks = torch.multinomial(self.fixed, n, replacement=True, generator=self.gen)
+                out.append(Proposal(tuple(toks.tolist())))
+                continue
+            q = torch.distributions.Dirichlet(torch.full((VOCAB,), 0.5)).sample((n,))
+            toks = torch.multinomial(q, 1, generator=self.gen).squeeze(1)
+            out.append(Proposal(tuple(toks.tolist()), q))
+        return out
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab(tmp_path_factory):
+    """A checkpoint with an 8-token vocabulary, and transformers' exact distribution over its
+    first MAX_TOKENS sampled tokens (temperature 1) after PROMPT."""
+    path = build_checkpoint(KIND, tmp_path_factory.mktemp("tiny") / "ckpt", vocab_size=VOCAB)
+    hf = load_hf(path)
+    prompt = [3, 6, 1, 7, 5]
+    probs = torch.ones(1)
+    seqs = torch.empty(1, 0, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(MAX_TOKENS):
+            ids = torch.cat([torch.tensor(prompt).expand(seqs.shape[0], -1), seqs], dim=1)
+            p = torch.softmax(hf(input_ids=ids).logits[:, -1].double(), dim=-1)  # [n, V]
+            probs = (probs[:, None] * p).reshape(-1)
+            seqs = torch.cat([seqs.repeat_interleave(VOCAB, 0), torch.arange(VOCAB).repeat(seqs.shape[0])[:, None]], 1)
+    return str(path), prompt, probs  # probs[i]: sequence i in base-VOCAB order
+
+
+def _counts(llm: LLM, prompt: list[int], temperature: float = 1.0) -> torch.Tensor:
+    params = SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * SAMPLES, params, use_tqdm=False)
+    index = torch.zeros(SAMPLES, dtype=torch.long)
+    for i, o in enumerate(outs):
+        for t in o.outputs[0].token_ids:
+            index[i] = index[i] * VOCAB + t
+    return torch.bincount(index, minlength=VOCAB ** MAX_TOKENS).double()
+
+
+def _chi2_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test, cells with an expected count under 5 pooled into one."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum().reshape(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def _sampling_llm(path: str, spec: dict | None) -> LLM:
+    return LLM(path, block_size=16, num_gpu_blocks=2048, max_num_seqs=256, speculative_config=spec, seed=1)
+
+
+@pytest.mark.parametrize("draft", ["none", "point_mass", "distribution"])
+def test_sampled_outputs_follow_the_targets_distribution(tiny_vocab, draft):
+    path, prompt, probs = tiny_vocab
+    with _sampling_llm(path, None if draft == "none" else ngram(2)) as llm:
+        if draft != "none":
+            llm.engine.spec.proposer = RandomDraft(draft == "point_mass", seed=5)
+        counts = _counts(llm, prompt)
+        sd = llm.get_stats().spec_decode
+    p = _chi2_p(counts, probs)
+    assert p > 0.01, f"chi-square p={p:.2g} with draft={draft}"
+    if draft != "none":
+        assert sd["num_draft_tokens"] >= SAMPLES and 0 < sd["acceptance_rate"] < 1, sd
+
+
+def test_the_distribution_test_detects_a_wrong_distribution(tiny_vocab):
+    """The chi-square above has the power to see a modest change: temperature 1.15 fails it."""
+    path, prompt, probs = tiny_vocab
+    with _sampling_llm(path, None) as llm:
+        assert _chi2_p(_counts(llm, prompt, temperature=1.15), probs) < 1e-6
+
+
+# -- configuration ---------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg, message", [
+    ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min <= prompt_lookup_max"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "'model' not supported for method 'ngram'"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "'medusa' is not supported"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, 'needs "model"'),
+    ('{"method": ', "not valid JSON"),
+])
+def test_bad_speculative_configs_are_refused(cfg, message):
+    with pytest.raises(ValueError, match=message):
+        parse_speculative_config(cfg)
+
+
+def test_ngram_defaults_follow_vllm():
+    _, spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert spec == SpeculativeConfig(spec.method, 3, 4, 4)
+    _, spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3})
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 5)
