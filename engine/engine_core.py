@@ -28,10 +28,12 @@ from engine.compiled import COMPILE_ERRORS, CompiledForward
 from engine.loader import load_model, load_tokenizer
 from engine.model_runner import ModelOutput, ModelRunner, kv_cache_bytes_per_block
 from engine.request import Request, RequestId, RequestStatus
-from engine.sampler import Sampler, token_logprobs
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.spec_decode import build_spec_decoder
+from engine.draft_proposer import DraftModelProposer, draft_model_config
+from engine.spec_config import SpecMethod
+from engine.spec_decode import SpecDecoder, ngram_proposer, sample_outputs
 from engine.stats import EngineStats
 from engine.token_ids import check_token_ids
 from kvstore.g1 import BlockPool
@@ -53,7 +55,14 @@ class EngineCore:
         self.hidden_spec = config.hidden_states
         if self.hidden_spec is not None:
             self.hidden_spec.check_model(mc.num_layers)
-        per_block = kv_cache_bytes_per_block(mc, bs, len(self.hidden_spec.layer_ids) if self.hidden_spec else 0)
+        spec = config.speculative
+        draft_mc = draft_model_config(Path(spec.model), config.dtype, config.device, mc) \
+            if spec is not None and spec.method is SpecMethod.DRAFT_MODEL else None
+        if spec is not None and spec.method is SpecMethod.EAGLE3:
+            raise ValueError("speculative_config method 'eagle3' is not implemented yet; use ngram or draft_model")
+        # G1 blocks carry the draft's KV beside the target's: both index the same block ids.
+        per_block = kv_cache_bytes_per_block(mc, bs, len(self.hidden_spec.layer_ids) if self.hidden_spec else 0) + \
+            (kv_cache_bytes_per_block(draft_mc, bs) if draft_mc is not None else 0)
         max_len = config.max_model_len or mc.max_position_embeddings
         if max_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={mc.max_position_embeddings}")
@@ -96,10 +105,20 @@ class EngineCore:
                             "ones; -O0 or --enforce-eager avoid this): %s", str(e).strip().splitlines()[0][:300])
         self.events, self.publisher = self._build_events()
         self.connector: KVConnector = self._build_connector(model_dir) or NullConnector()
-        self.scheduler = Scheduler(self.kv, config.scheduling_policy, config.max_num_seqs,
-                                   self.max_num_batched_tokens, config.enable_chunked_prefill, self.connector)
         self.sampler = Sampler(config.seed)
-        self.spec = build_spec_decoder(config.speculative, self.sampler.generator)
+        self.spec: SpecDecoder | None = None
+        if spec is not None:
+            proposer = ngram_proposer(spec) if draft_mc is None else DraftModelProposer(
+                ModelRunner(load_model(Path(spec.model), draft_mc, backend, max_len, config.device), draft_mc,
+                            num_blocks, bs, config.device, group_decodes=backend.pads_decodes,
+                            max_rows=config.max_num_seqs, max_model_len=max_len),
+                self.kv, self.sampler.generator)
+            self.spec = SpecDecoder(spec, proposer, self.sampler.generator)
+            log.info("speculative decoding: %s, %d tokens per step", spec.method.value, spec.num_speculative_tokens)
+        lookahead = self.spec.k if self.spec is not None and self.spec.proposer.needs_lookahead else 0
+        self.scheduler = Scheduler(self.kv, config.scheduling_policy, config.max_num_seqs,
+                                   self.max_num_batched_tokens, config.enable_chunked_prefill, self.connector,
+                                   num_lookahead_tokens=lookahead)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.busy_seconds = 0.0  # steps that ran a forward, and the forwards in them (EngineStats)
@@ -235,13 +254,17 @@ class EngineCore:
             return updated
         forward_start = time.perf_counter()
         out, failed = self._execute(sched, tables)
-        self.forward_seconds += time.perf_counter() - forward_start
+        forward = time.perf_counter() - forward_start
+        self.forward_seconds += forward
+        if self.spec is not None and all(s.num_committed_tokens == 1 for s in sched.scheduled):
+            self.spec.budget.observe_step(sched.num_tokens, forward)
         if failed:
             # Never offload this step's blocks: a failed request's may hold unwritten KV.
             updated += [self._fail(req, why) for req, why in failed]
         else:
             self.connector.wait_for_save(meta)
-        emitted, logprobs, bad_rows = self._sample(out, sched)
+        emitted, logprobs, bad_rows = sample_outputs(out, [sched.scheduled[i] for i in out.sampled],
+                                                     self.sampler, self.spec)
         sampled = {sched.scheduled[i].req.request_id for i in out.sampled}
         for s in sched.scheduled:
             if not s.req.status.finished and s.req.request_id not in sampled:
@@ -275,41 +298,6 @@ class EngineCore:
         self._publish_events()
         self.busy_seconds += time.perf_counter() - start
         return updated
-
-    def _sample(self, out: ModelOutput, sched: SchedulerOutput
-                ) -> tuple[list[list[int]], list[list[dict[int, float]] | None], dict[int, str]]:
-        """Tokens (1 + accepted proposals) and their logprobs for each `out.sampled` entry, and
-        the entries whose sampling failed, with why."""
-        items = [sched.scheduled[i] for i in out.sampled]
-        tokens: list[list[int]] = [[] for _ in items]
-        logprobs: list[list[dict[int, float]] | None] = [None] * len(items)
-        errors: dict[int, str] = {}
-        plain = [j for j, s in enumerate(items) if not s.spec_token_ids]
-        if plain:
-            rows = out.logits if len(plain) == out.logits.shape[0] else out.logits[[out.row_starts[j] for j in plain]]
-            samples = self.sampler(rows, [items[j].req for j in plain])
-            for row, j in enumerate(plain):
-                if row in samples.errors:
-                    errors[j] = samples.errors[row]
-                else:
-                    tokens[j] = [samples.token_ids[row]]
-                    logprobs[j] = [samples.logprobs[row]] if items[j].req.logprobs is not None else None
-        spec = [j for j, s in enumerate(items) if s.spec_token_ids]
-        if spec:
-            best = out.logits.max(dim=-1).indices.tolist() if any(items[j].req.params.greedy for j in spec) else None
-            for j in spec:
-                req, start = items[j].req, out.row_starts[j]
-                rows = out.rows(j)
-                try:
-                    tokens[j] = self.spec.verify(req, items[j].spec_token_ids, rows,
-                                                 best[start:start + rows.shape[0]] if best else None)
-                except (IndexError, RuntimeError, ValueError) as e:  # this request's settings
-                    errors[j] = f"verifying proposed tokens failed: {type(e).__name__}: {e}"
-                    continue
-                if req.logprobs is not None:
-                    raw = torch.log_softmax(rows[: len(tokens[j])], dim=-1)
-                    logprobs[j] = [token_logprobs(raw[p], t, req) for p, t in enumerate(tokens[j])]
-        return tokens, logprobs, errors
 
     def _append(self, req: Request, tokens: list[int], logprobs: list[dict[int, float]] | None
                 ) -> tuple[RequestStatus | str | None, int]:
@@ -367,6 +355,8 @@ class EngineCore:
         req.kv_transfer_params = self.connector.request_finished(req, self.kv.block_table(req))
         self.scheduler.finish(req, status)
         self.runner.release(req.request_id)
+        if self.spec is not None:
+            self.spec.release(req.request_id)
 
     def _poll_loads(self) -> list[Request]:
         """Hands finished async loads back to the scheduler; returns requests that ended."""

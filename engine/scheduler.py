@@ -84,7 +84,8 @@ class WaitingQueue:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: SchedulingPolicy, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
-                 connector: KVConnector | None = None) -> None:  # None: a NullConnector
+                 connector: KVConnector | None = None,  # None: a NullConnector
+                 num_lookahead_tokens: int = 0) -> None:
         self.kv = kv
         self.policy = policy
         self.max_num_seqs = max_num_seqs
@@ -96,6 +97,9 @@ class Scheduler:
         self.loading: dict[RequestId, Request] = {}  # WAITING_FOR_REMOTE_KVS
         self.connector = connector if connector is not None else NullConnector()
         self.num_preemptions = 0
+        # Slots allocated past a scheduled request's tokens when they are free: a draft model
+        # writes the KV of its proposals there (vLLM's lookahead slots).
+        self.num_lookahead_tokens = num_lookahead_tokens
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -122,7 +126,7 @@ class Scheduler:
             spec = tuple(req.spec_token_ids[: budget - 1]) if n == 1 else ()
             req.spec_token_ids = []
             n += len(spec)
-            while not self.kv.allocate_slots(req, n):
+            while not self._allocate(req, n):
                 if spec:  # never preempt anyone for proposals: decode without them
                     n, spec = n - len(spec), ()
                     continue
@@ -162,7 +166,7 @@ class Scheduler:
             n = min(remaining, budget)
             if n < remaining and not self.enable_chunked_prefill:
                 break
-            if not self.kv.allocate_slots(req, n, hits):
+            if not self._allocate(req, n, hits):
                 break
             self.waiting.pop()
             if fresh:
@@ -174,6 +178,11 @@ class Scheduler:
             scheduled.add(req.request_id)
             budget -= n
         return out
+
+    def _allocate(self, req: Request, n: int, hits: list = ()) -> bool:
+        """Slots for n tokens, with the lookahead when there is room for it."""
+        return (self.num_lookahead_tokens > 0 and self.kv.allocate_slots(req, n + self.num_lookahead_tokens, hits)) \
+            or self.kv.allocate_slots(req, n, hits)
 
     def _count_prefix(self, req: Request, num_g1_hits: int) -> None:
         if req.num_cached_tokens < 0:  # count each prompt once, not each retry or resume

@@ -25,9 +25,9 @@ class SpecMethod(enum.Enum):
 
 
 _KEYS = {
-    SpecMethod.NGRAM: {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"},
-    SpecMethod.DRAFT_MODEL: {"method", "num_speculative_tokens", "model"},
-    SpecMethod.EAGLE3: {"method", "num_speculative_tokens", "model"},
+    SpecMethod.NGRAM: {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "adaptive"},
+    SpecMethod.DRAFT_MODEL: {"method", "num_speculative_tokens", "model", "adaptive"},
+    SpecMethod.EAGLE3: {"method", "num_speculative_tokens", "model", "adaptive"},
 }
 
 
@@ -38,6 +38,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 0  # ngram only
     prompt_lookup_max: int = 0
     model: str | None = None  # draft_model, eagle3
+    # kvtier's own key: proposal lengths chosen by cost and measured acceptance (spec_budget.py);
+    # false proposes num_speculative_tokens whenever the proposer has them, as vLLM does.
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -49,7 +52,9 @@ class SpeculativeConfig:
             if any(isinstance(v, bool) or not isinstance(v, int) for v in (lo, hi)) or not 1 <= lo <= hi:
                 raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max (integers); "
                                  f"got {lo!r}, {hi!r}")
-        elif not isinstance(self.model, str) or not self.model:
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config adaptive must be true or false; got {self.adaptive!r}")
+        if self.method is not SpecMethod.NGRAM and (not isinstance(self.model, str) or not self.model):
             raise ValueError(f"speculative_config method {self.method.value!r} needs \"model\": the draft's "
                              "checkpoint directory")
 
@@ -70,7 +75,8 @@ class SpeculativeConfig:
         lo, hi = cfg.get("prompt_lookup_min"), cfg.get("prompt_lookup_max")
         if method is SpecMethod.NGRAM:  # vLLM's defaults: 5 and 5, or one from the other
             lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
-        return SpeculativeConfig(method, cfg["num_speculative_tokens"], lo or 0, hi or 0, cfg.get("model"))
+        return SpeculativeConfig(method, cfg["num_speculative_tokens"], lo or 0, hi or 0, cfg.get("model"),
+                                 cfg.get("adaptive", True))
 
 
 def parse_speculative_config(cfg: dict[str, Any] | str | None) -> tuple[HiddenStatesSpec | None, SpeculativeConfig | None]:

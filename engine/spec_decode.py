@@ -21,9 +21,12 @@ import torch
 
 from engine.ngram_proposer import NgramProposer
 from engine.rejection_sampler import VerifyRequest, accept_greedy, verify
-from engine.request import Request
-from engine.sampler import has_penalty, sampling_distribution
-from engine.spec_config import SpeculativeConfig, SpecMethod
+from engine.request import Request, RequestId
+from engine.model_runner import ModelOutput
+from engine.sampler import Sampler, has_penalty, sampling_distribution, token_logprobs
+from engine.scheduler import ScheduledRequest
+from engine.spec_budget import SpecBudget
+from engine.spec_config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -38,12 +41,21 @@ class Proposer(Protocol):
     """Proposes tokens for a batch of requests. `limits[i]` (>= 1) caps the i-th proposal's
     length; a proposal may be shorter, or empty."""
 
+    needs_lookahead: bool  # it writes KV for its proposals: the scheduler allocates k slots ahead
+
     def propose(self, reqs: Sequence[Request], limits: Sequence[int]) -> list[Proposal]: ...
+
+    def release(self, req_id: RequestId) -> None:
+        """The request finished: drop what is kept for it."""
 
 
 @dataclass(frozen=True)
 class NgramBatchProposer:
     lookup: NgramProposer
+    needs_lookahead = False
+
+    def release(self, req_id: RequestId) -> None:
+        pass
 
     def propose(self, reqs: Sequence[Request], limits: Sequence[int]) -> list[Proposal]:
         return [Proposal(tuple(self.lookup.propose(r.all_token_ids)[:n])) for r, n in zip(reqs, limits)]
@@ -83,9 +95,14 @@ class SpecDecoder:
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, generator: torch.Generator) -> None:
         self.k = config.num_speculative_tokens
+        self.adaptive = config.adaptive
         self.proposer = proposer
         self.generator = generator  # unseeded requests' stream (the sampler's)
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
+        self.budget = SpecBudget(self.k)
+
+    def release(self, req_id: RequestId) -> None:
+        self.proposer.release(req_id)
 
     def propose(self, reqs: Sequence[Request]) -> None:
         """Sets `spec_token_ids` (and `spec_probs`) of each running request that can take some."""
@@ -97,6 +114,11 @@ class SpecDecoder:
             if n > 0 and not r.status.finished and can_speculate(r):
                 picked.append(r)
                 limits.append(n)
+        if not picked:
+            return
+        # Only the proposals worth their verify cost at this batch size (engine/spec_budget.py).
+        lengths = self.budget.lengths(limits) if self.adaptive else limits
+        picked, limits = [r for r, n in zip(picked, lengths) if n > 0], [n for n in lengths if n > 0]
         if not picked:
             return
         for r, p, n in zip(picked, self.proposer.propose(picked, limits), limits):
@@ -115,6 +137,7 @@ class SpecDecoder:
                                           probs.float() if probs is not None else None),
                             req.generator or self.generator)
         accepted = len(tokens) - 1
+        self.budget.observe_verify(len(drafts), accepted)
         s = self.stats
         s.num_drafts += 1
         s.num_draft_tokens += len(drafts)
@@ -124,10 +147,43 @@ class SpecDecoder:
         return tokens
 
 
-def build_spec_decoder(config: SpeculativeConfig | None, generator: torch.Generator) -> SpecDecoder | None:
-    if config is None:
-        return None
-    if config.method is SpecMethod.NGRAM:
-        lookup = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens)
-        return SpecDecoder(config, NgramBatchProposer(lookup), generator)
-    raise ValueError(f"speculative_config method {config.method.value!r} is not implemented yet")
+def ngram_proposer(config: SpeculativeConfig) -> NgramBatchProposer:
+    return NgramBatchProposer(NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
+                                            config.num_speculative_tokens))
+
+
+def sample_outputs(out: ModelOutput, items: list[ScheduledRequest], sampler: Sampler, spec: SpecDecoder | None
+                   ) -> tuple[list[list[int]], list[list[dict[int, float]] | None], dict[int, str]]:
+    """The sample stage: tokens (1 + accepted proposals) and their logprobs for each sampled
+    entry (`items`: the scheduled requests of `out.sampled`), and the entries whose sampling
+    failed, with why."""
+    tokens: list[list[int]] = [[] for _ in items]
+    logprobs: list[list[dict[int, float]] | None] = [None] * len(items)
+    errors: dict[int, str] = {}
+    plain = [j for j, s in enumerate(items) if not s.spec_token_ids]
+    if plain:
+        rows = out.logits if len(plain) == out.logits.shape[0] else out.logits[[out.row_starts[j] for j in plain]]
+        samples = sampler(rows, [items[j].req for j in plain])
+        for row, j in enumerate(plain):
+            if row in samples.errors:
+                errors[j] = samples.errors[row]
+            else:
+                tokens[j] = [samples.token_ids[row]]
+                logprobs[j] = [samples.logprobs[row]] if items[j].req.logprobs is not None else None
+    verified = [j for j, s in enumerate(items) if s.spec_token_ids]
+    if verified:
+        assert spec is not None, "spec tokens scheduled without speculation"
+        best = out.logits.max(dim=-1).indices.tolist() if any(items[j].req.params.greedy for j in verified) else None
+        for j in verified:
+            req, start = items[j].req, out.row_starts[j]
+            rows = out.rows(j)
+            try:
+                tokens[j] = spec.verify(req, items[j].spec_token_ids, rows,
+                                        best[start:start + rows.shape[0]] if best else None)
+            except (IndexError, RuntimeError, ValueError) as e:  # this request's settings
+                errors[j] = f"verifying proposed tokens failed: {type(e).__name__}: {e}"
+                continue
+            if req.logprobs is not None:
+                raw = torch.log_softmax(rows[: len(tokens[j])], dim=-1)
+                logprobs[j] = [token_logprobs(raw[p], t, req) for p, t in enumerate(tokens[j])]
+    return tokens, logprobs, errors

@@ -25,16 +25,23 @@ K = 4
 
 
 def ngram(k: int = K) -> dict:
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    # Every proposal made, whatever it costs (adaptive lengths are tested on their own below).
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "adaptive": False}
 
 
 class OracleProposer:
     """Proposes each request's reference continuation; each token is replaced by a wrong one with
     probability `error`."""
 
+    needs_lookahead = False
+
     def __init__(self, ref: dict[tuple[int, ...], list[int]], error: float, vocab: int, seed: int = 0) -> None:
         self.ref, self.error, self.vocab = ref, error, vocab
         self.rng = random.Random(seed)
+
+    def release(self, req_id):
+        pass
 
     def propose(self, reqs, limits):
         out = []
@@ -66,22 +73,48 @@ def _repetitive(n: int, seed: int) -> list[int]:
     return (base * 4)[:n]
 
 
+@pytest.fixture(scope="module")
+def drafts(ckpt_dir, tmp_path_factory):
+    """Draft checkpoints for the target KIND: `same` (the target's weights: every greedy proposal
+    is right) and `other` (a smaller model with other random weights, the same tokenizer)."""
+    root = tmp_path_factory.mktemp("drafts")
+    return {"same": str(ckpt_dir(KIND)),
+            "other": str(build_checkpoint(KIND, root / "other", seed=1, num_hidden_layers=1))}
+
+
+def _spec(method: str, drafts: dict) -> dict:
+    if method == "ngram":
+        return ngram()
+    return {"method": "draft_model", "model": drafts[method.split("-")[1]], "num_speculative_tokens": 3,
+            "adaptive": False}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft-same", "draft-other"])
 @pytest.mark.parametrize("batch", [1, 32])
-def test_ngram_greedy_identical_with_prefix_caching_and_offload(ckpt_dir, batch):
+def test_greedy_identical_with_prefix_caching_and_offload(ckpt_dir, drafts, method, batch):
     ckpt = str(ckpt_dir(KIND))
     prompts = [_repetitive(70 + 3 * i, 100 + i % 8) for i in range(batch)]  # shared prefixes: G1 hits
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     kw = dict(kv_offloading_size=0.01, num_gpu_blocks=160)  # G1 tight enough to preempt at batch 32
     with _llm(ckpt, **kw) as off:
         ref = _summary(_generate(off, prompts, params))
-    with _llm(ckpt, ngram(), **kw) as on:
+        again = _summary(_generate(off, prompts, params))  # the second pass hits G1 and G2
+    with _llm(ckpt, _spec(method, drafts), **kw) as on:
         got = _summary(_generate(on, prompts, params))
+        got_again = _summary(_generate(on, prompts, params))
         on.engine.flush_offload()
         on.engine.check_integrity()
         sd = on.get_stats().spec_decode
-    assert got == ref
-    assert sd["num_drafts"] > 0 and sd["num_accepted_tokens"] > 0, sd
+        preempted = on.get_stats().num_preemptions
+    assert got == ref and got_again == again == ref
+    assert sd["num_drafts"] > 0, sd
     assert 0 <= sd["acceptance_rate"] <= 1 and sum(sd["accepted_per_pos"]) == sd["num_accepted_tokens"]
+    if method == "ngram":
+        assert sd["num_accepted_tokens"] > 0, sd
+    if method == "draft-same":  # the target as its own draft: what it proposes is what it would emit
+        assert sd["acceptance_rate"] > 0.95, sd
+    if batch == 32:
+        assert preempted > 0
 
 
 def _stop_cases(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -200,10 +233,15 @@ class RandomDraft:
     with `point_mass`, from one fixed skewed distribution, proposing them as if certain: a
     uniform point-mass draft would hide some verification bugs, whose errors then cancel)."""
 
+    needs_lookahead = False
+
     def __init__(self, point_mass: bool, seed: int) -> None:
         self.point_mass = point_mass
         self.gen = torch.Generator().manual_seed(seed)
         self.fixed = torch.softmax(2 * torch.randn(VOCAB, generator=self.gen), dim=0)
+
+    def release(self, req_id):
+        pass
 
     def propose(self, reqs, limits):
         out = []
@@ -261,11 +299,15 @@ def _sampling_llm(path: str, spec: dict | None) -> LLM:
     return LLM(path, block_size=16, num_gpu_blocks=2048, max_num_seqs=256, speculative_config=spec, seed=1)
 
 
-@pytest.mark.parametrize("draft", ["none", "point_mass", "distribution"])
-def test_sampled_outputs_follow_the_targets_distribution(tiny_vocab, draft):
+@pytest.mark.parametrize("draft", ["none", "point_mass", "distribution", "draft_model"])
+def test_sampled_outputs_follow_the_targets_distribution(tiny_vocab, tmp_path, draft):
     path, prompt, probs = tiny_vocab
-    with _sampling_llm(path, None if draft == "none" else ngram(2)) as llm:
-        if draft != "none":
+    spec = None if draft == "none" else ngram(2)
+    if draft == "draft_model":  # a real draft: other weights, its own distribution as q
+        other = build_checkpoint(KIND, tmp_path / "draft", seed=3, vocab_size=VOCAB, num_hidden_layers=1)
+        spec = {"method": "draft_model", "model": str(other), "num_speculative_tokens": 2, "adaptive": False}
+    with _sampling_llm(path, spec) as llm:
+        if draft in ("point_mass", "distribution"):
             llm.engine.spec.proposer = RandomDraft(draft == "point_mass", seed=5)
         counts = _counts(llm, prompt)
         sd = llm.get_stats().spec_decode
