@@ -50,7 +50,7 @@ def draft_model_config(draft_dir: Path, dtype: str, device: str, target: ModelCo
 
 
 @dataclass
-class _View:
+class View:
     """What `ModelRunner.execute` reads of a request, for the draft's own progress."""
 
     request_id: RequestId
@@ -96,14 +96,14 @@ class DraftModelProposer:
         live = [i for i, n in enumerate(limits) if n > 0]
         drafts: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        views = {i: _View(reqs[i].request_id, list(reqs[i].all_token_ids), self._start(reqs[i], tables[i]))
+        views = {i: View(reqs[i].request_id, list(reqs[i].all_token_ids), self._start(reqs[i], tables[i]))
                  for i in live}
         while live:
             sched = SchedulerOutput([ScheduledRequest(views[i], views[i].num_tokens - views[i].num_computed_tokens)
                                      for i in live])
             out = self.runner.execute(sched, [tables[i] for i in live])
             for row, i in enumerate(live):
-                token, q = self._draw(out.logits[row], reqs[i])
+                token, q = draw_draft_token(out.logits[row], reqs[i], self.generator)
                 drafts[i].append(token)
                 if q is not None:
                     probs[i].append(q)
@@ -116,9 +116,12 @@ class DraftModelProposer:
                 self._cached[r.request_id] = (tables[i], views[i].all_token_ids[:-1])
         return [Proposal(tuple(d), torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
 
-    def _draw(self, logits: torch.Tensor, req: Request) -> tuple[int, torch.Tensor | None]:
-        if req.params.greedy:
-            return int(logits.argmax()), None
-        q = sampling_distribution(logits[None], req)[0]
-        e = torch.empty_like(q).exponential_(generator=req.generator or self.generator)
-        return int((q / e).argmax()), q.float()
+
+def draw_draft_token(logits: torch.Tensor, req: Request, generator: torch.Generator) -> tuple[int, torch.Tensor | None]:
+    """A draft's token for `req` from its logits row: the argmax for a greedy request (a point
+    mass), else a draw from the request's own sampling distribution, returned with it (float32)."""
+    if req.params.greedy:
+        return int(logits.argmax()), None
+    q = sampling_distribution(logits[None], req)[0]
+    e = torch.empty_like(q).exponential_(generator=req.generator or generator)
+    return int((q / e).argmax()), q.float()

@@ -7,6 +7,7 @@ server's engine-core process both drive it.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -31,9 +32,8 @@ from engine.request import Request, RequestId, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.draft_proposer import DraftModelProposer, draft_model_config
-from engine.spec_config import SpecMethod
-from engine.spec_decode import SpecDecoder, ngram_proposer, sample_outputs
+from engine.proposers import DraftPlan
+from engine.spec_decode import SpecDecoder, sample_outputs
 from engine.stats import EngineStats
 from engine.token_ids import check_token_ids
 from kvstore.g1 import BlockPool
@@ -55,14 +55,10 @@ class EngineCore:
         self.hidden_spec = config.hidden_states
         if self.hidden_spec is not None:
             self.hidden_spec.check_model(mc.num_layers)
-        spec = config.speculative
-        draft_mc = draft_model_config(Path(spec.model), config.dtype, config.device, mc) \
-            if spec is not None and spec.method is SpecMethod.DRAFT_MODEL else None
-        if spec is not None and spec.method is SpecMethod.EAGLE3:
-            raise ValueError("speculative_config method 'eagle3' is not implemented yet; use ngram or draft_model")
+        plan = DraftPlan.make(config.speculative, config, mc) if config.speculative is not None else None
         # G1 blocks carry the draft's KV beside the target's: both index the same block ids.
         per_block = kv_cache_bytes_per_block(mc, bs, len(self.hidden_spec.layer_ids) if self.hidden_spec else 0) + \
-            (kv_cache_bytes_per_block(draft_mc, bs) if draft_mc is not None else 0)
+            (plan.kv_bytes_per_block(bs) if plan is not None else 0)
         max_len = config.max_model_len or mc.max_position_embeddings
         if max_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={mc.max_position_embeddings}")
@@ -95,7 +91,8 @@ class EngineCore:
         self.runner = ModelRunner(model, mc, num_blocks, bs, config.device, self.hidden_spec,
                                   group_decodes=backend.pads_decodes, max_rows=config.max_num_seqs,
                                   max_model_len=max_len,
-                                  forward=CompiledForward(model, backend) if compiled else None)
+                                  forward=CompiledForward(model, backend) if compiled else None,
+                                  aux_layer_ids=plan.aux_layer_ids if plan is not None else ())
         if compiled:
             try:
                 self.runner.warm_up()  # compiles now (logged), not in the first request's step
@@ -107,14 +104,11 @@ class EngineCore:
         self.connector: KVConnector = self._build_connector(model_dir) or NullConnector()
         self.sampler = Sampler(config.seed)
         self.spec: SpecDecoder | None = None
-        if spec is not None:
-            proposer = ngram_proposer(spec) if draft_mc is None else DraftModelProposer(
-                ModelRunner(load_model(Path(spec.model), draft_mc, backend, max_len, config.device), draft_mc,
-                            num_blocks, bs, config.device, group_decodes=backend.pads_decodes,
-                            max_rows=config.max_num_seqs, max_model_len=max_len),
-                self.kv, self.sampler.generator)
-            self.spec = SpecDecoder(spec, proposer, self.sampler.generator)
-            log.info("speculative decoding: %s, %d tokens per step", spec.method.value, spec.num_speculative_tokens)
+        if plan is not None:
+            proposer = plan.build(config, backend, num_blocks, max_len, model, self.kv, self.sampler.generator)
+            self.spec = SpecDecoder(plan.spec, proposer, self.sampler.generator)
+            log.info("speculative decoding: %s, %d tokens per step", plan.spec.method.value,
+                     plan.spec.num_speculative_tokens)
         lookahead = self.spec.k if self.spec is not None and self.spec.proposer.needs_lookahead else 0
         self.scheduler = Scheduler(self.kv, config.scheduling_policy, config.max_num_seqs,
                                    self.max_num_batched_tokens, config.enable_chunked_prefill, self.connector,
@@ -266,6 +260,7 @@ class EngineCore:
         emitted, logprobs, bad_rows = sample_outputs(out, [sched.scheduled[i] for i in out.sampled],
                                                      self.sampler, self.spec)
         sampled = {sched.scheduled[i].req.request_id for i in out.sampled}
+        before = [s.req.num_computed_tokens for s in sched.scheduled]
         for s in sched.scheduled:
             if not s.req.status.finished and s.req.request_id not in sampled:
                 s.req.num_computed_tokens += s.num_new_tokens  # a prompt chunk
@@ -294,6 +289,10 @@ class EngineCore:
                 self._finish(req, status)
             updated.append(req)
         if self.spec is not None:
+            if self.runner.last_aux is not None:  # EAGLE-3 reads the target's features of the kept positions
+                offsets = [0] + list(itertools.accumulate(s.num_new_tokens for s in sched.scheduled))
+                self.spec.proposer.observe([(s.req, b, s.req.num_computed_tokens - b, off) for s, b, off
+                                            in zip(sched.scheduled, before, offsets)], self.runner.last_aux)
             self.spec.propose([sched.scheduled[i].req for i in out.sampled])
         self._publish_events()
         self.busy_seconds += time.perf_counter() - start

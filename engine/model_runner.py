@@ -35,6 +35,16 @@ class ModelOutput:
         return self.logits[self.row_starts[i]:end]
 
 
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_rows: list[int]  # token rows whose logits are sampled, per `sampled` entry in order
+    sampled: list[int]
+    row_starts: list[int]
+
+
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, hidden_layers: int = 0) -> int:
     """G1 bytes per block: K and V of every layer, plus `hidden_layers` exported hidden states."""
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim + hidden_layers * cfg.hidden_size
@@ -44,8 +54,8 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, hidden_layers: i
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int, device: str,
                  hidden_spec: HiddenStatesSpec | None = None, group_decodes: bool = True, *, max_rows: int,
-                 max_model_len: int, forward: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] | None = None
-                 ) -> None:
+                 max_model_len: int, forward: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] | None = None,
+                 aux_layer_ids: tuple[int, ...] = ()) -> None:
         self.model = model
         self.forward = forward or model  # engine/compiled.py's CompiledForward, or the eager model
         self.group_decodes = group_decodes  # the backend's `pads_decodes`
@@ -63,7 +73,10 @@ class ModelRunner:
         if hidden_spec is not None:
             self.hidden_cache = torch.zeros(num_blocks, block_size, len(hidden_spec.layer_ids), cfg.hidden_size,
                                             dtype=cfg.dtype, device=device)
-            self._file_order = hidden_spec.file_order
+        # EAGLE-3: these layers' residual streams, concatenated, are kept from each step (`last_aux`).
+        self.aux_layer_ids = aux_layer_ids
+        self.capture_ids = tuple(sorted(set(aux_layer_ids) | set(hidden_spec.capture_order if hidden_spec else ())))
+        self.last_aux: torch.Tensor | None = None
 
     def use_eager(self) -> None:
         """Runs the model as it is from now on (the compiled forward failed)."""
@@ -75,6 +88,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelOutput:
+        step = self.prepare(sched, block_tables)
+        capture = self.capture_ids
+        hidden, captured = self.forward(step.input_ids, step.positions, self.layer_caches, step.meta, capture)
+        if self.hidden_cache is not None:
+            states = torch.stack([captured[capture.index(i)] for i in self.hidden_spec.layer_ids], dim=1)
+            n, h = states.shape[1:]
+            self.hidden_cache.view(-1, n, h).index_copy_(0, step.meta.slot_mapping, states)
+        if self.aux_layer_ids:  # EAGLE-3 features: the aux layers side by side, in their given order
+            self.last_aux = torch.cat([captured[capture.index(i)] for i in self.aux_layer_ids], dim=-1)
+        rows = step.sample_rows
+        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
+        return ModelOutput(logits.float(), step.sampled, step.row_starts)
+
+    def prepare(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> StepInputs:
+        """Input ids, positions and attention metadata of a step (its new tokens, proposals
+        included), and the rows whose logits are sampled."""
         bs = self.block_size
         for req in sched.preempted:
             self.batch.release(req.request_id)
@@ -117,20 +146,8 @@ class ModelRunner:
             prefills=prefills,
             decodes=self._decode_groups(decode_rows, decode_batch_rows, decode_lens),
         )
-        capture = self.hidden_spec.capture_order if self.hidden_spec is not None else ()
-        hidden, captured = self.forward(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            positions_t,
-            self.layer_caches,
-            meta,
-            capture,
-        )
-        if self.hidden_cache is not None:
-            states = torch.stack([captured[i] for i in self._file_order], dim=1)  # [tokens, ids, hidden]
-            n, h = states.shape[1:]
-            self.hidden_cache.view(-1, n, h).index_copy_(0, meta.slot_mapping, states)
-        logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else hidden.new_empty(0, 0)
-        return ModelOutput(logits.float(), sampled, row_starts)
+        return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=self.device), positions_t, meta,
+                          sample_rows, sampled, row_starts)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -140,9 +157,8 @@ class ModelRunner:
         blocks = torch.arange(-(-2 // self.block_size), dtype=torch.long)
         meta = AttentionMetadata(slot_mapping=torch.tensor([0, 1], dtype=torch.long, device=self.device),
                                  prefills=[PrefillSeq(0, 2, 2, blocks, first_block=0)], decodes=[])
-        capture = self.hidden_spec.capture_order if self.hidden_spec is not None else ()
         ids = torch.zeros(2, dtype=torch.long, device=self.device)
-        self.forward(ids, torch.arange(2, device=self.device), self.layer_caches, meta, capture)
+        self.forward(ids, torch.arange(2, device=self.device), self.layer_caches, meta, self.capture_ids)
 
     def _decode_groups(self, rows: list[int], batch_rows: list[int], lens: list[int]) -> list[DecodeGroup]:
         """Split decodes, shortest first, into groups whose padding stays under ~25%; or, for a

@@ -114,13 +114,11 @@ class SpecDecoder:
             if n > 0 and not r.status.finished and can_speculate(r):
                 picked.append(r)
                 limits.append(n)
-        if not picked:
-            return
         # Only the proposals worth their verify cost at this batch size (engine/spec_budget.py).
-        lengths = self.budget.lengths(limits) if self.adaptive else limits
+        lengths = self.budget.lengths(limits) if self.adaptive and picked else limits
         picked, limits = [r for r, n in zip(picked, lengths) if n > 0], [n for n in lengths if n > 0]
-        if not picked:
-            return
+        # Called even with nobody to propose for: a proposer may have this step's work to do
+        # (EAGLE-3 writes its KV for every position the target kept).
         for r, p, n in zip(picked, self.proposer.propose(picked, limits), limits):
             r.spec_token_ids = list(p.token_ids[:n])
             r.spec_probs = p.probs[: len(r.spec_token_ids)] if p.probs is not None else None

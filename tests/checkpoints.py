@@ -362,3 +362,80 @@ def random_prompt(length: int, seed: int) -> list[int]:
     """``length`` random ids of ordinary words (no special tokens), deterministic in ``seed``."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(FIRST_WORD_ID, VOCAB_SIZE, (length,), generator=g).tolist()
+
+
+# --------------------------------------------------------------------------- EAGLE-3 drafts
+
+
+def build_eagle3_draft(target: Path, path: Path, *, seed: int = 0, draft_vocab_size: int | None = None,
+                       aux_layer_ids: Sequence[int] | None = None, norm_before_residual: bool = False,
+                       own_embedding: bool = True) -> Path:
+    """A random-weight EAGLE-3 draft for the checkpoint at ``target``, laid out as
+    ``speculators`` 0.9 saves one (config.json keys and tensor names; checked against
+    ``Eagle3DraftModel.save_pretrained``): one Llama layer whose q/k/v read 2 * hidden, ``fc``
+    over len(aux) * hidden, ``lm_head`` over ``draft_vocab_size`` ids (the first ones of the
+    target's vocabulary, with ``d2t``/``t2d`` when it is smaller)."""
+    from safetensors.torch import save_file
+
+    tcfg = json.loads((Path(target) / "config.json").read_text())
+    h, vocab = tcfg["hidden_size"], tcfg["vocab_size"]
+    heads, kv_heads = tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
+    head_dim = tcfg.get("head_dim") or h // heads
+    inter, n_layers = tcfg["intermediate_size"], tcfg["num_hidden_layers"]
+    # vLLM's default (2, N//2, N-3), kept below N: a 2-layer test target gets [0, 1]
+    aux = list(aux_layer_ids) if aux_layer_ids is not None else sorted({min(2, n_layers - 1), n_layers // 2,
+                                                                         max(n_layers - 3, 0)})
+    dv = draft_vocab_size or vocab
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, std=INIT_STD):
+        return torch.randn(*shape, generator=g) * std
+
+    def norm_w(n):
+        return 1 + randn(n)
+
+    w = {
+        "fc.weight": randn(h, len(aux) * h),
+        "layers.0.hidden_norm.weight": norm_w(h),
+        "layers.0.input_layernorm.weight": norm_w(h),
+        "layers.0.self_attn.q_proj.weight": randn(heads * head_dim, 2 * h),
+        "layers.0.self_attn.k_proj.weight": randn(kv_heads * head_dim, 2 * h),
+        "layers.0.self_attn.v_proj.weight": randn(kv_heads * head_dim, 2 * h),
+        "layers.0.self_attn.o_proj.weight": randn(h, heads * head_dim),
+        "layers.0.post_attention_layernorm.weight": norm_w(h),
+        "layers.0.mlp.gate_proj.weight": randn(inter, h),
+        "layers.0.mlp.up_proj.weight": randn(inter, h),
+        "layers.0.mlp.down_proj.weight": randn(h, inter),
+        "norm.weight": norm_w(h),
+        "lm_head.weight": randn(dv, h, std=LOGIT_STD / h ** 0.5),
+    }
+    if own_embedding:
+        w["embed_tokens.weight"] = randn(vocab, h)
+    if dv < vocab:
+        w["d2t"] = torch.zeros(dv, dtype=torch.long)  # draft id d is target id d (+ 0)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[:dv] = True
+        w["t2d"] = t2d
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
+    rope = tcfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": tcfg.get("rope_theta", 10000.0)}
+    config = {
+        "architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3", "speculators_version": "0.9.0",
+        "draft_vocab_size": dv, "target_hidden_size": None, "norm_before_residual": norm_before_residual,
+        "norm_before_fc": False, "fc_norm": False, "norm_output": False, "embed_requires_grad": False,
+        "tie_word_embeddings": False, "dtype": "float32", "eagle_aux_hidden_state_layer_ids": aux,
+        "speculators_config": {
+            "algorithm": "eagle3", "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}],
+            "verifier": {"architectures": tcfg["architectures"], "name_or_path": str(target)}},
+        "transformer_layer_config": {
+            "model_type": "llama", "vocab_size": vocab, "hidden_size": h, "intermediate_size": inter,
+            "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "head_dim": head_dim, "rms_norm_eps": tcfg.get("rms_norm_eps", 1e-6), "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+            "max_position_embeddings": tcfg["max_position_embeddings"], "rope_parameters": rope},
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

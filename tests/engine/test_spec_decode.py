@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from checkpoints import build_checkpoint, load_hf, random_prompt
+from checkpoints import build_checkpoint, build_eagle3_draft, load_hf, random_prompt
 from engine import LLM, SamplingParams
 from engine.spec_config import SpeculativeConfig, parse_speculative_config
 from engine.spec_decode import Proposal
@@ -345,3 +345,137 @@ def test_ngram_defaults_follow_vllm():
     assert spec == SpeculativeConfig(spec.method, 3, 4, 4)
     _, spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3})
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 5)
+
+
+# -- EAGLE-3 -----------------------------------------------------------------------------------
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _eagle3_reference(draft_dir, hf, seq: list[int], n: int) -> list[int]:
+    """Greedy EAGLE-3 proposals after `seq`, the plain way: the target's aux features from
+    transformers' hidden states (hs[l] = the residual stream entering layer l), row t = (fc(g_t),
+    token t+1), causal attention recomputed over every row, the output fed back for later rows,
+    draft ids mapped through d2t. No cache, no paging: the oracle for the engine's proposer."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers import LlamaConfig
+
+    cfg = json.loads((draft_dir / "config.json").read_text())
+    W = {k.removeprefix("layers.0."): v.double() if v.is_floating_point() else v
+         for k, v in load_file(str(draft_dir / "model.safetensors")).items()}
+    tl = cfg["transformer_layer_config"]
+    nh, nkv, hd, eps = tl["num_attention_heads"], tl["num_key_value_heads"], tl["head_dim"], tl["rms_norm_eps"]
+    inv, scale = ROPE_INIT_FUNCTIONS[tl["rope_parameters"]["rope_type"]](LlamaConfig(**{k: v for k, v in tl.items()
+                                                                                        if k != "model_type"}), "cpu")
+    with torch.no_grad():
+        hs = hf(input_ids=torch.tensor([seq[:-1]]), output_hidden_states=True).hidden_states
+    g = torch.cat([hs[i][0].double() for i in cfg["eagle_aux_hidden_state_layer_ids"]], -1)
+    hidden = g @ W["fc.weight"].T  # rows 0..T-2
+    tokens = list(seq[1:])  # the token after each row's position
+    emb = W.get("embed_tokens.weight")
+    if emb is None:
+        emb = hf.model.embed_tokens.weight.double()
+    d2t = W.get("d2t", torch.zeros(W["lm_head.weight"].shape[0], dtype=torch.long))
+    out_tokens: list[int] = []
+    for _ in range(n):
+        m = hidden.shape[0]
+        pos = torch.arange(m).double()
+        f = pos[:, None] * inv.double()[None]
+        cos, sin = (torch.cat([f, f], -1).cos() * scale)[:, None], (torch.cat([f, f], -1).sin() * scale)[:, None]
+        hn = _rms(hidden, W["hidden_norm.weight"], eps)
+        resid = hn if cfg["norm_before_residual"] else hidden
+        x = torch.cat([_rms(emb[torch.tensor(tokens)], W["input_layernorm.weight"], eps), hn], -1)
+        q, k, v = ((x @ W[f"self_attn.{p}_proj.weight"].T).view(m, -1, hd) for p in "qkv")
+
+        def rope(t):
+            return t * cos + torch.cat([-t[..., hd // 2:], t[..., :hd // 2]], -1) * sin
+        q, k = rope(q), rope(k)
+        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
+        s = torch.einsum("qhd,khd->hqk", q, k) / hd ** 0.5
+        s = s.masked_fill(torch.ones(m, m, dtype=torch.bool).triu(1), float("-inf"))
+        a = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(m, -1) @ W["self_attn.o_proj.weight"].T
+        h = resid + a
+        y = _rms(h, W["post_attention_layernorm.weight"], eps)
+        out = h + (torch.nn.functional.silu(y @ W["mlp.gate_proj.weight"].T) * (y @ W["mlp.up_proj.weight"].T)) \
+            @ W["mlp.down_proj.weight"].T
+        d = int((_rms(out[-1], W["norm.weight"], eps) @ W["lm_head.weight"].T).argmax())
+        out_tokens.append(d + int(d2t[d]))
+        hidden = torch.cat([hidden, out[-1:]])
+        tokens.append(out_tokens[-1])
+    return out_tokens
+
+
+class _Recorder:
+    """Wraps a proposer and records (sequence, proposal) pairs."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.seen = inner, []
+        self.needs_lookahead = inner.needs_lookahead
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, reqs, limits):
+        props = self.inner.propose(reqs, limits)
+        self.seen += [(list(r.all_token_ids), p.token_ids) for r, p in zip(reqs, props) if p.token_ids]
+        return props
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(draft_vocab_size=300, norm_before_residual=True, own_embedding=False)])
+def test_eagle3_proposals_match_a_plain_reference(ckpt_dir, hf_model, tmp_path, variant):
+    """The engine's EAGLE-3 proposals (paged draft KV written step by step, first passes over
+    accepted positions, prefix hits) equal proposals recomputed from scratch from transformers'
+    hidden states; and outputs equal speculation off."""
+    ckpt = ckpt_dir(KIND)
+    draft = build_eagle3_draft(ckpt, tmp_path / "eagle", seed=4, **variant)
+    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3, "adaptive": False}
+    prompts = [_repetitive(60, 21), _repetitive(60, 21)[:50] + random_prompt(12, 22), random_prompt(37, 23)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with _llm(str(ckpt)) as off:
+        ref = _summary(_generate(off, prompts, params))
+    with _llm(str(ckpt), spec, max_num_batched_tokens=48) as on:  # chunked prompts: first passes per chunk
+        rec = _Recorder(on.engine.spec.proposer)
+        on.engine.spec.proposer = rec
+        got = _summary(_generate(on, prompts, params))
+        on.engine.check_integrity()
+    assert got == ref
+    assert len(rec.seen) > 30
+    hf = hf_model(KIND)
+    for seq, proposal in rec.seen[::5]:
+        assert list(proposal) == _eagle3_reference(draft, hf, seq, len(proposal)), len(seq)
+
+
+def test_eagle3_greedy_identical_at_batch_32_with_offload(ckpt_dir, tmp_path):
+    ckpt = str(ckpt_dir(KIND))
+    draft = build_eagle3_draft(ckpt_dir(KIND), tmp_path / "eagle", seed=5)
+    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3, "adaptive": False}
+    prompts = [_repetitive(70 + 3 * i, 100 + i % 8) for i in range(32)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    kw = dict(kv_offloading_size=0.01, num_gpu_blocks=160)
+    with _llm(ckpt, **kw) as off:
+        ref = [_summary(_generate(off, prompts, params)) for _ in range(2)]
+    with _llm(ckpt, spec, **kw) as on:
+        got = [_summary(_generate(on, prompts, params)) for _ in range(2)]
+        on.engine.check_integrity()
+        assert on.get_stats().spec_decode["num_draft_tokens"] > 0
+    assert got == ref
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.update(speculators_model_type="eagle"), "not an EAGLE-3 draft"),
+    (lambda c: c.update(norm_output=True), "norm_output"),
+    (lambda c: c["transformer_layer_config"].update(vocab_size=1000), "vocabulary"),
+    (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 0, 1]), "distinct"),
+])
+def test_bad_eagle3_drafts_are_refused(ckpt_dir, tmp_path, change, message):
+    import json
+
+    draft = build_eagle3_draft(ckpt_dir(KIND), tmp_path / "eagle")
+    cfg = json.loads((draft / "config.json").read_text())
+    change(cfg)
+    (draft / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        _llm(str(ckpt_dir(KIND)), {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2})

@@ -115,6 +115,9 @@ def test_bad_flags_exit_2_with_a_message(ckpt_dir, tmp_path):
     for args, needle in [
         ([model, "--kv-transfer-config", "{not json"], "kv_transfer_config"),
         ([model, "-sc", json.dumps(speculative_config([0]))], "HiddenStatesConnector"),
+        ([model, "-sc", '{"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}'], "'lookahead'"),
+        ([model, "-sc", json.dumps({"method": "draft_model", "num_speculative_tokens": 2,
+                                    "model": str(tmp_path / "nowhere")}), "--num-gpu-blocks", "64"], "nowhere"),
         ([model, "--kv-eviction-policy", "no_such_policy", "--num-gpu-blocks", "64"], "no_such_policy"),
         ([str(tmp_path / "missing")], "does not exist"),
         ([model, "--port", "70000"], "--port"),
@@ -144,3 +147,32 @@ def test_plugin_backend_tier_through_the_server(ckpt_dir, tmp_path):
         assert metric(metrics, "kvtier:offload_hit_tokens_total", tier="G3") == g3["hit_tokens"]
     finally:
         assert srv.stop() == 0
+
+
+def test_speculative_decoding_through_the_server(ckpt_dir):
+    """-sc with ngram: the same greedy tokens as the tiny server without it, the spec_decode
+    counters in /metrics and /v1/kv/stats agree."""
+    prompt = (random_prompt(30, 5201) * 3)[:80]  # repeats itself: prompt lookup finds proposals
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "adaptive": False}
+    plain = start_server(str(ckpt_dir("llama")), "--num-gpu-blocks", str(G1_BLOCKS), "--dtype", "float32")
+    try:
+        want = complete(plain, prompt, max_tokens=40, return_token_ids=True)["choices"][0]["token_ids"]
+    finally:
+        assert plain.stop() == 0
+    srv = start_server(str(ckpt_dir("llama")), "--num-gpu-blocks", str(G1_BLOCKS), "--dtype", "float32",
+                       "-sc", json.dumps(spec))
+    try:
+        got = complete(srv, prompt, max_tokens=40, return_token_ids=True)["choices"][0]["token_ids"]
+        with srv.client() as c:
+            sd = c.get("/v1/kv/stats").json()["spec_decode"]
+            metrics = c.get("/metrics").text
+    finally:
+        assert srv.stop() == 0
+    assert got == want
+    assert sd["num_drafts"] > 0 and sd["num_accepted_tokens"] > 0, sd
+    assert metric(metrics, "kvtier:spec_decode_num_drafts_total") == sd["num_drafts"]
+    assert metric(metrics, "kvtier:spec_decode_num_draft_tokens_total") == sd["num_draft_tokens"]
+    assert metric(metrics, "kvtier:spec_decode_num_accepted_tokens_total") == sd["num_accepted_tokens"]
+    assert metric(metrics, "kvtier:spec_decode_num_accepted_tokens_per_pos_total", position="0") == \
+        sd["accepted_per_pos"][0]

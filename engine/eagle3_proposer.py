@@ -1,0 +1,114 @@
+"""Proposals from an EAGLE-3 draft (`speculative_config` method `eagle3`), as vLLM's eagle
+proposer makes them.
+
+After each step the engine hands over the target's aux features of every position it kept
+(`observe`: committed tokens and accepted proposals, prompt chunks included). `propose` then
+runs the draft layer once over all of them (row t: features at t with token t+1), writing the
+draft's KV at those positions through the target's block tables, takes the first proposal from
+each proposing request's last row, and drafts the rest one row per step, feeding back the
+layer's output. The draft's KV at positions the target never computed in this engine (prefix
+hits served by an offload tier) is whatever the draft cache holds there: proposals get worse,
+outputs do not change.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.draft_proposer import View, draw_draft_token
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.models.eagle3 import Eagle3Draft
+from engine.request import Request, RequestId
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.spec_decode import Proposal
+
+
+@dataclass
+class _Chain:
+    """One request's proposal in the making."""
+
+    i: int  # index into the requests asked for proposals
+    view: View
+    table: list
+    limit: int
+    hidden: torch.Tensor  # the draft's last output row (fed back)
+    logits: torch.Tensor  # ... and its logits, the next proposal's distribution
+    tokens: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
+
+
+class Eagle3Proposer:
+    needs_lookahead = True
+
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, generator: torch.Generator) -> None:
+        self.runner = runner
+        self.draft: Eagle3Draft = runner.model
+        self.kv = kv
+        self.generator = generator
+        self._rows: list[tuple[Request, int, torch.Tensor]] = []  # this step's (request, first position, fc rows)
+
+    def release(self, req_id: RequestId) -> None:
+        self.runner.release(req_id)
+
+    @torch.inference_mode()
+    def observe(self, kept: Sequence[tuple[Request, int, int, int]], aux: torch.Tensor) -> None:
+        """`kept`: (request, first position, count, first row in `aux`) of the positions whose
+        target KV this step kept; `aux` `[step tokens, len(aux layers) * hidden]`."""
+        kept = [k for k in kept if k[2] > 0]
+        if not kept:
+            self._rows = []
+            return
+        index = torch.cat([torch.arange(off, off + n) for _, _, n, off in kept]).to(aux.device)
+        h = self.draft.fc(aux[index])
+        self._rows = list(zip([k[0] for k in kept], [k[1] for k in kept], h.split([k[2] for k in kept])))
+
+    @torch.inference_mode()
+    def propose(self, reqs: Sequence[Request], limits: Sequence[int]) -> list[Proposal]:
+        rows, self._rows = [r for r in self._rows if not r[0].status.finished], []
+        if not rows:
+            return [Proposal(()) for _ in reqs]
+        # First pass: row t = (fc(features at t), token t+1), for every kept position.
+        tables = [self.kv.block_table(r) for r, _, _ in rows]
+        views = [View(r.request_id, r.all_token_ids[1:start + h.shape[0] + 1], start) for r, start, h in rows]
+        out, logits = self._run(views, [h.shape[0] for _, _, h in rows], tables, torch.cat([h for _, _, h in rows]))
+        where = {r.request_id: j for j, (r, _, _) in enumerate(rows)}
+        bs = self.runner.block_size
+        chains: list[_Chain] = []
+        for i, (r, n) in enumerate(zip(reqs, limits)):
+            j = where.get(r.request_id)
+            if j is not None:  # a proposal's KV (all but its last token) must fit in the request's slots
+                chains.append(_Chain(i, views[j], tables[j], min(n, len(tables[j]) * bs - r.num_tokens + 1),
+                                     out[j], logits[j]))
+        chains = [c for c in chains if c.limit > 0]
+        done = list(chains)
+        while chains:
+            for c in chains:
+                token, q = draw_draft_token(c.logits, reqs[c.i], self.generator)
+                c.tokens.append(token)
+                if q is not None:
+                    c.probs.append(q)
+            chains = [c for c in chains if len(c.tokens) < c.limit]
+            if not chains:
+                break
+            for c in chains:  # the next row: the last proposal at the next position, fed the last output
+                c.view.num_computed_tokens = c.view.num_tokens
+                c.view.all_token_ids.append(c.tokens[-1])
+            out, logits = self._run([c.view for c in chains], [1] * len(chains), [c.table for c in chains],
+                                    torch.stack([c.hidden for c in chains]))
+            for j, c in enumerate(chains):
+                c.hidden, c.logits = out[j], logits[j]
+        props = [Proposal(()) for _ in reqs]
+        for c in done:
+            props[c.i] = Proposal(tuple(c.tokens), torch.stack(c.probs) if c.probs else None)
+        return props
+
+    def _run(self, views: list[View], counts: list[int], tables: list, hidden: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft forward; the output and logits of each view's last row."""
+        step = self.runner.prepare(SchedulerOutput([ScheduledRequest(v, n) for v, n in zip(views, counts)]), tables)
+        out = self.draft(step.input_ids, hidden, step.positions, self.runner.layer_caches[0], step.meta)
+        last = out[step.sample_rows]
+        return last, self.draft.compute_logits(last)
