@@ -38,6 +38,7 @@ for r in spec["runs"]:
               kv_offload_disk=spec["disk"])
     outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]],
                         SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True), use_tqdm=False)
+    llm.engine.flush_offload()  # G3 writes run on writer threads: count them once they landed
     llm.engine.check_integrity()
     llm.engine.connector.tier("G3").backend.check_integrity()
     tiers = llm.get_stats().tiers
