@@ -180,9 +180,11 @@ class Scheduler:
         return out
 
     def _allocate(self, req: Request, n: int, hits: list = ()) -> bool:
-        """Slots for n tokens, with the lookahead when there is room for it."""
-        return (self.num_lookahead_tokens > 0 and self.kv.allocate_slots(req, n + self.num_lookahead_tokens, hits)) \
-            or self.kv.allocate_slots(req, n, hits)
+        """Slots for n tokens, with the lookahead when there is room for it (never past the
+        most tokens the request can have: its table must fit max_model_len)."""
+        most = req.num_prompt_tokens + req.max_output_tokens
+        ahead = min(self.num_lookahead_tokens, most - req.num_computed_tokens - len(hits) * self.kv.block_size - n)
+        return (ahead > 0 and self.kv.allocate_slots(req, n + ahead, hits)) or self.kv.allocate_slots(req, n, hits)
 
     def _count_prefix(self, req: Request, num_g1_hits: int) -> None:
         if req.num_cached_tokens < 0:  # count each prompt once, not each retry or resume

@@ -479,3 +479,20 @@ def test_bad_eagle3_drafts_are_refused(ckpt_dir, tmp_path, change, message):
     (draft / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=message):
         _llm(str(ckpt_dir(KIND)), {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("method", ["draft-same", "eagle3"])
+def test_lookahead_slots_stop_at_max_model_len(ckpt_dir, drafts, tmp_path, method):
+    """A request that runs to max_model_len (a whole number of blocks) must not be given
+    lookahead slots past it: its block table would outgrow the input batch's row."""
+    ckpt = str(ckpt_dir(KIND))
+    spec = _spec(method, drafts) if method != "eagle3" else {
+        "method": "eagle3", "model": str(build_eagle3_draft(ckpt_dir(KIND), tmp_path / "eagle")),
+        "num_speculative_tokens": 4, "adaptive": False}
+    prompts = [random_prompt(100, 1), _repetitive(90, 2)]
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=100)
+    with _llm(ckpt, max_model_len=128) as off:
+        ref = _summary(_generate(off, prompts, params))
+    with _llm(ckpt, spec, max_model_len=128) as on:
+        got = _summary(_generate(on, prompts, params))
+    assert got == ref and [len(t) for t, _, _ in got] == [28, 38]
