@@ -496,3 +496,19 @@ def test_lookahead_slots_stop_at_max_model_len(ckpt_dir, drafts, tmp_path, metho
     with _llm(ckpt, spec, max_model_len=128) as on:
         got = _summary(_generate(on, prompts, params))
     assert got == ref and [len(t) for t, _, _ in got] == [28, 38]
+
+
+def test_eagle3_reads_the_compiled_models_features(ckpt_dir, tmp_path):
+    """-O1: the aux layers come out of the compiled graph; proposals equal the eager engine's."""
+    ckpt = str(ckpt_dir(KIND))
+    spec = {"method": "eagle3", "model": str(build_eagle3_draft(ckpt_dir(KIND), tmp_path / "eagle", seed=6)),
+            "num_speculative_tokens": 3, "adaptive": False}
+    prompts = [_repetitive(50, 31), random_prompt(41, 32)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    seen = {}
+    for level in (0, 1):
+        with _llm(ckpt, spec, optimization_level=level) as llm:
+            rec = _Recorder(llm.engine.spec.proposer)
+            llm.engine.spec.proposer = rec
+            seen[level] = (_summary(_generate(llm, prompts, params)), rec.seen)
+    assert seen[0] == seen[1] and len(seen[0][1]) > 10
