@@ -251,7 +251,8 @@ class EngineCore:
         forward = time.perf_counter() - forward_start
         self.forward_seconds += forward
         if self.spec is not None and all(s.num_committed_tokens == 1 for s in sched.scheduled):
-            self.spec.budget.observe_step(sched.num_tokens, forward)
+            # A proposal costs its verify tokens and the proposer's time (a draft model's forwards).
+            self.spec.budget.observe_step(sched.num_tokens, forward + self.spec.last_propose_seconds)
         if failed:
             # Never offload this step's blocks: a failed request's may hold unwritten KV.
             updated += [self._fail(req, why) for req, why in failed]

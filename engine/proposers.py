@@ -15,6 +15,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model
 from engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from engine.models.eagle3 import Eagle3Config, Eagle3Draft, load_eagle3_config
+from engine.models.packed_linear import pack_linears, packing_available
 from engine.spec_config import SpeculativeConfig, SpecMethod
 from engine.spec_decode import Proposer, ngram_proposer
 
@@ -56,6 +57,8 @@ class DraftPlan:
             model = Eagle3Draft(self.eagle3, backend, max_len).to(dev, layer.dtype)
             model.load(Path(self.spec.model), target.embed_tokens.weight)
             model.eval().requires_grad_(False)
+            if dev == "cpu" and layer.dtype in (torch.float32, torch.bfloat16) and packing_available():
+                pack_linears(model)  # oneDNN's prepacked GEMMs, as the target's
         runner = ModelRunner(model, layer, num_blocks, bs, dev, group_decodes=backend.pads_decodes,
                              max_rows=config.max_num_seqs, max_model_len=max_len)
         cls = DraftModelProposer if self.draft is not None else Eagle3Proposer

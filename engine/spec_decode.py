@@ -13,6 +13,7 @@ Such requests decode one token at a time, unchanged.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -100,12 +101,20 @@ class SpecDecoder:
         self.generator = generator  # unseeded requests' stream (the sampler's)
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
         self.budget = SpecBudget(self.k)
+        self.last_propose_seconds = 0.0  # the step's proposing time, charged to the verify step after it
 
     def release(self, req_id: RequestId) -> None:
         self.proposer.release(req_id)
 
     def propose(self, reqs: Sequence[Request]) -> None:
         """Sets `spec_token_ids` (and `spec_probs`) of each running request that can take some."""
+        start = time.perf_counter()
+        try:
+            self._propose(reqs)
+        finally:
+            self.last_propose_seconds = time.perf_counter() - start
+
+    def _propose(self, reqs: Sequence[Request]) -> None:
         picked, limits = [], []
         for r in reqs:
             r.spec_token_ids, r.spec_probs = [], None
