@@ -2,11 +2,11 @@
 proposer makes them.
 
 After each step the engine hands over the target's aux features of every position it kept
-(`observe`: committed tokens and accepted proposals, prompt chunks included). `propose` then
-runs the draft layer once over all of them (row t: features at t with token t+1), writing the
-draft's KV at those positions through the target's block tables, takes the first proposal from
-each proposing request's last row, and drafts the rest one row per step, feeding back the
-layer's output. The draft's KV at positions the target never computed in this engine (prefix
+(`observe`: committed tokens and accepted proposals, prompt chunks included). When a request
+next proposes, `propose` runs the draft layer over all of its positions since (row t: features
+at t with token t+1; one forward for every proposing request), writing the draft's KV there
+through the target's block tables, takes the first proposal from the last row, and drafts the
+rest one row per step, feeding back the layer's output. The draft's KV at positions the target never computed in this engine (prefix
 hits served by an offload tier) is whatever the draft cache holds there: proposals get worse,
 outputs do not change.
 """
@@ -24,6 +24,9 @@ from engine.models.eagle3 import Eagle3Draft
 from engine.request import Request, RequestId
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec_decode import Proposal
+
+
+MAX_PENDING_ROWS = 1024  # a request that never proposes still gets its draft KV written now and then
 
 
 @dataclass
@@ -48,9 +51,13 @@ class Eagle3Proposer:
         self.draft: Eagle3Draft = runner.model
         self.kv = kv
         self.generator = generator
-        self._rows: list[tuple[Request, int, torch.Tensor]] = []  # this step's (request, first position, fc rows)
+        # request -> (it, first position, fc rows of the positions since) whose draft KV is not
+        # written yet: the first pass runs when the request next proposes (or its rows pile up),
+        # so a request the budget keeps from proposing costs no draft work.
+        self._pending: dict[RequestId, tuple[Request, int, torch.Tensor]] = {}
 
     def release(self, req_id: RequestId) -> None:
+        self._pending.pop(req_id, None)
         self.runner.release(req_id)
 
     @torch.inference_mode()
@@ -59,15 +66,22 @@ class Eagle3Proposer:
         target KV this step kept; `aux` `[step tokens, len(aux layers) * hidden]`."""
         kept = [k for k in kept if k[2] > 0]
         if not kept:
-            self._rows = []
             return
         index = torch.cat([torch.arange(off, off + n) for _, _, n, off in kept]).to(aux.device)
-        h = self.draft.fc(aux[index])
-        self._rows = list(zip([k[0] for k in kept], [k[1] for k in kept], h.split([k[2] for k in kept])))
+        for (req, start, n, _), h in zip(kept, self.draft.fc(aux[index]).split([k[2] for k in kept])):
+            prev = self._pending.get(req.request_id)
+            if prev is not None and prev[1] <= start <= prev[1] + prev[2].shape[0]:  # recomputed rows replace
+                h = torch.cat([prev[2][: start - prev[1]], h])
+                start = prev[1]
+            self._pending[req.request_id] = (req, start, h)
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Request], limits: Sequence[int]) -> list[Proposal]:
-        rows, self._rows = [r for r in self._rows if not r[0].status.finished], []
+        for rid in [rid for rid, (r, _, _) in self._pending.items() if r.status.finished]:
+            del self._pending[rid]
+        asked = {r.request_id for r, n in zip(reqs, limits) if n > 0}
+        run = [rid for rid, (_, _, h) in self._pending.items() if rid in asked or h.shape[0] >= MAX_PENDING_ROWS]
+        rows = [self._pending.pop(rid) for rid in run]
         if not rows:
             return [Proposal(()) for _ in reqs]
         # First pass: row t = (fc(features at t), token t+1), for every kept position.
