@@ -38,3 +38,28 @@ class NgramProposer:
                 start = int(hits[-1]) + n  # the most recent occurrence
                 return tokens[start : start + self.num_speculative_tokens].tolist()
         return []
+
+
+class NgramIndex:
+    """`NgramProposer.propose` for a growing sequence at O(1) a token: every n-gram (n in
+    prompt_lookup_min..max) that is followed by a token maps to where its most recent occurrence
+    ends. Rescanning a 250-token sequence with numpy took ~45 us a request a step, 2.5% of a
+    batch-16 decode step on the demo model."""
+
+    def __init__(self, lookup: NgramProposer) -> None:
+        self.lookup = lookup
+        self._last: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # n-grams ending before this position are in `_last`
+
+    def propose(self, token_ids: list[int]) -> list[int]:
+        lo, hi = self.lookup.prompt_lookup_min, self.lookup.prompt_lookup_max
+        total = len(token_ids)
+        for end in range(max(self._indexed, 1), total):  # n-grams ending at end - 1, followed by token `end`
+            for n in range(lo, min(hi, end) + 1):
+                self._last[tuple(token_ids[end - n:end])] = end
+        self._indexed = max(self._indexed, total)
+        for n in range(min(hi, total - 1), lo - 1, -1):
+            at = self._last.get(tuple(token_ids[total - n:]))
+            if at is not None:
+                return token_ids[at:at + self.lookup.num_speculative_tokens]
+        return []

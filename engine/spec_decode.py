@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from engine.ngram_proposer import NgramProposer
+from engine.ngram_proposer import NgramIndex, NgramProposer
 from engine.rejection_sampler import VerifyRequest, accept_greedy, verify
 from engine.request import Request, RequestId
 from engine.model_runner import ModelOutput
@@ -50,16 +50,26 @@ class Proposer(Protocol):
         """The request finished: drop what is kept for it."""
 
 
-@dataclass(frozen=True)
 class NgramBatchProposer:
-    lookup: NgramProposer
+    """Prompt lookup with an incremental index per request (tokens never change once appended)."""
+
     needs_lookahead = False
 
+    def __init__(self, lookup: NgramProposer) -> None:
+        self.lookup = lookup
+        self._index: dict[RequestId, NgramIndex] = {}
+
     def release(self, req_id: RequestId) -> None:
-        pass
+        self._index.pop(req_id, None)
 
     def propose(self, reqs: Sequence[Request], limits: Sequence[int]) -> list[Proposal]:
-        return [Proposal(tuple(self.lookup.propose(r.all_token_ids)[:n])) for r, n in zip(reqs, limits)]
+        out = []
+        for r, n in zip(reqs, limits):
+            index = self._index.get(r.request_id)
+            if index is None:
+                index = self._index[r.request_id] = NgramIndex(self.lookup)
+            out.append(Proposal(tuple(index.propose(r.all_token_ids)[:n])))
+        return out
 
 
 @dataclass

@@ -132,3 +132,22 @@ def test_ngram_copies_from_the_input():
     assert NgramProposer(1, 3, 3).propose([1, 2, 3]) == []
     with pytest.raises(ValueError):
         NgramProposer(3, 2, 1)
+
+
+def test_incremental_ngram_index_equals_a_rescan():
+    """NgramIndex (what the engine uses) against NgramProposer.propose (a full numpy rescan) on
+    growing sequences over a 6-token alphabet (many repeats), tokens appended 1-4 at a time as
+    accepted proposals append them."""
+    from engine.ngram_proposer import NgramIndex, NgramProposer
+
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(200):
+        lo = rng.randint(1, 3)
+        p = NgramProposer(lo, rng.randint(lo, 5), rng.randint(1, 5))
+        index, seq = NgramIndex(p), [rng.randrange(6) for _ in range(rng.randint(1, 5))]
+        for _ in range(30):
+            assert index.propose(seq) == p.propose(seq), (p, seq)
+            checked += 1
+            seq += [rng.randrange(6) for _ in range(rng.randint(1, 4))]
+    assert checked == 6000
