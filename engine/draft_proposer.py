@@ -91,8 +91,7 @@ class DraftModelProposer:
     def propose(self, reqs: Sequence[Request], limits: Sequence[int]) -> list[Proposal]:
         bs = self.runner.block_size
         tables = [self.kv.block_table(r) for r in reqs]
-        # A proposal's KV (all but its last token) must fit in the slots the request holds.
-        limits = [min(n, len(t) * bs - r.num_tokens + 1) for r, n, t in zip(reqs, limits, tables)]
+        limits = [fitting_proposal(n, r, t, bs) for r, n, t in zip(reqs, limits, tables)]
         live = [i for i, n in enumerate(limits) if n > 0]
         drafts: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
@@ -115,6 +114,12 @@ class DraftModelProposer:
             if i in views:  # KV is written for every token but the last draft
                 self._cached[r.request_id] = (tables[i], views[i].all_token_ids[:-1])
         return [Proposal(tuple(d), torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+
+
+def fitting_proposal(limit: int, req: Request, table: list, block_size: int) -> int:
+    """The longest proposal (at most `limit`) whose KV, all but its last token, fits in the slots
+    the request holds (its lookahead slots may have been refused for want of blocks)."""
+    return min(limit, len(table) * block_size - req.num_tokens + 1)
 
 
 def draw_draft_token(logits: torch.Tensor, req: Request, generator: torch.Generator) -> tuple[int, torch.Tensor | None]:

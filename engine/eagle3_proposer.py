@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.draft_proposer import View, draw_draft_token
+from engine.draft_proposer import View, draw_draft_token, fitting_proposal
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.models.eagle3 import Eagle3Draft
@@ -93,9 +93,8 @@ class Eagle3Proposer:
         chains: list[_Chain] = []
         for i, (r, n) in enumerate(zip(reqs, limits)):
             j = where.get(r.request_id)
-            if j is not None:  # a proposal's KV (all but its last token) must fit in the request's slots
-                chains.append(_Chain(i, views[j], tables[j], min(n, len(tables[j]) * bs - r.num_tokens + 1),
-                                     out[j], logits[j]))
+            if j is not None:
+                chains.append(_Chain(i, views[j], tables[j], fitting_proposal(n, r, tables[j], bs), out[j], logits[j]))
         chains = [c for c in chains if c.limit > 0]
         done = list(chains)
         while chains:
