@@ -182,6 +182,8 @@ class EngineConfig:
     # vLLM's speculative_config: ngram, draft_model or eagle3 speculation (engine/spec_config.py), or
     # method "extract_hidden_states" (hidden-state export); not both.
     speculative_config: dict[str, Any] | None = None
+    # vLLM's --async-scheduling: plan step N+1 while step N runs (engine/async_pipeline.py).
+    async_scheduling: bool = False
     # Operator-chosen name for this model's KV in G3/G4, instead of the whole-file weights digest
     # (engine.fingerprint); dtype, layout and block size still go into the namespace.
     kv_namespace: str | None = None
@@ -224,7 +226,10 @@ class EngineConfig:
             from kvstore.remote import check_url
 
             check_url(self.kv_offload_remote)  # before any weights load
-        parse_speculative_config(self.speculative_config)  # validates
+        spec = parse_speculative_config(self.speculative_config)[1]  # validates
+        if self.async_scheduling and spec is not None:
+            raise ValueError(f"async_scheduling with speculative_config method {spec.method.value!r} is not "
+                             "supported yet: drop one of them (README, 'Async scheduling')")
         if self.kv_namespace is not None:
             check_kv_namespace(self.kv_namespace)
         from kvstore.entry import load_secret

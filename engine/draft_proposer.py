@@ -56,10 +56,15 @@ class View:
     request_id: RequestId
     all_token_ids: list[int]
     num_computed_tokens: int
+    num_output_placeholders = 0  # the draft runs synchronously: nothing is ever in flight
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return self.num_computed_tokens
 
 
 class DraftModelProposer:
@@ -98,7 +103,7 @@ class DraftModelProposer:
         views = {i: View(reqs[i].request_id, list(reqs[i].all_token_ids), self._start(reqs[i], tables[i]))
                  for i in live}
         while live:
-            sched = SchedulerOutput([ScheduledRequest(views[i], views[i].num_tokens - views[i].num_computed_tokens)
+            sched = SchedulerOutput([ScheduledRequest.after(views[i], views[i].num_tokens - views[i].num_computed_tokens)
                                      for i in live])
             out = self.runner.execute(sched, [tables[i] for i in live])
             for row, i in enumerate(live):

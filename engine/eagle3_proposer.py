@@ -121,7 +121,7 @@ class Eagle3Proposer:
     def _run(self, views: list[View], counts: list[int], tables: list, hidden: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward; the output and logits of each view's last row."""
-        step = self.runner.prepare(SchedulerOutput([ScheduledRequest(v, n) for v, n in zip(views, counts)]), tables)
+        step = self.runner.prepare(SchedulerOutput([ScheduledRequest.after(v, n) for v, n in zip(views, counts)]), tables)
         out = self.draft(step.input_ids, hidden, step.positions, self.runner.layer_caches[0], step.meta)
         last = out[step.sample_rows]
         return last, self.draft.compute_logits(last)

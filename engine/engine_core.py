@@ -10,6 +10,7 @@ import hashlib
 import itertools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -17,10 +18,10 @@ import torch
 from connectors.base import KVConnector, NullConnector
 from connectors.codec import BlockLayout
 from connectors.factory import ConnectorContext, build_connector, has_hidden_states_connector
-from engine.attention import AttentionBackend, TorchPagedAttention
-from engine.attention_cpu import CpuPagedAttention
-from engine import cpu_kernels, cpu_runtime, gpu_memory
-from engine.config import CPU_KV_CACHE_GIB, OFFLINE_MAX_BATCHED_TOKENS, EngineConfig, LoadFailurePolicy, load_model_config
+from engine.async_pipeline import FORWARD_ERRORS, PlannedStep, RanStep, mark_in_flight
+from engine import cpu_runtime, gpu_memory
+from engine.setup import attention_backend, eos_ids, step_token_budget
+from engine.config import CPU_KV_CACHE_GIB, EngineConfig, LoadFailurePolicy, load_model_config
 from engine.fingerprint import model_fingerprint
 from engine.kv_events import KVEventsConfig, ZmqEventPublisher
 from kvstore.events import EventBuffer
@@ -29,6 +30,7 @@ from engine.compiled import COMPILE_ERRORS, CompiledForward
 from engine.loader import load_model, load_tokenizer
 from engine.model_runner import ModelOutput, ModelRunner, kv_cache_bytes_per_block
 from engine.request import Request, RequestId, RequestStatus
+from engine.stop import check_stop
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -50,7 +52,7 @@ class EngineCore:
         model_dir = Path(config.model)
         self.model_config = mc = load_model_config(model_dir, config.dtype, config.device)
         self.tokenizer = load_tokenizer(model_dir)
-        self.eos_token_ids = _eos_ids(model_dir, self.tokenizer)
+        self.eos_token_ids = eos_ids(model_dir, self.tokenizer)
         bs = config.block_size
         self.hidden_spec = config.hidden_states
         if self.hidden_spec is not None:
@@ -63,7 +65,7 @@ class EngineCore:
         if max_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={mc.max_position_embeddings}")
         torch.manual_seed(config.seed)
-        backend = _attention_backend(config.device)
+        backend = attention_backend(config.device)
         # On a GPU with no explicit size, G1 is what gpu_memory_utilization leaves after the weights
         # and a profiled forward, so the model loads first (its rope tables at the longest length).
         profiled = config.device != "cpu" and config.num_gpu_blocks is None and config.kv_cache_memory_gib is None
@@ -72,7 +74,7 @@ class EngineCore:
         if profiled:
             num_blocks = gpu_memory.profiled_num_blocks(
                 model, mc, config.device, config.gpu_memory_utilization, per_block,
-                _step_token_budget(config, max_len), config.max_num_seqs, bs, max_len)
+                step_token_budget(config, max_len), config.max_num_seqs, bs, max_len)
         else:
             num_blocks = config.num_gpu_blocks or int((config.kv_cache_memory_gib or CPU_KV_CACHE_GIB) * 2**30
                                                       // per_block)
@@ -83,7 +85,7 @@ class EngineCore:
             max_len = num_blocks * bs
             log.warning("max_model_len lowered to %d so one sequence fits in G1 (%d blocks)", max_len, num_blocks)
         self.max_model_len = max_len
-        self.max_num_batched_tokens = _step_token_budget(config, max_len)
+        self.max_num_batched_tokens = step_token_budget(config, max_len)
         if model is None:
             model = load_model(model_dir, mc, backend, max_len, config.device, compiled=compiled)
         self.pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy), config.enable_prefix_caching)
@@ -113,6 +115,12 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.scheduling_policy, config.max_num_seqs,
                                    self.max_num_batched_tokens, config.enable_chunked_prefill, self.connector,
                                    num_lookahead_tokens=lookahead)
+        # Async scheduling: the bookkeeping thread, the step planned to run next and the one that
+        # ran but is not applied yet, and finished requests whose blocks those steps still write.
+        self._helper = ThreadPoolExecutor(1, "kvtier-bookkeeping") if config.async_scheduling else None
+        self._planned: PlannedStep | None = None
+        self._ran: RanStep | None = None
+        self._deferred: dict[RequestId, Request] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.busy_seconds = 0.0  # steps that ran a forward, and the forwards in them (EngineStats)
@@ -182,7 +190,11 @@ class EngineCore:
         self._poll_loads()
 
     def shutdown(self) -> None:
-        """Flush pending offload writes and stop transfer threads."""
+        """Flush pending offload writes and stop transfer and step threads."""
+        if self._helper is not None:
+            self.drain()
+            self._helper.shutdown()
+            self._helper = None
         self.connector.close()
         self.connector = NullConnector()
         self.scheduler.connector = self.connector
@@ -221,30 +233,20 @@ class EngineCore:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._planned is not None or self._ran is not None
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """One iteration. Returns the requests that got a new token this step (finished ones
-        included, with a finished status)."""
+        included, with a finished status). With async scheduling they are those of the step that
+        ran in the previous call, applied while this call's forward runs."""
+        if self._helper is not None:
+            return self._step_async()
         start = time.perf_counter()
-        updated: list[Request] = []
-        updated += self._poll_loads()
-        sched = self.scheduler.schedule()
-        tables = [self.kv.block_table(s.req) for s in sched.scheduled]
-        # Connectors see committed tokens only: a block that proposals would complete is stored
-        # once verification has kept them (a later step's plan).
-        meta = self.connector.build_connector_meta([(s.req, s.num_committed_tokens, t)
-                                                    for s, t in zip(sched.scheduled, tables)])
-        self.connector.start_load_kv(meta)
+        updated = self._poll_loads()
+        sched, tables, meta = self._plan()
         if not sched.scheduled:
-            if self.scheduler.loading or self.connector.busy():
-                # Only transfers in flight: sleep until one finishes. Polling here would take a
-                # core from the copies (2 cores: a G2 load ran at ~60% speed while we spun).
-                self.connector.wait_for_progress(self.IDLE_WAIT_S)
-                return updated
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress with requests pending")
+            self._idle()
             return updated
         forward_start = time.perf_counter()
         out, failed = self._execute(sched, tables)
@@ -253,17 +255,48 @@ class EngineCore:
         if self.spec is not None and all(s.num_committed_tokens == 1 for s in sched.scheduled):
             # A proposal costs its verify tokens and the proposer's time (a draft model's forwards).
             self.spec.budget.observe_step(sched.num_tokens, forward + self.spec.last_propose_seconds)
+        updated += self._apply(sched, meta, out, failed)
+        self.busy_seconds += time.perf_counter() - start
+        return updated
+
+    def _plan(self) -> tuple[SchedulerOutput, list[list[int]], object]:
+        """Schedule -> block tables -> connector metadata, with this step's loads started."""
+        sched = self.scheduler.schedule()
+        tables = [self.kv.block_table(s.req) for s in sched.scheduled]
+        # Connectors see committed tokens whose ids are known: a block that proposals would complete
+        # is stored once verification has kept them, one that a token still being sampled completes
+        # (async scheduling) a step later.
+        meta = self.connector.build_connector_meta(
+            [(s.req, min(s.req.num_tokens, s.start + s.num_committed_tokens) - s.req.num_computed_tokens, t)
+             for s, t in zip(sched.scheduled, tables)])
+        self.connector.start_load_kv(meta)
+        return sched, tables, meta
+
+    def _idle(self) -> None:
+        """Nothing to schedule and nothing running."""
+        if self.scheduler.loading or self.connector.busy():
+            # Only transfers in flight: sleep until one finishes. Polling here would take a core
+            # from the copies (2 cores: a G2 load ran at ~60% speed while we spun).
+            self.connector.wait_for_progress(self.IDLE_WAIT_S)
+        elif self.scheduler.has_unfinished():
+            raise RuntimeError("scheduler made no progress with requests pending")
+
+    def _apply(self, sched: SchedulerOutput, meta: object, out: ModelOutput, failed: list[tuple[Request, str]],
+               sampled: tuple | None = None) -> list[Request]:
+        """Sample (unless `sampled` has it) and update the requests of a step that ran."""
+        updated: list[Request] = []
         if failed:
             # Never offload this step's blocks: a failed request's may hold unwritten KV.
             updated += [self._fail(req, why) for req, why in failed]
         else:
             self.connector.wait_for_save(meta)
-        emitted, logprobs, bad_rows = sample_outputs(out, [sched.scheduled[i] for i in out.sampled],
-                                                     self.sampler, self.spec)
-        sampled = {sched.scheduled[i].req.request_id for i in out.sampled}
+        if sampled is None:
+            sampled = sample_outputs(out, [sched.scheduled[i] for i in out.sampled], self.sampler, self.spec)
+        emitted, logprobs, bad_rows = sampled
+        sampling = {sched.scheduled[i].req.request_id for i in out.sampled}
         before = [s.req.num_computed_tokens for s in sched.scheduled]
         for s in sched.scheduled:
-            if not s.req.status.finished and s.req.request_id not in sampled:
+            if not s.req.status.finished and s.req.request_id not in sampling:
                 s.req.num_computed_tokens += s.num_new_tokens  # a prompt chunk
                 self.kv.cache_full_blocks(s.req)
         for j, i in enumerate(out.sampled):
@@ -296,7 +329,67 @@ class EngineCore:
                                             in zip(sched.scheduled, before, offsets)], self.runner.last_aux)
             self.spec.propose([sched.scheduled[i].req for i in out.sampled])
         self._publish_events()
+        return updated
+
+    # -- async scheduling (engine/async_pipeline.py) ----------------------------------------
+    def _step_async(self) -> list[Request]:
+        """Run the planned step while the helper applies the last one and plans the next."""
+        start = time.perf_counter()
+        updated: list[Request] = []
+        if self._planned is None:  # nothing to overlap with: bookkeeping first, here
+            updated, self._planned = self._bookkeep(self._ran)
+            self._ran = None
+            if self._planned is None:
+                if not updated:
+                    self._idle()
+                return updated
+        cur, ran = self._planned, self._ran
+        cur.inputs.fill_placeholders(ran.tokens() if ran is not None else {})
+        skip = cur.only_finished()  # before the helper starts finishing requests
+        pending = self._helper.submit(self._bookkeep, ran)
+        out, failed = None, []
+        if skip:
+            out = ModelOutput(torch.empty(0, 0), [], [])
+        else:
+            forward_start = time.perf_counter()
+            try:
+                out = self.runner.run(cur.inputs)
+            except FORWARD_ERRORS:
+                pass  # rerun below through _execute, which finds the request(s) to blame
+            self.forward_seconds += time.perf_counter() - forward_start
+        more, self._planned = pending.result()
+        updated += more
+        if out is None:
+            out, failed = self._execute(cur.sched, cur.tables)
+        sampled = sample_outputs(out, [cur.sched.scheduled[i] for i in out.sampled], self.sampler, None)
+        self._ran = RanStep(cur, out, failed, sampled)
         self.busy_seconds += time.perf_counter() - start
+        return updated
+
+    def _bookkeep(self, ran: RanStep | None) -> tuple[list[Request], PlannedStep | None]:
+        """Apply `ran` to its requests, then plan the next step."""
+        updated: list[Request] = []
+        if ran is not None:
+            mark_in_flight(ran.planned.entries, -1)
+            updated = self._apply(ran.planned.sched, ran.planned.meta, ran.out, ran.failed, ran.sampled)
+            for s in ran.planned.sched.scheduled:
+                if not s.req.num_inflight_tokens and self._deferred.pop(s.req.request_id, None) is not None:
+                    self.kv.free(s.req)
+                    self.runner.release(s.req.request_id)
+        updated = self._poll_loads() + updated
+        sched, tables, meta = self._plan()
+        if not sched.scheduled:
+            return updated, None
+        inputs = self.runner.prepare(sched, tables)
+        step = PlannedStep(sched, tables, meta, inputs, tuple(sched.scheduled))
+        mark_in_flight(step.entries, +1)
+        return updated, step
+
+    def drain(self) -> list[Request]:
+        """Steps until no planned or ran step is left (async scheduling); returns what they updated."""
+        updated: list[Request] = []
+        while self._ran is not None or self._planned is not None:
+            updated += self._step_async()
         return updated
 
     def _append(self, req: Request, tokens: list[int], logprobs: list[dict[int, float]] | None
@@ -310,7 +403,7 @@ class EngineCore:
             if req.logprobs is not None and logprobs is not None:
                 req.logprobs.append(logprobs[i])
             try:
-                status = self._check_stop(req)
+                status = check_stop(req, self.eos_token_ids, self.detokenize)
             except (ValueError, TypeError, IndexError, OverflowError) as e:  # e.g. the tokenizer on its output
                 return f"checking stop conditions failed: {type(e).__name__}: {e}", i + 1
             if status is not None:
@@ -353,8 +446,14 @@ class EngineCore:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.kv_transfer_params = self.connector.request_finished(req, self.kv.block_table(req))
-        self.scheduler.finish(req, status)
-        self.runner.release(req.request_id)
+        # A launched step still writes its blocks (async scheduling): they are freed after it ran,
+        # or a block handed to another request could take that write after a load filled it.
+        later = req.num_inflight_tokens > 0
+        self.scheduler.finish(req, status, free_blocks=not later)
+        if later:
+            self._deferred[req.request_id] = req
+        else:
+            self.runner.release(req.request_id)
         if self.spec is not None:
             self.spec.release(req.request_id)
 
@@ -378,24 +477,6 @@ class EngineCore:
             elif not ok:
                 log.warning("request %s: offload load failed; recomputing those tokens", rid)
         return ended
-
-    def _check_stop(self, req: Request) -> RequestStatus | None:
-        token = req.output_token_ids[-1]
-        n_out = len(req.output_token_ids)
-        if token in req.stop_ids and n_out > req.params.min_tokens:
-            req.stop_reason = token if token not in self.eos_token_ids else None
-            return RequestStatus.FINISHED_STOPPED
-        if req.params.stop and n_out > req.params.min_tokens:
-            # Decode the whole output: simple and exact across token boundaries; outputs are short.
-            text = self.detokenize(req)
-            for s in req.params.stop:
-                at = text.find(s)
-                if at >= 0:
-                    req.output_text, req.stop_reason = text[:at], s
-                    return RequestStatus.FINISHED_STOPPED
-        if n_out >= req.max_output_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def detokenize(self, req: Request) -> str:
         return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
@@ -423,46 +504,8 @@ class EngineCore:
         live = {r.request_id for r in self.scheduler.running}
         if len(live) != len(self.scheduler.running):
             raise RuntimeError("a request is running twice")
-        if self.kv.num_requests() > len(self.scheduler.requests):
+        if self.kv.num_requests() > len(self.scheduler.requests) + len(self._deferred):
             raise RuntimeError("block tables outlive their requests")
         self.runner.batch.check_integrity()
-        if not self.runner.batch.request_ids() <= set(self.scheduler.requests):
+        if not self.runner.batch.request_ids() <= set(self.scheduler.requests) | set(self._deferred):
             raise RuntimeError("input-batch rows outlive their requests")
-
-
-def _eos_ids(model_dir: Path, tokenizer) -> frozenset[int]:
-    """EOS ids from generation_config.json (which may list several, e.g. chat end tokens),
-    else the tokenizer's."""
-    import json
-
-    ids: set[int] = set()
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if not ids and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
-
-
-def _step_token_budget(config: EngineConfig, max_len: int) -> int:
-    budget = config.max_num_batched_tokens or OFFLINE_MAX_BATCHED_TOKENS
-    # Without chunking a whole prompt must fit in one step.
-    return budget if config.enable_chunked_prefill else max(budget, max_len)
-
-
-def _attention_backend(device: str) -> AttentionBackend:
-    """The C++ kernel on CPU when it builds here (it logs why not), the Triton kernels on CUDA
-    when triton is importable, else the torch path."""
-    if device == "cpu" and cpu_kernels.get() is not None:
-        return CpuPagedAttention()
-    if torch.device(device).type == "cuda":
-        from engine import kernels
-
-        if kernels.available():
-            from engine.attention_triton import TritonPagedAttention
-
-            return TritonPagedAttention()
-        log.warning("Triton kernels unavailable (%s): attention falls back to the torch path",
-                    kernels.unavailable_reason())
-    return TorchPagedAttention()

@@ -44,10 +44,10 @@ class KVCacheManager:
         self.prefix_hits += num_hit_tokens
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[BlockId] = ()) -> bool:
-        """Make room for `num_new_tokens` after the request's computed tokens (plus `computed`
+        """Make room for `num_new_tokens` after the request's computed and in-flight tokens (plus `computed`
         prefix-hit blocks, which are acquired here). All-or-nothing."""
         table = self._tables.setdefault(req.request_id, [])
-        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        total = req.num_scheduled_tokens + len(computed) * self.block_size + num_new_tokens
         need = -(-total // self.block_size) - len(table) - len(computed)
         # Hit blocks that sit idle in the pool count as free until we acquire them.
         idle_hits = sum(1 for b in computed if self.pool.blocks[b].ref_cnt == 0)

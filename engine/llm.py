@@ -51,6 +51,7 @@ class LLM:
         kv_load_failure_policy: str = "recompute",
         kv_events_config: dict[str, Any] | str | None = None,
         speculative_config: dict[str, Any] | str | None = None,
+        async_scheduling: bool = False,
         kv_namespace: str | None = None,
         kv_offload_secret_file: str | None = None,
     ) -> None:
@@ -74,6 +75,7 @@ class LLM:
             kv_load_failure_policy=kv_load_failure_policy,
             kv_events_config=_parse_json(kv_events_config, "kv_events_config"),
             speculative_config=_parse_json(speculative_config, "speculative_config"),
+            async_scheduling=async_scheduling,
             kv_namespace=kv_namespace, kv_offload_secret_file=kv_offload_secret_file,
         )
         self.engine = EngineCore(self.config)
@@ -182,6 +184,7 @@ class LLM:
             raise
         finally:
             bar.close()
+        self.engine.drain()  # async scheduling: the steps planned and run after the last token
         self.engine.connector.wait_for_outputs()  # e.g. hidden-state files exist on return
         return [self._output(r) for r in reqs]
 

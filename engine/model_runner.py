@@ -43,6 +43,18 @@ class StepInputs:
     sample_rows: list[int]  # token rows whose logits are sampled, per `sampled` entry in order
     sampled: list[int]
     row_starts: list[int]
+    # Async scheduling: (index into input_ids, request) for tokens an earlier, still running step
+    # samples; whoever runs the step writes them in first (`fill_placeholders`).
+    placeholders: list[tuple[int, RequestId]] = field(default_factory=list)
+
+    @torch.inference_mode()
+    def fill_placeholders(self, tokens: dict[RequestId, int]) -> None:
+        """Writes the sampled tokens in; a request that sampled none (it failed) gets 0, and
+        its row is discarded."""
+        if self.placeholders:
+            at = torch.tensor([pos for pos, _ in self.placeholders], dtype=torch.long)
+            ids = torch.tensor([tokens.get(rid, 0) for _, rid in self.placeholders], dtype=torch.long)
+            self.input_ids[at.to(self.input_ids.device)] = ids.to(self.input_ids.device)
 
 
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, hidden_layers: int = 0) -> int:
@@ -86,9 +98,12 @@ class ModelRunner:
         """The request finished: its input-batch row is free for another."""
         self.batch.release(req_id)
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelOutput:
-        step = self.prepare(sched, block_tables)
+        return self.run(self.prepare(sched, block_tables))
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs) -> ModelOutput:
+        """The forward and the logits of the sampled rows (placeholders must be filled)."""
         capture = self.capture_ids
         hidden, captured = self.forward(step.input_ids, step.positions, self.layer_caches, step.meta, capture)
         if self.hidden_cache is not None:
@@ -101,9 +116,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
         return ModelOutput(logits.float(), step.sampled, step.row_starts)
 
+    @torch.inference_mode()  # inference tensors, as at warm-up: the compiled graph's guards see no change
     def prepare(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> StepInputs:
         """Input ids, positions and attention metadata of a step (its new tokens, proposals
-        included), and the rows whose logits are sampled."""
+        included), and the rows whose logits are sampled. A request's tokens start after those
+        computed or in flight; the ones not sampled yet become placeholders."""
         bs = self.block_size
         for req in sched.preempted:
             self.batch.release(req.request_id)
@@ -117,12 +134,17 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampled: list[int] = []
         row_starts: list[int] = []
+        placeholders: list[tuple[int, RequestId]] = []
         for idx, (item, table) in enumerate(zip(sched.scheduled, block_tables)):
             req, n, spec = item.req, item.num_new_tokens, item.spec_token_ids
-            start = req.num_computed_tokens
+            start = item.start
             batch_rows.append(self.batch.sync(req.request_id, table))
             q_start = len(input_ids)
-            input_ids.extend(req.all_token_ids[start : start + n - len(spec)])
+            known = req.all_token_ids[start : start + n - len(spec)]
+            input_ids.extend(known)
+            for _ in range(n - len(spec) - len(known)):
+                placeholders.append((len(input_ids), req.request_id))
+                input_ids.append(0)
             input_ids.extend(spec)
             positions.extend(range(start, start + n))
             ctx = start + n
@@ -134,7 +156,7 @@ class ModelRunner:
                 ids = table[: -(-ctx // bs)]
                 run = ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
                 prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(ids, dtype=torch.long), run))
-            if ctx - len(spec) == req.num_tokens:  # the whole known sequence is in: sample its next token
+            if item.samples:
                 row_starts.append(len(sample_rows))
                 sample_rows.extend(range(q_start + n - 1 - len(spec), q_start + n))
                 sampled.append(idx)
@@ -147,7 +169,7 @@ class ModelRunner:
             decodes=self._decode_groups(decode_rows, decode_batch_rows, decode_lens),
         )
         return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=self.device), positions_t, meta,
-                          sample_rows, sampled, row_starts)
+                          sample_rows, sampled, row_starts, placeholders)
 
     @torch.inference_mode()
     def warm_up(self) -> None:

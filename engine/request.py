@@ -84,10 +84,20 @@ class Request:
         # and the draft's distributions they were drawn from ([k, vocab]; None: a point mass).
         self.spec_token_ids: list[int] = []
         self.spec_probs: torch.Tensor | None = None
+        # Async scheduling: tokens of this request in steps launched but not yet updated, and
+        # the tokens those steps will sample (their ids are not known when the next step is
+        # planned). Both stay 0 in the synchronous engine.
+        self.num_inflight_tokens = 0
+        self.num_output_placeholders = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens whose KV is computed or being computed by a launched step."""
+        return self.num_computed_tokens + self.num_inflight_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

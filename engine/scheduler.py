@@ -23,7 +23,15 @@ class ScheduledRequest:
     req: Request
     num_new_tokens: int  # spec tokens included
     # Proposed tokens scored after the request's last token (the last len(spec) of num_new_tokens).
-    spec_token_ids: tuple[int, ...] = ()
+    spec_token_ids: tuple[int, ...]
+    start: int  # position of the first new token (the request's computed + in-flight tokens)
+    samples: bool  # the step reaches the end of the sequence and samples its next token(s)
+
+    @classmethod
+    def after(cls, req: Request, n: int, spec: tuple[int, ...] = ()) -> ScheduledRequest:
+        """n new tokens after what the request has computed or in flight (async scheduling)."""
+        start = req.num_scheduled_tokens
+        return cls(req, n, spec, start, start + n - len(spec) == req.num_tokens + req.num_output_placeholders)
 
     @property
     def num_committed_tokens(self) -> int:
@@ -121,7 +129,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens, budget)
             # Proposals ride on a decode, within the budget (one token of it is the decode's).
             spec = tuple(req.spec_token_ids[: budget - 1]) if n == 1 else ()
             req.spec_token_ids = []
@@ -131,12 +139,15 @@ class Scheduler:
                     n, spec = n - len(spec), ()
                     continue
                 victim = self._pick_victim(scheduled)
+                if victim is None:  # only requests in a launched step hold blocks: try next step
+                    i += 1
+                    break
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, n, spec))
+                out.scheduled.append(ScheduledRequest.after(req, n, spec))
                 scheduled.add(req.request_id)
                 budget -= n
                 i += 1
@@ -174,7 +185,7 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n))
+            out.scheduled.append(ScheduledRequest.after(req, n))
             scheduled.add(req.request_id)
             budget -= n
         return out
@@ -183,7 +194,7 @@ class Scheduler:
         """Slots for n tokens, with the lookahead when there is room for it (never past the
         most tokens the request can have: its table must fit max_model_len)."""
         most = req.num_prompt_tokens + req.max_output_tokens
-        ahead = min(self.num_lookahead_tokens, most - req.num_computed_tokens - len(hits) * self.kv.block_size - n)
+        ahead = min(self.num_lookahead_tokens, most - req.num_scheduled_tokens - len(hits) * self.kv.block_size - n)
         return (ahead > 0 and self.kv.allocate_slots(req, n + ahead, hits)) or self.kv.allocate_slots(req, n, hits)
 
     def _count_prefix(self, req: Request, num_g1_hits: int) -> None:
@@ -227,9 +238,12 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.add(req, front=True)
 
-    def _pick_victim(self, scheduled: set[RequestId]) -> Request:
-        # Never a request already given work this step: its blocks are about to be written.
-        candidates = [r for r in self.running if r.request_id not in scheduled]
+    def _pick_victim(self, scheduled: set[RequestId]) -> Request | None:
+        # Never a request already given work this step, nor one in a launched step (async
+        # scheduling): their blocks are about to be written.
+        candidates = [r for r in self.running if r.request_id not in scheduled and not r.num_inflight_tokens]
+        if not candidates:
+            return None
         if self.policy is SchedulingPolicy.PRIORITY:
             return max(candidates, key=Request.sort_key)
         return candidates[-1]
@@ -244,12 +258,14 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.add(req, front=True)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """Mark finished and release its blocks (running or waiting)."""
+    def finish(self, req: Request, status: RequestStatus, free_blocks: bool = True) -> None:
+        """Mark finished and release its blocks (running or waiting). `free_blocks=False`: the
+        caller frees them later (a launched step still writes them)."""
         req.status = status
         if req in self.running:
             self.running.remove(req)
         elif self.loading.pop(req.request_id, None) is None:
             self.waiting.remove(req)
-        self.kv.free(req)
+        if free_blocks:
+            self.kv.free(req)
         del self.requests[req.request_id]

@@ -19,7 +19,8 @@ class EngineStats:
     generation_tokens: int
     tiers: dict[str, Any] = field(default_factory=dict)  # per offload tier: hits, bytes, evictions, ...
     # Wall time of steps that ran a forward (schedule to update), and of the forwards in them: the
-    # rest is the "bubble" async scheduling would hide (scheduling, input preparation, sampling).
+    # rest is the "bubble" (scheduling, input preparation, sampling, the update; with async
+    # scheduling, sampling and whatever of the bookkeeping outlasts the forward).
     busy_seconds: float = 0.0
     forward_seconds: float = 0.0
     # Speculative decoding (engine.spec_decode.SpecDecodeStats.as_dict), None when it is off.

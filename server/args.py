@@ -43,6 +43,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "here, README) and 0 on CUDA")
     g.add_argument("--enforce-eager", action="store_true",
                    help="vLLM's switch off torch.compile (and CUDA graphs): overrides -O with a warning")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="plan step N+1 and prepare its inputs on a helper thread while step N's forward runs; the "
+                        "step-time share with no forward running is in /v1/kv/stats as bubble_fraction. Not with "
+                        "speculative decoding yet")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off G1 prefix caching")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
@@ -109,6 +113,7 @@ def llm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": ns.max_num_batched_tokens,
         "optimization_level": ns.optimization_level,
         "enforce_eager": ns.enforce_eager,
+        "async_scheduling": ns.async_scheduling,
         "enable_prefix_caching": ns.enable_prefix_caching,
         "scheduling_policy": ns.scheduling_policy,
         "kv_eviction_policy": ns.kv_eviction_policy,

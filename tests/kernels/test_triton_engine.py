@@ -19,7 +19,7 @@ def test_engine_on_triton_backend_gives_the_torch_backends_tokens(device, ckpt_d
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
     def tokens(backend) -> list[list[int]]:
-        monkeypatch.setattr(engine_core, "_attention_backend", lambda _device: backend())
+        monkeypatch.setattr(engine_core, "attention_backend", lambda _device: backend())
         llm = LLM(str(ckpt_dir(kind)), dtype="float32", device=device.type, kv_cache_memory_gib=0.05,
                   max_num_batched_tokens=64)
         try:

@@ -121,6 +121,7 @@ def test_bad_flags_exit_2_with_a_message(ckpt_dir, tmp_path):
         ([model, "--kv-eviction-policy", "no_such_policy", "--num-gpu-blocks", "64"], "no_such_policy"),
         ([str(tmp_path / "missing")], "does not exist"),
         ([model, "--port", "70000"], "--port"),
+        ([model, "--async-scheduling", "-sc", '{"method": "ngram", "num_speculative_tokens": 2}'], "async_scheduling"),
     ]:
         r = run_cli(*args)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
@@ -176,3 +177,26 @@ def test_speculative_decoding_through_the_server(ckpt_dir):
     assert metric(metrics, "kvtier:spec_decode_num_accepted_tokens_total") == sd["num_accepted_tokens"]
     assert metric(metrics, "kvtier:spec_decode_num_accepted_tokens_per_pos_total", position="0") == \
         sd["accepted_per_pos"][0]
+
+
+def test_async_scheduling_through_the_server(ckpt_dir):
+    """--async-scheduling: a G2 hit gives the first pass's tokens, and greedy and stop-string
+    answers are the synchronous server's; /v1/kv/stats reports the bubble."""
+    args = (str(ckpt_dir("llama")), "--num-gpu-blocks", str(G1_BLOCKS), "--dtype", "float32",
+            "--kv-offloading-size", "0.05")
+    prompt = random_prompt(40, 5301)
+    answers = []
+    for flags in ((), ("--async-scheduling",)):
+        srv = start_server(*args, *flags)
+        try:
+            again, stats, _ = second_pass_tier(srv, "async")
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256, again
+            plain = complete(srv, prompt, max_tokens=24, return_token_ids=True)["choices"][0]
+            word = plain["text"].split()[len(plain["text"].split()) // 2]
+            stopped = complete(srv, prompt, max_tokens=24, stop=[word])["choices"][0]
+            answers.append((again["choices"][0]["token_ids"], plain["token_ids"], stopped["text"],
+                            stopped["finish_reason"]))
+            assert 0 < stats["steps"]["bubble_fraction"] < 1, stats["steps"]
+        finally:
+            assert srv.stop() == 0
+    assert answers[0] == answers[1]
