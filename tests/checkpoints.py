@@ -88,7 +88,7 @@ ROW_NORM_SIGMA = 0.5
 # around 1e-6 relative, so this leaves a safety factor of >= 100.
 MIN_REL_MARGIN = 1e-4
 
-KINDS = ("llama", "mistral", "qwen2", "qwen3", "llama_mha_tied")
+KINDS = ("llama", "mistral", "qwen2", "qwen3", "llama_mha_tied", "qwen3_moe")
 
 UNK, BOS, EOS, PAD, IM_START, IM_END = "<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [UNK, BOS, EOS, PAD, IM_START, IM_END]
@@ -171,7 +171,7 @@ def build_tokenizer():
 
 
 def _config(kind: str, vocab_size: int, overrides: dict):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -220,6 +220,13 @@ def _config(kind: str, vocab_size: int, overrides: dict):
                    sliding_window=None,
                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
         cls = Qwen3Config
+    elif kind == "qwen3_moe":
+        # 4 experts, 2 active, the last layer dense (mlp_only_layers): both MLP kinds are exercised.
+        cfg = dict(common, head_dim=32, attention_bias=False, use_sliding_window=False, sliding_window=None,
+                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=INTERMEDIATE // 2,
+                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[LAYERS - 1],
+                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        cls = Qwen3MoeConfig
     else:
         raise ValueError(f"unknown checkpoint kind {kind!r}; known: {KINDS}")
     cfg.update(overrides)
@@ -232,6 +239,7 @@ _MODEL_CLASSES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -250,6 +258,8 @@ def _randomize(model, seed: int) -> None:
             continue
         if "norm" in name and name.endswith("weight"):
             p.copy_(1.0 + INIT_STD * randn(p.shape))
+        elif name.endswith("mlp.gate.weight"):  # MoE router: logits far enough apart that routing matters
+            p.copy_(randn(p.shape) / p.shape[1] ** 0.5)
         else:  # linear and embedding weights, biases (qwen2 q/k/v)
             p.copy_(INIT_STD * randn(p.shape))
     # Output matrix: random directions with log-normal row norms (mean square norm equal

@@ -24,4 +24,5 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchSpec] = {
     # Qwen2 always has q/k/v biases (and no config flag for them).
     "Qwen2ForCausalLM": ArchSpec(LlamaFamilyForCausalLM, lambda hf: True, qk_norm=False),
     "Qwen3ForCausalLM": ArchSpec(LlamaFamilyForCausalLM, _bias_flag, qk_norm=True),
+    "Qwen3MoeForCausalLM": ArchSpec(LlamaFamilyForCausalLM, _bias_flag, qk_norm=True),
 }

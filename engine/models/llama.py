@@ -1,6 +1,7 @@
-"""The Llama family: Llama (incl. llama3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+"""The Llama family: Llama (incl. llama3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm),
+and Qwen3-MoE (Qwen3 with sparse MoE MLPs, engine/models/moe.py).
 
-They differ only in flags, so one implementation serves all four. Op order follows
+They differ only in flags, so one implementation serves all five. Op order follows
 transformers' modeling code so that float32 outputs match it token for token.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import nn
 from engine import cpu_kernels
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from engine.models.moe import SparseMoeBlock, expert_weight_slot, is_moe_layer
 from engine.models.packed_linear import PackedLinear
 
 
@@ -142,7 +144,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, backend, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoeBlock(cfg) if is_moe_layer(cfg, layer_idx) else MLP(cfg)
         self.fused = False
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta):
@@ -219,9 +221,23 @@ class LlamaFamilyForCausalLM(nn.Module):
             "up_proj": ("gate_up_proj", inter, inter),
         }
         loaded: set[str] = set()
+        moe_inter = getattr(self.cfg.hf_config, "moe_intermediate_size", 0)
+        expert_rows: dict[str, int] = {}  # fused expert parameter -> rows loaded from per-expert names
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+                continue
+            slot = expert_weight_slot(name, moe_inter)
+            if slot is not None:
+                target, expert, row, rows = slot
+                if target not in params or expert >= params[target].shape[0]:
+                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                dst = params[target].data[expert]
+                dst = dst if rows < 0 else dst.narrow(0, row, rows)
+                if dst.shape != tensor.shape:
+                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+                dst.copy_(tensor)
+                expert_rows[target] = expert_rows.get(target, 0) + dst.shape[0]
                 continue
             parts = name.split(".")
             target, start, size = name, None, None
@@ -237,6 +253,7 @@ class LlamaFamilyForCausalLM(nn.Module):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             dst.copy_(tensor)
             loaded.add(name)
+        loaded.update(n for n, rows in expert_rows.items() if rows == params[n].shape[0] * params[n].shape[1])
         expected = {n for n in params if not (n == "lm_head.weight" and self.cfg.tie_word_embeddings)}
         missing = {n for n in expected if not any(_matches(n, l, fused) for l in loaded)}
         if missing:

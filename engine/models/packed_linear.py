@@ -88,10 +88,14 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module) -> int:
     """Replaces every `nn.Linear` of a CPU model in place; returns how many were packed. A module
-    may name linears to pack in parts with a `packed_parts() -> {child name: output sizes}`."""
+    may name linears to pack in parts with a `packed_parts() -> {child name: output sizes}`, and
+    a module with weights of its own shape (MoE experts) packs them in its `prepack()`."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear]
     for parent, name, child in targets:
         parts = parent.packed_parts().get(name) if hasattr(parent, "packed_parts") else None
         setattr(parent, name, PackedLinear(child, parts))
-    return len(targets)
+    own = [m for m in model.modules() if hasattr(m, "prepack")]
+    for m in own:
+        m.prepack()
+    return len(targets) + len(own)

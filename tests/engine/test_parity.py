@@ -91,6 +91,7 @@ def test_checkpoint_config_is_as_intended(kind, ckpt_dir, tokenizer):
         "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
     }[kind]
     assert cfg["architectures"] == [arch]
     assert cfg["num_key_value_heads"] == (4 if kind == "llama_mha_tied" else 2)
@@ -117,6 +118,10 @@ def test_checkpoint_config_is_as_intended(kind, ckpt_dir, tokenizer):
             for proj in ("q_proj", "k_proj", "v_proj"):
                 bias = f.get_tensor(f"model.layers.0.self_attn.{proj}.bias")
                 assert bias.abs().min() > 0 and bias.abs().mean() > 0.05
+        if kind == "qwen3_moe":  # saved with per-expert names; routing weights spread out
+            assert cfg.get("num_experts", cfg.get("num_local_experts")) == 4 and cfg["num_experts_per_tok"] == 2 and cfg["mlp_only_layers"] == [1]
+            assert "model.layers.0.mlp.experts.3.up_proj.weight" in names and "model.layers.1.mlp.up_proj.weight" in names
+            assert f.get_tensor("model.layers.0.mlp.gate.weight").std() > 0.05
         if kind == "qwen3":
             qn = f.get_tensor("model.layers.0.self_attn.q_norm.weight")
             assert qn.shape == (32,) and (qn - 1).abs().mean() > 0.05

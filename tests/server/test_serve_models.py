@@ -1,0 +1,23 @@
+"""Issue 16, acceptance 5: `kvtier serve` serves each architecture beyond the Llama family's dense
+ones. Oracle: transformers' greedy tokens for the same prompt (float32)."""
+from __future__ import annotations
+
+import pytest
+
+from checkpoints import hf_greedy, load_hf, random_prompt
+from serving import start_server
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe"])
+def test_served_greedy_tokens_are_transformers(ckpt_dir, kind):
+    prompt = random_prompt(60, 5401)
+    want = hf_greedy(load_hf(ckpt_dir(kind)), prompt, 12)
+    srv = start_server(str(ckpt_dir(kind)), "--num-gpu-blocks", "64", "--dtype", "float32")
+    try:
+        with srv.client() as c:
+            r = c.post("/v1/completions", json={"model": srv.model, "prompt": prompt, "max_tokens": 12,
+                                                "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == list(want)
+    finally:
+        assert srv.stop() == 0
