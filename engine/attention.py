@@ -37,17 +37,21 @@ class PrefillSeq:
             self._on_device[key] = self.block_ids.to(device)
         return self._on_device[key]
 
-    def additive_mask(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def additive_mask(self, dtype: torch.dtype, device: torch.device, window: int = 0) -> torch.Tensor:
         """The causal mask of a chunk after cached tokens, `[query_len, context_len]`, as 0 / -inf
         in the query's dtype, built on first use and shared by every layer: given a bool mask,
         SDPA's CPU kernel converted it on each call (`aten::where`: 2.6 s of a 35 s 8k-token
         prefill in 2k chunks). (Splitting the chunk into context and causal parts merged by
         log-sum-exp was faster still, but moved hidden states ~1e-6 of their scale away from
-        transformers'.) Query i sits at position context_len - query_len + i."""
-        key = (str(device), dtype)
+        transformers'.) Query i sits at position context_len - query_len + i; with `window` > 0
+        it sees only keys j with position - window < j (sliding-window layers)."""
+        key = (str(device), dtype, window)
         if key not in self._on_device:
             rows = torch.arange(self.query_len, device=device).unsqueeze(1) + (self.context_len - self.query_len)
-            allowed = torch.arange(self.context_len, device=device).unsqueeze(0) <= rows
+            cols = torch.arange(self.context_len, device=device).unsqueeze(0)
+            allowed = cols <= rows
+            if window > 0:
+                allowed &= cols > rows - window
             zero = torch.zeros((), dtype=dtype, device=device)
             self._on_device[key] = torch.full(allowed.shape, float("-inf"), dtype=dtype, device=device).where(
                 ~allowed, zero)
@@ -94,7 +98,9 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Contract: given this step's q/k/v (`[num_tokens, heads, head_dim]`), write k/v into the
     layer's cache at `meta.slot_mapping`, then return the attention output `[num_tokens,
-    num_heads * head_dim]` where each token attends causally to its own sequence's cache."""
+    num_heads * head_dim]` where each token attends causally to its own sequence's cache: to
+    every earlier key, or with `window` > 0 (a sliding-window layer) to keys j with
+    position - window < j (the last `window` keys, its own included, as transformers masks)."""
 
     # Whether decodes should come as groups of similar context length (a backend that pads every
     # row of a group to its longest): the model runner then bounds the padding. Kernels that take
@@ -111,6 +117,7 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor: ...
 
 
@@ -138,34 +145,35 @@ class TorchPagedAttention(AttentionBackend):
             return cache[seq.first_block : seq.first_block + nb].flatten(0, 1)[: seq.context_len]
         return self._gather(name, cache, seq.block_ids_on(cache.device))[: seq.context_len]
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=0):
         num_tokens, num_heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
         k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         for seq in meta.prefills:
-            self._prefill(q, k_cache, v_cache, seq, scale, out)
+            self._prefill(q, k_cache, v_cache, seq, scale, out, window)
         for group in meta.decodes:
-            out.index_copy_(0, group.query_idx, self._decode(q, k_cache, v_cache, group, scale))
+            out.index_copy_(0, group.query_idx, self._decode(q, k_cache, v_cache, group, scale, window))
         return out.view(num_tokens, num_heads * head_dim)
 
     def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq,
-                 scale: float, out: torch.Tensor) -> None:
+                 scale: float, out: torch.Tensor, window: int = 0) -> None:
         """SDPA over the sequence's context (a view when its blocks are one run, else gathered)."""
         qs = q[seq.query_start : seq.query_start + seq.query_len].transpose(0, 1).unsqueeze(0)
         ks = self._context("k", k_cache, seq).transpose(0, 1).unsqueeze(0)
         vs = self._context("v", v_cache, seq).transpose(0, 1).unsqueeze(0)
         gqa = q.shape[1] != k_cache.shape[2]
-        if seq.query_len == seq.context_len:
+        windowed = 0 < window < seq.context_len
+        if seq.query_len == seq.context_len and not windowed:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.additive_mask(q.dtype, q.device), scale=scale,
-                                               enable_gqa=gqa)
+            mask = seq.additive_mask(q.dtype, q.device, window if windowed else 0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[seq.query_start : seq.query_start + seq.query_len] = o[0].transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int = 0) -> torch.Tensor:
         """One query token per sequence as two batched GEMMs over (sequence, KV head) pairs, the
         query heads of a KV head stacked as rows. SDPA's CPU flash kernel tiles for long queries:
         for a batch of 64 one-token queries it took 4 ms a layer in fp32 and 14 ms in bf16 (79% of a
@@ -182,5 +190,9 @@ class TorchPagedAttention(AttentionBackend):
         k, v = context("k", k_cache), context("v", v_cache)
         qd = q.index_select(0, group.query_idx).view(n * kv_heads, g, head_dim)
         scores = torch.bmm(qd, k.transpose(1, 2)).float().mul_(scale).view(n, kv_heads, g, -1)
-        probs = torch.softmax(scores.masked_fill_(~group.mask, float("-inf")), dim=-1)
+        mask = group.mask
+        if window > 0:  # keys before the last `window` of each row are out of its sight
+            pos = torch.arange(mask.shape[-1], device=mask.device)
+            mask = mask & (pos >= (group.context_lens - window).view(-1, 1, 1, 1))
+        probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
         return torch.bmm(probs.to(v.dtype).view(n * kv_heads, g, -1), v).view(n, heads, head_dim)

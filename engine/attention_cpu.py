@@ -19,7 +19,9 @@ class CpuPagedAttention(TorchPagedAttention):
 
     pads_decodes = False  # the kernel walks each row's own table; one call per layer balances best
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, window=0):
+        if window > 0:  # the C++ kernels attend to whole contexts: sliding-window layers take the torch path
+            return super().forward(q.contiguous(), k, v, k_cache, v_cache, meta, scale, window)
         num_tokens, num_heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
         k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)

@@ -77,14 +77,13 @@ class TritonPagedAttention(AttentionBackend):
 
     pads_decodes = False  # rows carry their own lengths
 
-    def __init__(self, window: int = 0) -> None:
+    def __init__(self) -> None:
         if not kernels.available():
             raise RuntimeError(f"the Triton attention backend cannot run here: {kernels.unavailable_reason()}")
-        self.window = window
         self._meta: AttentionMetadata | None = None
         self._plan: _StepPlan | None = None
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=0):
         num_tokens, num_heads, head_dim = q.shape
         if meta is not self._meta:  # first layer of a step
             self._plan, self._meta = plan_step(meta, num_tokens, q.device), meta
@@ -95,13 +94,13 @@ class TritonPagedAttention(AttentionBackend):
             qp = q if plan.prefill_rows is None else q.index_select(0, plan.prefill_rows)
             op = kernels.paged_prefill(qp, k_cache, v_cache, plan.prefill_tables, plan.cu_seqlens_q,
                                        plan.prefill_lens, scale, max_query_len=plan.max_query_len,
-                                       window=self.window, out=out if plan.prefill_rows is None else None)
+                                       window=window, out=out if plan.prefill_rows is None else None)
             if plan.prefill_rows is not None:
                 out.index_copy_(0, plan.prefill_rows, op)
         if plan.decode_rows is not None:
             block_size = k_cache.shape[1]
             od = kernels.paged_decode(q.index_select(0, plan.decode_rows), k_cache, v_cache, plan.decode_tables,
-                                      plan.decode_lens, scale, window=self.window,
+                                      plan.decode_lens, scale, window=window,
                                       max_seq_len=plan.max_decode_blocks * block_size)
             out.index_copy_(0, plan.decode_rows, od)
         return out.view(num_tokens, num_heads * head_dim)

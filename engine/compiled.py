@@ -52,21 +52,21 @@ def step_context(backend: AttentionBackend, caches: list[tuple[torch.Tensor, tor
 
 
 @torch.library.custom_op("kvtier::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
-    """`AttentionBackend.forward` for decoder layer `layer` of the step in `step_context`: writes
-    k/v into that layer's cache (state the graph does not see, so nothing is declared mutated)
-    and returns `[num_tokens, heads * head_dim]`."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int) -> torch.Tensor:
+    """`AttentionBackend.forward` for decoder layer `layer` (sliding `window`, 0 = none) of the
+    step in `step_context`: writes k/v into that layer's cache (state the graph does not see, so
+    nothing is declared mutated) and returns `[num_tokens, heads * head_dim]`."""
     ctx = getattr(_local, "step", None)
     if ctx is None:
         raise RuntimeError("kvtier::attention called outside a model step")
     k_cache, v_cache = ctx.caches[layer]
     if q.stride()[1:] != (q.shape[2], 1):  # the kernels need contiguous heads; inductor may lay q out otherwise
         q = q.contiguous()
-    return ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, scale)
+    return ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, scale, window)
 
 
 @attention.register_fake
-def _(q, k, v, layer, scale):
+def _(q, k, v, layer, scale, window):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
@@ -89,8 +89,17 @@ class CompiledForward:
     steps, whose static shape made inductor pick MKL's GEMM: decode 2x slower than eager). The
     graph is compiled on the first call, and that time is logged."""
 
+    # Dynamo caches compiled code per code object and guards on the module instance: every model
+    # compiled in one process (engines side by side, a draft beside its target, a test session)
+    # is one more "recompile" of the same forward, and at its default limit of 8 the ninth
+    # engine failed under fullgraph=True.
+    MODELS_PER_PROCESS = 256
+
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend) -> None:
         _use_disk_cache()
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, self.MODELS_PER_PROCESS)
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, self.MODELS_PER_PROCESS)
         self.model, self.backend = model, backend
         self._fn = torch.compile(model, dynamic=False, fullgraph=True)
         self._compiled = False

@@ -104,6 +104,8 @@ class ModelConfig:
     o_proj_bias: bool
     qk_norm: bool
     dtype: torch.dtype
+    # Per layer: the sliding window it attends within (the last that many keys), 0 = all of them.
+    sliding_windows: tuple[int, ...]
     hf_config: Any = field(repr=False, compare=False)
 
     def fingerprint(self) -> dict[str, Any]:
@@ -286,10 +288,6 @@ def load_model_config(model_dir: Path, dtype: str, device: str = "cpu") -> Model
             f"supported architectures: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
         )
     hf = AutoConfig.from_pretrained(model_dir)
-    window = getattr(hf, "sliding_window", None)
-    if window is not None and getattr(hf, "use_sliding_window", True) and arch == "MistralForCausalLM":
-        # Sliding-window attention is not implemented; refuse rather than silently attend wider.
-        raise ValueError(f"{arch} with sliding_window={window} is not supported (set sliding_window to null)")
     num_heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
     return ModelConfig(
@@ -308,6 +306,23 @@ def load_model_config(model_dir: Path, dtype: str, device: str = "cpu") -> Model
         # Qwen2's biases are on q/k/v only; the others put attention_bias on o_proj too.
         o_proj_bias=_bias_flag(hf) and arch != "Qwen2ForCausalLM",
         qk_norm=SUPPORTED_ARCHITECTURES[arch].qk_norm,
+        sliding_windows=_sliding_windows(hf),
         dtype=resolve_dtype(dtype, getattr(hf, "dtype", None) or raw.get("torch_dtype"), device),
         hf_config=hf,
     )
+
+
+def _sliding_windows(hf: Any) -> tuple[int, ...]:
+    """Each layer's window as transformers applies it: `layer_types` where the config has it
+    (Qwen2/3 derive it from use_sliding_window and max_window_layers), else `sliding_window` on
+    every layer (Mistral)."""
+    window = getattr(hf, "sliding_window", None) or 0
+    types = getattr(hf, "layer_types", None)
+    if types is None:
+        return (int(window),) * hf.num_hidden_layers
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported (full_attention and sliding_attention are)")
+    if "sliding_attention" in types and window <= 0:
+        raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+    return tuple(int(window) if t == "sliding_attention" else 0 for t in types)

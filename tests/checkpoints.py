@@ -14,6 +14,9 @@ Kinds
 ``qwen3``            Qwen3ForCausalLM, q/k RMSNorm, explicit ``head_dim=32`` (!= 64/4), GQA.
 ``llama_mha_tied``   LlamaForCausalLM, ``num_key_value_heads == num_attention_heads``, tied
                      embeddings, default rope.
+``qwen3_moe``        Qwen3MoeForCausalLM, 4 experts (2 active), the last layer dense.
+``mistral_swa``      MistralForCausalLM with ``sliding_window=48`` on every layer.
+``qwen3_swa``        (not in KINDS) Qwen3ForCausalLM, layer 0 full, layer 1 a 48-token window.
 
 All: hidden 64, 2 layers, intermediate 128, ``max_position_embeddings`` 2048,
 vocab ``len(tokenizer)`` (= 512).
@@ -88,7 +91,8 @@ ROW_NORM_SIGMA = 0.5
 # around 1e-6 relative, so this leaves a safety factor of >= 100.
 MIN_REL_MARGIN = 1e-4
 
-KINDS = ("llama", "mistral", "qwen2", "qwen3", "llama_mha_tied", "qwen3_moe")
+SLIDING_WINDOW = 48  # the sliding-window kinds' window: parity prompts run to 1030 tokens
+KINDS = ("llama", "mistral", "qwen2", "qwen3", "llama_mha_tied", "qwen3_moe", "mistral_swa")
 
 UNK, BOS, EOS, PAD, IM_START, IM_END = "<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [UNK, BOS, EOS, PAD, IM_START, IM_END]
@@ -211,6 +215,13 @@ def _config(kind: str, vocab_size: int, overrides: dict):
         cfg = dict(common, sliding_window=None,
                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
         cls = MistralConfig
+    elif kind == "mistral_swa":  # every layer attends to its last 48 keys only
+        cfg = dict(common, sliding_window=SLIDING_WINDOW, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        cls = MistralConfig
+    elif kind == "qwen3_swa":  # layer 0 full attention, layer 1 a sliding window (transformers' layer_types)
+        cfg = dict(common, head_dim=32, attention_bias=False, use_sliding_window=True, sliding_window=SLIDING_WINDOW,
+                   max_window_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        cls = Qwen3Config
     elif kind == "qwen2":
         cfg = dict(common, tie_word_embeddings=True, use_sliding_window=False, sliding_window=None,
                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
@@ -240,6 +251,8 @@ _MODEL_CLASSES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mistral_swa": "MistralForCausalLM",
+    "qwen3_swa": "Qwen3ForCausalLM",
 }
 
 

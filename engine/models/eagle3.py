@@ -71,7 +71,8 @@ def load_eagle3_config(draft_dir: Path, target: ModelConfig) -> Eagle3Config:
                     head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads, rms_norm_eps=hf.rms_norm_eps,
                     max_position_embeddings=hf.max_position_embeddings, tie_word_embeddings=False,
                     attention_bias=bool(getattr(hf, "attention_bias", False)),
-                    o_proj_bias=bool(getattr(hf, "attention_bias", False)), qk_norm=False, hf_config=hf)
+                    o_proj_bias=bool(getattr(hf, "attention_bias", False)), qk_norm=False, sliding_windows=(0,),
+                    hf_config=hf)
     ids = raw.get("eagle_aux_hidden_state_layer_ids") or eagle3_layer_ids(target.num_layers)
     if any(not isinstance(i, int) or not 0 <= i <= target.num_layers for i in ids) or len(set(ids)) != len(ids):
         raise ValueError(f"eagle_aux_hidden_state_layer_ids {ids} must be distinct layer ids in 0..{target.num_layers}")

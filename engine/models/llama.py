@@ -82,6 +82,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim**-0.5
+        self.window = cfg.sliding_windows[layer_idx]  # 0: attends to the whole context
         self.backend = backend
         self.fused = False  # engine/cpu_kernels' fused ops (set by `use_fused_cpu_ops`)
 
@@ -108,8 +109,8 @@ class Attention(nn.Module):
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
         if meta is None:  # compiled (engine/compiled.py): the op finds the step's cache and metadata itself
-            return self.o_proj(torch.ops.kvtier.attention(q, k, v, self.layer_idx, self.scale))
-        return self.o_proj(self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale))
+            return self.o_proj(torch.ops.kvtier.attention(q, k, v, self.layer_idx, self.scale, self.window))
+        return self.o_proj(self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window))
 
 
 class MLP(nn.Module):

@@ -177,4 +177,4 @@ def test_attention_op_outside_a_step_raises():
 
     q = torch.zeros(1, 2, 8)
     with pytest.raises(RuntimeError, match="outside a model step"):
-        torch.ops.kvtier.attention(q, q[:, :1], q[:, :1], 0, 1.0)
+        torch.ops.kvtier.attention(q, q[:, :1], q[:, :1], 0, 1.0, 0)

@@ -92,6 +92,7 @@ def test_checkpoint_config_is_as_intended(kind, ckpt_dir, tokenizer):
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
         "qwen3_moe": "Qwen3MoeForCausalLM",
+        "mistral_swa": "MistralForCausalLM",
     }[kind]
     assert cfg["architectures"] == [arch]
     assert cfg["num_key_value_heads"] == (4 if kind == "llama_mha_tied" else 2)
@@ -110,6 +111,8 @@ def test_checkpoint_config_is_as_intended(kind, ckpt_dir, tokenizer):
         assert rope["rope_type"] == "default"
     if kind == "mistral":
         assert cfg["sliding_window"] is None
+    if kind == "mistral_swa":
+        assert 0 < cfg["sliding_window"] < max(PARITY_LENGTHS)
     if kind == "qwen3":
         assert cfg["head_dim"] == 32 != cfg["hidden_size"] // cfg["num_attention_heads"]
     with safe_open(str(path / "model.safetensors"), "pt") as f:

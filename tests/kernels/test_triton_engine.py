@@ -8,7 +8,7 @@ import pytest
 from checkpoints import random_prompt
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral_swa"])  # mistral_swa: the kernels' window
 def test_engine_on_triton_backend_gives_the_torch_backends_tokens(device, ckpt_dir, kind, monkeypatch):
     from engine import LLM, SamplingParams, engine_core
     from engine.attention import TorchPagedAttention
