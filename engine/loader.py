@@ -14,7 +14,6 @@ from engine import cpu_kernels
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.models import SUPPORTED_ARCHITECTURES
-from engine.models.llama import rope_tables
 from engine.models.packed_linear import pack_linears, packing_available
 
 log = logging.getLogger(__name__)
@@ -49,8 +48,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max
         # Build on meta first so a large model is not initialised twice.
         model = spec.model_cls(cfg, backend, max_len)
     model = model.to_empty(device=device).to(cfg.dtype)
-    # to_empty() left the rope buffers uninitialised; rebuild them for real.
-    model.rope_cos, model.rope_sin = (t.to(device) for t in rope_tables(cfg, max_len))
+    model.reset_rope(max_len, device)  # to_empty() left the rope buffers uninitialised
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights((k, v.to(cfg.dtype)) for k, v in iter_safetensors(model_dir))
@@ -58,7 +56,8 @@ def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max
     cpu = device == "cpu" and cfg.dtype in (torch.float32, torch.bfloat16)
     if cpu and packing_available():
         log.info("prepacked %d linear layers into oneDNN's blocked layout", pack_linears(model))
-    if cpu and fused_ops and not compiled and cfg.head_dim <= 512 and cpu_kernels.get() is not None:
+    if cpu and fused_ops and not compiled and cfg.head_dim <= 512 and model.supports_fused_cpu_ops \
+            and cpu_kernels.get() is not None:
         model.use_fused_cpu_ops()
         log.info("norms and rotary embedding run as fused C++ ops")
     log.info("loaded %s (%s, %d layers) from %s in %.1fs", cfg.architecture, cfg.dtype, cfg.num_layers,

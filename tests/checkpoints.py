@@ -16,6 +16,8 @@ Kinds
                      embeddings, default rope.
 ``qwen3_moe``        Qwen3MoeForCausalLM, 4 experts (2 active), the last layer dense.
 ``mistral_swa``      MistralForCausalLM with ``sliding_window=48`` on every layer.
+``gemma3``           Gemma3ForCausalLM: layer 0 sliding (48), layer 1 full with linear rope
+                     scaling, query_pre_attn_scalar 24 (!= head_dim 32), final logit soft-capping.
 ``qwen3_swa``        (not in KINDS) Qwen3ForCausalLM, layer 0 full, layer 1 a 48-token window.
 
 All: hidden 64, 2 layers, intermediate 128, ``max_position_embeddings`` 2048,
@@ -92,7 +94,7 @@ ROW_NORM_SIGMA = 0.5
 MIN_REL_MARGIN = 1e-4
 
 SLIDING_WINDOW = 48  # the sliding-window kinds' window: parity prompts run to 1030 tokens
-KINDS = ("llama", "mistral", "qwen2", "qwen3", "llama_mha_tied", "qwen3_moe", "mistral_swa")
+KINDS = ("llama", "mistral", "qwen2", "qwen3", "llama_mha_tied", "qwen3_moe", "mistral_swa", "gemma3")
 
 UNK, BOS, EOS, PAD, IM_START, IM_END = "<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [UNK, BOS, EOS, PAD, IM_START, IM_END]
@@ -175,7 +177,7 @@ def build_tokenizer():
 
 
 def _config(kind: str, vocab_size: int, overrides: dict):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -222,6 +224,13 @@ def _config(kind: str, vocab_size: int, overrides: dict):
         cfg = dict(common, head_dim=32, attention_bias=False, use_sliding_window=True, sliding_window=SLIDING_WINDOW,
                    max_window_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
         cls = Qwen3Config
+    elif kind == "gemma3":  # layer 0 sliding (window 48), layer 1 full; linear rope scaling on the full layer
+        cfg = dict(common, head_dim=32, query_pre_attn_scalar=24, sliding_window=SLIDING_WINDOW,
+                   layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True,
+                   final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}})
+        cls = Gemma3TextConfig
     elif kind == "qwen2":
         cfg = dict(common, tie_word_embeddings=True, use_sliding_window=False, sliding_window=None,
                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
@@ -253,6 +262,7 @@ _MODEL_CLASSES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral_swa": "MistralForCausalLM",
     "qwen3_swa": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaFamilyForCausalLM
 
 
@@ -25,4 +26,5 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen2ForCausalLM": ArchSpec(LlamaFamilyForCausalLM, lambda hf: True, qk_norm=False),
     "Qwen3ForCausalLM": ArchSpec(LlamaFamilyForCausalLM, _bias_flag, qk_norm=True),
     "Qwen3MoeForCausalLM": ArchSpec(LlamaFamilyForCausalLM, _bias_flag, qk_norm=True),
+    "Gemma3ForCausalLM": ArchSpec(Gemma3ForCausalLM, _bias_flag, qk_norm=True),
 }

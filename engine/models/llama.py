@@ -33,15 +33,23 @@ class RMSNorm(nn.Module):
 
 def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin `[max_len, head_dim]` computed the way transformers computes them per step."""
+    return rope_tables_for(cfg, max_len)
 
+
+def rope_tables_for(cfg: ModelConfig, max_len: int, layer_type: str | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_tables` for one layer type of a model whose `rope_parameters` are per layer type
+    (Gemma 3: `{"sliding_attention": {...}, "full_attention": {...}}`)."""
     with torch.device("cpu"):  # real numbers even when the model is built on the meta device
-        return _rope_tables(cfg, max_len)
+        return _rope_tables(cfg, max_len, layer_type)
 
 
-def _rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_tables(cfg: ModelConfig, max_len: int, layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = getattr(cfg.hf_config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(cfg.hf_config, "rope_theta", 10000.0))
@@ -50,7 +58,8 @@ def _rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Te
     elif rope_type in ("dynamic", "longrope"):
         raise ValueError(f"rope_type {rope_type!r} is not supported (it depends on the sequence length)")
     else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg.hf_config, "cpu")
+        kw = {"layer_type": layer_type} if layer_type is not None else {}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg.hf_config, "cpu", **kw)
     freqs = torch.arange(max_len, dtype=torch.float).unsqueeze(1) * inv_freq.float().unsqueeze(0)
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scaling).to(cfg.dtype), (emb.sin() * scaling).to(cfg.dtype)
@@ -160,19 +169,37 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaFamilyForCausalLM(nn.Module):
+    # What a variant (engine/models/gemma3.py) replaces: its decoder layer and norm, and whether
+    # engine/cpu_kernels' fused norm and rotary ops compute what its layers do.
+    layer_cls: type[nn.Module] = DecoderLayer
+    norm_cls: type[nn.Module] = RMSNorm
+    supports_fused_cpu_ops = True
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_len: int) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, backend, i) for i in range(cfg.num_layers))
+        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.fused = False
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rope_tables(cfg, max_len)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_rope(max_len)
+
+    def reset_rope(self, max_len: int, device: str | torch.device = "cpu") -> None:
+        """(Re)builds the rotary tables (after `to_empty`, which leaves buffers uninitialised)."""
+        cos, sin = rope_tables(self.cfg, max_len)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def layer_rope(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cos/sin rows for the step's positions."""
+        cos_sin = (self.rope_cos[positions], self.rope_sin[positions])
+        return [cos_sin] * len(self.layers)
 
     def forward(
         self,
@@ -186,14 +213,14 @@ class LlamaFamilyForCausalLM(nn.Module):
         each id in `capture_layers` (0 = embeddings, k = after decoder layer k-1, pre-norm).
         `kv_caches` and `meta` are None when compiled: attention reads them from engine/compiled.py's
         step context instead, so that the graph sees only token-sized tensors."""
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        h = self.embed(input_ids)
+        rope = self.layer_rope(positions)
         captured = [h] if 0 in capture_layers else []
         if self.fused:
             captured = [x.clone() for x in captured]  # fused layers update `h` in place
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_caches[i] if kv_caches is not None else (None, None)
-            h = layer(h, cos, sin, k_cache, v_cache, meta)
+            h = layer(h, *rope[i], k_cache, v_cache, meta)
             if i + 1 in capture_layers:
                 captured.append(h.clone() if self.fused else h)
         return self.norm(h), captured

@@ -51,7 +51,7 @@ def hf_states(model, prompt) -> list[torch.Tensor]:
     return [h[0] for h in hs[:-1]] + [pre_norm["h"][0]]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3", "qwen3_moe"])
 def test_exported_states_equal_transformers(ckpt_dir, hf_model, tmp_path, kind):
     layer_ids = [LAYERS, 0, 1]  # file order is the order given, not sorted
     out = tmp_path / "hs"

@@ -93,10 +93,11 @@ def test_checkpoint_config_is_as_intended(kind, ckpt_dir, tokenizer):
         "qwen3": "Qwen3ForCausalLM",
         "qwen3_moe": "Qwen3MoeForCausalLM",
         "mistral_swa": "MistralForCausalLM",
+        "gemma3": "Gemma3ForCausalLM",
     }[kind]
     assert cfg["architectures"] == [arch]
     assert cfg["num_key_value_heads"] == (4 if kind == "llama_mha_tied" else 2)
-    assert cfg["tie_word_embeddings"] == (kind in ("qwen2", "llama_mha_tied"))
+    assert cfg["tie_word_embeddings"] == (kind in ("qwen2", "llama_mha_tied", "gemma3"))
     rope = cfg["rope_parameters"]  # transformers 5: no top-level rope_theta / rope_scaling
     if kind == "llama":
         assert rope == {
@@ -107,6 +108,9 @@ def test_checkpoint_config_is_as_intended(kind, ckpt_dir, tokenizer):
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 256,
         }
+    elif kind == "gemma3":  # per layer type
+        assert rope["full_attention"]["rope_type"] == "linear" and rope["sliding_attention"]["rope_type"] == "default"
+        assert cfg["layer_types"] == ["sliding_attention", "full_attention"]
     else:
         assert rope["rope_type"] == "default"
     if kind == "mistral":

@@ -1,8 +1,8 @@
 """Issue 16: sliding-window attention (Mistral's `sliding_window`, Qwen's `layer_types`).
 Oracle: transformers' greedy tokens (float32) for prompts below, at and well past the window,
 with prompts chunked across the window boundary, with prefix caching off and on (second pass from
-cached blocks), on every layer (mistral_swa) and on some layers only (qwen3_swa). test_parity.py
-runs mistral_swa eagerly and compiled to 1030 tokens."""
+cached blocks), on every layer (mistral_swa) and on some layers only (qwen3_swa, gemma3).
+test_parity.py runs mistral_swa and gemma3 eagerly and compiled to 1030 tokens."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,7 @@ def qwen3_swa(tmp_path_factory):
     return build_checkpoint("qwen3_swa", tmp_path_factory.mktemp("qwen3_swa"))
 
 
-@pytest.mark.parametrize("kind", ["mistral_swa", "qwen3_swa"])
+@pytest.mark.parametrize("kind", ["mistral_swa", "qwen3_swa", "gemma3"])
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_chunked_sliding_window_prefill_and_decode_equal_transformers(kind, prefix_caching, ckpt_dir, qwen3_swa):
     from engine import LLM, SamplingParams
@@ -27,8 +27,8 @@ def test_chunked_sliding_window_prefill_and_decode_equal_transformers(kind, pref
     path = qwen3_swa if kind == "qwen3_swa" else ckpt_dir(kind)
     windows = LLM(str(path), dtype="float32", num_gpu_blocks=128, max_num_batched_tokens=37,
                   enable_prefix_caching=prefix_caching)
-    assert set(windows.engine.model_config.sliding_windows) == ({0, SLIDING_WINDOW} if kind == "qwen3_swa"
-                                                                 else {SLIDING_WINDOW})
+    assert set(windows.engine.model_config.sliding_windows) == ({SLIDING_WINDOW} if kind == "mistral_swa"
+                                                                 else {0, SLIDING_WINDOW})
     prompts = [random_prompt(n, 300 + n) for n in LENGTHS]
     hf = load_hf(path)
     want = [list(hf_greedy(hf, p, 2 * SLIDING_WINDOW)) for p in prompts]  # decodes run past the window too

@@ -8,9 +8,9 @@ from checkpoints import hf_greedy, load_hf, random_prompt
 from serving import start_server
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gemma3", "mistral_swa"])
 def test_served_greedy_tokens_are_transformers(ckpt_dir, kind):
-    prompt = random_prompt(60, 5401)
+    prompt = random_prompt(60, 5401)  # longer than the sliding kinds' window
     want = hf_greedy(load_hf(ckpt_dir(kind)), prompt, 12)
     srv = start_server(str(ckpt_dir(kind)), "--num-gpu-blocks", "64", "--dtype", "float32")
     try:
