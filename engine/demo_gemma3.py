@@ -41,14 +41,6 @@ def find_gguf() -> Path:
     return Path(pkg.assemble())  # joins the chunk packages once and checks the file's sha256
 
 
-def _hf_name(gguf_name: str) -> str:
-    stem, suffix = gguf_name.rsplit(".", 1)
-    if stem.startswith("blk."):
-        _, layer, part = stem.split(".", 2)
-        return f"model.layers.{layer}.{_LAYER[part]}.{suffix}"
-    return f"{_TOP[stem]}.{suffix}"
-
-
 def convert(gguf_path: Path, out: Path) -> dict[str, Any]:
     """Writes config, weights, tokenizer and generation config into `out`; returns the config."""
     import json
@@ -59,7 +51,7 @@ def convert(gguf_path: Path, out: Path) -> dict[str, Any]:
     from safetensors.numpy import save_file
     from transformers import AutoTokenizer
 
-    from engine.demo_model import _f32, _field
+    from engine.demo_model import _f32, _field, hf_name
 
     reader = GGUFReader(str(gguf_path))
     if _field(reader, "general.architecture") != "gemma3":
@@ -72,7 +64,7 @@ def convert(gguf_path: Path, out: Path) -> dict[str, Any]:
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
         if t.name.endswith("norm.weight"):
             w = w - np.float32(1.0)
-        tensors[_hf_name(t.name)] = np.ascontiguousarray(w)
+        tensors[hf_name(t.name, _LAYER, _TOP)] = np.ascontiguousarray(w)
     if "lm_head.weight" in tensors:
         raise ValueError(f"{gguf_path.name}: an untied output matrix; Gemma 3 ties it to the embeddings")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

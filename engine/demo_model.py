@@ -123,12 +123,13 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def _hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, layer_names: dict[str, str] = _LAYER_NAMES, top_names: dict[str, str] = _TOP_NAMES) -> str:
+    """llama.cpp's tensor name (`blk.3.attn_q.weight`) as the HF checkpoint's."""
     stem, suffix = gguf_name.rsplit(".", 1)
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
-    return f"{_TOP_NAMES[stem]}.{suffix}"
+        return f"model.layers.{layer}.{layer_names[part]}.{suffix}"
+    return f"{top_names[stem]}.{suffix}"
 
 
 def _convert(gguf_path: Path, out: Path) -> None:
@@ -163,7 +164,7 @@ def _convert(gguf_path: Path, out: Path) -> None:
             w = _unpermute(w, n_head)
         elif t.name.endswith("attn_k.weight"):
             w = _unpermute(w, n_kv)
-        tensors[_hf_name(t.name)] = np.ascontiguousarray(w)
+        tensors[hf_name(t.name)] = np.ascontiguousarray(w)
     # SmolLM2 ties lm_head to the embeddings; llama.cpp then omits output.weight entirely.
     tied = "lm_head.weight" not in tensors
     # transformers refuses safetensors files without a "format" entry in the metadata.
