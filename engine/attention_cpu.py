@@ -20,8 +20,6 @@ class CpuPagedAttention(TorchPagedAttention):
     pads_decodes = False  # the kernel walks each row's own table; one call per layer balances best
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, window=0):
-        if window > 0:  # the C++ kernels attend to whole contexts: sliding-window layers take the torch path
-            return super().forward(q.contiguous(), k, v, k_cache, v_cache, meta, scale, window)
         num_tokens, num_heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
         k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
@@ -30,13 +28,13 @@ class CpuPagedAttention(TorchPagedAttention):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for group in meta.decodes:
             cpu_kernels.paged_attention(q, k_cache, v_cache, out, group.query_idx, group.block_tables,
-                                        group.context_lens, scale)
+                                        group.context_lens, scale, window)
         if meta.prefills:
             if cpu_kernels.prefill_supported(num_heads, kv_heads, k_cache.shape[1]):
                 seqs, tables = meta.packed_prefills()
-                cpu_kernels.prefill_attention(q, k_cache, v_cache, out, seqs, tables, scale)
+                cpu_kernels.prefill_attention(q, k_cache, v_cache, out, seqs, tables, scale, window)
             else:
                 q = q.contiguous()
                 for seq in meta.prefills:
-                    self._prefill(q, k_cache, v_cache, seq, scale, out)
+                    self._prefill(q, k_cache, v_cache, seq, scale, out, window)
         return out.view(num_tokens, num_heads * head_dim)

@@ -61,9 +61,9 @@ def _traced(name: str):
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                    rows: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float) -> None:
+                    rows: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int = 0) -> None:
     """`out[rows[i]]` = attention of `q[rows[i]]` (`[heads, head_dim]`) over the first `lens[i]`
-    tokens reached through `tables[i]` (block ids into `k_cache`/`v_cache`, each `[num_blocks,
+    tokens (the last `window` of them when `window` > 0) reached through `tables[i]` (block ids into `k_cache`/`v_cache`, each `[num_blocks,
     block_size, kv_heads, head_dim]` with contiguous blocks). `q`/`out`: `[tokens, heads, head_dim]`
     with contiguous rows; `rows`, `tables`, `lens`: contiguous int64. float32 or bfloat16."""
     lib = get()
@@ -80,7 +80,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         rc = lib.kvt_paged_attention(
             int(q.dtype == torch.bfloat16), _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), k_cache.stride(0),
             k_cache.stride(1), _ptr(out), out.stride(0), _ptr(rows), _ptr(tables), tables.stride(0) if n else 0,
-            _ptr(lens), n, heads, kv_heads, head_dim, bs, float(scale), torch.get_num_threads())
+            _ptr(lens), n, heads, kv_heads, head_dim, bs, float(scale), int(window), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"unsupported shape for the CPU kernel: heads {heads}, kv_heads {kv_heads}, "
                          f"head_dim {head_dim}, block_size {bs}")
@@ -97,10 +97,11 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                      seqs: torch.Tensor, tables: torch.Tensor, scale: float) -> None:
+                      seqs: torch.Tensor, tables: torch.Tensor, scale: float, window: int = 0) -> None:
     """Causal attention of prompt chunks over the paged cache, in place. `seqs` `[n, 4]` int64 rows
     `(q0, qlen, ctx, table_offset)`: rows `q0 .. q0+qlen-1` of `q` sit at positions `ctx-qlen ..
-    ctx-1` and attend to keys `0 .. their position`, reached through the block ids
+    ctx-1` and attend to keys `0 .. their position` (with `window` > 0, only those after position -
+    window), reached through the block ids
     `tables[table_offset:]`. Each row's result depends only on that row and its keys (see
     `prefill_attention.cpp`): a chunk after a prefix hit gives the bits of a fresh prefill."""
     lib = get()
@@ -119,7 +120,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             int(q.dtype == torch.bfloat16), _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), k_cache.stride(0),
             k_cache.stride(1), _ptr(out), out.stride(0), _ptr(seqs), seqs.shape[0], _ptr(tables), tables.numel(),
             heads, kv_heads,
-            head_dim, bs, float(scale), torch.get_num_threads())
+            head_dim, bs, float(scale), int(window), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"unsupported input for the CPU prefill kernel: heads {heads}, kv_heads {kv_heads}, "
                          f"head_dim {head_dim}, block_size {bs}, or a chunk with qlen < 1, ctx < qlen or a "

@@ -31,6 +31,7 @@ struct Shape {
   int64_t table_stride;
   int heads, kv_heads, head_dim, block_size;
   float scale;
+  int64_t window;  // > 0: each row attends to its last `window` keys only
 };
 
 // Blocks are scattered, so the hardware prefetcher cannot guess the next one: the next block's K
@@ -75,7 +76,8 @@ class BlockPrefetch {
 // keep a head's accumulator in registers and drop the remainder loops (7x faster than a runtime D).
 template <class IO, int D_>
 void attend(const typename IO::T* q, const typename IO::T* kc, const typename IO::T* vc, typename IO::T* out,
-            const int64_t* table, int64_t len, int kv0, int kv1, const Shape& s, float* scratch) {
+            const int64_t* table, int64_t len, int64_t start, int kv0, int kv1, const Shape& s, float* scratch) {
+  // Keys [start, len): start > 0 for a sliding-window layer.
   // Query heads [h0, h1) are the GQA heads of kv heads [kv0, kv1). A whole-row item reads each
   // cache block once for all heads.
   const int D = D_ > 0 ? D_ : s.head_dim;
@@ -95,14 +97,15 @@ void attend(const typename IO::T* q, const typename IO::T* kc, const typename IO
     l[h] = 0.0f;
   }
   std::fill(acc, acc + nh * D, 0.0f);
-  const int64_t nblocks = (len + BS - 1) / BS;
+  const int64_t nblocks = (len + BS - 1) / BS, b0 = start / BS;
   BlockPrefetch pf;
-  if (nblocks > 0) {
-    pf.start(kc, vc, table[0] * s.block_stride + int64_t(kv0) * D, kv1 - kv0, D, s, 1);
+  if (nblocks > b0) {
+    pf.start(kc, vc, table[b0] * s.block_stride + int64_t(kv0) * D, kv1 - kv0, D, s, 1);
     pf.all();
   }
-  for (int64_t b = 0; b < nblocks; ++b) {
+  for (int64_t b = b0; b < nblocks; ++b) {
     const int n = int(std::min<int64_t>(BS, len - b * BS));
+    const int j0 = b == b0 ? int(start - b * BS) : 0;  // the window's first key in its first block
     if (b + 1 < nblocks) pf.start(kc, vc, table[b + 1] * s.block_stride + int64_t(kv0) * D, kv1 - kv0, D, s, nh);
     for (int kvh = kv0; kvh < kv1; ++kvh) {
       const int64_t base = table[b] * s.block_stride + int64_t(kvh) * D;
@@ -112,20 +115,20 @@ void attend(const typename IO::T* q, const typename IO::T* kc, const typename IO
         if (b + 1 < nblocks) pf.issue();
         const float* qh = qf + h * D;
         float* sh = sc + h * BS;
-        for (int j = 0; j < n; ++j) {
+        for (int j = j0; j < n; ++j) {
           const float* kj = kb + j * D;
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
           for (int d = 0; d < D; ++d) dot += qh[d] * kj[d];
           sh[j] = dot;
         }
-        float bmax = sh[0];
-        for (int j = 1; j < n; ++j) bmax = std::max(bmax, sh[j]);
+        float bmax = sh[j0];
+        for (int j = j0 + 1; j < n; ++j) bmax = std::max(bmax, sh[j]);
         const float mnew = std::max(m[h], bmax);
         const float corr = m[h] == -INFINITY ? 0.0f : exp_nonpositive(m[h] - mnew);
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int j = 0; j < n; ++j) {
+        for (int j = j0; j < n; ++j) {
           const float p = exp_nonpositive(sh[j] - mnew);
           sh[j] = p;
           sum += p;
@@ -141,7 +144,7 @@ void attend(const typename IO::T* q, const typename IO::T* kc, const typename IO
         float a[D_ > 0 ? D_ : 1];
         float* ah = D_ > 0 ? a : acc + h * D;
         for (int d = 0; d < D; ++d) ah[d] = acc[h * D + d] * cr[h];
-        for (int j = 0; j < n; ++j) {
+        for (int j = j0; j < n; ++j) {
           const float p = sh[j];
           const float* vj = kb + j * D;
 #pragma omp simd
@@ -167,7 +170,7 @@ inline V16 loadv(const uint16_t* p) { return V16::load_bf16(p); }
 // 2.4x faster than `attend` on cached data; the loads run ahead of use by a block.
 template <class IO, int D>
 void attend_lanes(const typename IO::T* q, const typename IO::T* kc, const typename IO::T* vc, typename IO::T* out,
-                  const int64_t* table, int64_t len, int kv0, int kv1, const Shape& s, float* scratch) {
+                  const int64_t* table, int64_t len, int64_t start, int kv0, int kv1, const Shape& s, float* scratch) {
   static_assert(D % 16 == 0, "head size must be a multiple of 16");
   constexpr int C = D / 16;
   const int G = s.heads / s.kv_heads, BS = s.block_size;
@@ -181,19 +184,20 @@ void attend_lanes(const typename IO::T* q, const typename IO::T* kc, const typen
   std::fill(acc, acc + nh * D, 0.0f);
   std::fill(m, m + nh, -INFINITY);
   std::fill(l, l + nh, 0.0f);
-  const int64_t nblocks = (len + BS - 1) / BS;
+  const int64_t nblocks = (len + BS - 1) / BS, b0 = start / BS;
   const int slices = (BS + 15) / 16;
   BlockPrefetch pf;
-  if (nblocks > 0) {
-    pf.start(kc, vc, table[0] * s.block_stride + int64_t(kv0) * D, kv1 - kv0, D, s, 1);
+  if (nblocks > b0) {
+    pf.start(kc, vc, table[b0] * s.block_stride + int64_t(kv0) * D, kv1 - kv0, D, s, 1);
     pf.all();
   }
-  for (int64_t b = 0; b < nblocks; ++b) {
+  for (int64_t b = b0; b < nblocks; ++b) {
     const int n = int(std::min<int64_t>(BS, len - b * BS));
+    const int j0 = b == b0 ? int(start - b * BS) : 0;  // the window's first key in its first block
     const bool more = b + 1 < nblocks;
     if (more) pf.start(kc, vc, table[b + 1] * s.block_stride + int64_t(kv0) * D, kv1 - kv0, D, s, nh * slices);
     for (int kvh = kv0; kvh < kv1; ++kvh) {
-      for (int k0 = 0; k0 < n; k0 += 16) {
+      for (int k0 = j0 / 16 * 16; k0 < n; k0 += 16) {
         const int nk = std::min(16, n - k0);
         // Rows past the block's valid keys repeat its last valid one (never-written cache must not
         // reach a product, even as 0 * NaN); their lanes are masked.
@@ -218,6 +222,7 @@ void attend_lanes(const typename IO::T* q, const typename IO::T* kc, const typen
           }
           V16 sc = V16::hsum16(dots);
           if (nk < 16) sc = V16::neg_inf_from(sc, nk);
+          if (j0 > k0) sc = V16::neg_inf_below(sc, j0 - k0);  // keys before the window
           const float mnew = std::max(m[h], sc.hmax());
           const float corr = m[h] == -INFINITY ? 0.0f : exp_nonpositive(m[h] - mnew);
           const V16 p = V16::zero_where_neg_inf(V16::exp_nonpositive(sc - V16::set1(mnew)), sc);
@@ -244,6 +249,7 @@ void attend_lanes(const typename IO::T* q, const typename IO::T* kc, const typen
 template <class IO, int D_>
 void run(const void* q, const void* k, const void* v, void* out, const int64_t* rows, const int64_t* tables,
          const int64_t* lens, int64_t n, const Shape& s, int threads) {
+  // A sliding-window layer's row attends to its last s.window keys only.
   using T = typename IO::T;
   const T* qp = static_cast<const T*>(q);
   const T* kp = static_cast<const T*>(k);
@@ -261,12 +267,13 @@ void run(const void* q, const void* k, const void* v, void* out, const int64_t* 
     for (int64_t it = 0; it < items; ++it) {
       const int64_t i = it / splits;
       const int kv0 = int(it % splits) * per_item;
+      const int64_t start = s.window > 0 ? std::max<int64_t>(0, lens[i] - s.window) : 0;
       if constexpr (D_ > 0 && D_ % 16 == 0)
         attend_lanes<IO, D_>(qp + rows[i] * s.q_row_stride, kp, vp, op + rows[i] * s.out_row_stride,
-                             tables + i * s.table_stride, lens[i], kv0, kv0 + per_item, s, scratch.data());
+                             tables + i * s.table_stride, lens[i], start, kv0, kv0 + per_item, s, scratch.data());
       else
         attend<IO, D_>(qp + rows[i] * s.q_row_stride, kp, vp, op + rows[i] * s.out_row_stride,
-                       tables + i * s.table_stride, lens[i], kv0, kv0 + per_item, s, scratch.data());
+                       tables + i * s.table_stride, lens[i], start, kv0, kv0 + per_item, s, scratch.data());
     }
   }
 }
@@ -291,11 +298,11 @@ int kvt_paged_attention(int dtype_bf16, const void* q, int64_t q_row_stride, con
                         const void* v_cache, int64_t block_stride, int64_t token_stride, void* out,
                         int64_t out_row_stride, const int64_t* rows, const int64_t* tables, int64_t table_stride,
                         const int64_t* lens, int64_t n, int heads, int kv_heads, int head_dim, int block_size,
-                        float scale, int threads) {
+                        float scale, int64_t window, int threads) {
   if (kv_heads <= 0 || heads % kv_heads != 0 || head_dim <= 0 || block_size <= 0)
     return -1;
   const Shape s{q_row_stride, out_row_stride, block_stride, token_stride, table_stride,
-                heads, kv_heads, head_dim, block_size, scale};
+                heads, kv_heads, head_dim, block_size, scale, window};
   if (dtype_bf16)
     dispatch<BF16>(q, k_cache, v_cache, out, rows, tables, lens, n, s, threads);
   else
@@ -303,6 +310,6 @@ int kvt_paged_attention(int dtype_bf16, const void* q, int64_t q_row_stride, con
   return 0;
 }
 
-int kvt_abi_version() { return 4; }
+int kvt_abi_version() { return 5; }
 
 }  // extern "C"

@@ -36,6 +36,7 @@ struct Shape {
   int64_t q_row_stride, out_row_stride, block_stride, token_stride;
   int heads, kv_heads, head_dim, block_size;
   float scale;
+  int64_t window;  // > 0: a row at position p sees keys j with p - window < j only
 };
 
 struct Seq {  // one prompt chunk: rows [q0, q0 + qlen) of q attend to keys [0, ctx); row i is at ctx - qlen + i
@@ -82,7 +83,10 @@ void attend_tile(const typename IO::T* q, const typename IO::T* kc, const typena
   }
   const int slice = std::min(BS, L);  // keys per slice: a block, or a 16-key part of one
   const int64_t last = pos0 + rows - 1;  // the tile's last row sees keys [0, last]
-  for (int64_t k0 = 0; k0 <= last; k0 += slice) {
+  // With a window, slices wholly before the first row's window are invisible to every row: skipping
+  // them is the same no-op as visiting them.
+  const int64_t first_key = s.window > 0 ? std::max<int64_t>(0, pos0 - s.window + 1) / slice * slice : 0;
+  for (int64_t k0 = first_key; k0 <= last; k0 += slice) {
     const int n = int(std::min<int64_t>(slice, sq.ctx - k0));
     const int64_t base = table[k0 / BS] * s.block_stride + (k0 % BS) * s.token_stride + int64_t(it.kvh) * D;
     // Dense float copies: the products then address K and V at fixed offsets, and bf16 is converted once.
@@ -90,7 +94,9 @@ void attend_tile(const typename IO::T* q, const typename IO::T* kc, const typena
     load_slice<IO>(vc + base, s.token_stride, n, D, vbuf);
     float keyf[L];  // slots past the slice's valid keys are masked for every row
     for (int j = 0; j < L; ++j) keyf[j] = j < n ? float(k0 + j) : INFINITY;
-    const bool visible = n == L && k0 + L - 1 <= pos0;  // every key of the slice is visible to every row
+    // every key of the slice is visible to every row (none after a row, none out of a row's window)
+    const bool visible = n == L && k0 + L - 1 <= pos0 && (s.window <= 0 || k0 > last - s.window);
+    const bool windowed = s.window > 0 && k0 <= last - s.window;  // some row's window starts after k0
     for (int h = 0; h < G; ++h) {
       V16 sc[L];
       #pragma GCC unroll 16
@@ -111,11 +117,15 @@ void attend_tile(const typename IO::T* q, const typename IO::T* kc, const typena
         #pragma GCC unroll 16
         for (int j = 0; j < L; ++j) {
           sc[j] = V16::masked_below(sc[j], rowpos, keyf[j]);  // -inf where the key is after the row
+          if (windowed) sc[j] = V16::masked_above(sc[j], rowpos, keyf[j] + float(s.window - 1));
           bmax = V16::max(bmax, sc[j]);
         }
       }
       const V16 mnew = V16::max(m[h], bmax);
-      const V16 corr = V16::exp_nonpositive(m[h] - mnew);
+      V16 corr = V16::exp_nonpositive(m[h] - mnew);
+      // A row whose window starts past this slice has seen nothing yet (m = -inf on both sides):
+      // its rescale must be 0, not exp(NaN).
+      if (s.window > 0) corr = V16::zero_where_neg_inf(corr, m[h]);
       V16 sum = V16::zero();
       if (visible) {
         #pragma GCC unroll 16
@@ -212,7 +222,7 @@ int kvt_prefill_attention(int dtype_bf16, const void* q, int64_t q_row_stride, c
                           const void* v_cache, int64_t block_stride, int64_t token_stride, void* out,
                           int64_t out_row_stride, const int64_t* seqs, int64_t nseq, const int64_t* tables,
                           int64_t ntables, int heads,
-                          int kv_heads, int head_dim, int block_size, float scale, int threads) {
+                          int kv_heads, int head_dim, int block_size, float scale, int64_t window, int threads) {
   if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > 16 || head_dim <= 0 || block_size <= 0 ||
       (block_size % L != 0 && L % block_size != 0))
     return -1;
@@ -220,7 +230,8 @@ int kvt_prefill_attention(int dtype_bf16, const void* q, int64_t q_row_stride, c
     const int64_t* r = seqs + 4 * i;
     if (r[1] < 1 || r[2] < r[1] || r[3] < 0 || r[3] + (r[2] + block_size - 1) / block_size > ntables) return -1;
   }
-  const Shape s{q_row_stride, out_row_stride, block_stride, token_stride, heads, kv_heads, head_dim, block_size, scale};
+  const Shape s{q_row_stride, out_row_stride, block_stride, token_stride, heads, kv_heads, head_dim, block_size, scale,
+                window};
   const Seq* sq = reinterpret_cast<const Seq*>(seqs);
   if (dtype_bf16)
     dispatch<BF16>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);

@@ -74,6 +74,14 @@ struct V16 {
     const __mmask16 after = _mm512_cmp_ps_mask(pos.v, _mm512_set1_ps(key), _CMP_LT_OQ);
     return {_mm512_mask_mov_ps(x.v, after, _mm512_set1_ps(-INFINITY))};
   }
+  // -inf in the lanes where pos > limit (a sliding window: the key fell out of the row's sight)
+  static inline V16 masked_above(V16 x, V16 pos, float limit) {
+    const __mmask16 past = _mm512_cmp_ps_mask(pos.v, _mm512_set1_ps(limit), _CMP_GT_OQ);
+    return {_mm512_mask_mov_ps(x.v, past, _mm512_set1_ps(-INFINITY))};
+  }
+  static inline V16 neg_inf_below(V16 x, int n) {  // lanes 0..n-1 = -inf
+    return {_mm512_mask_mov_ps(x.v, __mmask16((1u << n) - 1u), _mm512_set1_ps(-INFINITY))};
+  }
   static inline V16 zero_where_neg_inf(V16 x, V16 s) {
     const __mmask16 m = _mm512_cmp_ps_mask(s.v, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
     return {_mm512_mask_mov_ps(x.v, m, _mm512_setzero_ps())};
@@ -119,6 +127,10 @@ struct V16 {
   static inline V16 masked_below(V16 x, V16 pos, float key) {
     return map([&](int i) { return pos.v[i] < key ? -INFINITY : x.v[i]; });
   }
+  static inline V16 masked_above(V16 x, V16 pos, float limit) {
+    return map([&](int i) { return pos.v[i] > limit ? -INFINITY : x.v[i]; });
+  }
+  static inline V16 neg_inf_below(V16 x, int n) { return map([&](int i) { return i < n ? -INFINITY : x.v[i]; }); }
   static inline V16 zero_where_neg_inf(V16 x, V16 s) {
     return map([&](int i) { return s.v[i] == -INFINITY ? 0.0f : x.v[i]; });
   }

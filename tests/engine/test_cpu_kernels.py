@@ -232,3 +232,18 @@ def test_engine_with_and_without_cpu_kernels_matches_transformers(ckpt_dir, hf_m
     assert not fused
     want = [hf_greedy(hf_model("qwen2"), p, 10) for p in prompts]
     assert with_kernels == want and without == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,bs", [(64, 16), (80, 8), (128, 32)])  # lanes path, generic path
+@pytest.mark.parametrize("window", [1, 7, 16, 37])  # mid-block, block-aligned, and past a 16-key slice
+def test_decode_with_a_sliding_window_matches_reference(dtype, head_dim, bs, window):
+    heads, kv_heads, n = 8, 2, 12
+    k, v, g = _cache(96, bs, kv_heads, head_dim, dtype, seed=window + head_dim)
+    lens = torch.randint(1, 8 * bs, (n,), generator=g)
+    lens[0], lens[1], lens[2] = 1, window, window + 1  # shorter than, equal to and just past the window
+    tables = torch.randint(0, 96, (n, int(-(-lens.max() // bs))), generator=g)
+    q = torch.randn(n, heads, head_dim, generator=g).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    cpu_kernels.paged_attention(q, k, v, out, torch.arange(n), tables, lens, 0.3, window)
+    _check(out, paged_decode_ref(q, k, v, tables, lens, 0.3, window=window), dtype)

@@ -133,3 +133,26 @@ def test_the_baseline_x86_64_build_gives_the_same_results(monkeypatch, tmp_path)
     cpu_kernels.paged_attention(q, k, v, out, torch.arange(5), tables, lens, 0.125)
     want = paged_decode_ref(q, k, v, tables, lens, 0.125)
     assert (out - want).abs().max() <= TOL[torch.float32] * want.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs", [16, 8, 32])
+@pytest.mark.parametrize("window", [1, 5, 16, 48])
+def test_sliding_window_chunks_match_dense_attention_and_any_chunking(dtype, bs, window):
+    """With a window: chunks against the dense reference, and cut anywhere the same bits as whole."""
+    heads, kv_heads, d, n = 6, 2, 64, 200
+    nb = -(-n // bs)
+    k, v, q, g = _setup(nb, bs, kv_heads, heads, d, n, dtype, seed=bs + window)
+    table = torch.randperm(nb, generator=g)
+    whole = torch.full_like(q, float("nan"))
+    cpu_kernels.prefill_attention(q, k, v, whole, torch.tensor([[0, n, n, 0]]), table, 0.2, window)
+    kk, vv = (c[table].flatten(0, 1)[:n] for c in (k, v))
+    want = attend_ref(q, kk, vv, torch.arange(n), 0.2, window=window)
+    err = (whole.float() - want.float()).abs().max().item() / want.float().abs().max().item()
+    assert err <= TOL[dtype], err
+    cuts = sorted(torch.randperm(n - 1, generator=g)[:5].add(1).tolist())
+    out = torch.full_like(q, float("nan"))
+    for a, b in zip([0, *cuts], [*cuts, n]):
+        cpu_kernels.prefill_attention(q, k, v, out, torch.tensor([[a, b - a, b, 0]]), table[: -(-b // bs)], 0.2,
+                                      window)
+    assert torch.equal(out, whole)
