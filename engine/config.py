@@ -119,6 +119,10 @@ class ModelConfig:
             "head_dim": self.head_dim,
             "rope": json.dumps(getattr(self.hf_config, "rope_parameters", None), sort_keys=True, default=str),
             "dtype": str(self.dtype),
+            # A layer's KV depends on the windows of the layers below it: same weights with another
+            # window must not share G3/G4 entries. Absent for full-attention models, so their
+            # namespaces (and existing caches) are unchanged.
+            **({"sliding_windows": list(self.sliding_windows)} if any(self.sliding_windows) else {}),
         }
 
 

@@ -265,3 +265,15 @@ def test_help_explains_both_flags(capsys) -> None:
     text = " ".join(p.format_help().split())
     assert "--kv-namespace" in text and "dtype, block size and layout still go into the namespace" in text
     assert "--kv-offload-secret-file" in text and "KVTIER_KV_SECRET" in text
+
+
+def test_another_sliding_window_is_another_namespace(ckpt_dir, tmp_path) -> None:
+    """A layer's KV depends on the windows below it: the same weights with another window (or
+    none) must not read each other's G3/G4 entries, even under one kv_namespace."""
+    swa = _copy(ckpt_dir("mistral_swa"), tmp_path / "swa")
+    wider = _copy(swa, tmp_path / "wider")
+    cfg = json.loads((wider / "config.json").read_text())
+    cfg["sliding_window"] += 16
+    (wider / "config.json").write_text(json.dumps(cfg))
+    assert _fingerprint(wider) != _fingerprint(swa)
+    assert _fingerprint(wider, name="ns") != _fingerprint(swa, name="ns")
