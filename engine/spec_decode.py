@@ -115,6 +115,7 @@ class SpecDecoder:
 
     def release(self, req_id: RequestId) -> None:
         self.proposer.release(req_id)
+        self.budget.release(req_id)
 
     def propose(self, reqs: Sequence[Request]) -> None:
         """Sets `spec_token_ids` (and `spec_probs`) of each running request that can take some."""
@@ -134,7 +135,7 @@ class SpecDecoder:
                 picked.append(r)
                 limits.append(n)
         # Only the proposals worth their verify cost at this batch size (engine/spec_budget.py).
-        lengths = self.budget.lengths(limits) if self.adaptive and picked else limits
+        lengths = self.budget.lengths([r.request_id for r in picked], limits) if self.adaptive and picked else limits
         picked, limits = [r for r, n in zip(picked, lengths) if n > 0], [n for n in lengths if n > 0]
         # Called even with nobody to propose for: a proposer may have this step's work to do
         # (EAGLE-3 writes its KV for every position the target kept).
@@ -154,7 +155,7 @@ class SpecDecoder:
                                           probs.float() if probs is not None else None),
                             req.generator or self.generator)
         accepted = len(tokens) - 1
-        self.budget.observe_verify(len(drafts), accepted)
+        self.budget.observe_verify(req.request_id, len(drafts), accepted)
         s = self.stats
         s.num_drafts += 1
         s.num_draft_tokens += len(drafts)

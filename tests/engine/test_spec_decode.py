@@ -446,7 +446,7 @@ def test_eagle3_proposals_match_a_plain_reference(ckpt_dir, hf_model, tmp_path, 
         if lazy:
             calls = iter(range(10**6))
             on.engine.spec.adaptive = True
-            on.engine.spec.budget.lengths = lambda limits: [n if (next(calls) % 3 == 0) else 0 for n in limits]
+            on.engine.spec.budget.lengths = lambda ids, limits: [n if (next(calls) % 3 == 0) else 0 for n in limits]
         got = _summary(_generate(on, prompts, params))
         on.engine.check_integrity()
     assert got == ref
