@@ -75,7 +75,12 @@ def test_exported_states_equal_transformers(ckpt_dir, hf_model, tmp_path, kind):
             # errors grow with the residual stream's scale (~20 here), so the bound is relative to
             # it: 1e-6 of the scale is a few ulps of the largest element, far below any real defect.
             scale = ref[lid].abs().max().item()
-            torch.testing.assert_close(hs[:, j], ref[lid], rtol=1e-5, atol=1e-6 * scale, msg=f"layer id {lid}")
+            # Gemma norms each sublayer's output before adding it (post_attention/post_feedforward),
+            # which scales a small output's rounding up to the residual's size: measured 1.8e-6 (torch
+            # path) to 2.8e-6 (C++ kernels) of the scale after its last layer, logits within 1.7e-6.
+            # A wrong window or norm shows as 1e-2 and more.
+            tol = 1e-5 if kind == "gemma3" else 1e-6
+            torch.testing.assert_close(hs[:, j], ref[lid], rtol=1e-5, atol=tol * scale, msg=f"layer id {lid}")
         with safe_open(str(path), "pt") as f:
             meta = f.metadata()
         assert meta == {"model": ckpt_dir(kind).name, "layer_ids": json.dumps(layer_ids), "format_version": "1"}
