@@ -6,7 +6,6 @@ server's engine-core process both drive it.
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import time
@@ -16,13 +15,11 @@ from pathlib import Path
 import torch
 
 from connectors.base import KVConnector, NullConnector
-from connectors.codec import BlockLayout
-from connectors.factory import ConnectorContext, build_connector, has_hidden_states_connector
+from engine.connector_setup import make_connector
 from engine.async_pipeline import FORWARD_ERRORS, PlannedStep, RanStep, mark_in_flight
 from engine import cpu_runtime, gpu_memory
 from engine.setup import attention_backend, eos_ids, step_token_budget
 from engine.config import CPU_KV_CACHE_GIB, EngineConfig, LoadFailurePolicy, load_model_config
-from engine.fingerprint import model_fingerprint
 from engine.kv_events import KVEventsConfig, ZmqEventPublisher
 from kvstore.events import EventBuffer
 from engine.kv_cache_manager import KVCacheManager
@@ -103,7 +100,8 @@ class EngineCore:
                 log.warning("torch.compile failed, the model runs eagerly (with torch ops, not the fused C++ "
                             "ones; -O0 or --enforce-eager avoid this): %s", str(e).strip().splitlines()[0][:300])
         self.events, self.publisher = self._build_events()
-        self.connector: KVConnector = self._build_connector(model_dir) or NullConnector()
+        self.connector: KVConnector = make_connector(config, mc, model_dir, self.hidden_spec, self.pool, self.events,
+                                                     self.runner) or NullConnector()
         self.sampler = Sampler(config.seed)
         self.spec: SpecDecoder | None = None
         if plan is not None:
@@ -134,41 +132,6 @@ class EngineCore:
                         "(or num_gpu_blocks)", config.gpu_memory_utilization, why)
         log.info("G1: %d blocks of %d tokens (%.2f GiB), max_model_len=%d, max_num_batched_tokens=%d",
                  num_blocks, bs, num_blocks * per_block / 2**30, max_len, self.max_num_batched_tokens)
-
-    def _build_connector(self, model_dir: Path) -> KVConnector | None:
-        cfg, mc = self.config, self.model_config
-        tc = dict(cfg.kv_transfer_config or {})
-        if not (cfg.offload_enabled or tc):
-            if self.hidden_spec is not None:
-                raise ValueError("speculative_config extract_hidden_states needs kv_transfer_config with "
-                                 '{"kv_connector": "HiddenStatesConnector", "kv_connector_extra_config": '
-                                 '{"shared_storage_path": DIR}}')
-            return None
-        explicit_tiers = isinstance(tc.get("kv_connector_extra_config"), dict) and "tiers" in tc["kv_connector_extra_config"]
-        if (cfg.offload_enabled or explicit_tiers) and not cfg.enable_prefix_caching:
-            raise ValueError("KV offload needs prefix caching (block keys); drop --no-enable-prefix-caching")
-        extra = dict(tc.get("kv_connector_extra_config") or {})
-        fp = model_fingerprint(model_dir, mc, cfg.block_size, cfg.kv_namespace)
-        hs = self.hidden_spec
-        if hs is not None:  # blocks carry hidden states too: a G3 namespace of their own
-            fp = hashlib.sha256(fp + repr(hs.layer_ids).encode()).digest()[:16]
-        # Connectors may override the offload block size in their extra config ("block_size").
-        layout = BlockLayout(mc.num_layers, cfg.kv_offload_block_size // cfg.block_size, cfg.block_size,
-                             mc.num_kv_heads, mc.head_dim, mc.dtype, fp.hex(),
-                             hs.layer_ids if hs else (), mc.hidden_size if hs else 0)
-        ctx = ConnectorContext(layout, self.pool, fp, cfg.kv_eviction_policy, cfg.kv_offloading_size,
-                               cfg.kv_offload_disk, cfg.kv_offload_disk_size, extra, self.events,
-                               hidden_spec=hs, model_name=model_dir.name, remote_url=cfg.kv_offload_remote,
-                               kv_secret=cfg.kv_offload_secret)
-        connector = build_connector(ctx, tc)
-        if connector is not None:
-            connector.register_kv_caches(self.runner.kv_cache)
-            if self.runner.hidden_cache is not None:
-                if not has_hidden_states_connector(connector):
-                    raise ValueError("speculative_config extract_hidden_states needs the HiddenStatesConnector in "
-                                     "kv_transfer_config (alone, or inside a MultiConnector)")
-                connector.register_hidden_cache(self.runner.hidden_cache)
-        return connector
 
     def _build_events(self) -> tuple[EventBuffer | None, ZmqEventPublisher | None]:
         cfg = KVEventsConfig.from_dict(self.config.kv_events_config or {})
