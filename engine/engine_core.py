@@ -380,7 +380,7 @@ class EngineCore:
         that every request of a batch hits on its own is the engine's, not a request's: it raises."""
         try:
             return self.runner.execute(sched, tables), []
-        except (RuntimeError, ValueError, IndexError, TypeError) as e:
+        except FORWARD_ERRORS as e:
             if len(sched.scheduled) > 1:
                 log.error("a step of %d requests failed (%s: %s); finding the request(s) that cause it",
                           len(sched.scheduled), type(e).__name__, e)
@@ -391,7 +391,7 @@ class EngineCore:
             try:
                 self.runner.execute(SchedulerOutput([s]), [tables[i]])
                 ok.append(i)
-            except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            except FORWARD_ERRORS as e:
                 failed.append((s.req, f"the forward pass failed: {type(e).__name__}: {e}"))
         if not ok and len(failed) > 1:
             raise first

@@ -68,6 +68,9 @@ def check_gemma3_config(hf) -> None:
     """Refuses what this implementation does not compute (rather than computing something else)."""
     if getattr(hf, "attn_logit_softcapping", None):
         raise ValueError(f"Gemma 3 with attn_logit_softcapping={hf.attn_logit_softcapping} is not supported")
+    act = getattr(hf, "hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"Gemma 3 with hidden_activation={act!r} is not supported (gelu_pytorch_tanh is)")
     if getattr(hf, "use_bidirectional_attention", False):
         raise ValueError("Gemma 3 with use_bidirectional_attention is not supported (a causal LM is served)")
 

@@ -6,6 +6,7 @@ test_parity.py runs mistral_swa and gemma3 eagerly and compiled to 1030 tokens."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -48,4 +49,19 @@ def test_unknown_layer_types_are_refused(tmp_path):
     cfg["layer_types"] = ["full_attention", "chunked_attention"]
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="chunked_attention"):
+        LLM(str(path), dtype="float32", num_gpu_blocks=16)
+
+
+@pytest.mark.parametrize("key, value", [("hidden_activation", "silu"), ("attn_logit_softcapping", 50.0),
+                                        ("use_bidirectional_attention", True)])
+def test_gemma3_settings_it_does_not_compute_are_refused(ckpt_dir, tmp_path, key, value):
+    import shutil
+
+    from engine import LLM
+
+    path = Path(shutil.copytree(ckpt_dir("gemma3"), tmp_path / "g"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg[key] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=key):
         LLM(str(path), dtype="float32", num_gpu_blocks=16)
