@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from connectors.base import ConnectorMeta, FinishedTransfers, KVConnector
 from connectors.hidden_spec import FORMAT_VERSION, HiddenStatesSpec
+from kvstore.threads import one_torch_thread
 from kvstore.g1 import BlockId, BlockPool
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,7 @@ class HiddenStatesConnector(KVConnector):
             self._queue.put((p.path, tensors))  # blocks when full: backpressure
 
     def _writer(self) -> None:
+        one_torch_thread()
         while True:
             item = self._queue.get()
             try:

@@ -29,6 +29,7 @@ from connectors.storage_tier import StorageTier, TierMode
 from kvstore.g1 import BlockId
 from kvstore.host import HostTier
 from kvstore.keys import BlockKey
+from kvstore.threads import one_torch_thread
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,10 @@ class TransferEngine:
         self.kv_cache: torch.Tensor | None = None
         self._copies = CopyStream(torch.device("cpu"))  # re-made for the cache's device on register
         self.hidden_cache: torch.Tensor | None = None  # exported hidden states, when the layout has them
-        self._xfer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-xfer")  # FIFO: loads and G2 stores
+        self._xfer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-xfer",  # FIFO: loads and G2 stores
+                                        initializer=one_torch_thread)
         read_threads = max((t.read_threads for t in tiers), default=1)
-        self._reads = ThreadPoolExecutor(read_threads, thread_name_prefix="kvtier-read")
+        self._reads = ThreadPoolExecutor(read_threads, thread_name_prefix="kvtier-read", initializer=one_torch_thread)
         self._bounce: list[torch.Tensor | None] = [None] * (2 * read_threads)  # read targets outside G2
         self._done: queue.SimpleQueue[LoadDone | StoreDone] = queue.SimpleQueue()
         self._progress = threading.Event()  # set with every _done item: the idle engine waits on it

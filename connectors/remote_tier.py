@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from connectors.backend import BackendError, StorageBackend
+from kvstore.threads import one_torch_thread
 from kvstore.keys import BlockKey
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class RemoteTier:
         self.backend.close()
 
     def _write_loop(self) -> None:
+        one_torch_thread()
         while True:
             item = self._q.get()
             if item is None:

@@ -28,6 +28,7 @@ import torch
 
 from connectors.backend import BackendError, StorageBackend
 from connectors.remote_tier import RemoteTier, leading_hits
+from kvstore.threads import one_torch_thread
 from kvstore.events import BlockStored, EventBuffer
 from kvstore.keys import BlockKey
 
@@ -45,7 +46,7 @@ class OrderedWriter:
     def __init__(self, name: str, backend: StorageBackend, max_pending: int, events: EventBuffer | None,
                  block_tokens: int) -> None:
         self.name, self.backend, self.events, self.block_tokens = name, backend, events, block_tokens
-        self._io = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{name.lower()}-write")
+        self._io = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{name.lower()}-write", initializer=one_torch_thread)
         self._slots = threading.BoundedSemaphore(max_pending)
 
     def submit(self, key: BlockKey, buf: torch.Tensor, done: Callable[[], None], wait: bool,

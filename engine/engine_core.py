@@ -22,6 +22,7 @@ from engine.setup import attention_backend, eos_ids, step_token_budget
 from engine.config import CPU_KV_CACHE_GIB, EngineConfig, LoadFailurePolicy, load_model_config
 from engine.kv_events import KVEventsConfig, ZmqEventPublisher
 from kvstore.events import EventBuffer
+from kvstore.threads import one_torch_thread
 from engine.kv_cache_manager import KVCacheManager
 from engine.compiled import COMPILE_ERRORS, CompiledForward
 from engine.loader import load_model, load_tokenizer
@@ -115,7 +116,8 @@ class EngineCore:
                                    num_lookahead_tokens=lookahead)
         # Async scheduling: the bookkeeping thread, the step planned to run next and the one that
         # ran but is not applied yet, and finished requests whose blocks those steps still write.
-        self._helper = ThreadPoolExecutor(1, "kvtier-bookkeeping") if config.async_scheduling else None
+        self._helper = ThreadPoolExecutor(1, "kvtier-bookkeeping", initializer=one_torch_thread
+                                          ) if config.async_scheduling else None
         self._planned: PlannedStep | None = None
         self._ran: RanStep | None = None
         self._deferred: dict[RequestId, Request] = {}
