@@ -9,7 +9,8 @@ Workloads (chat template, greedy, each prompt's output capped at --max-tokens):
 Batch sizes: 1 (one request at a time, the latency case) and --batch (all requests at once).
 
 Engines are LLM instances in this process, built once: `off` (no speculation) and one per
---spec JSON (name=JSON, e.g. ngram='{"method": "ngram", ...}'). Runs are interleaved (off,
+--spec JSON (name=JSON, e.g. ngram='{"method": "ngram", ...}'), and with --async each of them
+again with async scheduling (`off+async`, `ngram+async`). Runs are interleaved (off,
 ngram, ..., off, ...); each cell is the median over --runs of output tokens / wall time. A fresh
 cache_salt per run keeps prefix caching from serving run 2 what run 1 computed. Greedy outputs
 are compared with `off`'s: a mismatch is reported (speculation must not change them).
@@ -108,6 +109,8 @@ def main() -> None:
     p.add_argument("--spec", action="append", default=[], metavar="NAME=JSON",
                    help="a speculative engine (repeatable); default: ngram with k=3, lookup 2..4")
     p.add_argument("--workloads", default="grounded,chat", help="comma-separated: grounded, chat (default: %(default)s)")
+    p.add_argument("--async", dest="asynchronous", action="store_true",
+                   help="also run each engine with --async-scheduling (NAME+async); speedups stay vs `off`")
     p.add_argument("--batch", type=int, default=16, help="the batched size (default: %(default)s)")
     p.add_argument("--requests", type=int, default=16, help="requests per workload (default: %(default)s)")
     p.add_argument("--batch1-requests", type=int, default=4, help="requests at batch 1 (default: %(default)s)")
@@ -134,8 +137,11 @@ def main() -> None:
 
     engines = {}
     for name, spec in specs.items():
-        log(f"loading {name}")
-        engines[name] = LLM(args.model, max_num_seqs=max(args.batch, 1), speculative_config=spec)
+        for asynchronous in (False, True) if args.asynchronous else (False,):
+            label = name + ("+async" if asynchronous else "")
+            log(f"loading {label}")
+            engines[label] = LLM(args.model, max_num_seqs=max(args.batch, 1), speculative_config=spec,
+                                 async_scheduling=asynchronous)
     cases = [(w, b) for w in workloads for b in (1, args.batch)]
     rows, results = [], {}
     for w, b in cases:

@@ -53,13 +53,57 @@ class RanStep:
 
     def tokens(self) -> dict[RequestId, int]:
         """Each sampling request's new token, for the next step's placeholders."""
+        return {rid: toks[-1] for rid, (_, toks) in self.emitted().items()}
+
+    def emitted(self) -> dict[RequestId, tuple[ScheduledRequest, list[int]]]:
+        """Each request that sampled: its entry in this step and the tokens it emitted (1 + the
+        proposals it kept), before stop checks."""
         sched = self.planned.sched
-        return {sched.scheduled[i].req.request_id: toks[-1]
+        return {sched.scheduled[i].req.request_id: (sched.scheduled[i], toks)
                 for i, toks in zip(self.out.sampled, self.sampled[0]) if toks}
+
+    def kept_positions(self) -> list[tuple[Request, int, int, int]]:
+        """(request, first position, count, first row among the step's tokens) of the positions
+        whose KV the step keeps: prompt chunks whole, a sampling entry's committed tokens and
+        the proposals it kept (what EAGLE-3 observes; positions past a stop are dropped with
+        the request)."""
+        emitted = self.emitted()
+        out, row = [], 0
+        for s in self.planned.sched.scheduled:
+            if not s.req.status.finished:
+                got = emitted.get(s.req.request_id)
+                n = s.num_new_tokens if not s.samples else s.num_committed_tokens + (len(got[1]) - 1 if got else 0)
+                out.append((s.req, s.start, n, row))
+            row += s.num_new_tokens
+        return out
+
+    def corrected(self, entries: tuple[ScheduledRequest, ...]) -> list[ScheduledRequest] | None:
+        """The next step's `entries`, planned while this one ran, with each request that sampled
+        here moved to where its emitted tokens put it and given the proposals in its
+        `spec_token_ids` (at most the slots reserved); None when none of them sampled here."""
+        emitted = self.emitted()
+        sampling = {s.req.request_id for s in self.planned.entries if s.samples}
+        if not any(s.req.request_id in sampling for s in entries):
+            return None
+        out = []
+        for s in entries:
+            req = s.req
+            if req.request_id not in sampling:
+                out.append(s)
+            elif req.request_id not in emitted:  # it failed here: its row is thrown away
+                out.append(ScheduledRequest(req, 1, (), s.start, True))
+            else:
+                prev, toks = emitted[req.request_id]
+                spec, req.spec_token_ids = tuple(req.spec_token_ids[: len(s.spec_token_ids)]), []
+                out.append(ScheduledRequest(req, 1 + len(spec), spec,
+                                            prev.start + prev.num_committed_tokens + len(toks) - 1, True))
+        return out
 
 
 def mark_in_flight(entries: tuple[ScheduledRequest, ...], sign: int) -> None:
-    """+1 when a step is planned, -1 when it is applied: its tokens, and the tokens it samples."""
+    """+1 when a step is planned, -1 when it is applied: its tokens, and the tokens it samples
+    (as if every proposal were accepted: the next step starts after them, and moves back once
+    verification has said how many were; `EngineCore._speculate`)."""
     for s in entries:
         s.req.num_inflight_tokens += sign * s.num_new_tokens
-        s.req.num_output_placeholders += sign * s.samples
+        s.req.num_output_placeholders += sign * s.samples * (1 + len(s.spec_token_ids))

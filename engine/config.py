@@ -232,10 +232,7 @@ class EngineConfig:
             from kvstore.remote import check_url
 
             check_url(self.kv_offload_remote)  # before any weights load
-        spec = parse_speculative_config(self.speculative_config)[1]  # validates
-        if self.async_scheduling and spec is not None:
-            raise ValueError(f"async_scheduling with speculative_config method {spec.method.value!r} is not "
-                             "supported yet: drop one of them (README, 'Async scheduling')")
+        parse_speculative_config(self.speculative_config)  # validates
         if self.kv_namespace is not None:
             check_kv_namespace(self.kv_namespace)
         from kvstore.entry import load_secret

@@ -81,26 +81,27 @@ class DraftModelProposer:
         self._cached.pop(req_id, None)
         self.runner.release(req_id)
 
-    def _start(self, req: Request, table: list) -> int:
-        """The first token whose draft KV is missing or stale (at most the last token)."""
+    def _start(self, req: Request, table: list, seq: list[int]) -> int:
+        """The first token of `seq` whose draft KV is missing or stale (at most the last token)."""
         prev = self._cached.get(req.request_id)
         if prev is None or prev[0] is not table:
             return 0
-        tokens, n = prev[1], 0
-        limit = min(len(tokens), req.num_tokens - 1)
-        while n < limit and tokens[n] == req.all_token_ids[n]:
+        cached, n = prev[1], 0
+        limit = min(len(cached), len(seq) - 1)
+        while n < limit and cached[n] == seq[n]:
             n += 1
         return n
 
     @torch.inference_mode()
-    def propose(self, reqs: Sequence[Request], limits: Sequence[int]) -> list[Proposal]:
+    def propose(self, reqs: Sequence[Request], limits: Sequence[int], tokens: Sequence[list[int]]
+                ) -> list[Proposal]:
         bs = self.runner.block_size
         tables = [self.kv.block_table(r) for r in reqs]
-        limits = [fitting_proposal(n, r, t, bs) for r, n, t in zip(reqs, limits, tables)]
+        limits = [fitting_proposal(n, len(seq), t, bs) for n, seq, t in zip(limits, tokens, tables)]
         live = [i for i, n in enumerate(limits) if n > 0]
         drafts: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        views = {i: View(reqs[i].request_id, list(reqs[i].all_token_ids), self._start(reqs[i], tables[i]))
+        views = {i: View(reqs[i].request_id, list(tokens[i]), self._start(reqs[i], tables[i], tokens[i]))
                  for i in live}
         while live:
             sched = SchedulerOutput([ScheduledRequest.after(views[i], views[i].num_tokens - views[i].num_computed_tokens)
@@ -121,10 +122,11 @@ class DraftModelProposer:
         return [Proposal(tuple(d), torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
 
 
-def fitting_proposal(limit: int, req: Request, table: list, block_size: int) -> int:
-    """The longest proposal (at most `limit`) whose KV, all but its last token, fits in the slots
-    the request holds (its lookahead slots may have been refused for want of blocks)."""
-    return min(limit, len(table) * block_size - req.num_tokens + 1)
+def fitting_proposal(limit: int, num_tokens: int, table: list, block_size: int) -> int:
+    """The longest proposal (at most `limit`) after `num_tokens` tokens whose KV, all but its last
+    token, fits in the slots the request holds (its lookahead slots may have been refused for
+    want of blocks)."""
+    return min(limit, len(table) * block_size - num_tokens + 1)
 
 
 def draw_draft_token(logits: torch.Tensor, req: Request, generator: torch.Generator) -> tuple[int, torch.Tensor | None]:

@@ -76,17 +76,22 @@ class Eagle3Proposer:
             self._pending[req.request_id] = (req, start, h)
 
     @torch.inference_mode()
-    def propose(self, reqs: Sequence[Request], limits: Sequence[int]) -> list[Proposal]:
+    def propose(self, reqs: Sequence[Request], limits: Sequence[int], tokens: Sequence[list[int]]
+                ) -> list[Proposal]:
         for rid in [rid for rid, (r, _, _) in self._pending.items() if r.status.finished]:
             del self._pending[rid]
-        asked = {r.request_id for r, n in zip(reqs, limits) if n > 0}
-        run = [rid for rid, (_, _, h) in self._pending.items() if rid in asked or h.shape[0] >= MAX_PENDING_ROWS]
+        seqs = {r.request_id: seq for r, n, seq in zip(reqs, limits, tokens) if n > 0}
+        # Rows piled up by a request not asked run from its own tokens once they reach the rows'
+        # last position (under async scheduling its latest tokens may not be appended yet).
+        run = [rid for rid, (r, start, h) in self._pending.items() if rid in seqs or (
+            h.shape[0] >= MAX_PENDING_ROWS and r.num_tokens > start + h.shape[0])]
         rows = [self._pending.pop(rid) for rid in run]
         if not rows:
             return [Proposal(()) for _ in reqs]
         # First pass: row t = (fc(features at t), token t+1), for every kept position.
         tables = [self.kv.block_table(r) for r, _, _ in rows]
-        views = [View(r.request_id, r.all_token_ids[1:start + h.shape[0] + 1], start) for r, start, h in rows]
+        views = [View(r.request_id, seqs.get(r.request_id, r.all_token_ids)[1:start + h.shape[0] + 1], start)
+                 for r, start, h in rows]
         out, logits = self._run(views, [h.shape[0] for _, _, h in rows], tables, torch.cat([h for _, _, h in rows]))
         where = {r.request_id: j for j, (r, _, _) in enumerate(rows)}
         bs = self.runner.block_size
@@ -94,7 +99,8 @@ class Eagle3Proposer:
         for i, (r, n) in enumerate(zip(reqs, limits)):
             j = where.get(r.request_id)
             if j is not None:
-                chains.append(_Chain(i, views[j], tables[j], fitting_proposal(n, r, tables[j], bs), out[j], logits[j]))
+                chains.append(_Chain(i, views[j], tables[j], fitting_proposal(n, len(tokens[i]), tables[j], bs),
+                                     out[j], logits[j]))
         chains = [c for c in chains if c.limit > 0]
         done = list(chains)
         while chains:

@@ -113,7 +113,8 @@ class EngineCore:
         lookahead = self.spec.k if self.spec is not None and self.spec.proposer.needs_lookahead else 0
         self.scheduler = Scheduler(self.kv, config.scheduling_policy, config.max_num_seqs,
                                    self.max_num_batched_tokens, config.enable_chunked_prefill, self.connector,
-                                   num_lookahead_tokens=lookahead)
+                                   num_lookahead_tokens=lookahead,
+                                   num_spec_placeholders=self.spec.k if self.spec and config.async_scheduling else 0)
         # Async scheduling: the bookkeeping thread, the step planned to run next and the one that
         # ran but is not applied yet, and finished requests whose blocks those steps still write.
         self._helper = ThreadPoolExecutor(1, "kvtier-bookkeeping", initializer=one_torch_thread
@@ -287,7 +288,7 @@ class EngineCore:
             if status is not None:
                 self._finish(req, status)
             updated.append(req)
-        if self.spec is not None:
+        if self.spec is not None and self._helper is None:  # async scheduling: _speculate, between forwards
             if self.runner.last_aux is not None:  # EAGLE-3 reads the target's features of the kept positions
                 offsets = [0] + list(itertools.accumulate(s.num_new_tokens for s in sched.scheduled))
                 self.spec.proposer.observe([(s.req, b, s.req.num_computed_tokens - b, off) for s, b, off
@@ -302,6 +303,8 @@ class EngineCore:
         start = time.perf_counter()
         updated: list[Request] = []
         if self._planned is None:  # nothing to overlap with: bookkeeping first, here
+            if self._ran is not None and self.spec is not None:
+                self._speculate(self._ran, None)
             updated, self._planned = self._bookkeep(self._ran)
             self._ran = None
             if self._planned is None:
@@ -309,6 +312,8 @@ class EngineCore:
                     self._idle()
                 return updated
         cur, ran = self._planned, self._ran
+        if ran is not None and self.spec is not None:
+            cur = self._planned = self._speculate(ran, cur)
         cur.inputs.fill_placeholders(ran.tokens() if ran is not None else {})
         skip = cur.only_finished()  # before the helper starts finishing requests
         pending = self._helper.submit(self._bookkeep, ran)
@@ -321,12 +326,15 @@ class EngineCore:
                 out = self.runner.run(cur.inputs)
             except FORWARD_ERRORS:
                 pass  # rerun below through _execute, which finds the request(s) to blame
-            self.forward_seconds += time.perf_counter() - forward_start
+            forward = time.perf_counter() - forward_start
+            self.forward_seconds += forward
+            if out is not None and self.spec is not None and all(s.num_committed_tokens == 1 for s in cur.sched.scheduled):
+                self.spec.budget.observe_step(cur.sched.num_tokens, forward + self.spec.last_propose_seconds)
         more, self._planned = pending.result()
         updated += more
         if out is None:
             out, failed = self._execute(cur.sched, cur.tables)
-        sampled = sample_outputs(out, [cur.sched.scheduled[i] for i in out.sampled], self.sampler, None)
+        sampled = sample_outputs(out, [cur.sched.scheduled[i] for i in out.sampled], self.sampler, self.spec)
         self._ran = RanStep(cur, out, failed, sampled)
         self.busy_seconds += time.perf_counter() - start
         return updated
@@ -349,6 +357,25 @@ class EngineCore:
         step = PlannedStep(sched, tables, meta, inputs, tuple(sched.scheduled))
         mark_in_flight(step.entries, +1)
         return updated, step
+
+    def _speculate(self, ran: RanStep, cur: PlannedStep | None) -> PlannedStep | None:
+        """Async scheduling with speculation, on the calling thread between two forwards: the
+        proposals that follow what `ran` sampled (not applied yet: the helper applies it during
+        the next forward), written into `cur`, which was planned with slots reserved for them
+        at the furthest start `ran` could leave its requests at. Requests not in `cur` keep
+        theirs in `spec_token_ids` for when they are scheduled."""
+        if self.runner.last_aux is not None:  # EAGLE-3: the features of what `ran` kept
+            self.spec.proposer.observe(ran.kept_positions(), self.runner.last_aux)
+        emitted = ran.emitted()
+        self.spec.propose([s.req for s, _ in emitted.values()], [toks for _, toks in emitted.values()])
+        entries = ran.corrected(cur.entries) if cur is not None else None
+        if entries is None:
+            return cur
+        mark_in_flight(cur.entries, -1)
+        sched = SchedulerOutput(entries)  # its preempted were released when it was prepared
+        step = PlannedStep(sched, cur.tables, cur.meta, self.runner.prepare(sched, cur.tables), tuple(entries))
+        mark_in_flight(step.entries, +1)
+        return step
 
     def drain(self) -> list[Request]:
         """Steps until no planned or ran step is left (async scheduling); returns what they updated."""

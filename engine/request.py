@@ -107,9 +107,9 @@ class Request:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
 
-    def num_output_suppressed(self) -> bool:
-        """True while min_tokens forbids the stop tokens."""
-        return len(self.output_token_ids) < self.params.min_tokens and bool(self.stop_ids)
+    def num_output_suppressed(self, num_pending: int = 0) -> bool:
+        """True while min_tokens forbids the stop tokens (`num_pending` more tokens in)."""
+        return len(self.output_token_ids) + num_pending < self.params.min_tokens and bool(self.stop_ids)
 
     def sort_key(self) -> tuple[int, float]:
         """Priority order: lower priority value first, then earlier arrival (as in vLLM)."""

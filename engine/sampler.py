@@ -86,10 +86,11 @@ def token_logprobs(row: torch.Tensor, token: int, req: Request) -> dict[int, flo
     return entry
 
 
-def has_penalty(req: Request) -> bool:
+def has_penalty(req: Request, num_pending: int = 0) -> bool:
+    """`num_pending`: tokens sampled but not appended yet (async scheduling)."""
     p = req.params
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
-            or req.num_output_suppressed())
+            or req.num_output_suppressed(num_pending))
 
 
 def _apply_penalties(row: torch.Tensor, req: Request) -> torch.Tensor:

@@ -93,7 +93,7 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: SchedulingPolicy, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
                  connector: KVConnector | None = None,  # None: a NullConnector
-                 num_lookahead_tokens: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, num_spec_placeholders: int = 0) -> None:
         self.kv = kv
         self.policy = policy
         self.max_num_seqs = max_num_seqs
@@ -108,6 +108,9 @@ class Scheduler:
         # Slots allocated past a scheduled request's tokens when they are free: a draft model
         # writes the KV of its proposals there (vLLM's lookahead slots).
         self.num_lookahead_tokens = num_lookahead_tokens
+        # Async scheduling with speculation: proposal slots reserved for a request whose last
+        # token a launched step is still sampling (its proposals come after that).
+        self.num_spec_placeholders = num_spec_placeholders
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -132,6 +135,11 @@ class Scheduler:
             n = min(req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens, budget)
             # Proposals ride on a decode, within the budget (one token of it is the decode's).
             spec = tuple(req.spec_token_ids[: budget - 1]) if n == 1 else ()
+            if n == 1 and req.num_output_placeholders and self.num_spec_placeholders:
+                # Its last token is still being sampled, so its proposals are not known yet: room
+                # for them, filled in (or given back) once they are (EngineCore._speculate).
+                most = req.num_prompt_tokens + req.max_output_tokens
+                spec = (0,) * max(0, min(self.num_spec_placeholders, budget - 1, most - req.num_scheduled_tokens - 1))
             req.spec_token_ids = []
             n += len(spec)
             while not self._allocate(req, n):

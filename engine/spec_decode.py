@@ -40,11 +40,14 @@ class Proposal:
 
 class Proposer(Protocol):
     """Proposes tokens for a batch of requests. `limits[i]` (>= 1) caps the i-th proposal's
-    length; a proposal may be shorter, or empty."""
+    length; a proposal may be shorter, or empty. `tokens[i]` is the i-th request's sequence to
+    continue: its `all_token_ids`, plus, under async scheduling, the tokens its last step
+    sampled that are not appended yet (read it, never the request's own list)."""
 
     needs_lookahead: bool  # it writes KV for its proposals: the scheduler allocates k slots ahead
 
-    def propose(self, reqs: Sequence[Request], limits: Sequence[int]) -> list[Proposal]: ...
+    def propose(self, reqs: Sequence[Request], limits: Sequence[int], tokens: Sequence[list[int]]
+                ) -> list[Proposal]: ...
 
     def release(self, req_id: RequestId) -> None:
         """The request finished: drop what is kept for it."""
@@ -62,13 +65,14 @@ class NgramBatchProposer:
     def release(self, req_id: RequestId) -> None:
         self._index.pop(req_id, None)
 
-    def propose(self, reqs: Sequence[Request], limits: Sequence[int]) -> list[Proposal]:
+    def propose(self, reqs: Sequence[Request], limits: Sequence[int], tokens: Sequence[list[int]]
+                ) -> list[Proposal]:
         out = []
-        for r, n in zip(reqs, limits):
+        for r, n, seq in zip(reqs, limits, tokens):
             index = self._index.get(r.request_id)
             if index is None:
                 index = self._index[r.request_id] = NgramIndex(self.lookup)
-            out.append(Proposal(tuple(index.propose(r.all_token_ids)[:n])))
+            out.append(Proposal(tuple(index.propose(seq)[:n])))
         return out
 
 
@@ -97,8 +101,9 @@ class SpecDecodeStats:
                 "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length}
 
 
-def can_speculate(req: Request) -> bool:
-    return not has_penalty(req)  # has_penalty includes a pending min_tokens suppression
+def can_speculate(req: Request, num_pending: int = 0) -> bool:
+    """No penalty, nor min_tokens suppression once `num_pending` unapplied tokens are in."""
+    return not has_penalty(req, num_pending)
 
 
 class SpecDecoder:
@@ -117,29 +122,32 @@ class SpecDecoder:
         self.proposer.release(req_id)
         self.budget.release(req_id)
 
-    def propose(self, reqs: Sequence[Request]) -> None:
-        """Sets `spec_token_ids` (and `spec_probs`) of each running request that can take some."""
+    def propose(self, reqs: Sequence[Request], pending: Sequence[list[int]] | None = None) -> None:
+        """Sets `spec_token_ids` (and `spec_probs`) of each running request that can take some.
+        `pending[i]`: tokens the i-th request sampled that are not appended yet (async scheduling)."""
         start = time.perf_counter()
         try:
-            self._propose(reqs)
+            self._propose(reqs, pending or [[] for _ in reqs])
         finally:
             self.last_propose_seconds = time.perf_counter() - start
 
-    def _propose(self, reqs: Sequence[Request]) -> None:
-        picked, limits = [], []
-        for r in reqs:
+    def _propose(self, reqs: Sequence[Request], pending: Sequence[list[int]]) -> None:
+        picked, limits, tokens = [], [], []
+        for r, extra in zip(reqs, pending):
             r.spec_token_ids, r.spec_probs = [], None
             # Room for the k proposals and the bonus token within max_tokens.
-            n = min(self.k, r.max_output_tokens - len(r.output_token_ids) - 1)
-            if n > 0 and not r.status.finished and can_speculate(r):
+            n = min(self.k, r.max_output_tokens - len(r.output_token_ids) - len(extra) - 1)
+            if n > 0 and not r.status.finished and can_speculate(r, len(extra)):
                 picked.append(r)
                 limits.append(n)
+                tokens.append(r.all_token_ids + extra if extra else r.all_token_ids)
         # Only the proposals worth their verify cost at this batch size (engine/spec_budget.py).
         lengths = self.budget.lengths([r.request_id for r in picked], limits) if self.adaptive and picked else limits
-        picked, limits = [r for r, n in zip(picked, lengths) if n > 0], [n for n in lengths if n > 0]
+        keep = [i for i, n in enumerate(lengths) if n > 0]
+        picked, limits, tokens = [picked[i] for i in keep], [lengths[i] for i in keep], [tokens[i] for i in keep]
         # Called even with nobody to propose for: a proposer may have this step's work to do
         # (EAGLE-3 writes its KV for every position the target kept).
-        for r, p, n in zip(picked, self.proposer.propose(picked, limits), limits):
+        for r, p, n in zip(picked, self.proposer.propose(picked, limits, tokens), limits):
             r.spec_token_ids = list(p.token_ids[:n])
             r.spec_probs = p.probs[: len(r.spec_token_ids)] if p.probs is not None else None
 
@@ -151,8 +159,9 @@ class SpecDecoder:
         else:
             probs = req.spec_probs
             req.spec_probs = None
+            # The scheduler may have cut the proposal short (the step's token budget).
             tokens = verify(VerifyRequest(drafts, rows, sampling_distribution(rows, req),
-                                          probs.float() if probs is not None else None),
+                                          probs[: len(drafts)].float() if probs is not None else None),
                             req.generator or self.generator)
         accepted = len(tokens) - 1
         self.budget.observe_verify(req.request_id, len(drafts), accepted)

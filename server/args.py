@@ -45,8 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's switch off torch.compile (and CUDA graphs): overrides -O with a warning")
     g.add_argument("--async-scheduling", action="store_true",
                    help="plan step N+1 and prepare its inputs on a helper thread while step N's forward runs; the "
-                        "step-time share with no forward running is in /v1/kv/stats as bubble_fraction. Not with "
-                        "speculative decoding yet")
+                        "step-time share with no forward running is in /v1/kv/stats as bubble_fraction. Composes with "
+                        "--speculative-config")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off G1 prefix caching")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],

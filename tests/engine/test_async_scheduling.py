@@ -156,8 +156,4 @@ def test_the_bubble_is_measured(engines):
     assert 0 < fwd < busy, (fwd, busy)
 
 
-def test_async_scheduling_with_speculation_is_refused(ckpt_dir):
-    with pytest.raises(ValueError, match="async_scheduling with speculative_config method 'ngram'"):
-        LLM(str(ckpt_dir("llama")), async_scheduling=True,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 

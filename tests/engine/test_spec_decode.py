@@ -43,11 +43,11 @@ class OracleProposer:
     def release(self, req_id):
         pass
 
-    def propose(self, reqs, limits):
+    def propose(self, reqs, limits, tokens):
         out = []
-        for r, n in zip(reqs, limits):
+        for r, n, seq in zip(reqs, limits, tokens):
             cont = self.ref.get(tuple(r.prompt_token_ids), [])
-            done = len(r.output_token_ids)
+            done = len(seq) - r.num_prompt_tokens
             toks = [t if self.rng.random() >= self.error else (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
                     for t in cont[done:done + n]]
             out.append(Proposal(tuple(toks)))
@@ -91,7 +91,10 @@ def _spec(method: str, drafts: dict) -> dict:
 
 @pytest.mark.parametrize("method", ["ngram", "draft-same", "draft-other"])
 @pytest.mark.parametrize("batch", [1, 32])
-def test_greedy_identical_with_prefix_caching_and_offload(ckpt_dir, drafts, method, batch):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_greedy_identical_with_prefix_caching_and_offload(ckpt_dir, drafts, method, batch, asynchronous):
+    """With async scheduling, proposals follow tokens not yet applied and the next step is
+    planned before verification says where it starts (EngineCore._speculate)."""
     ckpt = str(ckpt_dir(KIND))
     prompts = [_repetitive(70 + 3 * i, 100 + i % 8) for i in range(batch)]  # shared prefixes: G1 hits
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -99,7 +102,7 @@ def test_greedy_identical_with_prefix_caching_and_offload(ckpt_dir, drafts, meth
     with _llm(ckpt, **kw) as off:
         ref = _summary(_generate(off, prompts, params))
         again = _summary(_generate(off, prompts, params))  # the second pass hits G1 and G2
-    with _llm(ckpt, _spec(method, drafts), **kw) as on:
+    with _llm(ckpt, _spec(method, drafts), async_scheduling=asynchronous, **kw) as on:
         got = _summary(_generate(on, prompts, params))
         got_again = _summary(_generate(on, prompts, params))
         on.engine.flush_offload()
@@ -142,7 +145,8 @@ def _stop_cases(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
     return [c[0] for c in cases], [c[1] for c in cases]
 
 
-def test_every_acceptance_length_gives_identical_outputs(ckpt_dir):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_every_acceptance_length_gives_identical_outputs(ckpt_dir, asynchronous):
     """Stops, max_tokens, min_tokens, logprobs and penalties behave as without speculation when
     the proposals are long runs of right tokens with wrong ones among them."""
     ckpt = str(ckpt_dir(KIND))
@@ -153,7 +157,7 @@ def test_every_acceptance_length_gives_identical_outputs(ckpt_dir):
     assert [reasons[i] for i in (1, 3, 4)] == ["stop"] * 3, reasons
     assert len(ref[2].outputs[0].token_ids) >= params[2].min_tokens  # min_tokens held EOS back
     for error in (0.0, 0.3):
-        with _llm(ckpt, ngram()) as on:
+        with _llm(ckpt, ngram(), async_scheduling=asynchronous) as on:
             got = []
             for p, sp, r in zip(prompts, params, ref):  # one at a time: probe[0] runs twice
                 on.engine.spec.proposer = OracleProposer({tuple(p): r.outputs[0].token_ids}, error, 512, seed=len(got))
@@ -243,7 +247,7 @@ class RandomDraft:
     def release(self, req_id):
         pass
 
-    def propose(self, reqs, limits):
+    def propose(self, reqs, limits, tokens):
         out = []
         for n in limits:
             if self.point_mass:
@@ -295,18 +299,18 @@ def _chi2_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
 
 
-def _sampling_llm(path: str, spec: dict | None) -> LLM:
-    return LLM(path, block_size=16, num_gpu_blocks=2048, max_num_seqs=256, speculative_config=spec, seed=1)
+def _sampling_llm(path: str, spec: dict | None, **kw) -> LLM:
+    return LLM(path, block_size=16, num_gpu_blocks=2048, max_num_seqs=256, speculative_config=spec, seed=1, **kw)
 
 
-@pytest.mark.parametrize("draft", ["none", "point_mass", "distribution", "draft_model"])
+@pytest.mark.parametrize("draft", ["none", "point_mass", "distribution", "draft_model", "draft_model_async"])
 def test_sampled_outputs_follow_the_targets_distribution(tiny_vocab, tmp_path, draft):
     path, prompt, probs = tiny_vocab
     spec = None if draft == "none" else ngram(2)
-    if draft == "draft_model":  # a real draft: other weights, its own distribution as q
+    if draft.startswith("draft_model"):  # a real draft: other weights, its own distribution as q
         other = build_checkpoint(KIND, tmp_path / "draft", seed=3, vocab_size=VOCAB, num_hidden_layers=1)
         spec = {"method": "draft_model", "model": str(other), "num_speculative_tokens": 2, "adaptive": False}
-    with _sampling_llm(path, spec) as llm:
+    with _sampling_llm(path, spec, async_scheduling=draft.endswith("async")) as llm:
         if draft in ("point_mass", "distribution"):
             llm.engine.spec.proposer = RandomDraft(draft == "point_mass", seed=5)
         counts = _counts(llm, prompt)
@@ -418,14 +422,14 @@ class _Recorder:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def propose(self, reqs, limits):
-        props = self.inner.propose(reqs, limits)
-        self.seen += [(list(r.all_token_ids), p.token_ids) for r, p in zip(reqs, props) if p.token_ids]
+    def propose(self, reqs, limits, tokens):
+        props = self.inner.propose(reqs, limits, tokens)
+        self.seen += [(list(seq), p.token_ids) for seq, p in zip(tokens, props) if p.token_ids]
         return props
 
 
 @pytest.mark.parametrize("variant", [dict(), dict(draft_vocab_size=300, norm_before_residual=True, own_embedding=False),
-                                     dict(lazy=True)])
+                                     dict(lazy=True), dict(asynchronous=True)])
 def test_eagle3_proposals_match_a_plain_reference(ckpt_dir, hf_model, tmp_path, variant):
     """The engine's EAGLE-3 proposals (paged draft KV written step by step, first passes over
     accepted positions, prefix hits; with `lazy`, requests proposing only every third step, so
@@ -433,6 +437,7 @@ def test_eagle3_proposals_match_a_plain_reference(ckpt_dir, hf_model, tmp_path, 
     transformers' hidden states; and outputs equal speculation off."""
     variant = dict(variant)
     lazy = variant.pop("lazy", False)
+    asynchronous = variant.pop("asynchronous", False)  # proposals from tokens not applied yet
     ckpt = ckpt_dir(KIND)
     draft = build_eagle3_draft(ckpt, tmp_path / "eagle", seed=4, **variant)
     spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3, "adaptive": False}
@@ -440,7 +445,8 @@ def test_eagle3_proposals_match_a_plain_reference(ckpt_dir, hf_model, tmp_path, 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     with _llm(str(ckpt)) as off:
         ref = _summary(_generate(off, prompts, params))
-    with _llm(str(ckpt), spec, max_num_batched_tokens=48) as on:  # chunked prompts: first passes per chunk
+    with _llm(str(ckpt), spec, max_num_batched_tokens=48,  # chunked prompts: first passes per chunk
+              async_scheduling=asynchronous) as on:
         rec = _Recorder(on.engine.spec.proposer)
         on.engine.spec.proposer = rec
         if lazy:
@@ -456,16 +462,18 @@ def test_eagle3_proposals_match_a_plain_reference(ckpt_dir, hf_model, tmp_path, 
         assert list(proposal) == _eagle3_reference(draft, hf, seq, len(proposal)), len(seq)
 
 
-def test_eagle3_greedy_identical_at_batch_32_with_offload(ckpt_dir, tmp_path):
+@pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_eagle3_greedy_identical_with_offload(ckpt_dir, tmp_path, batch, asynchronous):
     ckpt = str(ckpt_dir(KIND))
     draft = build_eagle3_draft(ckpt_dir(KIND), tmp_path / "eagle", seed=5)
     spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3, "adaptive": False}
-    prompts = [_repetitive(70 + 3 * i, 100 + i % 8) for i in range(32)]
+    prompts = [_repetitive(70 + 3 * i, 100 + i % 8) for i in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     kw = dict(kv_offloading_size=0.01, num_gpu_blocks=160)
     with _llm(ckpt, **kw) as off:
         ref = [_summary(_generate(off, prompts, params)) for _ in range(2)]
-    with _llm(ckpt, spec, **kw) as on:
+    with _llm(ckpt, spec, async_scheduling=asynchronous, **kw) as on:
         got = [_summary(_generate(on, prompts, params)) for _ in range(2)]
         on.engine.check_integrity()
         assert on.get_stats().spec_decode["num_draft_tokens"] > 0
@@ -490,7 +498,8 @@ def test_bad_eagle3_drafts_are_refused(ckpt_dir, tmp_path, change, message):
 
 
 @pytest.mark.parametrize("method", ["draft-same", "eagle3"])
-def test_lookahead_slots_stop_at_max_model_len(ckpt_dir, drafts, tmp_path, method):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_lookahead_slots_stop_at_max_model_len(ckpt_dir, drafts, tmp_path, method, asynchronous):
     """A request that runs to max_model_len (a whole number of blocks) must not be given
     lookahead slots past it: its block table would outgrow the input batch's row."""
     ckpt = str(ckpt_dir(KIND))
@@ -501,7 +510,7 @@ def test_lookahead_slots_stop_at_max_model_len(ckpt_dir, drafts, tmp_path, metho
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=100)
     with _llm(ckpt, max_model_len=128) as off:
         ref = _summary(_generate(off, prompts, params))
-    with _llm(ckpt, spec, max_model_len=128) as on:
+    with _llm(ckpt, spec, max_model_len=128, async_scheduling=asynchronous) as on:
         got = _summary(_generate(on, prompts, params))
     assert got == ref and [len(t) for t, _, _ in got] == [28, 38]
 
