@@ -18,7 +18,7 @@ from connectors.base import KVConnector, NullConnector
 from engine.connector_setup import make_connector
 from engine.async_pipeline import FORWARD_ERRORS, PlannedStep, RanStep, mark_in_flight
 from engine import cpu_runtime, gpu_memory
-from engine.setup import attention_backend, eos_ids, step_token_budget
+from engine.setup import attention_backend, eos_ids, releasable_window, step_token_budget
 from engine.config import CPU_KV_CACHE_GIB, EngineConfig, LoadFailurePolicy, load_model_config
 from engine.kv_events import KVEventsConfig, ZmqEventPublisher
 from kvstore.events import EventBuffer
@@ -87,7 +87,6 @@ class EngineCore:
         if model is None:
             model = load_model(model_dir, mc, backend, max_len, config.device, compiled=compiled)
         self.pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy), config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, bs)
         self.runner = ModelRunner(model, mc, num_blocks, bs, config.device, self.hidden_spec,
                                   group_decodes=backend.pads_decodes, max_rows=config.max_num_seqs,
                                   max_model_len=max_len,
@@ -103,6 +102,11 @@ class EngineCore:
         self.events, self.publisher = self._build_events()
         self.connector: KVConnector = make_connector(config, mc, model_dir, self.hidden_spec, self.pool, self.events,
                                                      self.runner) or NullConnector()
+        # Who else reads a request's blocks after attention is done with them (setup.releasable_window).
+        keeps = "exported hidden states" if self.hidden_spec else (
+            "the draft's KV" if plan is not None and (plan.draft or plan.eagle3) else (
+                "a KV connector" if not isinstance(self.connector, NullConnector) else None))
+        self.kv = KVCacheManager(self.pool, bs, releasable_window(mc.sliding_windows, keeps))
         self.sampler = Sampler(config.seed)
         self.spec: SpecDecoder | None = None
         if plan is not None:

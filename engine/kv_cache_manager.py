@@ -11,10 +11,17 @@ from engine.request import Request, RequestId
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, sliding_window: int = 0) -> None:
+        """`sliding_window` > 0: every layer attends only to the last that many keys, so a
+        request's blocks that no later query can see are released as its computed tokens pass
+        them (vLLM's sliding-window manager, for models with one KV group)."""
         self.pool = pool
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self._tables: dict[RequestId, list[BlockId]] = {}
+        # Leading entries of a table whose blocks were released (out of the window): the entries
+        # stay, so positions still index the table, and attention masks what they point at now.
+        self._released: dict[RequestId, int] = {}
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
 
@@ -65,13 +72,35 @@ class KVCacheManager:
         return True
 
     def cache_full_blocks(self, req: Request) -> None:
-        """Register blocks whose tokens are all computed, so later requests can reuse them."""
-        if not self.pool.enable_caching:
+        """Register blocks whose tokens are all computed, so later requests can reuse them; with a
+        sliding window, then release the ones out of it. Call whenever computed tokens advance."""
+        if self.pool.enable_caching:
+            self._register(req)
+        if self.sliding_window:
+            self._release_out_of_window(req)
+
+    def _release_out_of_window(self, req: Request) -> None:
+        # Queries from now on sit at positions >= num_computed_tokens and see keys after
+        # position - window: a block whose last key is at or before num_computed - window is dead.
+        table = self._tables.get(req.request_id)
+        if table is None:
             return
+        dead = min(len(table), max(0, req.num_computed_tokens - self.sliding_window + 1) // self.block_size)
+        done = self._released.get(req.request_id, 0)
+        if dead > done:
+            self.pool.release(reversed(table[done:dead]))  # registered ones stay hits until evicted
+            self._released[req.request_id] = dead
+
+    def num_held_blocks(self, req: Request) -> int:
+        """Blocks the request holds a reference to (its table less the released entries)."""
+        return len(self._tables.get(req.request_id, ())) - self._released.get(req.request_id, 0)
+
+    def _register(self, req: Request) -> None:
         self._extend_keys(req)
         table = self._tables.get(req.request_id, [])
         bs = self.block_size
-        for i in range(req.num_computed_tokens // bs):
+        # Released entries were registered before their release; they may be another request's now.
+        for i in range(self._released.get(req.request_id, 0), req.num_computed_tokens // bs):
             block = self.pool.blocks[table[i]]
             if block.key is None:
                 self.pool.cache(table[i], req.block_keys[i], req.priority)
@@ -81,7 +110,7 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         table = self._tables.pop(req.request_id, [])
-        self.pool.release(reversed(table))
+        self.pool.release(reversed(table[self._released.pop(req.request_id, 0):]))
 
     def num_requests(self) -> int:
         return len(self._tables)

@@ -50,3 +50,18 @@ def attention_backend(device: str) -> AttentionBackend:
         log.warning("Triton kernels unavailable (%s): attention falls back to the torch path",
                     kernels.unavailable_reason())
     return TorchPagedAttention()
+
+
+def releasable_window(windows: tuple[int, ...], reads_whole_history: str | None) -> int:
+    """The sliding window after which a request's G1 blocks can be released: the model's, when
+    every layer has the same one, else 0. `reads_whole_history` names what else reads a
+    request's blocks after attention is done with them (a draft's full-attention KV, exported
+    hidden states), which keeps them. Models that mix windowed and full layers (Gemma) need
+    one block table per KV group for this, which kvtier does not have yet."""
+    if not windows or windows[0] <= 0 or any(w != windows[0] for w in windows):
+        return 0
+    if reads_whole_history:
+        log.info("sliding window %d: G1 keeps every block anyway (%s may read them)", windows[0], reads_whole_history)
+        return 0
+    log.info("sliding window %d on every layer: G1 releases a request's blocks once they leave it", windows[0])
+    return windows[0]

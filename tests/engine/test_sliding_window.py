@@ -65,3 +65,94 @@ def test_gemma3_settings_it_does_not_compute_are_refused(ckpt_dir, tmp_path, key
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=key):
         LLM(str(path), dtype="float32", num_gpu_blocks=16)
+
+
+def _held_blocks_during(llm, prompts, max_tokens: int) -> tuple[list[list[int]], int]:
+    """Runs `prompts` greedily step by step; their outputs and the most G1 blocks any one held."""
+    from engine import SamplingParams
+
+    eng = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    reqs = [eng.make_request(f"r{i}", p, sp) for i, p in enumerate(prompts)]
+    for r in reqs:
+        eng.add_request(r)
+    most = 0
+    while eng.has_unfinished():
+        eng.step()
+        most = max([most] + [eng.kv.num_held_blocks(r) for r in reqs if not r.status.finished])
+        eng.check_integrity()
+    return [r.output_token_ids for r in reqs], most
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "cache"])
+def test_a_model_windowed_on_every_layer_holds_only_its_window_in_g1(ckpt_dir, asynchronous, prefix_caching):
+    """mistral_swa (a 48-token window on every layer): a request's G1 blocks stay bounded by the
+    window through a long decode, so 8 such requests fit a G1 that would otherwise preempt; the
+    tokens are transformers'. The same run with an offload tier keeps every block (a connector may
+    read a chunk after its first blocks left the window) and has to preempt. Without prefix
+    caching a released block is handed out again at once, so a block released while still in
+    sight would change the tokens."""
+    from engine import LLM
+
+    path = ckpt_dir("mistral_swa")
+    prompts = [random_prompt(30 + i, 900 + i) for i in range(8)]
+    n_out = 250  # 280 tokens a request: 18 blocks of 16, against a window of 3
+    hf = load_hf(path)
+    want = [list(hf_greedy(hf, p, n_out)) for p in prompts]
+    kw = dict(dtype="float32", block_size=16, num_gpu_blocks=48, max_model_len=320,
+              async_scheduling=asynchronous, enable_prefix_caching=prefix_caching)
+    with LLM(str(path), **kw) as llm:
+        assert llm.engine.kv.sliding_window == SLIDING_WINDOW
+        got, most = _held_blocks_during(llm, prompts, n_out)
+        assert llm.get_stats().num_preemptions == 0
+    assert got == want
+    # the window's 3 blocks, the one being written, and one a step may allocate ahead of the release
+    assert most <= SLIDING_WINDOW // 16 + 2, most
+    if not prefix_caching:
+        return  # offload needs prefix caching's block keys
+    with LLM(str(path), kv_offloading_size=0.05, **kw) as llm:
+        assert llm.engine.kv.sliding_window == 0
+        got, most = _held_blocks_during(llm, prompts, n_out)
+        assert llm.get_stats().num_preemptions > 0
+    assert got == want and most >= 18
+
+
+def test_models_with_full_attention_layers_keep_every_block(ckpt_dir):
+    """Gemma 3 mixes windowed and full layers: one block table serves both, so nothing is released."""
+    from engine import LLM
+
+    with LLM(str(ckpt_dir("gemma3")), dtype="float32", num_gpu_blocks=64) as llm:
+        assert llm.engine.kv.sliding_window == 0
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_released_blocks_are_exactly_those_out_of_every_later_querys_sight(caching):
+    """KVCacheManager against a plain reference: after computed tokens reach n, a request holds
+    block i iff some key in it is at a position >= n - window + 1 (a later query at p >= n sees
+    keys j > p - window); released blocks go back to the pool once, and free() releases the rest."""
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.request import Request, RequestId
+    from engine.sampling_params import SamplingParams
+    from kvstore.g1 import BlockPool
+    from policies import make_policy
+
+    bs, window = 4, 10
+    pool = BlockPool(64, make_policy("lru"), caching)
+    kv = KVCacheManager(pool, bs, sliding_window=window)
+    req = Request(RequestId("r"), list(range(1, 8)), SamplingParams(max_tokens=40), max_total_tokens=64)
+    for n in range(1, 45):
+        while req.num_tokens < n + 1:
+            req.append_token(100 + req.num_tokens)
+        assert kv.allocate_slots(req, n - req.num_computed_tokens)
+        req.num_computed_tokens = n
+        kv.cache_full_blocks(req)
+        table = kv.block_table(req)
+        held = [i for i in range(len(table)) if (i + 1) * bs - 1 >= n - window + 1]
+        assert kv.num_held_blocks(req) == len(held), n
+        for i, b in enumerate(table):
+            assert pool.blocks[b].ref_cnt == (1 if i in held else 0), (n, i)
+        pool.check_integrity()
+    kv.free(req)
+    assert all(b.ref_cnt == 0 for b in pool.blocks) and pool.num_free_blocks() == 64
+    pool.check_integrity()
