@@ -7,11 +7,16 @@ Terms of Use apply), or --model DIR for another sliding-window checkpoint.
 Workload: --requests prompts of about --prompt-words words each (past the window), greedy,
 --max-tokens output tokens each, ignore_eos, all at once.
 Engines, one process, interleaved runs, medians:
-  kvtier-windowed  the checkpoint as it is: sliding layers attend within their window
+  kvtier-windowed  the checkpoint as it is: sliding layers attend within their window, G1 laid
+                   out in KV groups (sliding groups keep only their window's blocks)
+  kvtier-one-group the same with --disable-hybrid-kv-cache-manager: one block table, every layer
+                   keeps its whole history
   kvtier-full      a copy whose config.json makes every layer full attention (the C++ kernels then
                    read whole contexts: what a window saves)
   transformers     AutoModelForCausalLM.generate on the whole batch, left padded, sdpa
-Metric: output tokens / wall time. kvtier-windowed's tokens are checked against transformers'.
+Metrics: output tokens / wall time; for kvtier, the most G1 bytes requests held at once (blocks
+held after a step, times a block's bytes). kvtier-windowed's tokens are checked against
+transformers' and kvtier-one-group's.
 """
 from __future__ import annotations
 
@@ -46,11 +51,28 @@ def full_attention_copy(src: Path, dst: Path) -> Path:
 def kvtier_run(llm, prompts: list[str], max_tokens: int, salt: str) -> dict[str, Any]:
     from engine import SamplingParams
 
+    eng = llm.engine
+    cache = eng.runner.kv_cache
+    block_bytes = cache[:, :, 0].numel() * cache.element_size()
+    peak = 0
+    step = eng.step
+
+    def counted_step():  # the blocks requests hold after each step
+        nonlocal peak
+        out = step()
+        peak = max(peak, sum(g["held_blocks"] for g in eng.kv.group_usage()))
+        return out
+
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False, cache_salt=salt)
-    wall = time.perf_counter() - start
-    return {"tok_s": len(prompts) * max_tokens / wall, "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+    eng.step = counted_step
+    try:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False, cache_salt=salt)
+        wall = time.perf_counter() - start
+    finally:
+        del eng.step
+    return {"tok_s": len(prompts) * max_tokens / wall, "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "peak_g1_mib": peak * block_bytes / 2**20}
 
 
 def hf_run(model, tok, prompts: list[str], max_tokens: int) -> dict[str, Any]:
@@ -95,9 +117,10 @@ def main() -> None:
     full_dir = full_attention_copy(model_dir, Path(tempfile.gettempdir()) / "kvtier-bench-full-attention")
     prompts = [" ".join(f"w{i}x{j}" for j in range(args.prompt_words)) for i in range(args.requests)]
     items, engines = {}, {}
-    for name, path in (("kvtier-windowed", model_dir), ("kvtier-full", full_dir)):
+    for name, path, one_group in (("kvtier-windowed", model_dir, False), ("kvtier-one-group", model_dir, True),
+                                  ("kvtier-full", full_dir, False)):
         log(f"loading {name}")
-        engines[name] = llm = LLM(str(path), max_num_seqs=args.requests)
+        engines[name] = llm = LLM(str(path), max_num_seqs=args.requests, disable_hybrid_kv_cache_manager=one_group)
         kvtier_run(llm, prompts[:1], 4, "warm")
         items[name] = lambda r, llm=llm: kvtier_run(llm, prompts, args.max_tokens, f"{r}-{time.time()}")
     prompt_tokens = len(engines["kvtier-windowed"].get_tokenizer()(prompts[0]).input_ids)
@@ -110,14 +133,20 @@ def main() -> None:
         items["transformers"] = lambda r: hf_run(hf, tok, prompts, args.max_tokens)
     got = run_interleaved(args.runs, items, progress=lambda r, n, res: log(f"run {r} {n}: {res['tok_s']:.1f} tok/s"))
     med = {n: median([x["tok_s"] for x in runs]) for n, runs in got.items()}
+    peak = {n: max(x["peak_g1_mib"] for x in runs) for n, runs in got.items() if "peak_g1_mib" in runs[0]}
     same = "transformers" not in got or got["kvtier-windowed"][0]["tokens"] == got["transformers"][0]["tokens"]
+    same_layouts = got["kvtier-windowed"][0]["tokens"] == got["kvtier-one-group"][0]["tokens"]
     base = med.get("transformers")
-    rows = [[n, f"{v:.1f}", f"{v / base:.2f}x" if base else "-"] for n, v in med.items()]
-    print_table(["engine", "output tok/s", "vs transformers"], rows)
-    log(f"~{prompt_tokens} prompt tokens each; kvtier-windowed tokens equal transformers': {'yes' if same else 'NO'}")
+    rows = [[n, f"{v:.1f}", f"{v / base:.2f}x" if base else "-", f"{peak[n]:.1f}" if n in peak else "-"]
+            for n, v in med.items()]
+    print_table(["engine", "output tok/s", "vs transformers", "peak G1 MiB held"], rows)
+    log(f"KV groups vs one group: tokens equal: {'yes' if same_layouts else 'NO'}")
+    check = "not checked (--no-hf)" if "transformers" not in got else "yes" if same else "NO"
+    log(f"~{prompt_tokens} prompt tokens each; kvtier-windowed tokens equal transformers': {check}")
     path = write_json(args.out, {"args": vars(args), "model": str(model_dir), "prompt_tokens": prompt_tokens,
                                  "median_tok_s": med, "runs": {n: [x["tok_s"] for x in r] for n, r in got.items()},
-                                 "tokens_equal_transformers": same})
+                                 "peak_g1_mib": peak, "tokens_equal_transformers": same,
+                                 "kv_groups_tokens_equal_one_group": same_layouts})
     log(f"wrote {path}")
 
 

@@ -31,7 +31,7 @@ FORWARD_ERRORS = (RuntimeError, ValueError, IndexError, TypeError)  # a forward 
 class PlannedStep:
     """Scheduled and prepared; its requests count its tokens as in flight until it is applied."""
     sched: SchedulerOutput
-    tables: list[list[int]]
+    tables: list[tuple[list[int], ...]]  # each request's block table per KV group
     meta: object  # the connector's metadata (loads started at planning, stores after the forward)
     inputs: StepInputs
     # Its entries as planned: a rerun after a failed forward drops the failing ones from `sched`,

@@ -80,6 +80,14 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     decodes: list[DecodeGroup]
     _packed: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    # Several KV groups (engine/kv_groups.py): each group's own metadata (its block tables and
+    # slots), and each layer's group. Empty with one group: every layer uses this object.
+    groups: tuple[AttentionMetadata, ...] = ()
+    layer_groups: tuple[int, ...] = ()
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata decoder layer `layer` attends with."""
+        return self.groups[self.layer_groups[layer]] if self.groups else self
 
     def packed_prefills(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefills as one kernel call's input, built on first use and shared by every layer:

@@ -62,7 +62,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sca
     k_cache, v_cache = ctx.caches[layer]
     if q.stride()[1:] != (q.shape[2], 1):  # the kernels need contiguous heads; inductor may lay q out otherwise
         q = q.contiguous()
-    return ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, scale, window)
+    return ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta.for_layer(layer), scale, window)
 
 
 @attention.register_fake

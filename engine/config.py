@@ -190,6 +190,9 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = None
     # vLLM's --async-scheduling: plan step N+1 while step N runs (engine/async_pipeline.py).
     async_scheduling: bool = False
+    # vLLM's --disable-hybrid-kv-cache-manager: one KV group of every layer, each keeping its whole
+    # history, instead of a block table per kind of layer (engine/kv_groups.py).
+    disable_hybrid_kv_cache_manager: bool = False
     # Operator-chosen name for this model's KV in G3/G4, instead of the whole-file weights digest
     # (engine.fingerprint); dtype, layout and block size still go into the namespace.
     kv_namespace: str | None = None

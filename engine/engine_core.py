@@ -18,7 +18,7 @@ from connectors.base import KVConnector, NullConnector
 from engine.connector_setup import make_connector
 from engine.async_pipeline import FORWARD_ERRORS, PlannedStep, RanStep, mark_in_flight
 from engine import cpu_runtime, gpu_memory
-from engine.setup import attention_backend, eos_ids, releasable_window, step_token_budget
+from engine.setup import attention_backend, eos_ids, kv_layout, step_token_budget
 from engine.config import CPU_KV_CACHE_GIB, EngineConfig, LoadFailurePolicy, load_model_config
 from engine.kv_events import KVEventsConfig, ZmqEventPublisher
 from kvstore.events import EventBuffer
@@ -56,9 +56,15 @@ class EngineCore:
         if self.hidden_spec is not None:
             self.hidden_spec.check_model(mc.num_layers)
         plan = DraftPlan.make(config.speculative, config, mc) if config.speculative is not None else None
+        # Why every layer must keep its history in one group, if it must (setup.kv_layout).
+        one_group = "hidden-state export reads every layer's history" if self.hidden_spec else (
+            "a draft's KV is full attention" if plan is not None and (plan.draft or plan.eagle3) else (
+                "offload connectors copy every layer of a block" if config.offload_enabled or config.kv_transfer_config
+                else ("--disable-hybrid-kv-cache-manager" if config.disable_hybrid_kv_cache_manager else None)))
+        layout = kv_layout(mc.sliding_windows, one_group)
         # G1 blocks carry the draft's KV beside the target's: both index the same block ids.
-        per_block = kv_cache_bytes_per_block(mc, bs, len(self.hidden_spec.layer_ids) if self.hidden_spec else 0) + \
-            (plan.kv_bytes_per_block(bs) if plan is not None else 0)
+        per_block = kv_cache_bytes_per_block(mc, bs, len(self.hidden_spec.layer_ids) if self.hidden_spec else 0,
+                                             layout.slots) + (plan.kv_bytes_per_block(bs) if plan is not None else 0)
         max_len = config.max_model_len or mc.max_position_embeddings
         if max_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={mc.max_position_embeddings}")
@@ -76,22 +82,25 @@ class EngineCore:
         else:
             num_blocks = config.num_gpu_blocks or int((config.kv_cache_memory_gib or CPU_KV_CACHE_GIB) * 2**30
                                                       // per_block)
-        if -(-max_len // bs) > num_blocks:
+        need = layout.blocks_per_sequence(max_len, bs, step_token_budget(config, max_len))
+        if need > num_blocks:
             if config.max_model_len is not None:
-                raise ValueError(f"max_model_len={max_len} needs {-(-max_len // bs)} KV blocks but G1 has {num_blocks}; "
+                raise ValueError(f"max_model_len={max_len} needs {need} KV blocks but G1 has {num_blocks}; "
                                  "raise num_gpu_blocks / kv_cache_memory_gib or lower max_model_len")
-            max_len = num_blocks * bs
+            while max_len > bs and layout.blocks_per_sequence(max_len, bs, step_token_budget(config, max_len)) > num_blocks:
+                max_len -= bs  # a few hundred iterations at most: G1 is small here
             log.warning("max_model_len lowered to %d so one sequence fits in G1 (%d blocks)", max_len, num_blocks)
         self.max_model_len = max_len
         self.max_num_batched_tokens = step_token_budget(config, max_len)
         if model is None:
             model = load_model(model_dir, mc, backend, max_len, config.device, compiled=compiled)
         self.pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy), config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, bs, layout)
         self.runner = ModelRunner(model, mc, num_blocks, bs, config.device, self.hidden_spec,
                                   group_decodes=backend.pads_decodes, max_rows=config.max_num_seqs,
                                   max_model_len=max_len,
                                   forward=CompiledForward(model, backend) if compiled else None,
-                                  aux_layer_ids=plan.aux_layer_ids if plan is not None else ())
+                                  aux_layer_ids=plan.aux_layer_ids if plan is not None else (), layout=layout)
         if compiled:
             try:
                 self.runner.warm_up()  # compiles now (logged), not in the first request's step
@@ -102,11 +111,6 @@ class EngineCore:
         self.events, self.publisher = self._build_events()
         self.connector: KVConnector = make_connector(config, mc, model_dir, self.hidden_spec, self.pool, self.events,
                                                      self.runner) or NullConnector()
-        # Who else reads a request's blocks after attention is done with them (setup.releasable_window).
-        keeps = "exported hidden states" if self.hidden_spec else (
-            "the draft's KV" if plan is not None and (plan.draft or plan.eagle3) else (
-                "a KV connector" if not isinstance(self.connector, NullConnector) else None))
-        self.kv = KVCacheManager(self.pool, bs, releasable_window(mc.sliding_windows, keeps))
         self.sampler = Sampler(config.seed)
         self.spec: SpecDecoder | None = None
         if plan is not None:
@@ -229,15 +233,15 @@ class EngineCore:
         self.busy_seconds += time.perf_counter() - start
         return updated
 
-    def _plan(self) -> tuple[SchedulerOutput, list[list[int]], object]:
+    def _plan(self) -> tuple[SchedulerOutput, list[tuple[list[int], ...]], object]:
         """Schedule -> block tables -> connector metadata, with this step's loads started."""
         sched = self.scheduler.schedule()
-        tables = [self.kv.block_table(s.req) for s in sched.scheduled]
+        tables = [self.kv.block_tables(s.req) for s in sched.scheduled]
         # Connectors see committed tokens whose ids are known: a block that proposals would complete
         # is stored once verification has kept them, one that a token still being sampled completes
-        # (async scheduling) a step later.
+        # (async scheduling) a step later. They index group 0 (with a connector there is one group).
         meta = self.connector.build_connector_meta(
-            [(s.req, min(s.req.num_tokens, s.start + s.num_committed_tokens) - s.req.num_computed_tokens, t)
+            [(s.req, min(s.req.num_tokens, s.start + s.num_committed_tokens) - s.req.num_computed_tokens, t[0])
              for s, t in zip(sched.scheduled, tables)])
         self.connector.start_load_kv(meta)
         return sched, tables, meta
@@ -406,7 +410,8 @@ class EngineCore:
                 return status, i + 1
         return None, len(tokens)
 
-    def _execute(self, sched: SchedulerOutput, tables: list[list[int]]) -> tuple[ModelOutput, list[tuple[Request, str]]]:
+    def _execute(self, sched: SchedulerOutput, tables: list[tuple[list[int], ...]]
+                 ) -> tuple[ModelOutput, list[tuple[Request, str]]]:
         """Runs the forward; if it raises, finds which requests make it fail by running each alone
         (their KV writes go to their own slots, so a rerun is harmless) and runs the rest again.
         Returns the output for the requests that ran and the failed ones with the reason. An error
@@ -493,6 +498,7 @@ class EngineCore:
             busy_seconds=self.busy_seconds,
             forward_seconds=self.forward_seconds,
             spec_decode=self.spec.stats.as_dict() if self.spec is not None else None,
+            kv_groups=self.kv.group_usage(),
         )
 
     def check_integrity(self) -> None:
@@ -502,6 +508,7 @@ class EngineCore:
             raise RuntimeError("a request is running twice")
         if self.kv.num_requests() > len(self.scheduler.requests) + len(self._deferred):
             raise RuntimeError("block tables outlive their requests")
-        self.runner.batch.check_integrity()
-        if not self.runner.batch.request_ids() <= set(self.scheduler.requests) | set(self._deferred):
-            raise RuntimeError("input-batch rows outlive their requests")
+        for batch in self.runner.batches:
+            batch.check_integrity()
+            if not batch.request_ids() <= set(self.scheduler.requests) | set(self._deferred):
+                raise RuntimeError("input-batch rows outlive their requests")

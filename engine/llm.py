@@ -52,6 +52,7 @@ class LLM:
         kv_events_config: dict[str, Any] | str | None = None,
         speculative_config: dict[str, Any] | str | None = None,
         async_scheduling: bool = False,
+        disable_hybrid_kv_cache_manager: bool = False,
         kv_namespace: str | None = None,
         kv_offload_secret_file: str | None = None,
     ) -> None:
@@ -75,7 +76,7 @@ class LLM:
             kv_load_failure_policy=kv_load_failure_policy,
             kv_events_config=_parse_json(kv_events_config, "kv_events_config"),
             speculative_config=_parse_json(speculative_config, "speculative_config"),
-            async_scheduling=async_scheduling,
+            async_scheduling=async_scheduling, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
             kv_namespace=kv_namespace, kv_offload_secret_file=kv_offload_secret_file,
         )
         self.engine = EngineCore(self.config)

@@ -6,13 +6,14 @@ block's bytes for every layer can be gathered with one index (what offload tiers
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from engine.config import ModelConfig
 from engine.input_batch import InputBatch
+from engine.kv_groups import KVLayout
 from engine.request import RequestId
 from connectors.hidden_spec import HiddenStatesSpec
 from engine.scheduler import SchedulerOutput
@@ -57,9 +58,10 @@ class StepInputs:
             self.input_ids[at.to(self.input_ids.device)] = ids.to(self.input_ids.device)
 
 
-def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, hidden_layers: int = 0) -> int:
-    """G1 bytes per block: K and V of every layer, plus `hidden_layers` exported hidden states."""
-    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim + hidden_layers * cfg.hidden_size
+def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, hidden_layers: int = 0, slots: int | None = None) -> int:
+    """G1 bytes per block: K and V of `slots` layers (every layer by default; a KV group's with
+    several groups), plus `hidden_layers` exported hidden states."""
+    per_token = (slots or cfg.num_layers) * 2 * cfg.num_kv_heads * cfg.head_dim + hidden_layers * cfg.hidden_size
     return block_size * per_token * cfg.dtype.itemsize
 
 
@@ -67,18 +69,24 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int, device: str,
                  hidden_spec: HiddenStatesSpec | None = None, group_decodes: bool = True, *, max_rows: int,
                  max_model_len: int, forward: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] | None = None,
-                 aux_layer_ids: tuple[int, ...] = ()) -> None:
+                 aux_layer_ids: tuple[int, ...] = (), layout: KVLayout | None = None) -> None:
         self.model = model
         self.forward = forward or model  # engine/compiled.py's CompiledForward, or the eager model
         self.group_decodes = group_decodes  # the backend's `pads_decodes`
         self.cfg = cfg
         self.block_size = block_size
         self.device = device
+        # A block holds one KV group's layers, slot by slot (engine/kv_groups.py); with one group,
+        # every layer: [num_layers, 2, num_blocks, ...], which is what connectors copy from.
+        self.layout = layout or KVLayout.single(cfg.num_layers)
         self.kv_cache = torch.zeros(
-            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=device
+            self.layout.slots, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=device
         )
-        self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
-        self.batch = InputBatch(max_rows, -(-max_model_len // block_size), device)
+        placement = self.layout.placement()
+        self.layer_caches = [(self.kv_cache[slot, 0], self.kv_cache[slot, 1]) for _, slot in placement]
+        self.layer_groups = tuple(g for g, _ in placement)
+        self.batches = [InputBatch(max_rows, -(-max_model_len // block_size), device) for _ in self.layout.groups]
+        self.batch = self.batches[0]  # group 0's (connectors and drafts index that group)
         # Exported hidden states live in paged blocks beside the KV, so a prefix hit has them.
         self.hidden_spec = hidden_spec
         self.hidden_cache: torch.Tensor | None = None
@@ -96,7 +104,8 @@ class ModelRunner:
 
     def release(self, req_id: RequestId) -> None:
         """The request finished: its input-batch row is free for another."""
-        self.batch.release(req_id)
+        for batch in self.batches:
+            batch.release(req_id)
 
     def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelOutput:
         return self.run(self.prepare(sched, block_tables))
@@ -117,28 +126,23 @@ class ModelRunner:
         return ModelOutput(logits.float(), step.sampled, step.row_starts)
 
     @torch.inference_mode()  # inference tensors, as at warm-up: the compiled graph's guards see no change
-    def prepare(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> StepInputs:
+    def prepare(self, sched: SchedulerOutput, block_tables: list) -> StepInputs:
         """Input ids, positions and attention metadata of a step (its new tokens, proposals
         included), and the rows whose logits are sampled. A request's tokens start after those
-        computed or in flight; the ones not sampled yet become placeholders."""
-        bs = self.block_size
+        computed or in flight; the ones not sampled yet become placeholders. `block_tables[i]`:
+        the i-th request's table per KV group (a tuple), or its one table (a list)."""
         for req in sched.preempted:
-            self.batch.release(req.request_id)
+            self.release(req.request_id)
         input_ids: list[int] = []
         positions: list[int] = []
-        batch_rows: list[int] = []  # each scheduled request's input-batch row
-        prefills: list[PrefillSeq] = []
-        decode_rows: list[int] = []
-        decode_batch_rows: list[int] = []
-        decode_lens: list[int] = []
+        spans: list[tuple[int, int, int]] = []  # each request's (first query row, query tokens, context length)
         sample_rows: list[int] = []
         sampled: list[int] = []
         row_starts: list[int] = []
         placeholders: list[tuple[int, RequestId]] = []
-        for idx, (item, table) in enumerate(zip(sched.scheduled, block_tables)):
+        for idx, item in enumerate(sched.scheduled):
             req, n, spec = item.req, item.num_new_tokens, item.spec_token_ids
             start = item.start
-            batch_rows.append(self.batch.sync(req.request_id, table))
             q_start = len(input_ids)
             known = req.all_token_ids[start : start + n - len(spec)]
             input_ids.extend(known)
@@ -147,29 +151,45 @@ class ModelRunner:
                 input_ids.append(0)
             input_ids.extend(spec)
             positions.extend(range(start, start + n))
-            ctx = start + n
-            if n == 1 and start > 0:
-                decode_rows.append(q_start)
-                decode_batch_rows.append(batch_rows[-1])
-                decode_lens.append(ctx)
-            else:
-                ids = table[: -(-ctx // bs)]
-                run = ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
-                prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(ids, dtype=torch.long), run))
+            spans.append((q_start, n, start + n))
             if item.samples:
                 row_starts.append(len(sample_rows))
                 sample_rows.extend(range(q_start + n - 1 - len(spec), q_start + n))
                 sampled.append(idx)
         positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         counts = torch.tensor([s.num_new_tokens for s in sched.scheduled], dtype=torch.long, device=self.device)
-        token_rows = torch.tensor(batch_rows, dtype=torch.long, device=self.device).repeat_interleave(counts)
-        meta = AttentionMetadata(
-            slot_mapping=self.batch.block_table[token_rows, positions_t // bs] * bs + positions_t % bs,
-            prefills=prefills,
-            decodes=self._decode_groups(decode_rows, decode_batch_rows, decode_lens),
-        )
+        tables = [t if isinstance(t, tuple) else (t,) for t in block_tables]
+        metas = [self._group_meta(g, sched, [t[g] for t in tables], spans, positions_t, counts)
+                 for g in range(len(self.batches))]
+        meta = metas[0] if len(metas) == 1 else replace(metas[0], groups=tuple(metas), layer_groups=self.layer_groups)
         return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=self.device), positions_t, meta,
                           sample_rows, sampled, row_starts, placeholders)
+
+    def _group_meta(self, group: int, sched: SchedulerOutput, tables: list[list[int]],
+                    spans: list[tuple[int, int, int]], positions_t: torch.Tensor, counts: torch.Tensor
+                    ) -> AttentionMetadata:
+        """One KV group's slots, prefill block lists and decode tables for the step."""
+        bs, batch = self.block_size, self.batches[group]
+        batch_rows = [batch.sync(s.req.request_id, t) for s, t in zip(sched.scheduled, tables)]
+        prefills: list[PrefillSeq] = []
+        decode_rows: list[int] = []
+        decode_batch_rows: list[int] = []
+        decode_lens: list[int] = []
+        for (q_start, n, ctx), row, table in zip(spans, batch_rows, tables):
+            if n == 1 and ctx > 1:
+                decode_rows.append(q_start)
+                decode_batch_rows.append(row)
+                decode_lens.append(ctx)
+            else:
+                ids = table[: -(-ctx // bs)]
+                run = ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
+                prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(ids, dtype=torch.long), run))
+        token_rows = torch.tensor(batch_rows, dtype=torch.long, device=self.device).repeat_interleave(counts)
+        return AttentionMetadata(
+            slot_mapping=batch.block_table[token_rows, positions_t // bs] * bs + positions_t % bs,
+            prefills=prefills,
+            decodes=self._decode_groups(batch, decode_rows, decode_batch_rows, decode_lens),
+        )
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -182,7 +202,8 @@ class ModelRunner:
         ids = torch.zeros(2, dtype=torch.long, device=self.device)
         self.forward(ids, torch.arange(2, device=self.device), self.layer_caches, meta, self.capture_ids)
 
-    def _decode_groups(self, rows: list[int], batch_rows: list[int], lens: list[int]) -> list[DecodeGroup]:
+    def _decode_groups(self, batch: InputBatch, rows: list[int], batch_rows: list[int], lens: list[int]
+                       ) -> list[DecodeGroup]:
         """Split decodes, shortest first, into groups whose padding stays under ~25%; or, for a
         backend that does not pad, one group, longest first (the longest rows start first).
         `rows`: query rows; `batch_rows`: their input-batch rows; `lens`: their context lengths."""
@@ -190,7 +211,7 @@ class ModelRunner:
             return []
         if not self.group_decodes:
             order = sorted(range(len(rows)), key=lambda i: -lens[i])
-            return [self._decode_group([rows[i] for i in order], [batch_rows[i] for i in order],
+            return [self._decode_group(batch, [rows[i] for i in order], [batch_rows[i] for i in order],
                                        [lens[i] for i in order])]
         order = sorted(range(len(rows)), key=lambda i: lens[i])
         groups: list[list[int]] = []
@@ -202,13 +223,13 @@ class ModelRunner:
                 groups.append([i])
             else:
                 g.append(i)
-        return [self._decode_group([rows[i] for i in g], [batch_rows[i] for i in g], [lens[i] for i in g])
+        return [self._decode_group(batch, [rows[i] for i in g], [batch_rows[i] for i in g], [lens[i] for i in g])
                 for g in groups]
 
-    def _decode_group(self, rows: list[int], batch_rows: list[int], lens: list[int]) -> DecodeGroup:
+    def _decode_group(self, batch: InputBatch, rows: list[int], batch_rows: list[int], lens: list[int]) -> DecodeGroup:
         width = -(-max(lens) // self.block_size)
         # Entries past a row's own blocks are stale or 0; the mask and the kernels' lengths skip them.
-        padded = self.batch.block_table[torch.tensor(batch_rows, dtype=torch.long, device=self.device), :width]
+        padded = batch.block_table[torch.tensor(batch_rows, dtype=torch.long, device=self.device), :width]
         lens_t = torch.tensor(lens, dtype=torch.long, device=self.device)
         mask = torch.arange(width * self.block_size, device=self.device).unsqueeze(0) < lens_t.unsqueeze(1)
         return DecodeGroup(torch.tensor(rows, dtype=torch.long, device=self.device), padded, lens_t,

@@ -12,6 +12,7 @@ from engine import cpu_kernels
 from engine.attention import AttentionBackend, TorchPagedAttention
 from engine.attention_cpu import CpuPagedAttention
 from engine.config import OFFLINE_MAX_BATCHED_TOKENS, EngineConfig
+from engine.kv_groups import KVLayout, plan_kv_layout
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +53,17 @@ def attention_backend(device: str) -> AttentionBackend:
     return TorchPagedAttention()
 
 
-def releasable_window(windows: tuple[int, ...], reads_whole_history: str | None) -> int:
-    """The sliding window after which a request's G1 blocks can be released: the model's, when
-    every layer has the same one, else 0. `reads_whole_history` names what else reads a
-    request's blocks after attention is done with them (a draft's full-attention KV, exported
-    hidden states), which keeps them. Models that mix windowed and full layers (Gemma) need
-    one block table per KV group for this, which kvtier does not have yet."""
-    if not windows or windows[0] <= 0 or any(w != windows[0] for w in windows):
-        return 0
-    if reads_whole_history:
-        log.info("sliding window %d: G1 keeps every block anyway (%s may read them)", windows[0], reads_whole_history)
-        return 0
-    log.info("sliding window %d on every layer: G1 releases a request's blocks once they leave it", windows[0])
-    return windows[0]
+
+def kv_layout(windows: tuple[int, ...], one_group: str | None) -> KVLayout:
+    """The KV groups G1 is laid out in (engine/kv_groups.py): one group a kind of layer, so
+    sliding layers keep only their window; or, where `one_group` says why (something reads a
+    request's blocks of every layer after attention is done with them, or the operator asked),
+    one group of every layer keeping its whole history, as before KV groups."""
+    if one_group or not any(windows):
+        if one_group and any(windows):
+            log.info("sliding windows: G1 keeps every layer's history in one KV group (%s)", one_group)
+        return KVLayout.single(len(windows))
+    layout = plan_kv_layout(windows)
+    log.info("KV groups: %s", ", ".join(f"{len(g.layer_ids)} layers {'window ' + str(g.window) if g.window else 'full'}"
+                                        for g in layout.groups))
+    return layout

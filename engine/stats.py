@@ -25,6 +25,8 @@ class EngineStats:
     forward_seconds: float = 0.0
     # Speculative decoding (engine.spec_decode.SpecDecodeStats.as_dict), None when it is off.
     spec_decode: dict[str, Any] | None = None
+    # G1 per KV group (KVCacheManager.group_usage): layers, window, blocks held by requests.
+    kv_groups: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -49,3 +49,9 @@ def extend_keys(keys: list[BlockKey], token_ids: Sequence[int], block_size: int,
     """Appends to `keys` (a request's key list, grown lazily) the keys of its new full blocks."""
     if len(keys) < len(token_ids) // block_size:
         keys.extend(chain_keys(token_ids, block_size, cache_salt, len(keys), keys[-1] if keys else ROOT_KEY))
+
+
+def group_key(key: BlockKey, group: int) -> BlockKey:
+    """The key of KV group `group`'s block for the token block `key` names (group 0 uses `key`
+    itself): groups hold different layers, so their blocks of the same tokens differ."""
+    return BlockKey(hashlib.sha256(b"kv-group" + group.to_bytes(4, "little") + key).digest()[:KEY_BYTES])

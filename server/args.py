@@ -47,6 +47,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="plan step N+1 and prepare its inputs on a helper thread while step N's forward runs; the "
                         "step-time share with no forward running is in /v1/kv/stats as bubble_fraction. Composes with "
                         "--speculative-config")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="lay G1 out as one KV group of every layer, each keeping its whole history (vLLM's flag), "
+                        "instead of a block table per kind of layer where sliding-window layers keep only their "
+                        "window")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off G1 prefix caching")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
@@ -114,6 +118,7 @@ def llm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         "optimization_level": ns.optimization_level,
         "enforce_eager": ns.enforce_eager,
         "async_scheduling": ns.async_scheduling,
+        "disable_hybrid_kv_cache_manager": ns.disable_hybrid_kv_cache_manager,
         "enable_prefix_caching": ns.enable_prefix_caching,
         "scheduling_policy": ns.scheduling_policy,
         "kv_eviction_policy": ns.kv_eviction_policy,

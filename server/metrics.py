@@ -51,6 +51,11 @@ class _EngineCollector(Collector):
         yield counter("prompt_tokens", "Prompt tokens received by the engine.", s["prompt_tokens"])
         yield counter("generation_tokens", "Tokens generated.", s["generation_tokens"])
         yield counter("kv_cache_evictions", "Cached G1 blocks evicted.", s["num_evictions"])
+        groups = GaugeMetricFamily(P + "kv_group_held_blocks", "G1 blocks requests hold, per KV group.",
+                                   labels=lab + ["group", "window"])
+        for i, g in enumerate(s.get("kv_groups") or ()):
+            groups.add_metric(m + [str(i), str(g["window"])], g["held_blocks"])
+        yield groups
         sd = s.get("spec_decode")
         if sd is not None:  # vLLM's spec_decode_* series
             yield counter("spec_decode_num_drafts", "Verified proposals (one per request per step).", sd["num_drafts"])

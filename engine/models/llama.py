@@ -220,7 +220,7 @@ class LlamaFamilyForCausalLM(nn.Module):
             captured = [x.clone() for x in captured]  # fused layers update `h` in place
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_caches[i] if kv_caches is not None else (None, None)
-            h = layer(h, *rope[i], k_cache, v_cache, meta)
+            h = layer(h, *rope[i], k_cache, v_cache, meta.for_layer(i) if meta is not None else None)
             if i + 1 in capture_layers:
                 captured.append(h.clone() if self.fused else h)
         return self.norm(h), captured

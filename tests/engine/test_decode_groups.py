@@ -14,8 +14,8 @@ def _run(ckpt, monkeypatch, group: bool, calls: list[int]):
     llm.engine.runner.group_decodes = group
     orig = model_runner.ModelRunner._decode_groups
 
-    def spy(self, rows, tables, lens):
-        groups = orig(self, rows, tables, lens)
+    def spy(self, batch, rows, tables, lens):
+        groups = orig(self, batch, rows, tables, lens)
         calls.append(len(groups))
         if not group and groups:  # one group, longest first: the kernel's threads start on the longest rows
             assert groups[0].context_lens.tolist() == sorted(lens, reverse=True)

@@ -67,8 +67,9 @@ def test_gemma3_settings_it_does_not_compute_are_refused(ckpt_dir, tmp_path, key
         LLM(str(path), dtype="float32", num_gpu_blocks=16)
 
 
-def _held_blocks_during(llm, prompts, max_tokens: int) -> tuple[list[list[int]], int]:
-    """Runs `prompts` greedily step by step; their outputs and the most G1 blocks any one held."""
+def _held_blocks_during(llm, prompts, max_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """Runs `prompts` greedily step by step; their outputs and, per KV group, the most G1 blocks
+    any one request held."""
     from engine import SamplingParams
 
     eng = llm.engine
@@ -76,10 +77,11 @@ def _held_blocks_during(llm, prompts, max_tokens: int) -> tuple[list[list[int]],
     reqs = [eng.make_request(f"r{i}", p, sp) for i, p in enumerate(prompts)]
     for r in reqs:
         eng.add_request(r)
-    most = 0
+    most = [0] * len(eng.kv.windows)
     while eng.has_unfinished():
         eng.step()
-        most = max([most] + [eng.kv.num_held_blocks(r) for r in reqs if not r.status.finished])
+        for g in range(len(most)):
+            most[g] = max([most[g]] + [eng.kv.num_held_blocks(r, g) for r in reqs if not r.status.finished])
         eng.check_integrity()
     return [r.output_token_ids for r in reqs], most
 
@@ -103,8 +105,8 @@ def test_a_model_windowed_on_every_layer_holds_only_its_window_in_g1(ckpt_dir, a
     kw = dict(dtype="float32", block_size=16, num_gpu_blocks=48, max_model_len=320,
               async_scheduling=asynchronous, enable_prefix_caching=prefix_caching)
     with LLM(str(path), **kw) as llm:
-        assert llm.engine.kv.sliding_window == SLIDING_WINDOW
-        got, most = _held_blocks_during(llm, prompts, n_out)
+        assert llm.engine.kv.windows == (SLIDING_WINDOW,)
+        got, (most,) = _held_blocks_during(llm, prompts, n_out)
         assert llm.get_stats().num_preemptions == 0
     assert got == want
     # the window's 3 blocks, the one being written, and one a step may allocate ahead of the release
@@ -112,18 +114,35 @@ def test_a_model_windowed_on_every_layer_holds_only_its_window_in_g1(ckpt_dir, a
     if not prefix_caching:
         return  # offload needs prefix caching's block keys
     with LLM(str(path), kv_offloading_size=0.05, **kw) as llm:
-        assert llm.engine.kv.sliding_window == 0
-        got, most = _held_blocks_during(llm, prompts, n_out)
+        assert llm.engine.kv.windows == (0,)
+        got, (most,) = _held_blocks_during(llm, prompts, n_out)
         assert llm.get_stats().num_preemptions > 0
     assert got == want and most >= 18
 
 
-def test_models_with_full_attention_layers_keep_every_block(ckpt_dir):
-    """Gemma 3 mixes windowed and full layers: one block table serves both, so nothing is released."""
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_gemma_sliding_groups_hold_only_their_window(ckpt_dir, asynchronous):
+    """Issue 16, acceptance 3, on the Gemma 3 checkpoint (windowed and full layers): KV groups give
+    each kind of layer its own block tables, so through a long decode the sliding groups' blocks
+    stay bounded by the window while the full group's grow with the sequence; the tokens are
+    transformers', and a second pass hits the prefix cache in every group."""
     from engine import LLM
 
-    with LLM(str(ckpt_dir("gemma3")), dtype="float32", num_gpu_blocks=64) as llm:
-        assert llm.engine.kv.sliding_window == 0
+    path = ckpt_dir("gemma3")
+    prompts = [random_prompt(30 + 11 * i, 950 + i) for i in range(4)]
+    n_out = 200
+    hf = load_hf(path)
+    want = [list(hf_greedy(hf, p, n_out)) for p in prompts]
+    with LLM(str(path), dtype="float32", block_size=16, num_gpu_blocks=256, max_model_len=320,
+             async_scheduling=asynchronous) as llm:
+        kv = llm.engine.kv
+        assert len(kv.windows) > 1 and kv.windows[0] == 0 and set(kv.windows[1:]) == {SLIDING_WINDOW}
+        got, most = _held_blocks_during(llm, prompts, n_out)
+        again, _ = _held_blocks_during(llm, prompts, n_out)
+        assert llm.get_stats().prefix_cache_hits > 0
+    assert got == want and again == want
+    assert most[0] >= (max(map(len, prompts)) + n_out) // 16  # full attention: the whole history
+    assert all(m <= SLIDING_WINDOW // 16 + 2 for m in most[1:]), most
 
 
 @pytest.mark.parametrize("caching", [False, True])
@@ -132,6 +151,7 @@ def test_released_blocks_are_exactly_those_out_of_every_later_querys_sight(cachi
     block i iff some key in it is at a position >= n - window + 1 (a later query at p >= n sees
     keys j > p - window); released blocks go back to the pool once, and free() releases the rest."""
     from engine.kv_cache_manager import KVCacheManager
+    from engine.kv_groups import KVLayout
     from engine.request import Request, RequestId
     from engine.sampling_params import SamplingParams
     from kvstore.g1 import BlockPool
@@ -139,7 +159,7 @@ def test_released_blocks_are_exactly_those_out_of_every_later_querys_sight(cachi
 
     bs, window = 4, 10
     pool = BlockPool(64, make_policy("lru"), caching)
-    kv = KVCacheManager(pool, bs, sliding_window=window)
+    kv = KVCacheManager(pool, bs, KVLayout.single(1, window))
     req = Request(RequestId("r"), list(range(1, 8)), SamplingParams(max_tokens=40), max_total_tokens=64)
     for n in range(1, 45):
         while req.num_tokens < n + 1:

@@ -1,5 +1,6 @@
 """Issue 16, acceptance 5: `kvtier serve` serves each architecture beyond the Llama family's dense
-ones. Oracle: transformers' greedy tokens for the same prompt (float32)."""
+ones, and `/v1/kv/stats` and `/metrics` show G1 per KV group. Oracle: transformers' greedy tokens
+for the same prompt (float32)."""
 from __future__ import annotations
 
 import pytest
@@ -19,5 +20,13 @@ def test_served_greedy_tokens_are_transformers(ckpt_dir, kind):
                                                 "temperature": 0, "ignore_eos": True, "return_token_ids": True})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == list(want)
+        with srv.client() as c:
+            groups = c.get("/v1/kv/stats").json()["tiers"]["G1"]["groups"]
+            metrics = c.get("/metrics").text
+        # per-group usage: Gemma's global and sliding layers apart, one group otherwise
+        assert [g["window"] for g in groups] == ([0, 48] if kind == "gemma3" else [48] if kind == "mistral_swa" else [0])
+        assert sorted(i for g in groups for i in g["layers"]) == list(range(2))
+        assert all(g["held_blocks"] == 0 for g in groups)  # nothing running
+        assert metrics.count("kvtier:kv_group_held_blocks{") == len(groups)
     finally:
         assert srv.stop() == 0
