@@ -135,7 +135,7 @@ class KVCacheManager:
         for i in range(start, req.num_computed_tokens // bs):
             block = self.pool.blocks[table[i]]
             if block.key is None:
-                self.pool.cache(table[i], keys[i], req.priority)
+                self.pool.cache(table[i], keys[i], req.priority, announced=group == 0)
                 # Events describe token blocks (KV-aware routing): group 0's stand for them.
                 if group == 0 and self.pool.events is not None and block.key is not None:
                     self.pool.events.append(BlockStored([block.key], keys[i - 1] if i else None,

@@ -30,6 +30,7 @@ class Block:
     ref_cnt: int = 0
     key: BlockKey | None = None  # set only while the block is registered in the prefix cache
     priority: int = 0  # most urgent priority among the requests that used it since it was cached
+    announced: bool = True  # its caching was published as a KV event, so its removal is too
 
 
 class BlockPool:
@@ -109,15 +110,17 @@ class BlockPool:
                 else:
                     self._free.append(bid)
 
-    def cache(self, block_id: BlockId, key: BlockKey, priority: int = 0) -> None:
+    def cache(self, block_id: BlockId, key: BlockKey, priority: int = 0, announced: bool = True) -> None:
         """Register an in-use, fully written block under `key`. A key that is already cached
-        keeps its first block: the duplicate stays private and is freed normally."""
+        keeps its first block: the duplicate stays private and is freed normally. `announced`:
+        the caller publishes a BlockStored for it (a KV group's other than the first does not:
+        events describe token blocks), so its eviction publishes a BlockRemoved."""
         if not self.enable_caching or key in self._cached:
             return
         block = self.blocks[block_id]
         if block.ref_cnt <= 0 or block.key is not None:
             raise RuntimeError(f"block {block_id} cannot be cached (ref_cnt={block.ref_cnt}, key set={block.key is not None})")
-        block.key, block.priority = key, priority
+        block.key, block.priority, block.announced = key, priority, announced
         self._cached[key] = block_id
 
     def reset_prefix_cache(self) -> int:
@@ -133,7 +136,7 @@ class BlockPool:
     def _uncache(self, block: Block) -> None:
         assert block.key is not None
         del self._cached[block.key]
-        if self.events is not None:
+        if self.events is not None and block.announced:
             self.events.append(BlockRemoved([block.key], "GPU"))
         block.key, block.priority = None, 0
 

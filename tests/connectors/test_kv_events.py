@@ -83,3 +83,27 @@ def test_unimplemented_event_keys_are_refused():
         KVEventsConfig.from_dict({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:1",
                                   "replay_endpoint": "tcp://127.0.0.1:2"})
     assert KVEventsConfig.from_dict({"enable_kv_cache_events": True, "endpoint": "tcp://x:1", "hwm": 10}).hwm == 10
+
+
+def test_kv_groups_publish_one_event_per_token_block(ckpt_dir):
+    """Gemma 3 lays G1 out in two KV groups: events still describe token blocks (the first
+    group's), and every BlockRemoved names a block a BlockStored announced."""
+    llm = LLM(str(ckpt_dir("gemma3")), dtype="float32", block_size=16,
+              kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
+                                "endpoint": "tcp://127.0.0.1:*", "topic": "kvt"})
+    assert len(llm.engine.kv.windows) == 2
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(llm.engine.publisher.endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kvt")
+    time.sleep(0.3)
+    prompt = random_prompt(100, 11)  # past the 48-token window: the sliding group releases blocks
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    llm.engine.pool.reset_prefix_cache()
+    llm.generate([{"prompt_token_ids": random_prompt(5, 12)}], SamplingParams(max_tokens=1), use_tqdm=False)  # publishes
+    events = _receive(sub, time.monotonic() + 1.5)
+    stored = [e[1][0] for e in events if e[0] == "BlockStored"]
+    removed = {h for e in events if e[0] == "BlockRemoved" for h in e[1]}
+    assert len(stored) == len(set(stored)) == (100 + 4 - 1) // 16  # one per full token block
+    assert removed == set(stored)
+    llm.close()
+    sub.close()
