@@ -29,7 +29,7 @@ from connectors.storage_tier import StorageTier, TierMode
 from kvstore.g1 import BlockId
 from kvstore.host import HostTier
 from kvstore.keys import BlockKey
-from kvstore.threads import one_torch_thread
+from kvstore.threads import CopyPool, one_torch_thread
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,8 @@ class TransferEngine:
                                         initializer=one_torch_thread)
         read_threads = max((t.read_threads for t in tiers), default=1)
         self._reads = ThreadPoolExecutor(read_threads, thread_name_prefix="kvtier-read", initializer=one_torch_thread)
+        # G1 loads copy with as many threads as the forward uses (this, the constructing thread's, count).
+        self._copy_pool = CopyPool(torch.get_num_threads())
         self._bounce: list[torch.Tensor | None] = [None] * (2 * read_threads)  # read targets outside G2
         self._done: queue.SimpleQueue[LoadDone | StoreDone] = queue.SimpleQueue()
         self._progress = threading.Event()  # set with every _done item: the idle engine waits on it
@@ -159,7 +161,7 @@ class TransferEngine:
                 src = rows[:, HEADER_BYTES:HEADER_BYTES + lay.kv_bytes].view(lay.dtype)
                 src = src.view(m, *lay.shape).permute(1, 2, 0, 3, 4, 5, 6)  # [L, 2, m, k, ...]
                 dst = self.kv_cache[:, :, first:first + m * k]
-                dst.view(*dst.shape[:2], m, k, *dst.shape[3:]).copy_(src)
+                self._copy_pool.copy(dst.view(*dst.shape[:2], m, k, *dst.shape[3:]), src)
                 if self.hidden_cache is not None:
                     hid = rows[:, HEADER_BYTES + lay.kv_bytes:HEADER_BYTES + lay.payload_bytes].view(lay.dtype)
                     self.hidden_cache[first:first + m * k].view(m, *lay.hidden_shape).copy_(
@@ -307,7 +309,7 @@ class TransferEngine:
         assert self.kv_cache is not None
         hid = hidden_payload(buf, self.layout)[lo:] if self.hidden_cache is not None else None
         if all(d == dst[0] + i for i, d in enumerate(dst)):  # the usual case: a strided copy,
-            self.kv_cache[:, :, dst[0]:dst[0] + n].copy_(data[:, :, lo:])  # faster than index_copy_
+            self._copy_pool.copy(self.kv_cache[:, :, dst[0]:dst[0] + n], data[:, :, lo:])  # faster than index_copy_
             if hid is not None:
                 self.hidden_cache[dst[0]:dst[0] + n].copy_(hid)  # type: ignore[index]
         else:
@@ -380,5 +382,6 @@ class TransferEngine:
         self.flush()
         self._xfer.shutdown(wait=True)
         self._reads.shutdown(wait=True)
+        self._copy_pool.close()
         for tier in self.tiers:
             tier.close()
