@@ -24,7 +24,6 @@ from engine.model_runner import ModelOutput, StepInputs
 from engine.request import Request, RequestId
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
-FORWARD_ERRORS = (RuntimeError, ValueError, IndexError, TypeError)  # a forward error EngineCore._execute pins on a request
 
 
 @dataclass(frozen=True, eq=False)

@@ -16,7 +16,8 @@ import torch
 
 from connectors.base import KVConnector, NullConnector
 from engine.connector_setup import make_connector
-from engine.async_pipeline import FORWARD_ERRORS, PlannedStep, RanStep, mark_in_flight
+from engine.async_pipeline import PlannedStep, RanStep, mark_in_flight
+from engine.isolation import FORWARD_ERRORS, execute_isolating
 from engine import cpu_runtime, gpu_memory
 from engine.setup import attention_backend, eos_ids, kv_layout, step_token_budget
 from engine.config import CPU_KV_CACHE_GIB, EngineConfig, LoadFailurePolicy, load_model_config
@@ -223,7 +224,7 @@ class EngineCore:
             self._idle()
             return updated
         forward_start = time.perf_counter()
-        out, failed = self._execute(sched, tables)
+        out, failed = execute_isolating(self.runner, sched, tables)
         forward = time.perf_counter() - forward_start
         self.forward_seconds += forward
         if self.spec is not None and all(s.num_committed_tokens == 1 for s in sched.scheduled):
@@ -333,7 +334,7 @@ class EngineCore:
             try:
                 out = self.runner.run(cur.inputs)
             except FORWARD_ERRORS:
-                pass  # rerun below through _execute, which finds the request(s) to blame
+                pass  # rerun below through execute_isolating, which finds the request(s) to blame
             forward = time.perf_counter() - forward_start
             self.forward_seconds += forward
             if out is not None and self.spec is not None and all(s.num_committed_tokens == 1 for s in cur.sched.scheduled):
@@ -341,7 +342,7 @@ class EngineCore:
         more, self._planned = pending.result()
         updated += more
         if out is None:
-            out, failed = self._execute(cur.sched, cur.tables)
+            out, failed = execute_isolating(self.runner, cur.sched, cur.tables)
         sampled = sample_outputs(out, [cur.sched.scheduled[i] for i in out.sampled], self.sampler, self.spec)
         self._ran = RanStep(cur, out, failed, sampled)
         self.busy_seconds += time.perf_counter() - start
@@ -409,34 +410,6 @@ class EngineCore:
             if status is not None:
                 return status, i + 1
         return None, len(tokens)
-
-    def _execute(self, sched: SchedulerOutput, tables: list[tuple[list[int], ...]]
-                 ) -> tuple[ModelOutput, list[tuple[Request, str]]]:
-        """Runs the forward; if it raises, finds which requests make it fail by running each alone
-        (their KV writes go to their own slots, so a rerun is harmless) and runs the rest again.
-        Returns the output for the requests that ran and the failed ones with the reason. An error
-        that every request of a batch hits on its own is the engine's, not a request's: it raises."""
-        try:
-            return self.runner.execute(sched, tables), []
-        except FORWARD_ERRORS as e:
-            if len(sched.scheduled) > 1:
-                log.error("a step of %d requests failed (%s: %s); finding the request(s) that cause it",
-                          len(sched.scheduled), type(e).__name__, e)
-            first = e
-        failed: list[tuple[Request, str]] = []
-        ok: list[int] = []
-        for i, s in enumerate(sched.scheduled):
-            try:
-                self.runner.execute(SchedulerOutput([s]), [tables[i]])
-                ok.append(i)
-            except FORWARD_ERRORS as e:
-                failed.append((s.req, f"the forward pass failed: {type(e).__name__}: {e}"))
-        if not ok and len(failed) > 1:
-            raise first
-        sched.scheduled[:] = [sched.scheduled[i] for i in ok]
-        if not ok:
-            return ModelOutput(torch.empty(0, 0), []), failed
-        return self.runner.execute(sched, [tables[i] for i in ok]), failed
 
     def _fail(self, req: Request, why: str) -> Request:
         """Ends one request with an error; the engine goes on with the others."""
