@@ -176,3 +176,39 @@ def test_released_blocks_are_exactly_those_out_of_every_later_querys_sight(cachi
     kv.free(req)
     assert all(b.ref_cnt == 0 for b in pool.blocks) and pool.num_free_blocks() == 64
     pool.check_integrity()
+
+
+def test_a_draft_model_speculates_on_a_model_with_kv_groups(ckpt_dir):
+    """Gemma 3 keeps its KV groups under a draft model: the draft's full-attention KV follows the
+    first group's table, which is a full-attention group and keeps the whole history. The target
+    as its own draft proposes what it would emit; outputs equal speculation off (transformers')."""
+    from engine import LLM, SamplingParams
+
+    path = str(ckpt_dir("gemma3"))
+    prompts = [random_prompt(40 + 17 * i, 970 + i) for i in range(3)]
+    sp = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    hf = load_hf(path)
+    want = [list(hf_greedy(hf, p, 80)) for p in prompts]
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3, "adaptive": False}
+    with LLM(path, dtype="float32", block_size=16, num_gpu_blocks=256, speculative_config=spec) as llm:
+        assert llm.engine.kv.windows == (0, SLIDING_WINDOW)
+        got = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                                                   use_tqdm=False)]
+        sd = llm.get_stats().spec_decode
+        llm.engine.check_integrity()
+    assert got == want
+    assert sd["num_draft_tokens"] > 0 and sd["acceptance_rate"] > 0.95, sd
+
+
+def test_a_draft_keeps_a_windowed_only_models_history(ckpt_dir):
+    """mistral_swa's one group is windowed: a draft's KV follows that table, so nothing is released."""
+    from engine import LLM, SamplingParams
+
+    path = str(ckpt_dir("mistral_swa"))
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 2, "adaptive": False}
+    with LLM(path, dtype="float32", block_size=16, num_gpu_blocks=128, speculative_config=spec) as llm:
+        assert llm.engine.kv.windows == (0,)
+        prompt = random_prompt(90, 980)
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                           use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == list(hf_greedy(load_hf(path), prompt, 40))
