@@ -61,9 +61,18 @@ class KVCacheManager:
         n = (req.num_tokens - 1) // self.block_size
         keys = [self._keys(req, g) for g in range(len(self.windows))]
         # Full groups: the leading run of hits bounds the prefix.
+        full: list[list[BlockId]] = []
         for g, w in enumerate(self.windows):
             if not w:
-                n = next((i for i in range(n) if self.pool.lookup(keys[g][i]) is None), n)
+                full.append([])
+                for key in keys[g][:n]:
+                    bid = self.pool.lookup(key)
+                    if bid is None:
+                        break
+                    full[-1].append(bid)
+                n = len(full[-1])
+        if all(not w for w in self.windows):  # no sliding group: those runs are the hit
+            return [tuple(run[i] for run in full) for i in range(n)]
         while n > 0:  # the longest n whose window blocks every sliding group still has
             found = [[self.pool.lookup(keys[g][i]) if i >= self._first_needed(g, n * self.block_size) else None
                       for i in range(n)] for g in range(len(self.windows))]
