@@ -19,6 +19,7 @@ write.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from engine.model_runner import ModelOutput, StepInputs
 from engine.request import Request, RequestId
@@ -54,12 +55,16 @@ class RanStep:
         """Each sampling request's new token, for the next step's placeholders."""
         return {rid: toks[-1] for rid, (_, toks) in self.emitted().items()}
 
-    def emitted(self) -> dict[RequestId, tuple[ScheduledRequest, list[int]]]:
-        """Each request that sampled: its entry in this step and the tokens it emitted (1 + the
-        proposals it kept), before stop checks."""
+    @cached_property  # read up to four times a step (placeholders, proposals, corrections, EAGLE-3)
+    def _emitted(self) -> dict[RequestId, tuple[ScheduledRequest, list[int]]]:
         sched = self.planned.sched
         return {sched.scheduled[i].req.request_id: (sched.scheduled[i], toks)
                 for i, toks in zip(self.out.sampled, self.sampled[0]) if toks}
+
+    def emitted(self) -> dict[RequestId, tuple[ScheduledRequest, list[int]]]:
+        """Each request that sampled: its entry in this step and the tokens it emitted (1 + the
+        proposals it kept), before stop checks."""
+        return self._emitted
 
     def kept_positions(self) -> list[tuple[Request, int, int, int]]:
         """(request, first position, count, first row among the step's tokens) of the positions
