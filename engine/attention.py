@@ -4,7 +4,8 @@ The backend interface is one class with one method so that Triton or CUDA kernel
 added beside the torch path without touching the model code. The torch path here is the
 reference: it is exact for any mix of prefill chunks and decodes in one batch.
 
-Cache layout (per layer): K and V are each `[num_blocks, block_size, num_kv_heads, head_dim]`.
+Cache layout (per layer): K and V are each `[num_blocks, block_size, num_kv_heads, head_dim]`, heads
+and dims contiguous; tokens may be further apart (a layer's part of a wider row, engine/kv_groups.py).
 """
 from __future__ import annotations
 
@@ -142,9 +143,11 @@ class TorchPagedAttention(AttentionBackend):
         buf = self._scratch.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != cache.dtype:
             buf = self._scratch[name] = torch.empty(numel, dtype=cache.dtype, device=cache.device)
-        out = buf[:numel].view(block_ids.numel(), -1)
-        torch.index_select(cache.view(num_blocks, -1), 0, block_ids, out=out)
-        return out.view(-1, kv_heads, head_dim)
+        if cache.is_contiguous():
+            torch.index_select(cache.view(num_blocks, -1), 0, block_ids, out=buf[:numel].view(block_ids.numel(), -1))
+        else:  # a layer's part of wider rows (engine/kv_groups.py)
+            torch.index_select(cache, 0, block_ids, out=buf[:numel].view(-1, block_size, kv_heads, head_dim))
+        return buf[:numel].view(-1, kv_heads, head_dim)
 
     def _context(self, name: str, cache: torch.Tensor, seq: PrefillSeq) -> torch.Tensor:
         """The sequence's cached K or V, `[context_len, kv_heads, head_dim]`."""

@@ -107,6 +107,37 @@ class ModelConfig:
     # Per layer: the sliding window it attends within (the last that many keys), 0 = all of them.
     sliding_windows: tuple[int, ...]
     hf_config: Any = field(repr=False, compare=False)
+    # Per layer, where layers differ (Gemma 4's global layers have their own head size and KV
+    # heads): its cache's (kv_heads, head_dim). Empty: every layer (num_kv_heads, head_dim).
+    layer_kv_shapes: tuple[tuple[int, int], ...] = ()
+    # Per layer, the layer whose KV it attends to: itself, or an earlier layer of its kind whose KV
+    # it reuses (Gemma 4's num_kv_shared_layers; such a layer has no cache of its own). Empty: itself.
+    kv_sources: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("layer_kv_shapes", "kv_sources"):
+            if getattr(self, name) and len(getattr(self, name)) != self.num_layers:
+                raise ValueError(f"{name} needs one entry per layer ({self.num_layers})")
+        if any(not 0 <= s <= i or self.kv_sources[s] != s for i, s in enumerate(self.kv_sources)):
+            raise ValueError(f"kv_sources must name earlier layers that own their KV; got {self.kv_sources}")
+
+    def kv_shape(self, layer: int) -> tuple[int, int]:
+        """(kv_heads, head_dim) of the layer's K and V."""
+        return self.layer_kv_shapes[layer] if self.layer_kv_shapes else (self.num_kv_heads, self.head_dim)
+
+    def kv_source(self, layer: int) -> int:
+        return self.kv_sources[layer] if self.kv_sources else layer
+
+    @property
+    def kv_widths(self) -> tuple[int, ...]:
+        """Per layer, the elements of one token's K (or V): kv_heads * head_dim."""
+        return tuple(h * d for h, d in map(self.kv_shape, range(self.num_layers)))
+
+    @property
+    def uniform_kv(self) -> bool:
+        """Every layer owns a cache of the same shape: the cache is `[..., kv_heads, head_dim]`."""
+        return len({self.kv_shape(i) for i in range(self.num_layers)}) == 1 and \
+            all(self.kv_source(i) == i for i in range(self.num_layers))
 
     def fingerprint(self) -> dict[str, Any]:
         """Stable description of what makes KV compatible (used by persistent tiers)."""
@@ -123,6 +154,8 @@ class ModelConfig:
             # window must not share G3/G4 entries. Absent for full-attention models, so their
             # namespaces (and existing caches) are unchanged.
             **({"sliding_windows": list(self.sliding_windows)} if any(self.sliding_windows) else {}),
+            **({"layer_kv_shapes": [list(x) for x in self.layer_kv_shapes]} if self.layer_kv_shapes else {}),
+            **({"kv_sources": list(self.kv_sources)} if self.kv_sources else {}),
         }
 
 
@@ -293,7 +326,9 @@ def load_model_config(model_dir: Path, dtype: str, device: str = "cpu") -> Model
         )
     hf = AutoConfig.from_pretrained(model_dir)
     num_heads = hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    # Per-layer head sizes (Gemma 4): the model-wide fields are layer 0's, `layer_kv_shapes` each layer's.
+    first = hf.per_layer_config[0] if getattr(hf, "is_heterogeneous", False) else hf
+    head_dim = getattr(first, "head_dim", None) or hf.hidden_size // num_heads
     return ModelConfig(
         architecture=arch,
         vocab_size=hf.vocab_size,
@@ -301,7 +336,7 @@ def load_model_config(model_dir: Path, dtype: str, device: str = "cpu") -> Model
         intermediate_size=hf.intermediate_size,
         num_layers=hf.num_hidden_layers,
         num_heads=num_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+        num_kv_heads=getattr(first, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
         rms_norm_eps=hf.rms_norm_eps,
         max_position_embeddings=hf.max_position_embeddings,
@@ -311,9 +346,37 @@ def load_model_config(model_dir: Path, dtype: str, device: str = "cpu") -> Model
         o_proj_bias=_bias_flag(hf) and arch != "Qwen2ForCausalLM",
         qk_norm=SUPPORTED_ARCHITECTURES[arch].qk_norm,
         sliding_windows=_sliding_windows(hf),
+        layer_kv_shapes=_layer_kv_shapes(hf),
+        kv_sources=_kv_sources(hf),
         dtype=resolve_dtype(dtype, getattr(hf, "dtype", None) or raw.get("torch_dtype"), device),
         hf_config=hf,
     )
+
+
+def _layer_kv_shapes(hf: Any) -> tuple[tuple[int, int], ...]:
+    """Per-layer (kv_heads, head_dim) for configs whose layers override them (transformers'
+    `per_layer_config`, Gemma 4); empty when every layer has the model's."""
+    if not getattr(hf, "is_heterogeneous", False):
+        return ()
+    other = sorted(set(hf.per_layer_attributes) - {"head_dim", "num_key_value_heads"})
+    if other:
+        raise ValueError(f"per-layer {other} in per_layer_config are not supported (head_dim and "
+                         "num_key_value_heads are)")
+    shapes = tuple((int(c.num_key_value_heads), int(c.head_dim))
+                   for c in (hf.per_layer_config[i] for i in range(hf.num_hidden_layers)))
+    return shapes if len(set(shapes)) > 1 else ()
+
+
+def _kv_sources(hf: Any) -> tuple[int, ...]:
+    """Gemma 4's KV sharing: from `num_hidden_layers - num_kv_shared_layers` on, each layer reuses
+    the KV of the last earlier layer of its type (transformers' `kv_sharing_modes`)."""
+    shared = int(getattr(hf, "num_kv_shared_layers", 0) or 0)
+    if not shared:
+        return ()
+    first = hf.num_hidden_layers - shared
+    types = list(hf.layer_types)
+    last_owner = {t: max(i for i in range(first) if types[i] == t) for t in set(types[:first])}
+    return tuple(i if i < first else last_owner[types[i]] for i in range(hf.num_hidden_layers))
 
 
 def _sliding_windows(hf: Any) -> tuple[int, ...]:

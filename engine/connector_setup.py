@@ -34,8 +34,11 @@ def make_connector(cfg: EngineConfig, mc: ModelConfig, model_dir: Path, hidden_s
     if hs is not None:  # blocks carry hidden states too: a G3 namespace of their own
         fp = hashlib.sha256(fp + repr(hs.layer_ids).encode()).digest()[:16]
     # Connectors may override the offload block size in their extra config ("block_size").
-    layout = BlockLayout(mc.num_layers, cfg.kv_offload_block_size // cfg.block_size, cfg.block_size,
-                         mc.num_kv_heads, mc.head_dim, mc.dtype, fp.hex(),
+    # The cache tensor's own shape: with per-layer head sizes it is rows of the widest layer, and
+    # layers that reuse another's KV have no slot (engine/kv_groups.py).
+    slots, _, _, _, kv_heads, head_dim = runner.kv_cache.shape
+    layout = BlockLayout(slots, cfg.kv_offload_block_size // cfg.block_size, cfg.block_size,
+                         kv_heads, head_dim, mc.dtype, fp.hex(),
                          hs.layer_ids if hs else (), mc.hidden_size if hs else 0)
     ctx = ConnectorContext(layout, pool, fp, cfg.kv_eviction_policy, cfg.kv_offloading_size,
                            cfg.kv_offload_disk, cfg.kv_offload_disk_size, extra, events,

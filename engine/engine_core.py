@@ -61,10 +61,10 @@ class EngineCore:
         one_group = "hidden-state export reads every layer's history" if self.hidden_spec else (
             "offload connectors copy every layer of a block" if config.offload_enabled or config.kv_transfer_config
             else ("--disable-hybrid-kv-cache-manager" if config.disable_hybrid_kv_cache_manager else None))
-        layout = kv_layout(mc.sliding_windows, one_group)
+        layout = kv_layout(mc, one_group)
         if plan is not None and (plan.draft or plan.eagle3) and layout.groups[0].window:
             # A draft's KV (full attention) follows group 0's table, which then must keep its history.
-            layout = kv_layout(mc.sliding_windows, "a draft's full-attention KV follows a sliding group's table")
+            layout = kv_layout(mc, "a draft's full-attention KV follows a sliding group's table")
         # G1 blocks carry the draft's KV beside the target's: both index the same block ids.
         per_block = kv_cache_bytes_per_block(mc, bs, len(self.hidden_spec.layer_ids) if self.hidden_spec else 0,
                                              layout.slots) + (plan.kv_bytes_per_block(bs) if plan is not None else 0)

@@ -15,6 +15,8 @@ import torch
 
 from engine.attention import AttentionMetadata, PrefillSeq
 from engine.config import ModelConfig
+from engine.kv_groups import KVLayout
+from engine.model_runner import layer_cache_views, new_kv_cache
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +58,9 @@ def profile_forward(model: torch.nn.Module, cfg: ModelConfig, device: str, num_t
     torch.cuda.reset_peak_memory_stats(dev)
     before = torch.cuda.memory_allocated(dev)
     nb = -(-num_tokens // block_size)
-    scratch = torch.zeros(cfg.num_layers, 2, nb, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype,
-                          device=dev)
-    caches = [(scratch[i, 0], scratch[i, 1]) for i in range(cfg.num_layers)]
+    layout = KVLayout.single(cfg.num_layers, sources=cfg.kv_sources)
+    scratch = new_kv_cache(cfg, layout, nb, block_size, dev)
+    caches = layer_cache_views(scratch, cfg, layout)
     meta = AttentionMetadata(torch.arange(num_tokens, device=dev), [PrefillSeq(0, num_tokens, num_tokens,
                                                                                torch.arange(nb), 0)], [])
     ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)

@@ -61,8 +61,36 @@ class StepInputs:
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, hidden_layers: int = 0, slots: int | None = None) -> int:
     """G1 bytes per block: K and V of `slots` layers (every layer by default; a KV group's with
     several groups), plus `hidden_layers` exported hidden states."""
-    per_token = (slots or cfg.num_layers) * 2 * cfg.num_kv_heads * cfg.head_dim + hidden_layers * cfg.hidden_size
+    if slots is None:
+        slots = sum(cfg.kv_source(i) == i for i in range(cfg.num_layers))
+    per_token = slots * 2 * max(cfg.kv_widths) + hidden_layers * cfg.hidden_size
     return block_size * per_token * cfg.dtype.itemsize
+
+
+def new_kv_cache(cfg: ModelConfig, layout: KVLayout, num_blocks: int, block_size: int, device) -> torch.Tensor:
+    """Zeroed G1 `[slots, 2, num_blocks, block_size, kv_heads, head_dim]`; with layers of different
+    shapes, rows of the widest layer's width, `[..., 1, width]` (engine/kv_groups.py)."""
+    token_shape = (cfg.num_kv_heads, cfg.head_dim) if cfg.uniform_kv else (1, max(cfg.kv_widths))
+    return torch.zeros(layout.slots, 2, num_blocks, block_size, *token_shape, dtype=cfg.dtype, device=device)
+
+
+def layer_cache_views(kv_cache: torch.Tensor, cfg: ModelConfig, layout: KVLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (K, V) as `[num_blocks, block_size, kv_heads, head_dim]` views of the cache
+    (engine/kv_groups.py): its slot's, or with per-layer shapes a strided view of its part of the row."""
+    out = []
+    for layer, (_, slot, part) in enumerate(layout.placement()):
+        if cfg.uniform_kv:
+            out.append((kv_cache[slot, 0], kv_cache[slot, 1]))
+            continue
+        heads, dim = cfg.kv_shape(layer)
+        row = kv_cache.shape[-1]
+        views = []
+        for kv in (0, 1):
+            base = kv_cache[slot, kv]
+            views.append(base.as_strided((base.shape[0], base.shape[1], heads, dim), (base.shape[1] * row, row, dim, 1),
+                                         base.storage_offset() + part * heads * dim))
+        out.append((views[0], views[1]))
+    return out
 
 
 class ModelRunner:
@@ -78,13 +106,10 @@ class ModelRunner:
         self.device = device
         # A block holds one KV group's layers, slot by slot (engine/kv_groups.py); with one group,
         # every layer: [num_layers, 2, num_blocks, ...], which is what connectors copy from.
-        self.layout = layout or KVLayout.single(cfg.num_layers)
-        self.kv_cache = torch.zeros(
-            self.layout.slots, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype, device=device
-        )
-        placement = self.layout.placement()
-        self.layer_caches = [(self.kv_cache[slot, 0], self.kv_cache[slot, 1]) for _, slot in placement]
-        self.layer_groups = tuple(g for g, _ in placement)
+        self.layout = layout or KVLayout.single(cfg.num_layers, sources=cfg.kv_sources)
+        self.kv_cache = new_kv_cache(cfg, self.layout, num_blocks, block_size, device)
+        self.layer_caches = layer_cache_views(self.kv_cache, cfg, self.layout)
+        self.layer_groups = tuple(g for g, _, _ in self.layout.placement())
         self.batches = [InputBatch(max_rows, -(-max_model_len // block_size), device) for _ in self.layout.groups]
         self.batch = self.batches[0]  # group 0's (connectors and drafts index that group)
         # Exported hidden states live in paged blocks beside the KV, so a prefix hit has them.

@@ -11,7 +11,7 @@ import torch
 from engine import cpu_kernels
 from engine.attention import AttentionBackend, TorchPagedAttention
 from engine.attention_cpu import CpuPagedAttention
-from engine.config import OFFLINE_MAX_BATCHED_TOKENS, EngineConfig
+from engine.config import OFFLINE_MAX_BATCHED_TOKENS, EngineConfig, ModelConfig
 from engine.kv_groups import KVLayout, plan_kv_layout
 
 log = logging.getLogger(__name__)
@@ -54,16 +54,18 @@ def attention_backend(device: str) -> AttentionBackend:
 
 
 
-def kv_layout(windows: tuple[int, ...], one_group: str | None) -> KVLayout:
+def kv_layout(mc: ModelConfig, one_group: str | None) -> KVLayout:
     """The KV groups G1 is laid out in (engine/kv_groups.py): one group a kind of layer, so
     sliding layers keep only their window; or, where `one_group` says why (something reads a
     request's blocks of every layer after attention is done with them, or the operator asked),
     one group of every layer keeping its whole history, as before KV groups."""
+    windows = mc.sliding_windows
     if one_group or not any(windows):
         if one_group and any(windows):
             log.info("sliding windows: G1 keeps every layer's history in one KV group (%s)", one_group)
-        return KVLayout.single(len(windows))
-    layout = plan_kv_layout(windows)
-    log.info("KV groups: %s", ", ".join(f"{len(g.layer_ids)} layers {'window ' + str(g.window) if g.window else 'full'}"
-                                        for g in layout.groups))
+        return KVLayout.single(len(windows), sources=mc.kv_sources)
+    layout = plan_kv_layout(windows, mc.kv_widths, mc.kv_sources)
+    log.info("KV groups: %s%s", ", ".join(f"{len(g.layer_ids)} layers {'window ' + str(g.window) if g.window else 'full'}"
+                                          for g in layout.groups),
+             f"; {len(layout.aliases)} layers reuse an earlier layer's KV" if layout.aliases else "")
     return layout

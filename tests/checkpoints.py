@@ -18,6 +18,13 @@ Kinds
 ``mistral_swa``      MistralForCausalLM with ``sliding_window=48`` on every layer.
 ``gemma3``           Gemma3ForCausalLM: layer 0 sliding (48), layer 1 full with linear rope
                      scaling, query_pre_attn_scalar 24 (!= head_dim 32), final logit soft-capping.
+``gemma4``           Gemma4ForCausalLM, 5 layers (sliding, sliding, full, sliding, full): sliding
+                     head_dim 16 with 2 KV heads, global 32 with 1 KV head and keys as values
+                     (attention_k_eq_v), proportional RoPE (0.25) on global layers, layers 3-4
+                     reuse layers 1-2's KV (double-wide MLPs), per-layer embeddings (8), soft-capping.
+``gemma4_moe``       Gemma4ForCausalLM, 4 layers (sliding, full) x 2, an MoE block (4 experts, 2
+                     active) beside every MLP, global layers head_dim 32 with 2 KV heads (twice
+                     the sliding layers' width: two sliding layers share a cache row).
 ``qwen3_swa``        (not in KINDS) Qwen3ForCausalLM, layer 0 full, layer 1 a 48-token window.
 
 All: hidden 64, 2 layers, intermediate 128, ``max_position_embeddings`` 2048,
@@ -94,7 +101,8 @@ ROW_NORM_SIGMA = 0.5
 MIN_REL_MARGIN = 1e-4
 
 SLIDING_WINDOW = 48  # the sliding-window kinds' window: parity prompts run to 1030 tokens
-KINDS = ("llama", "mistral", "qwen2", "qwen3", "llama_mha_tied", "qwen3_moe", "mistral_swa", "gemma3")
+KINDS = ("llama", "mistral", "qwen2", "qwen3", "llama_mha_tied", "qwen3_moe", "mistral_swa", "gemma3", "gemma4",
+         "gemma4_moe")
 
 UNK, BOS, EOS, PAD, IM_START, IM_END = "<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [UNK, BOS, EOS, PAD, IM_START, IM_END]
@@ -177,7 +185,8 @@ def build_tokenizer():
 
 
 def _config(kind: str, vocab_size: int, overrides: dict):
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (Gemma3TextConfig, Gemma4TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
     common = dict(
         vocab_size=vocab_size,
@@ -231,6 +240,23 @@ def _config(kind: str, vocab_size: int, overrides: dict):
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}})
         cls = Gemma3TextConfig
+    elif kind in ("gemma4", "gemma4_moe"):
+        sliding, full = "sliding_attention", "full_attention"
+        cfg = dict(common, head_dim=16, global_head_dim=32, sliding_window=SLIDING_WINDOW,  # untied: tied, the random
+                   # residual stream is its own token and greedy decoding repeats it
+                   final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab_size,
+                   rope_parameters={sliding: {"rope_type": "default", "rope_theta": 10000.0},
+                                    full: {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                           "rope_theta": 1000000.0}})
+        if kind == "gemma4":
+            cfg.update(num_hidden_layers=5, layer_types=[sliding, sliding, full, sliding, full],
+                       attention_k_eq_v=True, num_global_key_value_heads=1, num_kv_shared_layers=2,
+                       use_double_wide_mlp=True)
+        else:
+            cfg.update(num_hidden_layers=4, layer_types=[sliding, full] * 2, enable_moe_block=True, num_experts=4,
+                       top_k_experts=2, moe_intermediate_size=INTERMEDIATE // 2)
+        cls = Gemma4TextConfig
     elif kind == "qwen2":
         cfg = dict(common, tie_word_embeddings=True, use_sliding_window=False, sliding_window=None,
                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
@@ -263,6 +289,8 @@ _MODEL_CLASSES = {
     "mistral_swa": "MistralForCausalLM",
     "qwen3_swa": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
+    "gemma4_moe": "Gemma4ForCausalLM",
 }
 
 
@@ -273,6 +301,9 @@ def _randomize(model, seed: int) -> None:
     def randn(shape):
         return torch.randn(shape, generator=g, dtype=torch.float32)
 
+    for name, b in model.named_buffers():  # Gemma 4's learned per-layer output scale
+        if name.endswith("layer_scalar"):
+            b.copy_(1.0 + 0.2 * randn(b.shape))
     out = model.get_output_embeddings().weight
     emb = model.get_input_embeddings().weight
     tied = out.data_ptr() == emb.data_ptr()
@@ -281,8 +312,10 @@ def _randomize(model, seed: int) -> None:
             continue
         if "norm" in name and name.endswith("weight"):
             p.copy_(1.0 + INIT_STD * randn(p.shape))
-        elif name.endswith("mlp.gate.weight"):  # MoE router: logits far enough apart that routing matters
-            p.copy_(randn(p.shape) / p.shape[1] ** 0.5)
+        elif name.endswith(("mlp.gate.weight", "router.proj.weight")):  # MoE routers: logits far enough apart
+            p.copy_(randn(p.shape) / p.shape[1] ** 0.5)             # that routing matters
+        elif name.endswith(("router.scale", "router.per_expert_scale")):
+            p.copy_(1.0 + 0.2 * randn(p.shape))
         else:  # linear and embedding weights, biases (qwen2 q/k/v)
             p.copy_(INIT_STD * randn(p.shape))
     # Output matrix: random directions with log-normal row norms (mean square norm equal

@@ -64,7 +64,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     rows: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int = 0) -> None:
     """`out[rows[i]]` = attention of `q[rows[i]]` (`[heads, head_dim]`) over the first `lens[i]`
     tokens (the last `window` of them when `window` > 0) reached through `tables[i]` (block ids into `k_cache`/`v_cache`, each `[num_blocks,
-    block_size, kv_heads, head_dim]` with contiguous blocks). `q`/`out`: `[tokens, heads, head_dim]`
+    block_size, kv_heads, head_dim]` with contiguous heads; tokens `stride(1)` apart). `q`/`out`: `[tokens, heads, head_dim]`
     with contiguous rows; `rows`, `tables`, `lens`: contiguous int64. float32 or bfloat16."""
     lib = get()
     if lib is None:
@@ -90,8 +90,10 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     head_dim, kv_heads = k_cache.shape[3], k_cache.shape[2]
     if q.dtype not in (torch.float32, torch.bfloat16) or not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype):
         raise ValueError(f"dtypes must match and be float32 or bfloat16: q {q.dtype}, cache {k_cache.dtype}")
-    if k_cache.stride() != v_cache.stride() or k_cache.stride()[1:] != (kv_heads * head_dim, head_dim, 1):
-        raise ValueError(f"cache blocks must be contiguous with equal strides: {k_cache.stride()}, {v_cache.stride()}")
+    # Tokens may be further apart than kv_heads * head_dim (a layer's part of a wider row).
+    if k_cache.stride() != v_cache.stride() or k_cache.stride()[2:] != (head_dim, 1) \
+            or k_cache.stride(1) < kv_heads * head_dim or k_cache.stride(0) < k_cache.shape[1] * k_cache.stride(1):
+        raise ValueError(f"cache tokens need contiguous heads and equal strides: {k_cache.stride()}, {v_cache.stride()}")
     if q.stride()[1:] != (head_dim, 1) or out.stride()[1:] != (head_dim, 1):
         raise ValueError("q and out need contiguous rows")
 

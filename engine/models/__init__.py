@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.gemma4 import Gemma4ForCausalLM
 from engine.models.llama import LlamaFamilyForCausalLM
 
 
@@ -27,4 +28,5 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen3ForCausalLM": ArchSpec(LlamaFamilyForCausalLM, _bias_flag, qk_norm=True),
     "Qwen3MoeForCausalLM": ArchSpec(LlamaFamilyForCausalLM, _bias_flag, qk_norm=True),
     "Gemma3ForCausalLM": ArchSpec(Gemma3ForCausalLM, _bias_flag, qk_norm=True),
+    "Gemma4ForCausalLM": ArchSpec(Gemma4ForCausalLM, _bias_flag, qk_norm=True),
 }

@@ -65,14 +65,15 @@ class GemmaDecoderLayer(nn.Module):
 
 
 def check_gemma3_config(hf) -> None:
-    """Refuses what this implementation does not compute (rather than computing something else)."""
+    """Refuses what this implementation (and Gemma 4's) does not compute (rather than computing
+    something else)."""
     if getattr(hf, "attn_logit_softcapping", None):
-        raise ValueError(f"Gemma 3 with attn_logit_softcapping={hf.attn_logit_softcapping} is not supported")
+        raise ValueError(f"Gemma with attn_logit_softcapping={hf.attn_logit_softcapping} is not supported")
     act = getattr(hf, "hidden_activation", "gelu_pytorch_tanh")
     if act != "gelu_pytorch_tanh":
-        raise ValueError(f"Gemma 3 with hidden_activation={act!r} is not supported (gelu_pytorch_tanh is)")
+        raise ValueError(f"Gemma with hidden_activation={act!r} is not supported (gelu_pytorch_tanh is)")
     if getattr(hf, "use_bidirectional_attention", False):
-        raise ValueError("Gemma 3 with use_bidirectional_attention is not supported (a causal LM is served)")
+        raise ValueError("Gemma with use_bidirectional_attention is not supported (a causal LM is served)")
 
 
 class Gemma3ForCausalLM(LlamaFamilyForCausalLM):
@@ -89,7 +90,9 @@ class Gemma3ForCausalLM(LlamaFamilyForCausalLM):
 
     def reset_rope(self, max_len: int, device: str | torch.device = "cpu") -> None:
         for kind in sorted(set(self.layer_types)):
-            cos, sin = rope_tables_for(self.cfg, max_len, layer_type=kind)
+            # each type's head size (Gemma 4's global layers have their own)
+            head_dim = self.cfg.kv_shape(self.layer_types.index(kind))[1]
+            cos, sin = rope_tables_for(self.cfg, max_len, layer_type=kind, head_dim=head_dim)
             self.register_buffer(f"rope_cos_{kind}", cos.to(device), persistent=False)
             self.register_buffer(f"rope_sin_{kind}", sin.to(device), persistent=False)
 

@@ -36,15 +36,17 @@ def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Ten
     return rope_tables_for(cfg, max_len)
 
 
-def rope_tables_for(cfg: ModelConfig, max_len: int, layer_type: str | None = None
+def rope_tables_for(cfg: ModelConfig, max_len: int, layer_type: str | None = None, head_dim: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rope_tables` for one layer type of a model whose `rope_parameters` are per layer type
-    (Gemma 3: `{"sliding_attention": {...}, "full_attention": {...}}`)."""
+    (Gemma 3: `{"sliding_attention": {...}, "full_attention": {...}}`), whose layers of that type
+    have `head_dim` (default the model's)."""
     with torch.device("cpu"):  # real numbers even when the model is built on the meta device
-        return _rope_tables(cfg, max_len, layer_type)
+        return _rope_tables(cfg, max_len, layer_type, head_dim or cfg.head_dim)
 
 
-def _rope_tables(cfg: ModelConfig, max_len: int, layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_tables(cfg: ModelConfig, max_len: int, layer_type: str | None, head_dim: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = getattr(cfg.hf_config, "rope_parameters", None) or {}
@@ -53,7 +55,7 @@ def _rope_tables(cfg: ModelConfig, max_len: int, layer_type: str | None) -> tupl
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(cfg.hf_config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         scaling = 1.0
     elif rope_type in ("dynamic", "longrope"):
         raise ValueError(f"rope_type {rope_type!r} is not supported (it depends on the sequence length)")

@@ -47,23 +47,29 @@ def _grouped(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 
 @torch.library.custom_op("kvtier::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor) -> torch.Tensor:
+                down: torch.Tensor, gelu: bool) -> torch.Tensor:
     """`x` [T, H], `topk_ids`/`topk_weights` [T, k], `gate_up` [E, 2I, H] (gate rows first),
-    `down` [E, H, I]. Returns sum over each token's k experts of weight * down(silu(gate) * up)."""
+    `down` [E, H, I]. Returns sum over each token's k experts of weight * down(act(gate) * up),
+    act SiLU (Qwen3-MoE) or with `gelu` GELU-tanh (Gemma 4)."""
     def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
         gate, up = nn.functional.linear(xe, gate_up[e]).chunk(2, dim=-1)
-        return nn.functional.linear(nn.functional.silu(gate) * up, down[e])
+        return nn.functional.linear(_act(gate, gelu) * up, down[e])
 
     return _grouped(x, topk_ids, topk_weights, gate_up.shape[0], expert)
 
 
+def _act(x: torch.Tensor, gelu: bool, inplace: bool = False) -> torch.Tensor:
+    return nn.functional.gelu(x, approximate="tanh") if gelu else nn.functional.silu(x, inplace=inplace)
+
+
 @moe_experts.register_fake
-def _(x, topk_ids, topk_weights, gate_up, down):
+def _(x, topk_ids, topk_weights, gate_up, down, gelu):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("kvtier::moe_experts_packed", mutates_args=())
-def moe_experts_packed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, key: int) -> torch.Tensor:
+def moe_experts_packed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, key: int,
+                       gelu: bool) -> torch.Tensor:
     """`moe_experts` with the weights of packed `Experts` number `key` (oneDNN's blocked layout)."""
     owner = _live[key]()
     if owner is None:
@@ -72,20 +78,21 @@ def moe_experts_packed(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 
     def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
         gate, up, down = owner.packed[e]
-        h = nn.functional.silu(linear(xe, gate, None, "none", [], ""), inplace=True)
+        h = _act(linear(xe, gate, None, "none", [], ""), gelu, inplace=True)
         return linear(h.mul_(linear(xe, up, None, "none", [], "")), down, None, "none", [], "")
 
     return _grouped(x, topk_ids, topk_weights, len(owner.packed), expert)
 
 
 @moe_experts_packed.register_fake
-def _(x, topk_ids, topk_weights, key):
+def _(x, topk_ids, topk_weights, key, gelu):
     return torch.empty_like(x)
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, inter: int, gelu: bool = False) -> None:
         super().__init__()
+        self.gelu = gelu  # GELU-tanh experts (Gemma 4); SiLU otherwise
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.packed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -107,8 +114,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.key is not None:
-            return torch.ops.kvtier.moe_experts_packed(x, ids, weights, self.key)
-        return torch.ops.kvtier.moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
+            return torch.ops.kvtier.moe_experts_packed(x, ids, weights, self.key, self.gelu)
+        return torch.ops.kvtier.moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.gelu)
 
 
 class Router(nn.Module):

@@ -19,7 +19,7 @@ def test_gemma3_270m_pattern_makes_equal_groups_full_first():
     assert [(g.layer_ids, g.window) for g in layout.groups] == [
         ((5, 11, 17), 0), ((0, 1, 2), 512), ((3, 4, 6), 512), ((7, 8, 9), 512), ((10, 12, 13), 512), ((14, 15, 16), 512)]
     assert layout.slots == 3
-    assert layout.placement()[11] == (0, 1) and layout.placement()[6] == (2, 2)
+    assert layout.placement()[11] == (0, 1, 0) and layout.placement()[6] == (2, 2, 0)
 
 
 def test_one_kind_of_layer_is_one_group_and_uneven_kinds_leave_slots_unused():
@@ -27,6 +27,54 @@ def test_one_kind_of_layer_is_one_group_and_uneven_kinds_leave_slots_unused():
     assert plan_kv_layout((48, 48)).groups == (KVGroup((0, 1), 48),)
     layout = plan_kv_layout((0, 0, 8, 8, 8))  # 2 full, 3 sliding: groups of 2, the last sliding one half full
     assert [g.layer_ids for g in layout.groups] == [(0, 1), (2, 3), (4,)] and layout.slots == 2
+
+
+def test_narrow_layers_share_a_slot_and_kv_sharing_layers_alias_their_source():
+    """Gemma 4-like: sliding layers 32 wide, global ones 64 (two sliding layers a slot row); layers
+    4 and 5 reuse layers 2 and 3's KV and get no cache of their own."""
+    windows, widths = (8, 0, 8, 0, 8, 0), (32, 64, 32, 64, 32, 64)
+    layout = plan_kv_layout(windows, widths, (0, 1, 2, 3, 2, 3))
+    assert [(g.layer_ids, g.window, g.per_slot) for g in layout.groups] == [((1,), 0, 1), ((3,), 0, 1), ((0, 2), 8, 2)]
+    assert layout.slots == 1 and layout.aliases == ((4, 2), (5, 3)) and layout.num_layers == 6
+    assert layout.placement() == [(2, 0, 0), (0, 0, 0), (2, 0, 1), (1, 0, 0), (2, 0, 1), (1, 0, 0)]
+    single = KVLayout.single(6, sources=(0, 1, 2, 3, 2, 3))
+    assert single.groups == (KVGroup((0, 1, 2, 3), 0),) and single.slots == 4
+    with pytest.raises(ValueError, match="alias"):
+        KVLayout((KVGroup((0, 1), 0),), aliases=((2, 3),))
+
+
+def test_per_layer_views_are_disjoint_and_read_back_what_was_written():
+    """The cache views of layers of different shapes (engine/model_runner.layer_cache_views) against
+    a dense reference: each group owns its own blocks (as the block pool hands them out), and every
+    layer's K/V written through its view into its group's blocks reads back unchanged after every
+    other layer's write (no two layers of a block overlap)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.model_runner import layer_cache_views, new_kv_cache
+
+    shapes = ((2, 16), (1, 64), (2, 16), (1, 64), (2, 16))
+    cfg = SimpleNamespace(num_layers=5, num_kv_heads=2, head_dim=16, dtype=torch.float32, uniform_kv=False,
+                          kv_widths=tuple(h * d for h, d in shapes), kv_shape=lambda i: shapes[i],
+                          kv_sources=(0, 1, 2, 3, 2), kv_source=lambda i: (0, 1, 2, 3, 2)[i])
+    layout = plan_kv_layout((8, 0, 8, 0, 8), cfg.kv_widths, cfg.kv_sources)
+    assert len(layout.groups) == 3 and layout.slots == 1  # two sliding layers share the row
+    cache = new_kv_cache(cfg, layout, 6, 4, "cpu")
+    assert cache.shape == (1, 2, 6, 4, 1, 64)
+    views = layer_cache_views(cache, cfg, layout)
+    ref = {}
+    g = torch.Generator().manual_seed(0)
+    for layer, (group, _, _) in list(enumerate(layout.placement()))[:4]:
+        blocks = torch.tensor([2 * group, 2 * group + 1])
+        for kv in (0, 1):
+            heads, dim = shapes[layer]
+            assert views[layer][kv].shape == (6, 4, heads, dim)
+            ref[layer, kv] = (blocks, torch.randn(2, 4, heads, dim, generator=g))
+            views[layer][kv].index_copy_(0, blocks, ref[layer, kv][1])
+    for (layer, kv), (blocks, want) in ref.items():
+        assert torch.equal(views[layer][kv][blocks], want), (layer, kv)
+    assert views[4][0].data_ptr() == views[2][0].data_ptr()  # layer 4 reads layer 2's cache
 
 
 @pytest.mark.parametrize("groups", [(), (KVGroup((0,), 0), KVGroup((0,), 8)), (KVGroup((1,), 0),)])

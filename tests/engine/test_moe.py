@@ -33,7 +33,7 @@ def test_grouped_experts_equal_a_token_by_token_loop(tokens):
     weights = torch.rand(tokens, k, generator=g)
     gate_up = torch.randn(experts, 2 * inter, hidden, generator=g)
     down = torch.randn(experts, hidden, inter, generator=g)
-    got = torch.ops.kvtier.moe_experts(x, ids, weights, gate_up, down)
+    got = torch.ops.kvtier.moe_experts(x, ids, weights, gate_up, down, False)
     torch.testing.assert_close(got, _reference(x, ids, weights, gate_up, down), rtol=1e-5, atol=1e-4)
 
 

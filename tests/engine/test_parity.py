@@ -82,7 +82,7 @@ def test_checkpoint_config_is_as_intended(kind, ckpt_dir, tokenizer):
     path = ckpt_dir(kind)
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["vocab_size"] == len(tokenizer) == VOCAB_SIZE
-    assert cfg["hidden_size"] == 64 and cfg["num_hidden_layers"] == 2
+    assert cfg["hidden_size"] == 64 and cfg["num_hidden_layers"] == {"gemma4": 5, "gemma4_moe": 4}.get(kind, 2)
     assert cfg["intermediate_size"] == 128 and cfg["max_position_embeddings"] == 2048
     assert cfg["num_attention_heads"] == 4
     arch = {
@@ -94,6 +94,8 @@ def test_checkpoint_config_is_as_intended(kind, ckpt_dir, tokenizer):
         "qwen3_moe": "Qwen3MoeForCausalLM",
         "mistral_swa": "MistralForCausalLM",
         "gemma3": "Gemma3ForCausalLM",
+        "gemma4": "Gemma4ForCausalLM",
+        "gemma4_moe": "Gemma4ForCausalLM",
     }[kind]
     assert cfg["architectures"] == [arch]
     assert cfg["num_key_value_heads"] == (4 if kind == "llama_mha_tied" else 2)
@@ -111,6 +113,18 @@ def test_checkpoint_config_is_as_intended(kind, ckpt_dir, tokenizer):
     elif kind == "gemma3":  # per layer type
         assert rope["full_attention"]["rope_type"] == "linear" and rope["sliding_attention"]["rope_type"] == "default"
         assert cfg["layer_types"] == ["sliding_attention", "full_attention"]
+    elif kind.startswith("gemma4"):  # global layers: proportional rope, their own head size (and KV heads)
+        assert rope["full_attention"]["rope_type"] == "proportional"
+        assert rope["sliding_attention"]["rope_type"] == "default"
+        full = {int(i): o for i, o in cfg["per_layer_config"].items()}
+        assert set(full) == {i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"}
+        assert all(o["head_dim"] == 32 != cfg["head_dim"] for o in full.values())
+        assert cfg["hidden_size_per_layer_input"] == 8
+        if kind == "gemma4":
+            assert cfg["num_kv_shared_layers"] == 2 and cfg["attention_k_eq_v"]
+            assert all(o["num_key_value_heads"] == 1 for o in full.values())
+        else:
+            assert cfg["enable_moe_block"] and cfg["num_experts"] == 4 and cfg["top_k_experts"] == 2
     else:
         assert rope["rope_type"] == "default"
     if kind == "mistral":
@@ -132,6 +146,10 @@ def test_checkpoint_config_is_as_intended(kind, ckpt_dir, tokenizer):
         if kind == "qwen3":
             qn = f.get_tensor("model.layers.0.self_attn.q_norm.weight")
             assert qn.shape == (32,) and (qn - 1).abs().mean() > 0.05
+        if kind.startswith("gemma4"):  # learned layer scalars and PLE weights are in the file, not defaults
+            assert (f.get_tensor("model.layers.0.layer_scalar") - 1).abs().max() > 0.05
+            assert "model.embed_tokens_per_layer.weight" in names and "model.layers.0.per_layer_input_gate.weight" in names
+            assert ("model.layers.3.self_attn.k_proj.weight" in names) == (kind == "gemma4_moe")  # shared: none
         norm = f.get_tensor("model.layers.0.input_layernorm.weight")
         assert (norm - 1).abs().mean() > 0.05  # norms are not all-ones: skipping one shows
     assert "model.embed_tokens.weight" in names
