@@ -15,6 +15,10 @@ does not fill a whole offload block (at most --offload-block-size - 1 tokens, pl
 Bandwidth: the bytes a G2/G3 hit moved divided by its TTFT (conservative: it includes the tail's
 forward), next to a raw torch copy of the same bytes, a raw read of the same G3 files, and
 `redis-benchmark`'s own GET throughput at the offload block's value size (for G4).
+
+Bytes per hit: what a hit placed into G1, against the whole history of every layer for the same
+tokens. They differ on a model with sliding-window layers (Gemma 3/4: `--model` a Gemma
+checkpoint), whose KV groups load the full layers' history but the sliding layers' last window.
 """
 from __future__ import annotations
 
@@ -187,12 +191,14 @@ def main(argv: list[str] | None = None) -> int:
         log("no redis-server/valkey-server and no --redis-url: the G4 mode is skipped")
     lower = [t for t in ("G2", "G3", "G4") if t in engines]
     mc = engines["G1"].engine.model_config
-    per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
+    # the whole history of every layer with a cache of its own, per token
+    per_token = sum(2 * w for i, w in enumerate(mc.kv_widths) if mc.kv_source(i) == i) * mc.dtype.itemsize
     results: dict[str, Any] = {"lengths": lengths, "offload_block_size": args.offload_block_size, "runs": {}}
     rows = []
     for n in lengths:
         per_mode: dict[str, list[float]] = {"cold": [], "G1": [], **{t: [] for t in lower}}
         bw: dict[str, list[float]] = {t: [] for t in lower}
+        moved: dict[str, int] = {}
         hits: dict[str, int] = {}
         for r in range(args.runs):
             prompt = [rng.randrange(100, mc.vocab_size) for _ in range(n)]
@@ -217,17 +223,27 @@ def main(argv: list[str] | None = None) -> int:
                 # The load itself, timed on the transfer thread: bytes placed in G1 per second.
                 secs = after["load_seconds"] - before["load_seconds"]
                 bw[tier].append((after["load_bytes"] - before["load_bytes"]) / secs / 1e9 if secs else 0.0)
+                moved[tier] = after["load_bytes"] - before["load_bytes"]
             log(f"[{n} tokens, run {r + 1}/{args.runs}] " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in per_mode.items()))
         med = {k: median(v) for k, v in per_mode.items()}
         load_bw = {k: median(v) for k, v in bw.items()}
         results["runs"][str(n)] = {"ttft_s": per_mode, "median_s": med, "hit_tokens": hits,
-                                   "load_GBps": bw, "median_load_GBps": load_bw}
+                                   "load_GBps": bw, "median_load_GBps": load_bw, "loaded_bytes": moved,
+                                   "full_history_bytes": {t: hits[t] * per_token for t in lower}}
         rows.append([n] + [f"{med[k]:.3f}" for k in per_mode] +
                     [f"{ratio(med['cold'], med[k]):.1f}x" for k in ("G1", *lower)] +
                     [f"{load_bw[t]:.2f}" for t in lower])
     print_table(["tokens", "cold s", "G1 s", *(f"{t} s" for t in lower), "G1 vs cold",
                  *(f"{t} vs cold" for t in lower), *(f"{t} load GB/s" for t in lower)], rows)
     longest = str(max(lengths))
+    windows = engines["G2"].engine.kv.windows
+    results["kv_groups"] = list(windows)
+    for t in lower:
+        r = results["runs"][longest]
+        full = r["full_history_bytes"][t]
+        print(f"{t} hit at {longest} tokens loaded {r['loaded_bytes'][t] / 2**20:.1f} MiB; the whole history of "
+              f"every layer is {full / 2**20:.1f} MiB ({r['loaded_bytes'][t] / full:.1%} of it; KV groups "
+              f"{windows})" if full else f"{t}: no hit")
     moved = results["runs"][longest]["hit_tokens"]["G3"] * per_token
     g2_bw, g3_bw = (results["runs"][longest]["median_load_GBps"][t] for t in ("G2", "G3"))
     raw = raw_bandwidths(max(moved, 1), work / "g3", engines["G3"].engine.connector.tier("G3").read_threads)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +73,20 @@ class ConnectorMeta:
 
 
 class KVConnector(ABC):
+    # Whether the connector takes G1 laid out in several KV groups (engine/kv_groups.py: sliding
+    # layers keep only their window). The engine gives any other connector one group of every layer.
+    supports_kv_groups: ClassVar[bool] = False
+
+    def set_kv_groups(self, windows: tuple[int, ...]) -> None:
+        """Called once, before any request, when G1 has several KV groups or one sliding one
+        (`windows`: each group's sliding window, 0 for full attention; group 0 is full attention
+        when any is). From then on
+        `block_ids` in `update_state_after_alloc` and `build_connector_meta` are one list per group,
+        with -1 for blocks the request no longer holds (a sliding group's that left its window);
+        a block of `register_kv_caches`' tensor holds one group's layers; and a request's prefix
+        of N tokens is served by full groups' blocks before N and sliding groups' window before N."""
+        raise NotImplementedError(f"{type(self).__name__} does not take several KV groups")
+
     # ---- scheduler side ----------------------------------------------------------------
     @abstractmethod
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:

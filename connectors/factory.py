@@ -255,6 +255,20 @@ def build_hidden_states(ctx: ConnectorContext) -> KVConnector:
     return connector
 
 
+def supports_kv_groups(transfer_config: dict[str, Any] | None) -> bool:
+    """Whether the connector `transfer_config` builds (None: the offload flags' tiered one) takes
+    G1 in several KV groups: the tiered offload connector, writing through; a plugin connector
+    whose class says so (`KVConnector.supports_kv_groups`)."""
+    tc = validate_transfer_config(dict(transfer_config or {}))
+    name = tc.get("kv_connector")
+    if name is None or name in TIERED_NAMES:
+        extra = tc.get("kv_connector_extra_config") or {}
+        return extra.get("write_policy", "write_through") == "write_through"
+    if name == "MultiConnector" or name in HIDDEN_STATES_NAMES:
+        return False
+    return bool(load_connector_class(name, tc.get("kv_connector_module_path")).supports_kv_groups)
+
+
 def has_hidden_states_connector(connector: KVConnector) -> bool:
     from connectors.hidden_states import HiddenStatesConnector
     from connectors.multi import MultiConnector

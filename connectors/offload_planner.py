@@ -5,18 +5,30 @@ storage tier in order (each tier asked only for what the ones above lack). Load 
 G2 slots to read, pinned here so the slots cannot be evicted before the transfer engine reads
 them. Store plan: each offload block a step completes, its G1 blocks held (an extra ref) until
 the transfer engine reports the copy done; with write-back, marked dirty instead.
+
+With KV groups (`set_windows`, engine/kv_groups.py) every group's share of an offload block is an
+entry of its own (keyed `group_key(key, g)`; group 0 keeps the plain key). A hit of N tokens
+needs every full-attention group's entries up to N but a sliding group's only for its window
+before N, so a load moves the full layers' history and the sliding layers' last window; a store
+copies what each group still holds (a sliding group's blocks that left its window are gone).
 """
 from __future__ import annotations
 
 from connectors.base import ConnectorMeta, RequestView
 from connectors.codec import BlockLayout
-from connectors.offload_plans import Chunk, LoadJob, StoreJob
+from connectors.offload_plans import Chunk, LoadDone, LoadJob, StoreJob
 from connectors.offload_transfer import HOST
 from connectors.storage_tier import StorageTier
 from connectors.writeback import WriteBackTracker
 from kvstore.g1 import BlockId, BlockPool
 from kvstore.host import HostTier
-from kvstore.keys import BlockKey, extend_keys, token_digest
+from kvstore.keys import BlockKey, extend_keys, group_key, token_digest
+
+Cand = tuple[int, BlockKey, bytes]  # (offload block index, key, token digest)
+
+
+def _gkey(key: BlockKey, group: int) -> BlockKey:
+    return key if group == 0 else group_key(key, group)
 
 
 class OffloadPlanner:
@@ -25,7 +37,8 @@ class OffloadPlanner:
         self.layout, self.pool, self.g2, self.tiers = layout, pool, g2, tiers
         self.write_back = write_back
         self.g1_per_chunk = layout.g1_blocks
-        self._plans: dict[str, tuple[int, list[Chunk]]] = {}  # req id -> (computed tokens, chunks found)
+        # req id -> (computed tokens, each KV group's chunks found)
+        self._plans: dict[str, tuple[int, dict[int, list[Chunk]]]] = {}
         self._new_loads: list[LoadJob] = []
         self._split: dict[str, dict[str, int]] = {}  # req id -> tokens each tier will supply to its load
         self._stored_upto: dict[str, int] = {}  # req id -> chunks already considered for storing
@@ -35,29 +48,26 @@ class OffloadPlanner:
         # tokens looked up in each tier and not found there
         self.tier_misses: dict[str, int] = dict.fromkeys([HOST, *(t.name for t in tiers)], 0)
         self.lookup_tokens = 0  # tokens looked up below G1
+        self.windows: tuple[int, ...] = (0,)  # per KV group: 0 full attention, else its sliding window
+        self.grouped = False  # tables come one per group (set_windows)
+        self._loads_left: dict[str, int] = {}  # req id -> its group loads not finished yet
+        self._load_dst0: dict[str, tuple[BlockId, ...]] = {}  # req id -> group 0's destination blocks
+        self._load_bad: dict[str, int] = {}  # req id -> first failed position in group 0's destination
 
-    def _chunk_keys(self, request: RequestView, start: int, end: int) -> list[tuple[int, BlockKey, bytes]]:
+    def set_windows(self, windows: tuple[int, ...]) -> None:
+        self.windows, self.grouped = windows, True
+
+    def _chunk_keys(self, request: RequestView, start: int, end: int) -> list[Cand]:
         k, t = self.g1_per_chunk, self.layout.tokens
         extend_keys(request.block_keys, request.all_token_ids, self.layout.block_size, request.cache_salt)
         return [(j, request.block_keys[(j + 1) * k - 1], token_digest(request.all_token_ids[j * t:(j + 1) * t]))
                 for j in range(start, end)]
 
-    def match(self, request: RequestView, num_computed_tokens: int) -> int:
-        """Tokens beyond `num_computed_tokens` the tiers below G1 hold (planned for loading)."""
-        t = self.layout.tokens
-        first = num_computed_tokens // t
-        # Every offload block wholly inside the known tokens, the one holding the last token
-        # included: it is loaded whole, and only the last token is recomputed (over the copy),
-        # so a hit computes 1 token instead of up to a block.
-        last = request.num_tokens // t
-        if last <= first:
-            return 0
+    def _run(self, cands: list[Cand], count: bool) -> list[Chunk]:
+        """The leading run of `cands` found below G1: in G2, then each tier for what the ones above
+        lack. `count`: add the misses to the per-tier counters."""
         found: list[Chunk] = []
-        cands = self._chunk_keys(request, first, last)
-        # Admission may be retried while G1 is full: count each request's lookup once.
-        count = request.request_id not in self._counted
-        self._counted.add(request.request_id)
-        rest = cands
+        t, rest = self.layout.tokens, cands
         if self.g2 is not None:
             n = self.g2.lookup([c[1] for c in cands], [c[2] for c in cands])
             found = [Chunk(j, key, dig, HOST) for j, key, dig in cands[:n]]
@@ -70,59 +80,142 @@ class OffloadPlanner:
             found += [Chunk(j, key, dig, tier.name) for j, key, dig in rest[:n]]
             self.tier_misses[tier.name] += (len(rest) - n) * t * count
             rest = rest[n:]
-        self.lookup_tokens += (last - first) * t * count
-        if not found:
+        return found
+
+    def _first_chunk(self, group: int, end_token: int) -> int:
+        """The first offload block a sliding group needs for a hit ending at `end_token`: the one
+        holding the first G1 block a query at that position can see."""
+        w = self.windows[group]
+        return max(0, end_token - w + 1) // self.layout.block_size // self.g1_per_chunk if w else 0
+
+    def match(self, request: RequestView, num_computed_tokens: int) -> int:
+        """Tokens beyond `num_computed_tokens` the tiers below G1 hold (planned for loading)."""
+        t = self.layout.tokens
+        first = num_computed_tokens // t
+        # Every offload block wholly inside the known tokens, the one holding the last token
+        # included: it is loaded whole, and only the last token is recomputed (over the copy),
+        # so a hit computes 1 token instead of up to a block.
+        last = request.num_tokens // t
+        if last <= first:
             return 0
-        n = min((first + len(found)) * t, request.num_tokens - 1) - num_computed_tokens
+        cands = self._chunk_keys(request, first, last)
+        # Admission may be retried while G1 is full: count each request's lookup once.
+        count = request.request_id not in self._counted
+        self._counted.add(request.request_id)
+        runs = {0: self._run(cands, count)}
+        self.lookup_tokens += (last - first) * t * count
+        end = first + len(runs[0])  # offload blocks every group can serve end here
+        for g in range(1, len(self.windows)):  # full groups: the whole run
+            if not self.windows[g]:
+                runs[g] = self._run([(j, _gkey(key, g), d) for j, key, d in cands[:end - first]], False)
+                end = first + len(runs[g])
+        end = self._sliding_runs(request, cands, first, end, runs)
+        n = min(end * t, request.num_tokens - 1) - num_computed_tokens
         if n <= 0:
             return 0
-        self._plans[request.request_id] = (num_computed_tokens, found)
+        self._plans[request.request_id] = (num_computed_tokens, {g: [c for c in run if c.index < end]
+                                                                 for g, run in runs.items()})
         return n
 
-    def plan_load(self, request: RequestView, block_ids: list[int], num_external_tokens: int) -> None:
-        num_computed, chunks = self._plans.pop(request.request_id)
-        bs, t = self.layout.block_size, self.layout.tokens
-        first_g1 = num_computed // bs
-        end = num_computed + num_external_tokens
-        g2_slots: dict[BlockKey, int] = {}
-        if self.g2 is not None:
-            g2_keys = [c.key for c in chunks if c.tier == HOST]
-            slots = self.g2.prepare_load(g2_keys, request.priority) if g2_keys else []
-            if slots is None:  # evicted since lookup: load nothing, report failure
-                chunks = []
+    def _sliding_runs(self, request: RequestView, cands: list[Cand], first: int, end: int,
+                      runs: dict[int, list[Chunk]]) -> int:
+        """Shortens `end` (offload blocks) until every sliding group holds the blocks its window
+        needs before the hit's last token; fills `runs` for them. Returns the end."""
+        sliding = [g for g, w in enumerate(self.windows) if w]
+        while sliding and end > first:
+            last_token = min(end * self.layout.tokens, request.num_tokens - 1)
+            for g in sliding:
+                s = max(first, self._first_chunk(g, last_token))
+                runs[g] = self._run([(j, _gkey(key, g), d) for j, key, d in cands[s - first:end - first]], False)
+                if len(runs[g]) < end - s:  # a hit must end before the missing block
+                    end = s + len(runs[g])
+                    break
             else:
-                g2_slots = dict(zip(g2_keys, slots))
+                break
+        return end
+
+    def plan_load(self, request: RequestView, block_ids, num_external_tokens: int) -> None:
+        """`block_ids`: the request's G1 table, or with KV groups one table per group."""
+        num_computed, runs = self._plans.pop(request.request_id)
+        tables = block_ids if self.grouped else (block_ids,)
+        bs, t = self.layout.block_size, self.layout.tokens
+        end = num_computed + num_external_tokens
+        slots: dict[BlockKey, int] = {}
+        if self.g2 is not None:
+            g2_keys = [c.key for run in runs.values() for c in run if c.tier == HOST]
+            got = self.g2.prepare_load(g2_keys, request.priority) if g2_keys else []
+            if got is None:  # evicted since lookup: load nothing, report failure
+                runs = {g: [] for g in runs}
+            else:
+                slots = dict(zip(g2_keys, got))
         split: dict[str, int] = {}
-        for c in chunks:  # what each tier will supply; the engine trims it if the load falls short
-            split[c.tier] = split.get(c.tier, 0) + min((c.index + 1) * t, end) - max(c.index * t, num_computed)
+        for i, c in enumerate(runs[0]):  # what each tier will supply; the engine trims it if the load falls short
+            # (a sliding group 0 loads only its window: the tokens before it count to the first block's tier)
+            start = num_computed if i == 0 else max(c.index * t, num_computed)
+            split[c.tier] = split.get(c.tier, 0) + min((c.index + 1) * t, end) - start
         self._split[request.request_id] = split
-        dst = tuple(BlockId(b) for b in block_ids[first_g1:-(-end // bs)])
-        self._new_loads.append(LoadJob(request.request_id, tuple(chunks), first_g1, dst, end, g2_slots,
-                                       request.priority))
+        jobs = []
+        for g, run in sorted(runs.items()):
+            w = self.windows[g]
+            first_g1 = max(num_computed // bs, max(0, end - w + 1) // bs if w else 0)
+            dst = tuple(BlockId(b) for b in tables[g][first_g1:-(-end // bs)])
+            jobs.append(LoadJob(request.request_id, tuple(run), first_g1, dst, end,
+                                {c.key: slots[c.key] for c in run if c.key in slots}, request.priority, g,
+                                skipped_tokens=first_g1 * bs - num_computed))
+        self._loads_left[request.request_id] = len(jobs)
+        self._load_dst0[request.request_id] = jobs[0].dst
+        self._new_loads += jobs
+
+    def load_done(self, done: LoadDone) -> tuple[BlockId, ...] | None:
+        """One group's load finished. None while the request's other groups are loading; then
+        the blocks of group 0's destination to report failed: from the earliest failure in any
+        group (full groups' destinations start at the same block), or all of it where there are
+        sliding groups (their window was loaded for the hit's end, not for a shorter hit)."""
+        req_id = done.req_id
+        if done.failed_blocks:
+            pos = 0 if any(self.windows) else done.num_filled
+            self._load_bad[req_id] = min(self._load_bad.get(req_id, pos), pos)
+        self._loads_left[req_id] -= 1
+        if self._loads_left[req_id]:
+            return None
+        del self._loads_left[req_id]
+        dst0 = self._load_dst0.pop(req_id)
+        bad = self._load_bad.pop(req_id, None)
+        return () if bad is None else dst0[bad:]
 
     def take_load_split(self, req_id: str) -> dict[str, int]:
         return self._split.pop(req_id, {})
 
-    def build_meta(self, scheduled: list[tuple[RequestView, int, list[int]]]) -> ConnectorMeta:
+    def build_meta(self, scheduled: list[tuple[RequestView, int, list]]) -> ConnectorMeta:
+        """`scheduled`: (request, new tokens, its G1 table, or with KV groups one table per group
+        with -1 where the request holds no block)."""
         meta = ConnectorMeta(loads=self._new_loads)
         self._new_loads = []
         k, t = self.g1_per_chunk, self.layout.tokens
         for req, num_new, table in scheduled:
+            tables = table if self.grouped else (table,)
             done_chunks = (req.num_computed_tokens + num_new) // t
             start = self._stored_upto.get(req.request_id, req.num_computed_tokens // t)
             for j, key, dig in self._chunk_keys(req, start, done_chunks) if done_chunks > start else ():
-                if key in self._inflight or (self.g2 is not None and self.g2.contains(key)):
-                    continue
-                if self.write_back is not None:
-                    self.write_back.mark_dirty(key, dig, req.priority, tuple(req.block_keys[j * k:(j + 1) * k]))
-                    continue
-                src = tuple(BlockId(b) for b in table[j * k:(j + 1) * k])
-                self.pool.acquire(list(src))  # keep them from being evicted or reused until copied
-                self._held[key] = src
-                self._inflight.add(key)
-                meta.stores.append(StoreJob(key, dig, src, req.priority))
+                for g, tab in enumerate(tables):
+                    src = tuple(BlockId(b) for b in tab[j * k:(j + 1) * k])
+                    if min(src) >= 0:  # a sliding group may have released them
+                        self._store(meta, req, j, _gkey(key, g), dig, src)
             self._stored_upto[req.request_id] = max(start, done_chunks)
         return meta
+
+    def _store(self, meta: ConnectorMeta, req: RequestView, j: int, key: BlockKey, dig: bytes,
+               src: tuple[BlockId, ...]) -> None:
+        if key in self._inflight or (self.g2 is not None and self.g2.contains(key)):
+            return
+        if self.write_back is not None:
+            k = self.g1_per_chunk
+            self.write_back.mark_dirty(key, dig, req.priority, tuple(req.block_keys[j * k:(j + 1) * k]))
+            return
+        self.pool.acquire(list(src))  # keep them from being evicted or reused until copied
+        self._held[key] = src
+        self._inflight.add(key)
+        meta.stores.append(StoreJob(key, dig, src, req.priority))
 
     def store_done(self, key: BlockKey) -> None:
         """The transfer engine copied the block out of G1: drop the held refs."""

@@ -39,6 +39,8 @@ class LoadJob:
     end_token: int  # the load supplies tokens before this one (the last block may hold more)
     g2_slots: dict[BlockKey, int] = field(default_factory=dict)  # pinned by the planner
     priority: int = 0  # the request's: blocks promoted into G2 on the way are inserted with it
+    group: int = 0  # the KV group whose blocks `dst` are (tier hits count group 0's tokens only)
+    skipped_tokens: int = 0  # tokens of the hit before `first_g1`: out of a sliding group's window, not loaded
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,13 @@ class StoreJob:
 
 @dataclass(frozen=True)
 class LoadDone:
-    """A load finished; `failed_blocks` are the destination blocks it did not fill."""
+    """A load finished; `failed_blocks` are the destination blocks it did not fill (those after
+    the first `num_filled`)."""
 
     req_id: str
     failed_blocks: tuple[BlockId, ...]
+    group: int = 0
+    num_filled: int = 0
 
 
 @dataclass(frozen=True)

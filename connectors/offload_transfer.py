@@ -91,8 +91,9 @@ class TransferEngine:
 
     # ---- loads and stores (transfer thread) -----------------------------------------
     def run_load(self, job: LoadJob) -> None:
-        landed = 0  # destination blocks filled, from the first: everything after is reported failed
+        landed = landed_g2 = 0  # destination blocks filled, from the first: everything after is reported failed
         last_tier = HOST  # the tier of the last block placed
+        first_tier: str | None = None  # the storage tier of the first block placed
         start = time.perf_counter()
         try:
             with self._copies.scope():  # on CUDA: its own stream, synced before LoadDone
@@ -103,7 +104,7 @@ class TransferEngine:
                     if not self._g2_ok(c, job):
                         break
                     run.append((c, job.g2_slots[c.key]))
-                landed = self._scatter_g2(run, job)
+                landed = landed_g2 = self._scatter_g2(run, job)
                 for c, slot in run:  # a reuse: counts towards the batched tiers' min_uses
                     self._note_use(self.tiers, c.key, lambda slot=slot: bytes(self.g2.slot_view(slot).numpy()))  # type: ignore[union-attr]
                 complete = len(run) == len(g2_chunks)
@@ -115,17 +116,20 @@ class TransferEngine:
                     n, complete = load(i, chunks, job)
                     landed += n
                     last_tier = tier.name if n else last_tier
+                    first_tier = first_tier or (tier.name if n else None)
         except Exception as e:  # a plugin tier may raise anything: it must become a miss, never wrong KV
             log.warning("offload load for request %s failed: %s: %s", job.req_id, type(e).__name__, e)
         finally:
             over = (job.first_g1 + landed) * self.layout.block_size - job.end_token
-            if over > 0 and landed:  # the last token's block: its last token is recomputed, not a hit
+            if over > 0 and landed and job.group == 0:  # the last token's block: its last token is recomputed
                 self.tier_hits[last_tier] -= over
+            if landed and job.group == 0 and job.skipped_tokens:  # a sliding group 0's hit before its window:
+                self.tier_hits[HOST if landed_g2 else first_tier] += job.skipped_tokens  # the first block's tier
             if self.g2 is not None and job.g2_slots:
                 self.g2.complete_load(list(job.g2_slots))
             self.load_seconds += time.perf_counter() - start
             self.load_bytes += landed * self.layout.payload_bytes // self.layout.g1_blocks
-            self._signal(LoadDone(job.req_id, job.dst[landed:]))
+            self._signal(LoadDone(job.req_id, job.dst[landed:], job.group, landed))
 
     def _g2_ok(self, c: Chunk, job: LoadJob) -> bool:
         assert self.g2 is not None
@@ -168,7 +172,7 @@ class TransferEngine:
                         hid.view(m, *lay.hidden_shape))
                 n = m * k
             done += n
-            self.tier_hits[HOST] += n * self.layout.block_size
+            self.tier_hits[HOST] += n * self.layout.block_size * (job.group == 0)  # hits count tokens, once
             self.g2_copies += 1
             i = j
         return done
@@ -262,7 +266,7 @@ class TransferEngine:
         (priority) and the batched tiers below that it was reused. Returns the G1 blocks filled."""
         tier = self.tiers[i]
         n = self._scatter(buf, c.index, job)
-        self.tier_hits[tier.name] += n * self.layout.block_size
+        self.tier_hits[tier.name] += n * self.layout.block_size * (job.group == 0)
         tier.touch([c.key], job.priority)
         self._note_use(self.tiers[i + 1:], c.key, lambda: bytes(buf.numpy()))
         return n

@@ -68,6 +68,13 @@ class TieredOffloadConnector(KVConnector):
                 return t
         raise KeyError(f"no storage tier {name!r}; tiers: {[t.name for t in self.tiers]}")
 
+    supports_kv_groups = True
+
+    def set_kv_groups(self, windows: tuple[int, ...]) -> None:
+        if self.write_back is not None:
+            raise ValueError("write_back offload keeps one KV group (the engine lays G1 out so)")
+        self.planner.set_windows(windows)
+
     # ---- scheduler side ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         n = self.planner.match(request, num_computed_tokens)
@@ -90,9 +97,12 @@ class TieredOffloadConnector(KVConnector):
         received: set[str] = set()
         for done in self.transfer.drain():
             if isinstance(done, LoadDone):
+                failed = self.planner.load_done(done)
+                if failed is None:  # the request's other KV groups are still loading
+                    continue
                 received.add(done.req_id)
-                if done.failed_blocks:
-                    self._failed_blocks.update(done.failed_blocks)
+                if failed:
+                    self._failed_blocks.update(failed)
                     self.load_failures += 1
             elif isinstance(done, StoreDone):
                 self.planner.store_done(done.key)

@@ -33,6 +33,10 @@ def make_connector(cfg: EngineConfig, mc: ModelConfig, model_dir: Path, hidden_s
     hs = hidden_spec
     if hs is not None:  # blocks carry hidden states too: a G3 namespace of their own
         fp = hashlib.sha256(fp + repr(hs.layer_ids).encode()).digest()[:16]
+    groups = runner.layout.groups
+    grouped = len(groups) > 1 or any(g.window for g in groups)
+    if grouped:  # an entry holds one group's layers: a namespace per layout
+        fp = hashlib.sha256(fp + repr([(g.layer_ids, g.window, g.per_slot) for g in groups]).encode()).digest()[:16]
     # Connectors may override the offload block size in their extra config ("block_size").
     # The cache tensor's own shape: with per-layer head sizes it is rows of the widest layer, and
     # layers that reuse another's KV have no slot (engine/kv_groups.py).
@@ -45,6 +49,8 @@ def make_connector(cfg: EngineConfig, mc: ModelConfig, model_dir: Path, hidden_s
                            hidden_spec=hs, model_name=model_dir.name, remote_url=cfg.kv_offload_remote,
                            kv_secret=cfg.kv_offload_secret)
     connector = build_connector(ctx, tc)
+    if connector is not None and grouped:
+        connector.set_kv_groups(tuple(g.window for g in groups))
     if connector is not None:
         connector.register_kv_caches(runner.kv_cache)
         if runner.hidden_cache is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from connectors.base import KVConnector, NullConnector
+from connectors.factory import supports_kv_groups
 from engine.connector_setup import make_connector
 from engine.async_pipeline import PlannedStep, RanStep, mark_in_flight
 from engine.isolation import FORWARD_ERRORS, execute_isolating
@@ -58,8 +59,10 @@ class EngineCore:
             self.hidden_spec.check_model(mc.num_layers)
         plan = DraftPlan.make(config.speculative, config, mc) if config.speculative is not None else None
         # Why every layer must keep its history in one group, if it must (setup.kv_layout).
+        connector = config.offload_enabled or config.kv_transfer_config
         one_group = "hidden-state export reads every layer's history" if self.hidden_spec else (
-            "offload connectors copy every layer of a block" if config.offload_enabled or config.kv_transfer_config
+            "the KV connector copies every layer of a block" if connector and not supports_kv_groups(
+                config.kv_transfer_config)
             else ("--disable-hybrid-kv-cache-manager" if config.disable_hybrid_kv_cache_manager else None))
         layout = kv_layout(mc, one_group)
         if plan is not None and (plan.draft or plan.eagle3) and layout.groups[0].window:
@@ -242,9 +245,10 @@ class EngineCore:
         tables = [self.kv.block_tables(s.req) for s in sched.scheduled]
         # Connectors see committed tokens whose ids are known: a block that proposals would complete
         # is stored once verification has kept them, one that a token still being sampled completes
-        # (async scheduling) a step later. They index group 0 (with a connector there is one group).
+        # (async scheduling) a step later. With KV groups, a connector gets each group's table.
         meta = self.connector.build_connector_meta(
-            [(s.req, min(s.req.num_tokens, s.start + s.num_committed_tokens) - s.req.num_computed_tokens, t[0])
+            [(s.req, min(s.req.num_tokens, s.start + s.num_committed_tokens) - s.req.num_computed_tokens,
+              self.kv.held_tables(s.req) if self.kv.grouped and self.connector.supports_kv_groups else t[0])
              for s, t in zip(sched.scheduled, tables)])
         self.connector.start_load_kv(meta)
         return sched, tables, meta

@@ -31,6 +31,12 @@ class KVCacheManager:
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
 
+    @property
+    def grouped(self) -> bool:
+        """Several groups, or one sliding one: a request does not hold every block of its table,
+        and connectors that take KV groups get tables in their per-group form."""
+        return len(self.windows) > 1 or any(self.windows)
+
     def block_table(self, req: Request) -> list[BlockId]:
         """Group 0's table (what connectors and drafts index)."""
         tables = self._tables.get(req.request_id)
@@ -129,6 +135,25 @@ class KVCacheManager:
             dead = min(len(table), self._first_needed(g, req.num_computed_tokens))
             if dead > released[g]:
                 self.pool.release(reversed(table[released[g]:dead]))  # registered ones stay hits until evicted
+                released[g] = dead
+
+    def held_tables(self, req: Request) -> tuple[list[int], ...]:
+        """Per group, the request's table with -1 for entries it holds no block for (a sliding
+        group's released or placeholder entries): what a connector may copy out."""
+        tables = self._tables.get(req.request_id, ())
+        released = self._released.get(req.request_id, [0] * len(tables))
+        return tuple([-1] * r + list(t[r:]) for t, r in zip(tables, released))
+
+    def skip_unloaded(self, req: Request, end_token: int) -> None:
+        """An external load brought the request to `end_token`, filling sliding groups' blocks
+        only from their window at that position (a query there cannot see earlier ones): release
+        the earlier ones unregistered, so their unwritten blocks never become prefix-cache hits."""
+        tables = self._tables[req.request_id]
+        released = self._released.setdefault(req.request_id, [0] * len(tables))
+        for g, table in enumerate(tables):
+            dead = min(len(table), self._first_needed(g, end_token)) if self.windows[g] else 0
+            if dead > released[g]:
+                self.pool.release(reversed(table[released[g]:dead]))
                 released[g] = dead
 
     def num_held_blocks(self, req: Request, group: int | None = None) -> int:

@@ -176,7 +176,9 @@ class Scheduler:
                     self.waiting.pop()
                     self._count_prefix(req, num_cached)
                     req.num_computed_tokens = num_cached
-                    self.connector.update_state_after_alloc(req, self.kv.block_table(req), ext)
+                    # a connector given KV groups gets every group's table
+                    self.connector.update_state_after_alloc(
+                        req, self.kv.block_tables(req) if self.kv.grouped else self.kv.block_table(req), ext)
                     req.pending_external_tokens = ext
                     req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                     self.loading[req.request_id] = req
@@ -229,6 +231,8 @@ class Scheduler:
         req.num_computed_tokens += loaded
         if not req.preempted:  # a resume's reload is not a prompt-cache hit
             req.num_cached_tokens += loaded
+        if loaded == ext:  # sliding groups were filled for this end only (a failed load counts nothing)
+            self.kv.skip_unloaded(req, req.num_computed_tokens)
         self.kv.cache_full_blocks(req)
         if loaded < ext:
             req.load_failed = True

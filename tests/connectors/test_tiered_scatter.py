@@ -85,7 +85,7 @@ def test_batched_scatter_matches_per_block_copy(k: int, arrangement: str, partia
     slots = dict(zip([c.key for c in chunks], conn.g2.prepare_load([c.key for c in chunks]) or []))
     job = LoadJob("r", tuple(chunks), first_g1, tuple(BlockId(b) for b in dst), (first_g1 + len(dst)) * 4, slots)
     conn.transfer.run_load(job)  # the transfer thread's body, run inline
-    assert conn.transfer.drain() == [LoadDone("r", ())]
+    assert conn.transfer.drain() == [LoadDone("r", (), group=0, num_filled=len(dst))]
     assert torch.equal(conn.transfer.kv_cache, expected)
     assert conn.transfer.tier_hits["G2"] == len(dst) * conn.layout.block_size
     conn.g2.check_integrity()

@@ -91,10 +91,10 @@ def _held_blocks_during(llm, prompts, max_tokens: int) -> tuple[list[list[int]],
 def test_a_model_windowed_on_every_layer_holds_only_its_window_in_g1(ckpt_dir, asynchronous, prefix_caching):
     """mistral_swa (a 48-token window on every layer): a request's G1 blocks stay bounded by the
     window through a long decode, so 8 such requests fit a G1 that would otherwise preempt; the
-    tokens are transformers'. The same run with an offload tier keeps every block (a connector may
-    read a chunk after its first blocks left the window) and has to preempt. Without prefix
-    caching a released block is handed out again at once, so a block released while still in
-    sight would change the tokens."""
+    tokens are transformers'. With an offload tier too (it stores what the window still holds);
+    with one group of every layer kept whole (`disable_hybrid_kv_cache_manager`) the same run
+    has to preempt. Without prefix caching a released block is handed out again at once, so a
+    block released while still in sight would change the tokens."""
     from engine import LLM
 
     path = ckpt_dir("mistral_swa")
@@ -114,6 +114,11 @@ def test_a_model_windowed_on_every_layer_holds_only_its_window_in_g1(ckpt_dir, a
     if not prefix_caching:
         return  # offload needs prefix caching's block keys
     with LLM(str(path), kv_offloading_size=0.05, **kw) as llm:
+        assert llm.engine.kv.windows == (SLIDING_WINDOW,)
+        got, (most,) = _held_blocks_during(llm, prompts, n_out)
+        assert llm.get_stats().num_preemptions == 0
+    assert got == want and most <= SLIDING_WINDOW // 16 + 2
+    with LLM(str(path), disable_hybrid_kv_cache_manager=True, **kw) as llm:
         assert llm.engine.kv.windows == (0,)
         got, (most,) = _held_blocks_during(llm, prompts, n_out)
         assert llm.get_stats().num_preemptions > 0
