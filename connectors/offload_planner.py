@@ -196,8 +196,9 @@ class OffloadPlanner:
             tables = table if self.grouped else (table,)
             done_chunks = (req.num_computed_tokens + num_new) // t
             start = self._stored_upto.get(req.request_id, req.num_computed_tokens // t)
-            for j, key, dig in self._chunk_keys(req, start, done_chunks) if done_chunks > start else ():
-                for g, tab in enumerate(tables):
+            chunks = self._chunk_keys(req, start, done_chunks) if done_chunks > start else []
+            for g, tab in enumerate(tables):  # group by group: a group's blocks take consecutive G2 slots
+                for j, key, dig in chunks:
                     src = tuple(BlockId(b) for b in tab[j * k:(j + 1) * k])
                     if min(src) >= 0:  # a sliding group may have released them
                         self._store(meta, req, j, _gkey(key, g), dig, src)

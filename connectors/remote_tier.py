@@ -4,8 +4,8 @@ asynchronous writes, an optional reuse threshold, and batched reads.
 The connector calls `note_use(key, data)` each time this engine stores or loads an offload
 block; the block is queued for the tier once it has been used `min_uses` times (1: write-through on
 first store). A writer thread drains the queue in batches, one pipelined round trip each. The
-queue is bounded: when the remote is slower than the engine, writes are dropped and counted,
-never waited for. Reads are one round trip per batch of blocks.
+queue is bounded in bytes (MAX_PENDING_BYTES): when the remote is slower than the engine, writes
+are dropped and counted, never waited for. Reads are one round trip per batch of blocks.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from kvstore.keys import BlockKey
 
 log = logging.getLogger(__name__)
 
+MAX_PENDING_BYTES = 256 * 2**20  # queued writes held in memory at most; more are dropped and counted
 WRITTEN = -1  # a use count meaning "already in the tier (or queued for it)"
 MAX_TRACKED = 1 << 16  # use counts kept (LRU); a forgotten key just counts from zero again
 
@@ -44,15 +45,18 @@ def leading_hits(backend: StorageBackend, keys: Sequence[BlockKey], name: str) -
 
 class RemoteTier:
     def __init__(self, backend: StorageBackend, *, name: str = "remote", min_uses: int = 1, batch: int = 16,
-                 max_pending: int = 256) -> None:
+                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         if min_uses < 1:
             raise ValueError(f"{name}: min_uses must be >= 1; got {min_uses}")
-        if batch < 1 or max_pending < batch:
-            raise ValueError(f"{name}: the batch must be >= 1 and max_pending >= batch")
+        if batch < 1 or max_pending_bytes < 1:
+            raise ValueError(f"{name}: the batch and max_pending_bytes must be >= 1")
         self.backend, self.name, self.min_uses, self.batch = backend, name, min_uses, batch
         self._uses: OrderedDict[BlockKey, int] = OrderedDict()
         self._lock = threading.Lock()
-        self._q: queue.Queue[tuple[BlockKey, bytes] | None] = queue.Queue(max_pending)
+        # Bounded in bytes, not entries: with KV groups an offload block is several smaller
+        # entries, and a count bound sized for whole blocks dropped most of a long prompt's.
+        self.max_pending_bytes, self._pending_bytes = max_pending_bytes, 0
+        self._q: queue.Queue[tuple[BlockKey, bytes] | None] = queue.Queue()
         self.hit_tokens = 0
         self.miss_tokens = 0
         self.written_blocks = 0
@@ -88,9 +92,13 @@ class RemoteTier:
             n += 1
             self._set_locked(key, WRITTEN if n >= self.min_uses else n)
         if n >= self.min_uses:
-            try:
-                self._q.put_nowait((key, data()))
-            except queue.Full:
+            value = data()
+            with self._lock:
+                room = self._pending_bytes + len(value) <= self.max_pending_bytes
+                self._pending_bytes += len(value) if room else 0
+            if room:
+                self._q.put_nowait((key, value))
+            else:
                 self.dropped_writes += 1
                 self._set(key, 0)
 
@@ -133,6 +141,8 @@ class RemoteTier:
                     self.failed_writes += 1
                     self._set(k, 0)  # may be offered again later
                 self._q.task_done()
+            with self._lock:
+                self._pending_bytes -= sum(len(v) for _, v in items)
 
     def _set(self, key: BlockKey, n: int) -> None:
         with self._lock:

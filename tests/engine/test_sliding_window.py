@@ -222,3 +222,22 @@ def test_a_draft_keeps_a_windowed_only_models_history(ckpt_dir):
         out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
                            use_tqdm=False)[0]
     assert list(out.outputs[0].token_ids) == list(hf_greedy(load_hf(path), prompt, 40))
+
+
+def test_gemma4_strided_caches_on_the_torch_path_equal_transformers(ckpt_dir, monkeypatch):
+    """gemma4_moe's sliding layers are half-rows of G1 (strided views); the torch path (what runs
+    without the C++ kernels) gathers them for prompt chunks after cached context and for decodes."""
+    from engine import LLM, SamplingParams, cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
+    path = ckpt_dir("gemma4_moe")
+    prompts = [random_prompt(n, 400 + n) for n in (20, 3 * SLIDING_WINDOW + 7)]
+    hf = load_hf(path)
+    want = [list(hf_greedy(hf, p, SLIDING_WINDOW)) for p in prompts]
+    sp = SamplingParams(temperature=0.0, max_tokens=SLIDING_WINDOW, ignore_eos=True)
+    with LLM(str(path), dtype="float32", num_gpu_blocks=128, max_num_batched_tokens=37) as llm:
+        assert type(llm.engine.runner.model.layers[0].self_attn.backend).__name__ == "TorchPagedAttention"
+        assert not llm.engine.runner.layer_caches[0][0].is_contiguous()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want

@@ -25,8 +25,19 @@ def _to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     return AttentionMetadata(meta.slot_mapping.to(device), meta.prefills, groups)
 
 
+def _part_of_wider_rows(cache: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`cache` copied into the middle third of rows three times as wide (how G1 holds a layer
+    narrower than the widest, engine/kv_groups.py): a strided view."""
+    nb, bs, h, d = cache.shape
+    rows = torch.full((nb, bs, 3 * h * d), float("nan"), dtype=cache.dtype, device=device)
+    view = rows.as_strided(cache.shape, (bs * 3 * h * d, 3 * h * d, d, 1), h * d)
+    view.copy_(cache)
+    return view
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_backend_matches_torch_backend_on_a_mixed_step(device, dtype):
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_triton_backend_matches_torch_backend_on_a_mixed_step(device, dtype, layout):
     from engine.attention_triton import TritonPagedAttention
 
     g = torch.Generator().manual_seed(11)
@@ -54,6 +65,8 @@ def test_triton_backend_matches_torch_backend_on_a_mixed_step(device, dtype):
     ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
     ref = TorchPagedAttention().forward(q.float(), k.float(), v.float(), ref_kc.float(), ref_vc.float(), meta, 0.125)
     kc, vc = k_cache.to(device), v_cache.to(device)
+    if layout == "strided":
+        kc, vc = _part_of_wider_rows(k_cache, device), _part_of_wider_rows(v_cache, device)
     backend = TritonPagedAttention()
     dmeta = _to(meta, device)
     got = backend.forward(q.to(device), k.to(device), v.to(device), kc, vc, dmeta, 0.125)
