@@ -28,6 +28,7 @@ from kvstore.threads import one_torch_thread
 from engine.kv_cache_manager import KVCacheManager
 from engine.compiled import COMPILE_ERRORS, CompiledForward
 from engine.loader import load_model, load_tokenizer
+from engine.logit_controls import bad_word_ids
 from engine.model_runner import ModelOutput, ModelRunner, kv_cache_bytes_per_block
 from engine.request import Request, RequestId, RequestStatus
 from engine.stop import check_stop
@@ -195,8 +196,13 @@ class EngineCore:
                              "(the prompt plus at least one generated token must fit)")
         check_token_ids(prompt_token_ids, self.model_config.vocab_size, "prompt token id")
         check_token_ids(params.stop_token_ids or (), self.model_config.vocab_size, "stop_token_ids entry")
+        check_token_ids(params.logit_bias or (), self.model_config.vocab_size, "logit_bias token id")
+        check_token_ids(params.allowed_token_ids or (), self.model_config.vocab_size, "allowed_token_ids entry")
+        bad = bad_word_ids(params.bad_words, self.tokenizer)
+        check_token_ids((t for seq in bad for t in seq), self.model_config.vocab_size, "bad_words token")
         return Request(RequestId(request_id), prompt_token_ids, params, prompt=prompt, priority=priority,
-                       cache_salt=cache_salt, eos_token_ids=self.eos_token_ids, max_total_tokens=self.max_model_len)
+                       cache_salt=cache_salt, eos_token_ids=self.eos_token_ids, max_total_tokens=self.max_model_len,
+                       bad_word_ids=bad)
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add_request(req)

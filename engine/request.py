@@ -48,6 +48,7 @@ class Request:
         cache_salt: str | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
         max_total_tokens: int,
+        bad_word_ids: tuple[tuple[int, ...], ...] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -55,6 +56,7 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
+        self.bad_word_ids = bad_word_ids  # params.bad_words tokenized (engine/logit_controls.py)
         self.priority = priority
         self.cache_salt = cache_salt
         self.arrival_time = time.monotonic()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.logit_controls import apply_controls, has_controls
 from engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -87,14 +88,18 @@ def token_logprobs(row: torch.Tensor, token: int, req: Request) -> dict[int, flo
 
 
 def has_penalty(req: Request, num_pending: int = 0) -> bool:
-    """`num_pending`: tokens sampled but not appended yet (async scheduling)."""
+    """Whether the row is processed beyond temperature and top-k/p (penalties, min_tokens
+    suppression, engine/logit_controls.py's controls). `num_pending`: tokens sampled but not
+    appended yet (async scheduling)."""
     p = req.params
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
-            or req.num_output_suppressed(num_pending))
+            or req.num_output_suppressed(num_pending) or has_controls(p))
 
 
 def _apply_penalties(row: torch.Tensor, req: Request) -> torch.Tensor:
     p, vocab = req.params, row.shape[0]
+    if has_controls(p):
+        apply_controls(row, p, req.bad_word_ids, req.output_token_ids)
     if req.num_output_suppressed():
         row[list(req.stop_ids)] = float("-inf")
     if p.repetition_penalty != 1.0:

@@ -24,6 +24,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n log-probs per generated token (plus the chosen one)
     skip_special_tokens: bool = True
+    # Which tokens may come next (engine/logit_controls.py): a bias added to listed tokens' logits
+    # (OpenAI's, -100..100), the only tokens allowed, words never to complete.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # For parity tests and scoring: keep the raw logits of the first sampled position.
     return_first_logits: bool = field(default=False, repr=False)
 
@@ -50,6 +55,15 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens]; got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0; got {self.logprobs}")
+        if self.logit_bias is not None:
+            for t, b in self.logit_bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or isinstance(b, bool) \
+                        or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                    raise ValueError(f"logit_bias maps token ids to numbers in [-100, 100]; got {t!r}: {b!r}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty (no token could be generated)")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty strings")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
         if self.stop is not None and any(not s for s in self.stop):

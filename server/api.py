@@ -200,10 +200,12 @@ class API:
             self._check_prompt(ids, req)
         info = self.client.info
         assert info is not None
-        try:
-            check_token_ids(req.stop_token_ids or (), info.vocab_size, "stop_token_ids entry")
-        except ValueError as e:
-            raise APIError(400, str(e), param="stop_token_ids") from None
+        for field, ids in (("stop_token_ids", req.stop_token_ids), ("allowed_token_ids", req.allowed_token_ids),
+                           ("logit_bias", [int(k) for k in req.logit_bias or ()])):
+            try:
+                check_token_ids(ids or (), info.vocab_size, f"{field} entry")
+            except ValueError as e:
+                raise APIError(400, str(e), param=field) from None
         total = len(prompts) * req.n
         base = req.request_id or uuid.uuid4().hex
         choices: list[Choice] = []

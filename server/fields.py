@@ -23,17 +23,14 @@ WHY: dict[str, str] = {
     **{f"guided_{k}": _STRUCTURED for k in ("json", "regex", "choice", "grammar", "json_object",
                                            "decoding_backend", "whitespace_pattern")},
     "tools": _TOOLS, "tool_choice": _TOOLS, "functions": _TOOLS, "function_call": _TOOLS,
-    "logit_bias": "logit_bias is not supported yet; the listed tokens would not be biased",
-    "allowed_token_ids": "allowed_token_ids is not supported yet",
-    "bad_words": "bad_words is not supported yet",
     "prompt_logprobs": "prompt_logprobs is not supported yet",
     "kv_transfer_params": "request-side kv_transfer_params are not supported: no connector here reads them",
     "chat_template": "a request-supplied chat_template needs the server's --trust-request-chat-template",
 }
 # The value of a field that means "off": sending it changes nothing.
 _OFF: dict[str, tuple[Any, ...]] = {
-    "tools": ([],), "functions": ([],), "tool_choice": ("none",), "logit_bias": ({},),
-    "response_format": ({"type": "text"},), "kv_transfer_params": ({},), "bad_words": ([],),
+    "tools": ([],), "functions": ([],), "tool_choice": ("none",),
+    "response_format": ({"type": "text"},), "kv_transfer_params": ({},),
 }
 
 

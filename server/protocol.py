@@ -44,6 +44,10 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[I64] | None = None
     skip_special_tokens: bool = True
+    # OpenAI's: token id (a string key in JSON) -> bias in [-100, 100]; vLLM's two extensions
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[I64] | None = None
+    bad_words: list[str] | None = None
     priority: I64 = 0
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     return_token_ids: bool = False
@@ -59,6 +63,9 @@ class _Sampling(BaseModel):
             raise ValueError("stop must be non-empty")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= 2**63 or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias maps token ids to biases in [-100, 100]; got {key!r}: {bias}")
         return self
 
     # The output limit when the request gives none; None: up to the context length.
@@ -91,6 +98,9 @@ class _Sampling(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=self._n_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias={int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words or None,
         )
 
 

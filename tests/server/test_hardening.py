@@ -225,7 +225,6 @@ REFUSED = {
     "guided_choice": ["yes", "no"],
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     "tool_choice": "required",
-    "logit_bias": {"7": -100},
     "kv_transfer_params": {"do_remote_prefill": True},
     "prompt_logprobs": 1,
     "frobnicate": 1,
