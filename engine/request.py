@@ -8,6 +8,7 @@ from typing import NewType
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured import GrammarState
 from kvstore.keys import BlockKey
 
 RequestId = NewType("RequestId", str)
@@ -49,6 +50,7 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         max_total_tokens: int,
         bad_word_ids: tuple[tuple[int, ...], ...] = (),
+        grammar: GrammarState | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -57,6 +59,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.params = params
         self.bad_word_ids = bad_word_ids  # params.bad_words tokenized (engine/logit_controls.py)
+        self.grammar = grammar  # params.structured_outputs' matcher (engine/structured.py)
         self.priority = priority
         self.cache_salt = cache_salt
         self.arrival_time = time.monotonic()

@@ -41,6 +41,8 @@ class Sampler:
         for i, req in enumerate(reqs):
             try:
                 token = greedy[i] if greedy[i] >= 0 else self._sample(logits[i], req)
+                if req.grammar is not None:
+                    req.grammar.accept(token)
                 out.token_ids.append(token)
                 out.logprobs.append(None if raw_logprobs is None else token_logprobs(raw_logprobs[i], token, req))
             except (IndexError, RuntimeError, ValueError, OverflowError) as e:  # this row's settings
@@ -93,11 +95,13 @@ def has_penalty(req: Request, num_pending: int = 0) -> bool:
     appended yet (async scheduling)."""
     p = req.params
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0 or p.frequency_penalty != 0
-            or req.num_output_suppressed(num_pending) or has_controls(p))
+            or req.num_output_suppressed(num_pending) or has_controls(p) or req.grammar is not None)
 
 
 def _apply_penalties(row: torch.Tensor, req: Request) -> torch.Tensor:
     p, vocab = req.params, row.shape[0]
+    if req.grammar is not None:
+        req.grammar.mask(row)
     if has_controls(p):
         apply_controls(row, p, req.bad_word_ids, req.output_token_ids)
     if req.num_output_suppressed():

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured import StructuredOutputsParams
+
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 
 
@@ -29,6 +31,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # A grammar the output follows (engine/structured.py); a dict of its fields is accepted.
+    structured_outputs: StructuredOutputsParams | None = None
     # For parity tests and scoring: keep the raw logits of the first sampled position.
     return_first_logits: bool = field(default=False, repr=False)
 
@@ -64,6 +68,9 @@ class SamplingParams:
             raise ValueError("allowed_token_ids must not be empty (no token could be generated)")
         if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise ValueError("bad_words must be non-empty strings")
+        object.__setattr__(self, "structured_outputs", StructuredOutputsParams.coerce(self.structured_outputs))
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured outputs: the grammar ends at a stop token")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
         if self.stop is not None and any(not s for s in self.stop):

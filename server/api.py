@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
+from engine.structured import GrammarCompiler
 from engine.token_ids import check_token_ids
 from server.client import CoreState, EngineClient, EngineDeadError
 from server.detok import IncrementalDetokenizer
@@ -92,6 +93,7 @@ class API:
         self.metrics = Metrics(settings.served_model_names[0])
         self.created = int(time.time())
         self.tokenizing = Tokenizing(tokenizer, settings.tokenizer_threads, settings.chat_template_timeout_s)
+        self._grammars: GrammarCompiler | None = None  # checks structured outputs before they are queued
 
     def close(self) -> None:
         self.tokenizing.close()
@@ -200,12 +202,12 @@ class API:
             self._check_prompt(ids, req)
         info = self.client.info
         assert info is not None
-        for field, ids in (("stop_token_ids", req.stop_token_ids), ("allowed_token_ids", req.allowed_token_ids),
-                           ("logit_bias", [int(k) for k in req.logit_bias or ()])):
+        for name, ids in (("stop_token_ids", req.stop_token_ids), ("allowed_token_ids", req.allowed_token_ids),
+                          ("logit_bias", [int(k) for k in req.logit_bias or ()])):
             try:
-                check_token_ids(ids or (), info.vocab_size, f"{field} entry")
+                check_token_ids(ids or (), info.vocab_size, f"{name} entry")
             except ValueError as e:
-                raise APIError(400, str(e), param=field) from None
+                raise APIError(400, str(e), param=name) from None
         total = len(prompts) * req.n
         base = req.request_id or uuid.uuid4().hex
         choices: list[Choice] = []
@@ -213,6 +215,7 @@ class API:
             params = [req.sampling_params(info.max_model_len - len(ids), j) for ids in prompts for j in range(req.n)]
         except ValueError as e:
             raise APIError(400, str(e)) from None
+        await self._check_structured(req, info.vocab_size)
         stops = params[0].stop
         for i, ids in enumerate(prompts):
             for j in range(req.n):
@@ -234,6 +237,19 @@ class API:
         for c, q in zip(choices, queues):
             c.queue = q
         return choices
+
+    async def _check_structured(self, req: _Sampling, vocab_size: int) -> None:
+        """A constraint that does not compile is a 400 naming its field (compiled off the event
+        loop; the core compiles it again from its own cache)."""
+        so = req.structured()
+        if so is None:
+            return
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tok, vocab_size, frozenset())
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self._grammars.compile, so[1])
+        except ValueError as e:
+            raise APIError(400, str(e), param=so[0]) from None
 
     async def events(self, choices: list[Choice], arrival: float) -> AsyncIterator[tuple[Choice, str]]:
         """Yields (choice, new text) as deltas arrive, until every choice has finished. Aborts

@@ -32,7 +32,10 @@ HEARTBEAT_INTERVAL_S = 0.25
 
 
 def params_to_wire(p: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "return_first_logits"}
+    wire = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "return_first_logits"}
+    if p.structured_outputs is not None:
+        wire["structured_outputs"] = p.structured_outputs.to_wire()
+    return wire
 
 
 def stats_snapshot(llm: LLM) -> dict[str, Any]:

@@ -14,14 +14,12 @@ HARMLESS: frozenset[str] = frozenset({
     "parallel_tool_calls",  # only means something together with tools, which are refused
 })
 
-_STRUCTURED = "structured outputs are not supported yet; the output would not follow the requested format"
 _TOOLS = "tool calling is not supported yet; the response would carry no tool_calls"
 # Fields a user of OpenAI or vLLM is likely to send, with why each is refused.
 WHY: dict[str, str] = {
-    "response_format": _STRUCTURED,
-    "structured_outputs": _STRUCTURED,
-    **{f"guided_{k}": _STRUCTURED for k in ("json", "regex", "choice", "grammar", "json_object",
-                                           "decoding_backend", "whitespace_pattern")},
+    "guided_json_object": "guided_json_object is not supported: use response_format {\"type\": \"json_object\"}",
+    "guided_decoding_backend": "the grammar backend is xgrammar; guided_decoding_backend cannot choose another",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported",
     "tools": _TOOLS, "tool_choice": _TOOLS, "functions": _TOOLS, "function_call": _TOOLS,
     "prompt_logprobs": "prompt_logprobs is not supported yet",
     "kv_transfer_params": "request-side kv_transfer_params are not supported: no connector here reads them",
@@ -30,7 +28,7 @@ WHY: dict[str, str] = {
 # The value of a field that means "off": sending it changes nothing.
 _OFF: dict[str, tuple[Any, ...]] = {
     "tools": ([],), "functions": ([],), "tool_choice": ("none",),
-    "response_format": ({"type": "text"},), "kv_transfer_params": ({},),
+    "kv_transfer_params": ({},),
 }
 
 

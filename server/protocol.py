@@ -8,6 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutputsParams
 from server.fields import unsupported
 
 MAX_N = 16
@@ -19,6 +20,24 @@ I64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = "response"
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format json_schema needs its json_schema (and only that type takes one)")
+        return self
 
 
 class _Sampling(BaseModel):
@@ -48,6 +67,14 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[I64] | None = None
     bad_words: list[str] | None = None
+    # Structured outputs (engine/structured.py): OpenAI's response_format, vLLM's structured_outputs
+    # and its older guided_* names; at most one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     priority: I64 = 0
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     return_token_ids: bool = False
@@ -63,10 +90,33 @@ class _Sampling(BaseModel):
             raise ValueError("stop must be non-empty")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if len(self._structured_sources()) > 1:
+            raise ValueError(f"give one of {self._structured_sources()}, not several")
         for key, bias in (self.logit_bias or {}).items():
             if not key.isdigit() or int(key) >= 2**63 or not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias maps token ids to biases in [-100, 100]; got {key!r}: {bias}")
         return self
+
+    def _structured_sources(self) -> list[str]:
+        names = ["structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"]
+        given = [n for n in names if getattr(self, n) is not None]
+        return given + (["response_format"] if self.response_format and self.response_format.type != "text" else [])
+
+    def structured(self) -> tuple[str, StructuredOutputsParams] | None:
+        """(the field it came from, the constraint), or None; ValueError for a malformed one."""
+        given = self._structured_sources()
+        if not given:
+            return None
+        field = given[0]
+        if field == "response_format":
+            rf = self.response_format
+            assert rf is not None
+            if rf.type == "json_object":
+                return field, StructuredOutputsParams(json_object=True)
+            return field, StructuredOutputsParams(json=rf.json_schema.schema_)  # type: ignore[union-attr]
+        if field == "structured_outputs":
+            return field, StructuredOutputsParams.coerce(self.structured_outputs)  # type: ignore[return-value]
+        return field, StructuredOutputsParams(**{field.removeprefix("guided_"): getattr(self, field)})
 
     # The output limit when the request gives none; None: up to the context length.
     default_max_tokens: ClassVar[int | None] = None
@@ -101,6 +151,7 @@ class _Sampling(BaseModel):
             logit_bias={int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words or None,
+            structured_outputs=so[1] if (so := self.structured()) else None,
         )
 
 

@@ -1,0 +1,127 @@
+"""Structured outputs (vLLM's `structured_outputs`, OpenAI's `response_format`) through xgrammar,
+the grammar engine vLLM and SGLang default to; it runs on CPU.
+
+A request's constraint (a JSON schema, any JSON object, a regex, a choice of strings, or an EBNF
+grammar) is compiled once per distinct constraint (the compiler caches) into a grammar over the
+tokenizer's vocabulary. Each sampled position of the request gets the grammar's allowed-token mask
+before penalties and temperature, and the sampled token is fed to the request's matcher; once the
+grammar is complete only the stop tokens are allowed, so the request ends there.
+
+Why xgrammar over llguidance: vLLM and SGLang ship it as the default, its CPU wheel has no other
+native dependency here (llguidance would do the same job; neither has been measured against the
+other on this machine yet).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_WHITESPACE = 16  # characters of whitespace a JSON schema's grammar allows between two tokens
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's shape: exactly one of the constraints. `json`: a JSON schema (a dict or its text)."""
+
+    json: str | dict | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured outputs need exactly one of {list(KINDS)}; got {given or 'none'}")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError("structured outputs choice must be a list of non-empty strings")
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured outputs json is not valid JSON: {e}") from None
+        else:
+            schema = self.json
+        if schema is not None and not isinstance(schema, dict):
+            raise ValueError("structured outputs json must be a JSON schema object")
+
+    @staticmethod
+    def coerce(value: StructuredOutputsParams | dict | None) -> StructuredOutputsParams | None:
+        """From the wire (a dict of its fields) or as is."""
+        if value is None or isinstance(value, StructuredOutputsParams):
+            return value
+        if not isinstance(value, dict) or set(value) - set(KINDS):
+            raise ValueError(f"structured_outputs takes the keys {list(KINDS)}; got {value!r}")
+        return StructuredOutputsParams(**value)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): what the compiled grammar depends on."""
+        kind = next(k for k in KINDS if getattr(self, k) not in (None, False))
+        value = getattr(self, kind)
+        if kind == "json":  # one text per schema however it was spelled
+            value = json.dumps(value if isinstance(value, dict) else json.loads(value), sort_keys=True)
+        elif kind == "choice":
+            value = json.dumps(value)
+        return kind, "" if kind == "json_object" else str(value)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer (thread-safe; compiled grammars are cached)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=sorted(stop_token_ids) or None)
+        c = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        self._lock = threading.Lock()
+        # kind -> how its canonical text (StructuredOutputsParams.key) compiles
+        self._build = {
+            # whitespace between JSON tokens bounded, so a sampled output cannot pad forever
+            "json": lambda t: c.compile_json_schema(t, strict_mode=True, max_whitespace_cnt=MAX_WHITESPACE),
+            "json_object": lambda _: c.compile_builtin_json_grammar(),
+            "regex": c.compile_regex,
+            "choice": lambda t: c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in json.loads(t))),
+            "grammar": c.compile_grammar,
+        }
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar; ValueError naming what is wrong with the constraint."""
+        kind, text = params.key()
+        try:
+            with self._lock:
+                return self._build[kind](text)
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar reports bad input as these
+            raise ValueError(f"structured outputs {kind} could not be compiled: {e}") from None
+
+    def matcher(self, params: StructuredOutputsParams) -> GrammarState:
+        return GrammarState(self._xgr, self.compile(params), self.vocab_size)
+
+
+class GrammarState:
+    """One request's position in its grammar."""
+
+    def __init__(self, xgr: Any, compiled: Any, vocab_size: int) -> None:
+        self._xgr = xgr
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def mask(self, row: torch.Tensor) -> torch.Tensor:
+        """`row` (float32 logits `[vocab]`) with the tokens the grammar forbids next at -inf, in place."""
+        self._matcher.fill_next_token_bitmask(self._bitmask, 0)
+        self._xgr.apply_token_bitmask_inplace(row.view(1, -1), self._bitmask)
+        return row
+
+    def accept(self, token: int) -> None:
+        if not self._matcher.accept_token(token):
+            raise ValueError(f"token {token} does not follow the grammar")
