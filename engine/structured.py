@@ -33,6 +33,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool = False  # vLLM's: JSON without whitespace between tokens
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -55,12 +56,12 @@ class StructuredOutputsParams:
         """From the wire (a dict of its fields) or as is."""
         if value is None or isinstance(value, StructuredOutputsParams):
             return value
-        if not isinstance(value, dict) or set(value) - set(KINDS):
-            raise ValueError(f"structured_outputs takes the keys {list(KINDS)}; got {value!r}")
+        if not isinstance(value, dict) or set(value) - {*KINDS, "disable_any_whitespace"}:
+            raise ValueError(f"structured_outputs takes the keys {[*KINDS, 'disable_any_whitespace']}; got {value!r}")
         return StructuredOutputsParams(**value)
 
     def to_wire(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in asdict(self).items() if v not in (None, False)}
 
     def key(self) -> tuple[str, str]:
         """(kind, canonical text): what the compiled grammar depends on."""
@@ -68,6 +69,7 @@ class StructuredOutputsParams:
         value = getattr(self, kind)
         if kind == "json":  # one text per schema however it was spelled
             value = json.dumps(value if isinstance(value, dict) else json.loads(value), sort_keys=True)
+            kind = "compact_json" if self.disable_any_whitespace else kind
         elif kind == "choice":
             value = json.dumps(value)
         return kind, "" if kind == "json_object" else str(value)
@@ -89,6 +91,7 @@ class GrammarCompiler:
         self._build = {
             # whitespace between JSON tokens bounded, so a sampled output cannot pad forever
             "json": lambda t: c.compile_json_schema(t, strict_mode=True, max_whitespace_cnt=MAX_WHITESPACE),
+            "compact_json": lambda t: c.compile_json_schema(t, strict_mode=True, any_whitespace=False),
             "json_object": lambda _: c.compile_builtin_json_grammar(),
             "regex": c.compile_regex,
             "choice": lambda t: c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in json.loads(t))),
@@ -105,7 +108,12 @@ class GrammarCompiler:
             raise ValueError(f"structured outputs {kind} could not be compiled: {e}") from None
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarState:
-        return GrammarState(self._xgr, self.compile(params), self.vocab_size)
+        """A fresh matcher; ValueError when the constraint does not compile, or when no token of
+        the vocabulary can start it (a JSON grammar over a vocabulary without "{")."""
+        state = GrammarState(self._xgr, self.compile(params), self.vocab_size)
+        if not bool(torch.isfinite(state.mask(torch.zeros(self.vocab_size))).any()):
+            raise ValueError(f"structured outputs {params.key()[0]}: no token of this model's vocabulary can start it")
+        return state
 
 
 class GrammarState:
@@ -120,6 +128,8 @@ class GrammarState:
         """`row` (float32 logits `[vocab]`) with the tokens the grammar forbids next at -inf, in place."""
         self._matcher.fill_next_token_bitmask(self._bitmask, 0)
         self._xgr.apply_token_bitmask_inplace(row.view(1, -1), self._bitmask)
+        if not bool(torch.isfinite(row).any()):
+            raise ValueError("the grammar allows no token of this model's vocabulary here")
         return row
 
     def accept(self, token: int) -> None:

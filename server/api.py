@@ -29,6 +29,8 @@ from server.protocol import (
     _Sampling,
 )
 from server.tokenizing import Tokenizing
+from server.tools import ToolPlan
+from server.tools import plan as tool_plan
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -59,8 +61,12 @@ class ServerSettings:
     chat_template_timeout_s: float = 5.0  # bound on rendering a request-supplied template
     tokenizer_threads: int = 2  # tokenization and templating run here, off the event loop
     metrics_no_auth: bool = False  # with api_key: /metrics stays open (for scrapers without the key)
+    enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice (server/tools.py)
+    tool_call_parser: str | None = None  # vLLM's --tool-call-parser
 
     def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if not self.served_model_names:
             raise ValueError("served_model_names must not be empty")
         if self.max_request_bytes < 1024:
@@ -152,6 +158,8 @@ class API:
         if reserved:
             raise APIError(400, f"chat_template_kwargs must not set {reserved}: they are apply_chat_template's "
                                 "own parameters, not template variables", param="chat_template_kwargs")
+        if getattr(req, "tools", None):
+            kwargs["tools"] = req.tools
         try:
             msgs = [[m.as_dict() for m in conv] for conv in convs]
             return await self.tokenizing.chat(msgs, req.add_generation_prompt, kwargs, template)
@@ -238,6 +246,20 @@ class API:
             c.queue = q
         return choices
 
+    def tool_plan(self, req: Any) -> ToolPlan | None:
+        """The request's tool plan (server/tools.py); a constrained choice is set on the request."""
+        try:
+            tp = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, self.s.enable_auto_tool_choice,
+                           self.s.tool_call_parser)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice" if req.tools else "tools") from None
+        if tp is not None and tp.constraint is not None:
+            req._tool_constraint = tp.constraint
+            if len(req._structured_sources()) > 1:
+                raise APIError(400, f"tool_choice {tp.mode!r} constrains the output itself: drop "
+                                    f"{req._structured_sources()[0]}", param="tool_choice")
+        return tp
+
     async def _check_structured(self, req: _Sampling, vocab_size: int) -> None:
         """A constraint that does not compile is a 400 naming its field (compiled off the event
         loop; the core compiles it again from its own cache)."""
@@ -247,7 +269,7 @@ class API:
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tok, vocab_size, frozenset())
         try:
-            await asyncio.get_running_loop().run_in_executor(None, self._grammars.compile, so[1])
+            await asyncio.get_running_loop().run_in_executor(None, self._grammars.matcher, so[1])
         except ValueError as e:
             raise APIError(400, str(e), param=so[0]) from None
 

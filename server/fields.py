@@ -11,10 +11,10 @@ from typing import Any
 # Accepted and ignored: they label, route or bill a request, and cannot change its tokens.
 HARMLESS: frozenset[str] = frozenset({
     "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-    "parallel_tool_calls",  # only means something together with tools, which are refused
+    "parallel_tool_calls",  # means something only with tools (chat); elsewhere it cannot change the answer
 })
 
-_TOOLS = "tool calling is not supported yet; the response would carry no tool_calls"
+_TOOLS = "tool calling is for /v1/chat/completions (tools, tool_choice); functions/function_call are not supported"
 # Fields a user of OpenAI or vLLM is likely to send, with why each is refused.
 WHY: dict[str, str] = {
     "guided_json_object": "guided_json_object is not supported: use response_format {\"type\": \"json_object\"}",

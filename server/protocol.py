@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutputsParams
@@ -97,10 +97,14 @@ class _Sampling(BaseModel):
                 raise ValueError(f"logit_bias maps token ids to biases in [-100, 100]; got {key!r}: {bias}")
         return self
 
+    # A constraint set by the server for the request's tool_choice (server/tools.py), if any.
+    _tool_constraint: StructuredOutputsParams | None = PrivateAttr(default=None)
+
     def _structured_sources(self) -> list[str]:
         names = ["structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"]
         given = [n for n in names if getattr(self, n) is not None]
-        return given + (["response_format"] if self.response_format and self.response_format.type != "text" else [])
+        given += ["response_format"] if self.response_format and self.response_format.type != "text" else []
+        return given + (["tool_choice"] if self._tool_constraint is not None else [])
 
     def structured(self) -> tuple[str, StructuredOutputsParams] | None:
         """(the field it came from, the constraint), or None; ValueError for a malformed one."""
@@ -108,6 +112,8 @@ class _Sampling(BaseModel):
         if not given:
             return None
         field = given[0]
+        if field == "tool_choice":
+            return field, self._tool_constraint  # type: ignore[return-value]
         if field == "response_format":
             rf = self.response_format
             assert rf is not None
@@ -193,6 +199,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None  # passed to the chat template, which may render it
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, passed to the template
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
     @model_validator(mode="before")
     @classmethod
@@ -201,11 +209,20 @@ class ChatMessage(BaseModel):
             raise ValueError(f"unsupported message field {bad[0]!r}: {bad[1]}")
         return data
 
+    @model_validator(mode="after")
+    def _check_calls(self) -> ChatMessage:
+        for call in self.tool_calls or ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError('each tool_calls entry needs {"function": {"name": ..., "arguments": ...}}')
+        return self
+
     def as_dict(self) -> dict[str, Any]:
         """What the chat template sees."""
-        m = {"role": self.role, "content": self.text()}
-        if self.name is not None:
-            m["name"] = self.name
+        m: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for k in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, k) is not None:
+                m[k] = getattr(self, k)
         return m
 
     def text(self) -> str:
@@ -226,6 +243,9 @@ class _Chat(_Sampling):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = Field(default=None, min_length=1)  # only with --trust-request-chat-template
+    tools: list[dict[str, Any]] | None = None  # server/tools.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> _Chat:
@@ -267,6 +287,9 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = Field(default=None, min_length=1)  # only with --trust-request-chat-template
+    tools: list[dict[str, Any]] | None = None  # server/tools.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _one(self) -> TokenizeRequest:

@@ -22,6 +22,8 @@ from server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from server.tools import ToolPlan
+from server.tools import extract as extract_tool_calls
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -154,35 +156,48 @@ def build_app(api: API) -> FastAPI:
         arrival = time.monotonic()
         req: ChatCompletionRequest = await api.parse(request, ChatCompletionRequest)
         api.admit(1, req)
+        tools = api.tool_plan(req)
         choices = await api.submit(await api.chat_ids([req.messages], req), req)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
         if req.stream:
-            return StreamingResponse(_stream_chat(api, req, choices, arrival, head),
+            return StreamingResponse(_stream_chat(api, req, choices, arrival, head, tools),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         await api.collect(request, choices, arrival)
         _check_error(choices)
-        return JSONResponse(_chat_body(api, req, choices, head))
+        return JSONResponse(_chat_body(api, req, choices, head, tools))
 
     @app.post("/v1/chat/completions/batch")
     async def chat_batch(request: Request) -> Response:
         arrival = time.monotonic()
         req: BatchChatCompletionRequest = await api.parse(request, BatchChatCompletionRequest)
         api.admit(len(req.messages), req)
+        tools = api.tool_plan(req)
         choices = await api.submit(await api.chat_ids(req.messages, req), req)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
         await api.collect(request, choices, arrival)
         _check_error(choices)
-        return JSONResponse(_chat_body(api, req, choices, head))
+        return JSONResponse(_chat_body(api, req, choices, head, tools))
 
     return app
 
 
-def _chat_body(api: API, req: Any, choices: list[Choice], head: dict[str, Any]) -> dict[str, Any]:
+def _message(api: API, c: Choice, tools: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
+    """A finished choice's assistant message (with the calls `tools` finds) and finish reason."""
+    text, reason = api.final_text(c), api.finish_reason(c)
+    content, calls = extract_tool_calls(tools, text) if tools is not None else (text, [])
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = calls
+        reason = "tool_calls" if reason == "stop" else reason
+    return msg, reason
+
+
+def _chat_body(api: API, req: Any, choices: list[Choice], head: dict[str, Any],
+               tools: ToolPlan | None = None) -> dict[str, Any]:
     body = {**head, "object": "chat.completion", "choices": [
-        {"index": c.index, "message": {"role": "assistant", "content": api.final_text(c)},
-         "finish_reason": api.finish_reason(c),
+        {"index": c.index, "message": msg, "finish_reason": reason,
          "logprobs": api.chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None, **api.extras(c, req)}
-        for c in choices], "usage": api.usage(choices, req.n)}
+        for c in choices for msg, reason in [_message(api, c, tools)]], "usage": api.usage(choices, req.n)}
     kvp = api.transfer_params(choices)
     if kvp is not None:
         body["kv_transfer_params"] = kvp
@@ -206,9 +221,11 @@ def _usage_chunk(api: API, req: Any, choices: list[Choice], head: dict[str, Any]
 
 
 def _stream(api: API, req: Any, choices: list[Choice], arrival: float, head: dict[str, Any],
-            body: Callable[[Choice, str, int, int], dict[str, Any]], preamble: list[bytes]) -> AsyncIterator[bytes]:
+            body: Callable[[Choice, str, int, int], dict[str, Any]], preamble: list[bytes],
+            buffered: bool = False) -> AsyncIterator[bytes]:
     """SSE chunks: `preamble`, then one chunk per delta with text (or a finish), shaped by
-    `body(choice, text, first token index, text offset)`, then the usage chunk if asked."""
+    `body(choice, text, first token index, text offset)`, then the usage chunk if asked.
+    `buffered`: one chunk per choice, at its finish (tool calls are known only then)."""
     continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
 
     async def gen() -> AsyncIterator[bytes]:
@@ -218,7 +235,7 @@ def _stream(api: API, req: Any, choices: list[Choice], arrival: float, head: dic
         offsets = {c.index: 0 for c in choices}
         async for c, text in api.events(choices, arrival):
             done = c.finish is not None
-            if not text and not done:
+            if (not text or buffered) and not done:
                 continue
             choice = body(c, text, sent[c.index], offsets[c.index])
             sent[c.index] = len(c.token_ids)
@@ -246,13 +263,20 @@ def _stream_completion(api: API, req: CompletionRequest, choices: list[Choice], 
 
 
 def _stream_chat(api: API, req: ChatCompletionRequest, choices: list[Choice], arrival: float,
-                 head: dict[str, Any]) -> AsyncIterator[bytes]:
+                 head: dict[str, Any], tools: ToolPlan | None = None) -> AsyncIterator[bytes]:
     head = {**head, "object": "chat.completion.chunk"}
+    buffered = tools is not None and tools.mode != "none"
 
     def body(c: Choice, text: str, start: int, _offset: int) -> dict[str, Any]:
         lp = api.chat_logprobs(c, req.top_logprobs or 0, start) if req.logprobs else None
-        return {"index": c.index, "delta": {"content": text} if text else {}, "logprobs": lp,
-                "finish_reason": api.finish_reason(c)}
+        if not buffered:
+            return {"index": c.index, "delta": {"content": text} if text else {}, "logprobs": lp,
+                    "finish_reason": api.finish_reason(c)}
+        msg, reason = _message(api, c, tools)  # the whole output, at its finish
+        delta = {k: v for k, v in msg.items() if k != "role" and v is not None}
+        if "tool_calls" in delta:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
+        return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reason}
     roles = [sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}]}) for c in choices]
-    return _stream(api, req, choices, arrival, head, body, roles)
+    return _stream(api, req, choices, arrival, head, body, roles, buffered)

@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from server.tools import PARSERS
 from server.args import add_engine_args, llm_kwargs
 from server.client import DEFAULT_HEARTBEAT_TIMEOUT_S
 
@@ -63,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accept a chat template sent in a request (chat_template, or chat_template_kwargs."
                         "chat_template); without this flag such requests get 400. Templates are sandboxed "
                         "Jinja, but a hostile one can still burn CPU up to --chat-template-timeout")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let requests with tools use tool_choice "auto" (the default when tools are given): the '
+                        "model decides, and --tool-call-parser finds its calls in the text")
+    s.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                   help="the format the model writes tool calls in, for tool_choice auto (hermes and qwen3: "
+                        "<tool_call>{...}</tool_call>; llama3_json: a JSON object; mistral: [TOOL_CALLS] [...])")
     s.add_argument("--chat-template-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="longest a request-supplied chat template may render before the request gets 400 "
                         "(default: %(default)s)")
@@ -125,7 +132,9 @@ def main(argv: list[str]) -> int:
                                   ns.api_key or None, ns.max_request_bytes, ns.max_pending_requests,
                                   trust_request_chat_template=ns.trust_request_chat_template,
                                   chat_template_timeout_s=ns.chat_template_timeout,
-                                  tokenizer_threads=ns.tokenizer_threads, metrics_no_auth=ns.metrics_no_auth)
+                                  tokenizer_threads=ns.tokenizer_threads, metrics_no_auth=ns.metrics_no_auth,
+                                  enable_auto_tool_choice=ns.enable_auto_tool_choice,
+                                  tool_call_parser=ns.tool_call_parser)
         if ns.engine_heartbeat_timeout <= 0:
             raise ValueError(f"--engine-heartbeat-timeout must be > 0; got {ns.engine_heartbeat_timeout}")
         # Probe the config in this process (cheap: no weights) so flag errors exit 2 before a spawn.

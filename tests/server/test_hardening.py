@@ -220,8 +220,7 @@ def test_the_api_key_guards_every_route_but_health(ckpt_dir, metrics_open):
 REFUSED = {
     "guided_decoding_backend": "outlines",
     "guided_whitespace_pattern": " ",
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-    "tool_choice": "required",
+    "functions": [{"name": "f", "parameters": {"type": "object"}}],
     "kv_transfer_params": {"do_remote_prefill": True},
     "prompt_logprobs": 1,
     "frobnicate": 1,

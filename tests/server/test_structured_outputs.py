@@ -9,7 +9,6 @@ import re
 
 import pytest
 
-from serving import start_server
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -28,25 +27,11 @@ def _valid(text: str) -> bool:
             and obj["city"] in ("Paris", "London", "Rome"))
 
 
-@pytest.fixture(scope="module")
-def demo_server():
-    pytest.importorskip("openai")
-    from engine.demo_model import ensure_demo_model
-
-    try:
-        path = ensure_demo_model()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    srv = start_server(str(path), "--dtype", "float32", "--num-gpu-blocks", "256", "--max-model-len", "1024")
-    yield srv
-    assert srv.stop() == 0
-
-
 @pytest.fixture
 def client(demo_server):
     import openai
 
-    with openai.OpenAI(base_url=demo_server.url + "/v1", api_key="none", timeout=120) as c:
+    with openai.OpenAI(base_url=demo_server.v1, api_key="none", timeout=120, max_retries=0) as c:
         yield c
 
 
@@ -102,3 +87,19 @@ def test_bad_constraints_are_400s(client, demo_server, extra, param):
         client.chat.completions.create(model=demo_server.model, messages=ASK, max_tokens=5, extra_body=extra)
     if param:
         assert e.value.body["param"] == param, e.value.body
+
+
+def test_vllm_guided_names_are_served_like_structured_outputs(client, demo_server):
+    """vLLM's older guided_json / guided_regex / guided_grammar fields."""
+    ask = [{"role": "user", "content": "Is Paris in France?"}]
+    r = client.chat.completions.create(model=demo_server.model, messages=ask, max_tokens=40, temperature=1.0, seed=6,
+                                       extra_body={"guided_json": {"type": "object", "additionalProperties": False,
+                                                                   "properties": {"yes": {"type": "boolean"}},
+                                                                   "required": ["yes"]}})
+    assert isinstance(json.loads(r.choices[0].message.content)["yes"], bool)
+    r = client.chat.completions.create(model=demo_server.model, messages=ask, max_tokens=10, temperature=1.0, seed=7,
+                                       extra_body={"guided_regex": "(yes|no), [a-z]{1,5}"})
+    assert re.fullmatch("(yes|no), [a-z]{1,5}", r.choices[0].message.content)
+    r = client.chat.completions.create(model=demo_server.model, messages=ask, max_tokens=10, temperature=1.0, seed=8,
+                                       extra_body={"guided_grammar": 'root ::= ("Yes" | "No") "."'})
+    assert r.choices[0].message.content in ("Yes.", "No.")
