@@ -29,7 +29,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def build_app(api: API) -> FastAPI:
-    app = FastAPI(title="kvtier", version=VERSION, docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvtier", version=VERSION, docs_url="/docs", redoc_url=None)
     s = api.s
     model_name = s.served_model_names[0]
 
@@ -48,7 +48,7 @@ def build_app(api: API) -> FastAPI:
 
     # With --api-key every route needs the key except these: load balancers probe /health without
     # one, and /metrics only with --metrics-no-auth (its gauges describe the traffic).
-    open_paths = {"/health", "/version"} | ({"/metrics"} if s.metrics_no_auth else set())
+    open_paths = {"/health", "/ping", "/version"} | ({"/metrics"} if s.metrics_no_auth else set())
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:
@@ -65,17 +65,28 @@ def build_app(api: API) -> FastAPI:
             return Response(status_code=200)
         return error_response(APIError(503, f"engine core is {api.client.state.value}", "ServiceUnavailableError"))
 
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) name for /health
+    async def ping() -> Response:
+        return await health()
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": VERSION}
 
+    def model_card(name: str) -> dict[str, Any]:
+        info = api.client.info
+        return {"id": name, "object": "model", "created": api.created, "owned_by": "kvtier", "root": s.model_path,
+                "parent": None, "max_model_len": info.max_model_len if info else None}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        info = api.client.info
-        return {"object": "list", "data": [
-            {"id": n, "object": "model", "created": api.created, "owned_by": "kvtier", "root": s.model_path,
-             "parent": None, "max_model_len": info.max_model_len if info else None}
-            for n in s.served_model_names]}
+        return {"object": "list", "data": [model_card(n) for n in s.served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id not in s.served_model_names:
+            raise APIError(404, f"The model `{model_id}` does not exist.", "NotFoundError", param="model")
+        return model_card(model_id)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
