@@ -28,8 +28,8 @@ from kvstore.threads import one_torch_thread
 from engine.kv_cache_manager import KVCacheManager
 from engine.compiled import COMPILE_ERRORS, CompiledForward
 from engine.loader import load_model, load_tokenizer
-from engine.logit_controls import bad_word_ids
-from engine.structured import GrammarCompiler
+from engine.logit_controls import checked_controls
+from engine.structured import LazyGrammarCompiler
 from engine.model_runner import ModelOutput, ModelRunner, kv_cache_bytes_per_block
 from engine.request import Request, RequestId, RequestStatus
 from engine.stop import check_stop
@@ -54,8 +54,8 @@ class EngineCore:
         model_dir = Path(config.model)
         self.model_config = mc = load_model_config(model_dir, config.dtype, config.device)
         self.tokenizer = load_tokenizer(model_dir)
-        self._grammars: GrammarCompiler | None = None  # structured outputs (engine/structured.py)
         self.eos_token_ids = eos_ids(model_dir, self.tokenizer)
+        self._grammars = LazyGrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)  # structured outputs
         bs = config.block_size
         self.hidden_spec = config.hidden_states
         if self.hidden_spec is not None:
@@ -198,15 +198,8 @@ class EngineCore:
                              "(the prompt plus at least one generated token must fit)")
         check_token_ids(prompt_token_ids, self.model_config.vocab_size, "prompt token id")
         check_token_ids(params.stop_token_ids or (), self.model_config.vocab_size, "stop_token_ids entry")
-        check_token_ids(params.logit_bias or (), self.model_config.vocab_size, "logit_bias token id")
-        check_token_ids(params.allowed_token_ids or (), self.model_config.vocab_size, "allowed_token_ids entry")
-        bad = bad_word_ids(params.bad_words, self.tokenizer)
-        check_token_ids((t for seq in bad for t in seq), self.model_config.vocab_size, "bad_words token")
-        grammar = None
-        if params.structured_outputs is not None:
-            if self._grammars is None:  # built on first use: most engines never see a grammar
-                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-            grammar = self._grammars.matcher(params.structured_outputs)
+        bad = checked_controls(params, self.tokenizer, self.model_config.vocab_size)
+        grammar = self._grammars.matcher(params.structured_outputs) if params.structured_outputs else None
         return Request(RequestId(request_id), prompt_token_ids, params, prompt=prompt, priority=priority,
                        cache_salt=cache_salt, eos_token_ids=self.eos_token_ids, max_total_tokens=self.max_model_len,
                        bad_word_ids=bad, grammar=grammar)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.token_ids import check_token_ids
 
 BadWords = tuple[tuple[int, ...], ...]
 
@@ -33,6 +34,15 @@ def bad_word_ids(words: list[str] | None, tokenizer: Any) -> BadWords:
             if ids and ids not in out:
                 out.append(ids)
     return tuple(out)
+
+
+def checked_controls(params: SamplingParams, tokenizer: Any, vocab_size: int) -> BadWords:
+    """ValueError for a control's token id outside the vocabulary; the bad words' token ids."""
+    check_token_ids(params.logit_bias or (), vocab_size, "logit_bias token id")
+    check_token_ids(params.allowed_token_ids or (), vocab_size, "allowed_token_ids entry")
+    bad = bad_word_ids(params.bad_words, tokenizer)
+    check_token_ids((t for seq in bad for t in seq), vocab_size, "bad_words token")
+    return bad
 
 
 def apply_controls(row: torch.Tensor, params: SamplingParams, bad_words: BadWords, output: list[int]) -> torch.Tensor:

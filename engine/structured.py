@@ -135,3 +135,16 @@ class GrammarState:
     def accept(self, token: int) -> None:
         if not self._matcher.accept_token(token):
             raise ValueError(f"token {token} does not follow the grammar")
+
+
+class LazyGrammarCompiler:
+    """A GrammarCompiler built on first use: most engines never see a grammar."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
+        self._args = (tokenizer, vocab_size, stop_token_ids)
+        self._compiler: GrammarCompiler | None = None
+
+    def matcher(self, params: StructuredOutputsParams) -> GrammarState:
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(*self._args)
+        return self._compiler.matcher(params)
