@@ -33,6 +33,7 @@ class ToolPlan:
     constraint: StructuredOutputsParams | None  # for required / named
     named: str | None = None
     parser: str | None = None  # for auto
+    parallel: bool = True  # parallel_tool_calls: False keeps one call (the constraint allows one; auto keeps the first)
 
 
 def _call(name: str, args: Any) -> ToolCall:
@@ -74,7 +75,7 @@ def plan(tools: list[dict[str, Any]] | None, choice: Any, parallel: bool | None,
     if choice == "auto":
         if not auto_enabled or parser is None:
             raise ValueError('"auto" tool choice requires the server\'s --enable-auto-tool-choice and --tool-call-parser')
-        return ToolPlan("auto", names, None, parser=parser)
+        return ToolPlan("auto", names, None, parser=parser, parallel=parallel is not False)
     raise ValueError(f'tool_choice must be "none", "auto", "required" or a named function; got {choice!r}')
 
 
@@ -90,7 +91,8 @@ def extract(p: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
         if p.mode == "named":
             return None, [_call(p.named, data)]  # type: ignore[arg-type]
         return None, [_call(c["name"], c["parameters"]) for c in data]
-    return PARSERS[p.parser](text, p.names)  # type: ignore[index]
+    content, calls = PARSERS[p.parser](text, p.names)  # type: ignore[index]
+    return content, calls if p.parallel else calls[:1]
 
 
 def _json_calls(items: list[Any], names: tuple[str, ...]) -> list[ToolCall] | None:

@@ -129,3 +129,11 @@ def test_parsers_find_the_calls_written_in_their_format(parser, text, content):
                for c in calls)
     assert PARSERS[parser]("no call here", p.names) == ("no call here", [])
     assert PARSERS[parser](text.replace("get_weather", "unknown_tool"), p.names)[1] == []
+
+
+def test_parallel_tool_calls_false_keeps_one_call_in_auto_mode():
+    from server.tools import extract
+
+    text = f"<tool_call>{json.dumps(CALL)}</tool_call><tool_call>{json.dumps(CALL)}</tool_call>"
+    assert len(extract(plan([WEATHER], "auto", None, True, "hermes"), text)[1]) == 2
+    assert len(extract(plan([WEATHER], "auto", False, True, "hermes"), text)[1]) == 1
