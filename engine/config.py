@@ -19,6 +19,7 @@ import torch
 
 from connectors.hidden_spec import HiddenStatesSpec
 from engine.spec_config import SpeculativeConfig, parse_speculative_config
+from engine.thinking import ReasoningConfig
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +222,9 @@ class EngineConfig:
     # vLLM's speculative_config: ngram, draft_model or eagle3 speculation (engine/spec_config.py), or
     # method "extract_hidden_states" (hidden-state export); not both.
     speculative_config: dict[str, Any] | None = None
+    # vLLM's reasoning_config: the thinking markers and a default thinking_token_budget
+    # (engine/thinking.py); None: no thinking section is tracked, and a budget is an error.
+    reasoning_config: dict[str, Any] | None = None
     # vLLM's --async-scheduling: plan step N+1 while step N runs (engine/async_pipeline.py).
     async_scheduling: bool = False
     # vLLM's --disable-hybrid-kv-cache-manager: one KV group of every layer, each keeping its whole
@@ -269,6 +273,7 @@ class EngineConfig:
 
             check_url(self.kv_offload_remote)  # before any weights load
         parse_speculative_config(self.speculative_config)  # validates
+        ReasoningConfig.from_dict(self.reasoning_config)  # validates
         if self.kv_namespace is not None:
             check_kv_namespace(self.kv_namespace)
         from kvstore.entry import load_secret
@@ -289,6 +294,10 @@ class EngineConfig:
     @property
     def speculative(self) -> SpeculativeConfig | None:
         return parse_speculative_config(self.speculative_config)[1]
+
+    @property
+    def reasoning(self) -> ReasoningConfig | None:
+        return ReasoningConfig.from_dict(self.reasoning_config)
 
     @property
     def offload_enabled(self) -> bool:

@@ -28,10 +28,9 @@ from kvstore.threads import one_torch_thread
 from engine.kv_cache_manager import KVCacheManager
 from engine.compiled import COMPILE_ERRORS, CompiledForward
 from engine.loader import load_model, load_tokenizer
-from engine.logit_controls import checked_controls
-from engine.structured import LazyGrammarCompiler
 from engine.model_runner import ModelOutput, ModelRunner, kv_cache_bytes_per_block
 from engine.request import Request, RequestId, RequestStatus
+from engine.request_factory import RequestFactory
 from engine.stop import check_stop
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -39,7 +38,6 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.proposers import DraftPlan
 from engine.spec_decode import SpecDecoder, sample_outputs
 from engine.stats import EngineStats
-from engine.token_ids import check_token_ids
 from kvstore.g1 import BlockPool
 from policies import make_policy
 
@@ -55,7 +53,7 @@ class EngineCore:
         self.model_config = mc = load_model_config(model_dir, config.dtype, config.device)
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_token_ids = eos_ids(model_dir, self.tokenizer)
-        self._grammars = LazyGrammarCompiler(self.tokenizer, mc.vocab_size, self.eos_token_ids)  # structured outputs
+        self.requests = RequestFactory(self.tokenizer, mc.vocab_size, self.eos_token_ids, config.reasoning)
         bs = config.block_size
         self.hidden_spec = config.hidden_states
         if self.hidden_spec is not None:
@@ -190,19 +188,8 @@ class EngineCore:
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                      prompt: str | None = None, priority: int = 0, cache_salt: str | None = None) -> Request:
         """Validates and builds a request without touching engine state."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt is empty: it must contain at least one token")
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens but max_model_len is {self.max_model_len} "
-                             "(the prompt plus at least one generated token must fit)")
-        check_token_ids(prompt_token_ids, self.model_config.vocab_size, "prompt token id")
-        check_token_ids(params.stop_token_ids or (), self.model_config.vocab_size, "stop_token_ids entry")
-        bad = checked_controls(params, self.tokenizer, self.model_config.vocab_size)
-        grammar = self._grammars.matcher(params.structured_outputs) if params.structured_outputs else None
-        return Request(RequestId(request_id), prompt_token_ids, params, prompt=prompt, priority=priority,
-                       cache_salt=cache_salt, eos_token_ids=self.eos_token_ids, max_total_tokens=self.max_model_len,
-                       bad_word_ids=bad, grammar=grammar)
+        return self.requests.make(request_id, prompt_token_ids, params, self.max_model_len, prompt=prompt,
+                                  priority=priority, cache_salt=cache_salt)
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add_request(req)

@@ -9,6 +9,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from engine.structured import GrammarState
+from engine.thinking import ThinkingTracker
 from kvstore.keys import BlockKey
 
 RequestId = NewType("RequestId", str)
@@ -51,6 +52,7 @@ class Request:
         max_total_tokens: int,
         bad_word_ids: tuple[tuple[int, ...], ...] = (),
         grammar: GrammarState | None = None,
+        thinking: ThinkingTracker | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -60,6 +62,7 @@ class Request:
         self.params = params
         self.bad_word_ids = bad_word_ids  # params.bad_words tokenized (engine/logit_controls.py)
         self.grammar = grammar  # params.structured_outputs' matcher (engine/structured.py)
+        self.thinking = thinking  # the thinking section and its budget (engine/thinking.py)
         self.priority = priority
         self.cache_salt = cache_salt
         self.arrival_time = time.monotonic()
@@ -111,6 +114,13 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+
+    def active_grammar(self) -> GrammarState | None:
+        """The grammar while it applies: structured outputs constrain the answer, not a thinking
+        section (nor the end marker a budget forces)."""
+        if self.thinking is not None and not self.thinking.answering:
+            return None
+        return self.grammar
 
     def num_output_suppressed(self, num_pending: int = 0) -> bool:
         """True while min_tokens forbids the stop tokens (`num_pending` more tokens in)."""

@@ -40,9 +40,15 @@ class Sampler:
         greedy = self._plain_greedy(logits, reqs)
         for i, req in enumerate(reqs):
             try:
-                token = greedy[i] if greedy[i] >= 0 else self._sample(logits[i], req)
-                if req.grammar is not None:
-                    req.grammar.accept(token)
+                forced = req.thinking.forced_next() if req.thinking is not None else None
+                if forced is not None:  # a spent thinking budget: the end marker, whatever the logits
+                    token = forced
+                else:
+                    token = greedy[i] if greedy[i] >= 0 else self._sample(logits[i], req)
+                    if (grammar := req.active_grammar()) is not None:
+                        grammar.accept(token)
+                if req.thinking is not None:
+                    req.thinking.accept(token)
                 out.token_ids.append(token)
                 out.logprobs.append(None if raw_logprobs is None else token_logprobs(raw_logprobs[i], token, req))
             except (IndexError, RuntimeError, ValueError, OverflowError) as e:  # this row's settings
@@ -100,8 +106,8 @@ def has_penalty(req: Request, num_pending: int = 0) -> bool:
 
 def _apply_penalties(row: torch.Tensor, req: Request) -> torch.Tensor:
     p, vocab = req.params, row.shape[0]
-    if req.grammar is not None:
-        req.grammar.mask(row)
+    if (grammar := req.active_grammar()) is not None:
+        grammar.mask(row)
     if has_controls(p):
         apply_controls(row, p, req.bad_word_ids, req.output_token_ids)
     if req.num_output_suppressed():

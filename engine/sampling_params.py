@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.structured import StructuredOutputsParams
+from engine.thinking import check_budget
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 
@@ -33,6 +34,9 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # A grammar the output follows (engine/structured.py); a dict of its fields is accepted.
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: tokens a reasoning model may spend thinking before the engine forces the end marker
+    # (engine/thinking.py); None: the engine's reasoning_config default, if any.
+    thinking_token_budget: int | None = None
     # For parity tests and scoring: keep the raw logits of the first sampled position.
     return_first_logits: bool = field(default=False, repr=False)
 
@@ -71,6 +75,7 @@ class SamplingParams:
         object.__setattr__(self, "structured_outputs", StructuredOutputsParams.coerce(self.structured_outputs))
         if self.structured_outputs is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with structured outputs: the grammar ends at a stop token")
+        check_budget(self.thinking_token_budget)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
         if self.stop is not None and any(not s for s in self.stop):

@@ -137,6 +137,8 @@ class SpecDecoder:
             r.spec_token_ids, r.spec_probs = [], None
             # Room for the k proposals and the bonus token within max_tokens.
             n = min(self.k, r.max_output_tokens - len(r.output_token_ids) - len(extra) - 1)
+            if r.thinking is not None and (room := r.thinking.room()) is not None:
+                n = min(n, room - 1)  # proposals past a thinking budget would be cut anyway
             if n > 0 and not r.status.finished and can_speculate(r, len(extra)):
                 picked.append(r)
                 limits.append(n)
@@ -210,6 +212,8 @@ def sample_outputs(out: ModelOutput, items: list[ScheduledRequest], sampler: Sam
             except (IndexError, RuntimeError, ValueError) as e:  # this request's settings
                 errors[j] = f"verifying proposed tokens failed: {type(e).__name__}: {e}"
                 continue
+            if req.thinking is not None:  # fed here as the sampler feeds it; cut where a token is forced
+                tokens[j] = req.thinking.clamp(tokens[j])
             if req.logprobs is not None:
                 raw = torch.log_softmax(rows[: len(tokens[j])], dim=-1)
                 logprobs[j] = [token_logprobs(raw[p], t, req) for p, t in enumerate(tokens[j])]

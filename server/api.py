@@ -23,6 +23,8 @@ from server.client import CoreState, EngineClient, EngineDeadError
 from server.detok import IncrementalDetokenizer
 from server.fields import unsupported
 from server.metrics import Metrics
+from server.reasoning import PARSERS as REASONING_PARSERS
+from server.reasoning import prompt_opens
 from server.protocol import (
     TokenizeRequest,
     _Chat,
@@ -63,6 +65,8 @@ class ServerSettings:
     metrics_no_auth: bool = False  # with api_key: /metrics stays open (for scrapers without the key)
     enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice (server/tools.py)
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser (server/reasoning.py)
+    system_fingerprint: str = ""  # OpenAI's: names the backend configuration answers come from
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -91,6 +95,7 @@ class Choice:
     finish: dict[str, Any] | None = None
     first_token_at: float | None = None
     queue: Any = None  # asyncio.Queue of core deltas, set by submit()
+    thinking_opened: bool | None = None  # with a reasoning parser: the prompt opened a thinking section
 
 
 class API:
@@ -100,6 +105,9 @@ class API:
         self.created = int(time.time())
         self.tokenizing = Tokenizing(tokenizer, settings.tokenizer_threads, settings.chat_template_timeout_s)
         self._grammars: GrammarCompiler | None = None  # checks structured outputs before they are queued
+        self.reasoning = REASONING_PARSERS[settings.reasoning_parser] if settings.reasoning_parser else None
+        self._markers = ([tokenizer.encode(m, add_special_tokens=False) for m in (self.reasoning.start, self.reasoning.end)]
+                         if self.reasoning is not None else None)
 
     def close(self) -> None:
         self.tokenizing.close()
@@ -160,9 +168,12 @@ class API:
                                 "own parameters, not template variables", param="chat_template_kwargs")
         if getattr(req, "tools", None):
             kwargs["tools"] = req.tools
+        if getattr(req, "reasoning_effort", None) is not None:  # a template variable, as in vLLM
+            kwargs["reasoning_effort"] = req.reasoning_effort
         try:
             msgs = [[m.as_dict() for m in conv] for conv in convs]
-            return await self.tokenizing.chat(msgs, req.add_generation_prompt, kwargs, template)
+            return await self.tokenizing.chat(msgs, req.add_generation_prompt, kwargs, template,
+                                              req.continue_final_message)
         except TimeoutError as e:
             raise APIError(400, f"chat_template: {e}", param="chat_template") from None
         except Exception as e:  # noqa: BLE001 - the user's messages, template kwargs or template failed
@@ -245,6 +256,18 @@ class API:
         for c, q in zip(choices, queues):
             c.queue = q
         return choices
+
+    def follow_reasoning(self, choices: list[Choice]) -> None:
+        """Chat choices of a server with a reasoning parser: where each output starts."""
+        if self._markers is not None:
+            for c in choices:
+                c.thinking_opened = prompt_opens(c.prompt_ids, *self._markers)
+
+    def split_reasoning(self, c: Choice, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a finished choice's text; no parser: (None, text)."""
+        if self.reasoning is None or c.thinking_opened is None:
+            return None, text
+        return self.reasoning.split(text, c.thinking_opened)
 
     def tool_plan(self, req: Any) -> ToolPlan | None:
         """The request's tool plan (server/tools.py); a constrained choice is set on the request."""
@@ -361,8 +384,10 @@ class API:
         prompt = sum(len(c.prompt_ids) for c in firsts)
         out = sum(len(c.token_ids) for c in choices)
         cached = sum((c.finish or {}).get("num_cached_tokens", 0) for c in firsts)
+        thinking = sum((c.finish or {}).get("thinking_tokens", 0) for c in choices)
         return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+                "prompt_tokens_details": {"cached_tokens": cached},
+                "completion_tokens_details": {"reasoning_tokens": thinking}}
 
     def completion_logprobs(self, c: Choice, start: int = 0, text_offset: int = 0) -> dict[str, Any] | None:
         if c.finish is None and not c.logprobs:
@@ -397,6 +422,8 @@ class API:
             out["prompt_token_ids"] = list(c.prompt_ids)
         if c.finish is not None and c.finish.get("stop_reason") is not None:
             out["stop_reason"] = c.finish["stop_reason"]
+        if c.finish is not None and c.finish.get("thinking_forced_tokens"):  # a spent thinking_token_budget
+            out["thinking_forced_tokens"] = c.finish["thinking_forced_tokens"]
         return out
 
     @staticmethod

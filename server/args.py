@@ -99,6 +99,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '"extract_hidden_states", "num_speculative_tokens": 1, "draft_model_config": {"hf_config": '
                         '{"eagle_aux_hidden_state_layer_ids": [...]}}} with --kv-transfer-config naming '
                         "HiddenStatesConnector")
+    h.add_argument("--reasoning-config", default=None, metavar="JSON",
+                   help='vLLM\'s reasoning config: {"reasoning_start_str": "<think>", "reasoning_end_str": '
+                        '"</think>", "thinking_token_budget": N}. Once a request has spent N tokens thinking, the '
+                        "engine forces the end marker and the answer follows; a request's thinking_token_budget "
+                        "wins. kvtier serve's --reasoning-parser supplies the markers when this is not given")
     o.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
                    help="when a lower-tier load fails: recompute the tokens, or fail the request (default: %(default)s)")
 
@@ -132,6 +137,7 @@ def llm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         "kv_load_failure_policy": ns.kv_load_failure_policy,
         "kv_events_config": ns.kv_events_config,
         "speculative_config": ns.speculative_config,
+        "reasoning_config": ns.reasoning_config,
         "kv_namespace": ns.kv_namespace,
         "kv_offload_secret_file": ns.kv_offload_secret_file,
     }

@@ -97,6 +97,8 @@ class CoreLoop:
             d.update(finish_reason=FINISH_REASONS.get(r.status), stop_reason=r.stop_reason, error=r.error,
                      num_cached_tokens=max(r.num_cached_tokens, 0), cached_by_tier=dict(r.cached_by_tier),
                      kv_transfer_params=r.kv_transfer_params)
+            if r.thinking is not None:
+                d.update(thinking_tokens=r.thinking.thinking_tokens, thinking_forced_tokens=r.thinking.forced_tokens)
         return d
 
     def abort_all(self) -> None:

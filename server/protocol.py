@@ -75,6 +75,8 @@ class _Sampling(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: tokens a reasoning model may think before the end marker is forced (engine/thinking.py)
+    thinking_token_budget: int | None = Field(default=None, ge=0, lt=2**31)
     priority: I64 = 0
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     return_token_ids: bool = False
@@ -158,6 +160,7 @@ class _Sampling(BaseModel):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words or None,
             structured_outputs=so[1] if (so := self.structured()) else None,
+            thinking_token_budget=self.thinking_token_budget,
         )
 
 
@@ -201,6 +204,9 @@ class ChatMessage(BaseModel):
     name: str | None = None  # passed to the chat template, which may render it
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, passed to the template
     tool_call_id: str | None = None  # a tool message's answer to that call
+    # An assistant's earlier thinking (interleaved thinking): templates read `reasoning_content`.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -220,9 +226,11 @@ class ChatMessage(BaseModel):
     def as_dict(self) -> dict[str, Any]:
         """What the chat template sees."""
         m: dict[str, Any] = {"role": self.role, "content": self.text()}
-        for k in ("name", "tool_calls", "tool_call_id"):
+        for k in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             if getattr(self, k) is not None:
                 m[k] = getattr(self, k)
+        if self.reasoning is not None and self.reasoning_content is None:
+            m["reasoning_content"] = self.reasoning
         return m
 
     def text(self) -> str:
@@ -236,21 +244,42 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+def check_continuation(req: Any) -> None:
+    """vLLM's rule: continue_final_message continues the last message, which must be the
+    assistant's, and excludes a new generation prompt (left unset, add_generation_prompt is
+    then false; set true, the request is refused)."""
+    if not req.continue_final_message:
+        return
+    if "add_generation_prompt" in req.model_fields_set and req.add_generation_prompt:
+        raise ValueError("continue_final_message cannot be combined with add_generation_prompt true")
+    req.add_generation_prompt = False
+    convs = req.messages if req.messages and isinstance(req.messages[0], list) else [req.messages or []]
+    if any(not conv or conv[-1].role != "assistant" for conv in convs):
+        raise ValueError("continue_final_message needs the last message to be the assistant's")
+
+
 class _Chat(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
+    # vLLM's: the last (assistant) message is left open and the model continues it
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = Field(default=None, min_length=1)  # only with --trust-request-chat-template
     tools: list[dict[str, Any]] | None = None  # server/tools.py
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's; as vLLM, a chat-template variable (templates such as gpt-oss's read it)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # vLLM's: false drops the reasoning a --reasoning-parser splits off from the response
+    include_reasoning: bool = True
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> _Chat:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
+        check_continuation(self)
         return self
 
     def _limit(self) -> int | None:
@@ -285,6 +314,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = Field(default=None, min_length=1)  # only with --trust-request-chat-template
     tools: list[dict[str, Any]] | None = None  # server/tools.py
@@ -295,6 +325,7 @@ class TokenizeRequest(BaseModel):
     def _one(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        check_continuation(self)
         return self
 
 

@@ -147,7 +147,8 @@ def build_app(api: API) -> FastAPI:
         prompts = await api.text_ids(req.prompts())
         choices = await api.submit(prompts, req)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                "system_fingerprint": s.system_fingerprint}
         if req.stream:
             return StreamingResponse(_stream_completion(api, req, choices, arrival, head),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
@@ -169,7 +170,9 @@ def build_app(api: API) -> FastAPI:
         api.admit(1, req)
         tools = api.tool_plan(req)
         choices = await api.submit(await api.chat_ids([req.messages], req), req)
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
+        api.follow_reasoning(choices)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name,
+                "system_fingerprint": s.system_fingerprint}
         if req.stream:
             return StreamingResponse(_stream_chat(api, req, choices, arrival, head, tools),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
@@ -184,7 +187,9 @@ def build_app(api: API) -> FastAPI:
         api.admit(len(req.messages), req)
         tools = api.tool_plan(req)
         choices = await api.submit(await api.chat_ids(req.messages, req), req)
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
+        api.follow_reasoning(choices)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name,
+                "system_fingerprint": s.system_fingerprint}
         await api.collect(request, choices, arrival)
         _check_error(choices)
         return JSONResponse(_chat_body(api, req, choices, head, tools))
@@ -192,15 +197,25 @@ def build_app(api: API) -> FastAPI:
     return app
 
 
-def _message(api: API, c: Choice, tools: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
-    """A finished choice's assistant message (with the calls `tools` finds) and finish reason."""
-    text, reason = api.final_text(c), api.finish_reason(c)
-    content, calls = extract_tool_calls(tools, text) if tools is not None else (text, [])
+def _message(api: API, c: Choice, tools: ToolPlan | None, include_reasoning: bool = True
+             ) -> tuple[dict[str, Any], str | None]:
+    """A finished choice's assistant message (its reasoning split off, with the calls `tools`
+    finds in the rest) and finish reason."""
+    reasoning, text = api.split_reasoning(c, api.final_text(c))
+    reason = api.finish_reason(c)
+    content, calls = extract_tool_calls(tools, text or "") if tools is not None else (text, [])
     msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None and include_reasoning:
+        msg.update(_reasoning_fields(reasoning))
     if calls:
         msg["tool_calls"] = calls
         reason = "tool_calls" if reason == "stop" else reason
     return msg, reason
+
+
+def _reasoning_fields(text: str) -> dict[str, str]:
+    # vLLM moved from DeepSeek's `reasoning_content` to `reasoning`; clients read either.
+    return {"reasoning_content": text, "reasoning": text}
 
 
 def _chat_body(api: API, req: Any, choices: list[Choice], head: dict[str, Any],
@@ -208,7 +223,8 @@ def _chat_body(api: API, req: Any, choices: list[Choice], head: dict[str, Any],
     body = {**head, "object": "chat.completion", "choices": [
         {"index": c.index, "message": msg, "finish_reason": reason,
          "logprobs": api.chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None, **api.extras(c, req)}
-        for c in choices for msg, reason in [_message(api, c, tools)]], "usage": api.usage(choices, req.n)}
+        for c in choices for msg, reason in [_message(api, c, tools, req.include_reasoning)]],
+        "usage": api.usage(choices, req.n)}
     kvp = api.transfer_params(choices)
     if kvp is not None:
         body["kv_transfer_params"] = kvp
@@ -232,11 +248,12 @@ def _usage_chunk(api: API, req: Any, choices: list[Choice], head: dict[str, Any]
 
 
 def _stream(api: API, req: Any, choices: list[Choice], arrival: float, head: dict[str, Any],
-            body: Callable[[Choice, str, int, int], dict[str, Any]], preamble: list[bytes],
+            body: Callable[[Choice, str, int, int], dict[str, Any] | None], preamble: list[bytes],
             buffered: bool = False) -> AsyncIterator[bytes]:
     """SSE chunks: `preamble`, then one chunk per delta with text (or a finish), shaped by
-    `body(choice, text, first token index, text offset)`, then the usage chunk if asked.
-    `buffered`: one chunk per choice, at its finish (tool calls are known only then)."""
+    `body(choice, text, first token index, text offset)` (None: nothing to send yet), then the
+    usage chunk if asked. `buffered`: one chunk per choice, at its finish (tool calls are known
+    only then)."""
     continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
 
     async def gen() -> AsyncIterator[bytes]:
@@ -249,6 +266,8 @@ def _stream(api: API, req: Any, choices: list[Choice], arrival: float, head: dic
             if (not text or buffered) and not done:
                 continue
             choice = body(c, text, sent[c.index], offsets[c.index])
+            if choice is None:
+                continue
             sent[c.index] = len(c.token_ids)
             offsets[c.index] += len(text)
             if done:
@@ -277,13 +296,25 @@ def _stream_chat(api: API, req: ChatCompletionRequest, choices: list[Choice], ar
                  head: dict[str, Any], tools: ToolPlan | None = None) -> AsyncIterator[bytes]:
     head = {**head, "object": "chat.completion.chunk"}
     buffered = tools is not None and tools.mode != "none"
+    splits = {c.index: api.reasoning.stream(c.thinking_opened) for c in choices
+              if api.reasoning is not None and c.thinking_opened is not None and not buffered}
 
-    def body(c: Choice, text: str, start: int, _offset: int) -> dict[str, Any]:
+    def body(c: Choice, text: str, start: int, _offset: int) -> dict[str, Any] | None:
         lp = api.chat_logprobs(c, req.top_logprobs or 0, start) if req.logprobs else None
         if not buffered:
-            return {"index": c.index, "delta": {"content": text} if text else {}, "logprobs": lp,
-                    "finish_reason": api.finish_reason(c)}
-        msg, reason = _message(api, c, tools)  # the whole output, at its finish
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if (split := splits.get(c.index)) is not None:
+                reasoning, content = split.feed(text)
+                if c.finish is not None:
+                    r2, c2 = split.finish()
+                    reasoning, content = reasoning + r2, content + c2
+                delta = {"content": content} if content else {}
+                if reasoning and req.include_reasoning:
+                    delta.update(_reasoning_fields(reasoning))
+                if not delta and c.finish is None:
+                    return None  # held back: it may be the beginning of a marker
+            return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": api.finish_reason(c)}
+        msg, reason = _message(api, c, tools, req.include_reasoning)  # the whole output, at its finish
         delta = {k: v for k, v in msg.items() if k != "role" and v is not None}
         if "tool_calls" in delta:
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import signal
@@ -20,6 +22,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+from server.reasoning import PARSERS as REASONING_PARSERS
 from server.tools import PARSERS
 from server.args import add_engine_args, llm_kwargs
 from server.client import DEFAULT_HEARTBEAT_TIMEOUT_S
@@ -70,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                    help="the format the model writes tool calls in, for tool_choice auto (hermes and qwen3: "
                         "<tool_call>{...}</tool_call>; llama3_json: a JSON object; mistral: [TOOL_CALLS] [...])")
+    s.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="split a reasoning model's thinking (between <think> and </think>) into reasoning_content "
+                        "(and reasoning) in chat responses and stream deltas; it also gives the engine the markers "
+                        "that thinking_token_budget needs (deepseek_r1: the output starts inside the thinking; "
+                        "qwen3: only when the prompt opened it)")
     s.add_argument("--chat-template-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="longest a request-supplied chat template may render before the request gets 400 "
                         "(default: %(default)s)")
@@ -82,6 +90,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="logging verbosity of both processes (default: %(default)s)")
     return p
+
+
+def reasoning_config(parser: str | None, config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The engine's reasoning_config: --reasoning-config, its markers defaulting to the parser's;
+    ValueError when they differ from the parser's (the budget would force a marker the parser
+    does not split on)."""
+    from engine.thinking import ReasoningConfig
+
+    ReasoningConfig.from_dict(config)  # a bad key or value: exit 2 before the engine spawns
+    if parser is None:
+        return config
+    p = REASONING_PARSERS[parser]
+    merged = {"reasoning_start_str": p.start, "reasoning_end_str": p.end, **(config or {})}
+    if (merged["reasoning_start_str"], merged["reasoning_end_str"]) != (p.start, p.end):
+        raise ValueError(f"--reasoning-config markers {merged['reasoning_start_str']!r}/{merged['reasoning_end_str']!r} "
+                         f"differ from --reasoning-parser {parser}'s {p.start!r}/{p.end!r}")
+    return merged
+
+
+def system_fingerprint(kwargs: dict[str, Any]) -> str:
+    """OpenAI's system_fingerprint: changes when the version or an engine setting does."""
+    from server.api import VERSION
+
+    text = json.dumps({"version": VERSION, **kwargs}, sort_keys=True, default=str)
+    return "fp_" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def _uvicorn_server() -> type:
@@ -134,14 +167,16 @@ def main(argv: list[str]) -> int:
                                   chat_template_timeout_s=ns.chat_template_timeout,
                                   tokenizer_threads=ns.tokenizer_threads, metrics_no_auth=ns.metrics_no_auth,
                                   enable_auto_tool_choice=ns.enable_auto_tool_choice,
-                                  tool_call_parser=ns.tool_call_parser)
+                                  tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
+                                  system_fingerprint=system_fingerprint(kwargs))
         if ns.engine_heartbeat_timeout <= 0:
             raise ValueError(f"--engine-heartbeat-timeout must be > 0; got {ns.engine_heartbeat_timeout}")
         # Probe the config in this process (cheap: no weights) so flag errors exit 2 before a spawn.
         from engine.llm import _parse_json
 
-        for key in ("kv_transfer_config", "kv_events_config", "speculative_config"):
+        for key in ("kv_transfer_config", "kv_events_config", "speculative_config", "reasoning_config"):
             kwargs[key] = _parse_json(kwargs[key], key)
+        kwargs["reasoning_config"] = reasoning_config(ns.reasoning_parser, kwargs["reasoning_config"])
         from connectors.factory import check_transfer_config, flag_tiers
 
         check_transfer_config(kwargs["kv_transfer_config"], flag_tiers(

@@ -44,13 +44,14 @@ class Tokenizing:
         return await self._run(work)
 
     async def chat(self, convs: list[list[dict[str, Any]]], add_generation_prompt: bool, kwargs: dict[str, Any],
-                   template: str | None) -> list[list[int]]:
+                   template: str | None, continue_final_message: bool = False) -> list[list[int]]:
         """Token ids of each conversation. Raises ValueError/TypeError/jinja errors for bad input,
         TimeoutError when a request-supplied `template` renders for longer than the bound.
         `kwargs` must not hold `reserved_kwargs` (the caller refuses those by name)."""
         def render(conv: list[dict[str, Any]]) -> list[int]:
             out = self.tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                               chat_template=template, **kwargs)
+                                               chat_template=template,
+                                               continue_final_message=continue_final_message, **kwargs)
             ids = as_token_ids(out)
             if not all(type(t) is int for t in ids):
                 raise TypeError("chat_template_kwargs must not change the tokenizer's output format")

@@ -152,16 +152,30 @@ def _vocab_words() -> list[str]:
     return words
 
 
-def build_tokenizer():
+# A reasoning model's markers (``build_tokenizer(think=True)``): the last two ids, ordinary
+# (not special) added tokens, as in Qwen3's and DeepSeek-R1's tokenizers.
+THINK, END_THINK = "<think>", "</think>"
+THINK_ID, END_THINK_ID = VOCAB_SIZE - 2, VOCAB_SIZE - 1
+# DeepSeek-R1's way: the generation prompt opens the thinking section.
+THINK_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("<|im_start|>assistant{% endif %}",
+                                            "<|im_start|>assistant <think>{% endif %}")
+
+
+def build_tokenizer(think: bool = False):
     """A WordLevel tokenizer over a generated 512-token vocabulary.
 
     Text is lower-cased and split on whitespace and punctuation; decoding joins tokens with
     single spaces, so ``encode(decode(ids)) == ids`` for any ids of ordinary words.
+    ``think``: the last two words are ``<think>`` and ``</think>`` and the chat template's
+    generation prompt ends with ``<think>``.
     """
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + _vocab_words())}
+    words = _vocab_words()
+    if think:
+        words[-2:] = [THINK, END_THINK]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -169,6 +183,8 @@ def build_tokenizer():
     # text of n tokens is exactly the n words joined by spaces.
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     tok.add_special_tokens(SPECIAL_TOKENS)
+    if think:  # matched before pre-tokenization (which would split off "<" and ">")
+        tok.add_tokens([AddedToken(w, normalized=False, special=False) for w in (THINK, END_THINK)])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token=UNK,
@@ -176,7 +192,7 @@ def build_tokenizer():
         eos_token=EOS,
         pad_token=PAD,
         additional_special_tokens=[IM_START, IM_END],
-        chat_template=CHAT_TEMPLATE,
+        chat_template=THINK_CHAT_TEMPLATE if think else CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
         model_max_length=MAX_POS,
     )
@@ -339,18 +355,19 @@ def _randomize(model, seed: int) -> None:
 
 
 def build_checkpoint(kind: str, path: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                     **overrides) -> Path:
+                     think: bool = False, **overrides) -> Path:
     """Write a random-weight checkpoint of ``kind`` to ``path`` and return ``path``.
 
     ``overrides`` replace config fields (e.g. ``num_hidden_layers=1``).  ``seed`` fixes the
     weights.  The same (kind, seed, dtype, overrides) always gives the same files.
+    ``think``: a reasoning model's tokenizer and template (``build_tokenizer(think=True)``).
     """
     import transformers
     from transformers import GenerationConfig
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(think)
     config = _config(kind, len(tokenizer), dict(overrides))
     if kind == "llama" and "rope_parameters" not in overrides:
         assert config.rope_parameters["rope_type"] == "llama3", config.rope_parameters

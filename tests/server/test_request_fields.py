@@ -63,7 +63,7 @@ COMMON = {
     "logits_processors": (["x"], REFUSED),
     "return_tokens_as_token_ids": (True, REFUSED),
     "vllm_xargs": ({"k": 1}, REFUSED),
-    "thinking_token_budget": (8, REFUSED),
+    "thinking_token_budget": (None, IMPLEMENTED),  # needs a model with think markers (test_reasoning.py)
     "metadata": ({"k": "v"}, HARMLESS_),
     "store": (False, HARMLESS_),
     "service_tier": ("auto", HARMLESS_),
@@ -83,13 +83,14 @@ CHAT_ONLY = {
     "audio": ({"voice": "alloy", "format": "mp3"}, REFUSED),
     "modalities": (["text", "audio"], REFUSED),
     "prediction": ({"type": "content", "content": "x"}, REFUSED),
-    "reasoning_effort": ("low", REFUSED),
+    "reasoning_effort": ("low", IMPLEMENTED),
     "verbosity": ("low", REFUSED),
     "web_search_options": ({}, REFUSED),
     "chat_template": ("{{ 'x' }}", REFUSED),  # accepted only with --trust-request-chat-template
     "chat_template_kwargs": ({"enable_thinking": False}, IMPLEMENTED),
     "add_generation_prompt": (True, IMPLEMENTED),
-    "continue_final_message": (True, REFUSED),
+    "continue_final_message": (None, IMPLEMENTED),  # needs a final assistant message (test_chat_fields.py)
+    "include_reasoning": (False, IMPLEMENTED),
     "documents": ([{"title": "t", "text": "x"}], REFUSED),
     "mm_processor_kwargs": ({"k": 1}, REFUSED),
     "echo": (True, REFUSED),
