@@ -35,6 +35,18 @@ class BlockLayout:
     # (hidden-state export on); part of the layout id, so blocks without them never match.
     hidden_layer_ids: tuple[int, ...] = ()
     hidden_size: int = 0
+    # The hidden states' dtype when it is not the KV's (--kv-cache-dtype: the KV is stored in
+    # another dtype than the model's, the hidden states are not). None: `dtype`.
+    hidden_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.hidden_layer_ids and self.kv_bytes % self.hidden_element.itemsize:
+            raise ValueError(f"KV bytes per block ({self.kv_bytes}) must be a multiple of the hidden states' "
+                             f"element size ({self.hidden_element.itemsize}) to view them in place")
+
+    @property
+    def hidden_element(self) -> torch.dtype:
+        return self.hidden_dtype or self.dtype
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -60,7 +72,7 @@ class BlockLayout:
         n = 1
         for d in self.hidden_shape:
             n *= d
-        return self.kv_bytes + (n * self.dtype.itemsize if self.hidden_layer_ids else 0)
+        return self.kv_bytes + (n * self.hidden_element.itemsize if self.hidden_layer_ids else 0)
 
     @property
     def encoded_bytes(self) -> int:
@@ -70,6 +82,8 @@ class BlockLayout:
         desc: dict[str, Any] = {"shape": self.shape, "dtype": str(self.dtype), "fp": self.fingerprint, "v": VERSION}
         if self.hidden_layer_ids:
             desc["hidden"] = [list(self.hidden_layer_ids), self.hidden_size]
+            if self.hidden_element != self.dtype:  # absent otherwise: existing layout ids are unchanged
+                desc["hidden_dtype"] = str(self.hidden_element)
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).digest()[:16]
 
 
@@ -100,5 +114,5 @@ def payload(buf: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
 
 def hidden_payload(buf: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     """The hidden-state view `[g1_blocks, block_size, len(ids), hidden]` after the KV."""
-    return buf[HEADER_BYTES + layout.kv_bytes:HEADER_BYTES + layout.payload_bytes].view(layout.dtype).view(
+    return buf[HEADER_BYTES + layout.kv_bytes:HEADER_BYTES + layout.payload_bytes].view(layout.hidden_element).view(
         layout.hidden_shape)

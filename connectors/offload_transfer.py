@@ -167,7 +167,7 @@ class TransferEngine:
                 dst = self.kv_cache[:, :, first:first + m * k]
                 self._copy_pool.copy(dst.view(*dst.shape[:2], m, k, *dst.shape[3:]), src)
                 if self.hidden_cache is not None:
-                    hid = rows[:, HEADER_BYTES + lay.kv_bytes:HEADER_BYTES + lay.payload_bytes].view(lay.dtype)
+                    hid = rows[:, HEADER_BYTES + lay.kv_bytes:HEADER_BYTES + lay.payload_bytes].view(lay.hidden_element)
                     self.hidden_cache[first:first + m * k].view(m, *lay.hidden_shape).copy_(
                         hid.view(m, *lay.hidden_shape))
                 n = m * k

@@ -6,6 +6,10 @@ reference: it is exact for any mix of prefill chunks and decodes in one batch.
 
 Cache layout (per layer): K and V are each `[num_blocks, block_size, num_kv_heads, head_dim]`, heads
 and dims contiguous; tokens may be further apart (a layer's part of a wider row, engine/kv_groups.py).
+
+The cache may have another dtype than q/k/v (--kv-cache-dtype): K and V are rounded to it when
+written and read back in q's dtype, so attention computes in the model's dtype over rounded keys
+and values. Every backend keeps that contract (the CPU kernels and Triton read the cache in place).
 """
 from __future__ import annotations
 
@@ -104,6 +108,14 @@ class AttentionMetadata:
         return self._packed
 
 
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Stores the step's K/V at their slots, rounded to the cache's dtype (a no-op cast when equal)."""
+    kv_heads, head_dim = k_cache.shape[2:]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
 class AttentionBackend(ABC):
     """Contract: given this step's q/k/v (`[num_tokens, heads, head_dim]`), write k/v into the
     layer's cache at `meta.slot_mapping`, then return the attention output `[num_tokens,
@@ -158,9 +170,7 @@ class TorchPagedAttention(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=0):
         num_tokens, num_heads, head_dim = q.shape
-        kv_heads = k_cache.shape[2]
-        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         for seq in meta.prefills:
             self._prefill(q, k_cache, v_cache, seq, scale, out, window)
@@ -172,8 +182,8 @@ class TorchPagedAttention(AttentionBackend):
                  scale: float, out: torch.Tensor, window: int = 0) -> None:
         """SDPA over the sequence's context (a view when its blocks are one run, else gathered)."""
         qs = q[seq.query_start : seq.query_start + seq.query_len].transpose(0, 1).unsqueeze(0)
-        ks = self._context("k", k_cache, seq).transpose(0, 1).unsqueeze(0)
-        vs = self._context("v", v_cache, seq).transpose(0, 1).unsqueeze(0)
+        ks = self._context("k", k_cache, seq).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        vs = self._context("v", v_cache, seq).to(q.dtype).transpose(0, 1).unsqueeze(0)
         gqa = q.shape[1] != k_cache.shape[2]
         windowed = 0 < window < seq.context_len
         if seq.query_len == seq.context_len and not windowed:
@@ -196,7 +206,7 @@ class TorchPagedAttention(AttentionBackend):
 
         def context(name: str, cache: torch.Tensor) -> torch.Tensor:  # [n * kv_heads, ctx, head_dim]
             flat = self._gather(name, cache, group.block_tables.flatten()).view(n, -1, kv_heads, head_dim)
-            return flat.transpose(1, 2).reshape(n * kv_heads, -1, head_dim)
+            return flat.transpose(1, 2).reshape(n * kv_heads, -1, head_dim).to(q.dtype)
 
         k, v = context("k", k_cache), context("v", v_cache)
         qd = q.index_select(0, group.query_idx).view(n * kv_heads, g, head_dim)

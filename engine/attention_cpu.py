@@ -4,14 +4,15 @@ Decodes go through `paged_attention`, prompt chunks through `prefill_attention`:
 chunks in one call, causal without computing the masked part, and with each row's result
 depending only on the row and its keys, so rows computed after a prefix hit equal, bit for bit,
 the same rows of a fresh prefill (a prefix hit never changes an output). The torch path (SDPA
-over the context) is kept for shapes the prefill kernel does not take.
+over the context) is kept for shapes the prefill kernel does not take, and for caches the kernels
+do not read (a float16 one: `cpu_kernels.cache_supported`).
 """
 from __future__ import annotations
 
 import torch
 
 from engine import cpu_kernels
-from engine.attention import AttentionMetadata, TorchPagedAttention
+from engine.attention import AttentionMetadata, TorchPagedAttention, write_kv
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -20,10 +21,11 @@ class CpuPagedAttention(TorchPagedAttention):
     pads_decodes = False  # the kernel walks each row's own table; one call per layer balances best
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, window=0):
+        if not cpu_kernels.cache_supported(q.dtype, k_cache.dtype):  # e.g. a float16 cache: the torch path
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window)
         num_tokens, num_heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
-        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         # q may be a view into the fused q/k/v output: the kernels take its row stride as is.
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for group in meta.decodes:

@@ -69,6 +69,27 @@ def resolve_device(name: str) -> str:
     raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {name!r}")
 
 
+# vLLM's --kv-cache-dtype values kvtier stores (besides auto: the weights' dtype). The others vLLM
+# takes (fp8*, int8) need scaled quantization kernels, and are refused by name rather than ignored.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+_SCALED_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "int8")
+
+
+def check_kv_cache_dtype(name: object) -> str:
+    """ValueError unless `name` is one of KV_CACHE_DTYPES (the message says why fp8 is not)."""
+    if name in KV_CACHE_DTYPES:
+        return name  # type: ignore[return-value]
+    why = " (a quantized KV cache needs scaling kernels kvtier does not have)" if name in _SCALED_KV_DTYPES else ""
+    raise ValueError(f"kv_cache_dtype {name!r} is not supported{why}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype | None:
+    """The KV cache's dtype when it differs from the weights', else None (auto, or the same)."""
+    if check_kv_cache_dtype(name) == "auto" or _DTYPES[name] == model_dtype:
+        return None
+    return _DTYPES[name]
+
+
 def resolve_dtype(name: str, checkpoint_dtype: Any, device: str = "cpu") -> torch.dtype:
     """`auto` takes the checkpoint's dtype, except that float32 checkpoints run in bfloat16 on a GPU
     (vLLM's rule: float32 there halves throughput for no gain in serving)."""
@@ -114,6 +135,9 @@ class ModelConfig:
     # Per layer, the layer whose KV it attends to: itself, or an earlier layer of its kind whose KV
     # it reuses (Gemma 4's num_kv_shared_layers; such a layer has no cache of its own). Empty: itself.
     kv_sources: tuple[int, ...] = ()
+    # --kv-cache-dtype: what G1 (and every tier below it) stores K and V as when that differs from
+    # `dtype`; None: the weights' dtype. Attention reads it back to `dtype` (engine/attention.py).
+    cache_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for name in ("layer_kv_shapes", "kv_sources"):
@@ -128,6 +152,11 @@ class ModelConfig:
 
     def kv_source(self, layer: int) -> int:
         return self.kv_sources[layer] if self.kv_sources else layer
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of the KV cache (G1's tensor, offload entries)."""
+        return self.cache_dtype or self.dtype
 
     @property
     def kv_widths(self) -> tuple[int, ...]:
@@ -151,6 +180,9 @@ class ModelConfig:
             "head_dim": self.head_dim,
             "rope": json.dumps(getattr(self.hf_config, "rope_parameters", None), sort_keys=True, default=str),
             "dtype": str(self.dtype),
+            # KV stored in another dtype is other bytes: its G3/G4 entries get a namespace of their
+            # own. Absent when the KV has the weights' dtype, so existing namespaces are unchanged.
+            **({"kv_dtype": str(self.cache_dtype)} if self.cache_dtype is not None else {}),
             # A layer's KV depends on the windows of the layers below it: same weights with another
             # window must not share G3/G4 entries. Absent for full-attention models, so their
             # namespaces (and existing caches) are unchanged.
@@ -203,6 +235,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     kv_eviction_policy: str = "lru"
+    # vLLM's --kv-cache-dtype: auto (the weights' dtype), bfloat16 or float16 (KV_CACHE_DTYPES).
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     device: str = "auto"  # resolved in __post_init__: auto, cpu, cuda or cuda:N
     # Offload tiers (vLLM's flag names): G2 host memory and G3 disk, sizes in GiB.
@@ -259,6 +293,7 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
             raise ValueError(f"kv_offloading_size must be >= 0 GiB; got {self.kv_offloading_size}")
         if self.kv_offload_disk_size <= 0:
@@ -318,7 +353,7 @@ def check_kv_namespace(name: object) -> None:
         raise ValueError(f"kv_namespace must be printable (no control characters); got {name!r}")
 
 
-def load_model_config(model_dir: Path, dtype: str, device: str = "cpu") -> ModelConfig:
+def load_model_config(model_dir: Path, dtype: str, device: str = "cpu", kv_cache_dtype: str = "auto") -> ModelConfig:
     from transformers import AutoConfig
 
     from engine.models import SUPPORTED_ARCHITECTURES, _bias_flag
@@ -338,6 +373,7 @@ def load_model_config(model_dir: Path, dtype: str, device: str = "cpu") -> Model
     # Per-layer head sizes (Gemma 4): the model-wide fields are layer 0's, `layer_kv_shapes` each layer's.
     first = hf.per_layer_config[0] if getattr(hf, "is_heterogeneous", False) else hf
     head_dim = getattr(first, "head_dim", None) or hf.hidden_size // num_heads
+    weights_dtype = resolve_dtype(dtype, getattr(hf, "dtype", None) or raw.get("torch_dtype"), device)
     return ModelConfig(
         architecture=arch,
         vocab_size=hf.vocab_size,
@@ -357,7 +393,8 @@ def load_model_config(model_dir: Path, dtype: str, device: str = "cpu") -> Model
         sliding_windows=_sliding_windows(hf),
         layer_kv_shapes=_layer_kv_shapes(hf),
         kv_sources=_kv_sources(hf),
-        dtype=resolve_dtype(dtype, getattr(hf, "dtype", None) or raw.get("torch_dtype"), device),
+        dtype=weights_dtype,
+        cache_dtype=resolve_kv_dtype(kv_cache_dtype, weights_dtype),
         hf_config=hf,
     )
 

@@ -42,8 +42,8 @@ def make_connector(cfg: EngineConfig, mc: ModelConfig, model_dir: Path, hidden_s
     # layers that reuse another's KV have no slot (engine/kv_groups.py).
     slots, _, _, _, kv_heads, head_dim = runner.kv_cache.shape
     layout = BlockLayout(slots, cfg.kv_offload_block_size // cfg.block_size, cfg.block_size,
-                         kv_heads, head_dim, mc.dtype, fp.hex(),
-                         hs.layer_ids if hs else (), mc.hidden_size if hs else 0)
+                         kv_heads, head_dim, mc.kv_dtype, fp.hex(),
+                         hs.layer_ids if hs else (), mc.hidden_size if hs else 0, mc.dtype)
     ctx = ConnectorContext(layout, pool, fp, cfg.kv_eviction_policy, cfg.kv_offloading_size,
                            cfg.kv_offload_disk, cfg.kv_offload_disk_size, extra, events,
                            hidden_spec=hs, model_name=model_dir.name, remote_url=cfg.kv_offload_remote,

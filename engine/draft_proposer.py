@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -46,7 +46,7 @@ def draft_model_config(draft_dir: Path, dtype: str, device: str, target: ModelCo
                          f"({target.vocab_size}): a draft must share the target's tokenizer")
     if mc.dtype != target.dtype:
         raise ValueError(f"the draft model's dtype {mc.dtype} differs from the target's {target.dtype}")
-    return mc
+    return replace(mc, cache_dtype=target.cache_dtype)  # its KV in --kv-cache-dtype too
 
 
 @dataclass

@@ -50,7 +50,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         model_dir = Path(config.model)
-        self.model_config = mc = load_model_config(model_dir, config.dtype, config.device)
+        self.model_config = mc = load_model_config(model_dir, config.dtype, config.device, config.kv_cache_dtype)
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_token_ids = eos_ids(model_dir, self.tokenizer)
         self.requests = RequestFactory(self.tokenizer, mc.vocab_size, self.eos_token_ids, config.reasoning)

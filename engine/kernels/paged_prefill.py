@@ -35,9 +35,9 @@ def _attend_tiles(acc, l_i, m, q, lo, hi, q_pos, seq_len, window, table, k_ptr, 
         k_at = k_ptr + page[:, None] * stride_kb + row[:, None] * stride_ks + kvh * stride_kh + d[None, :]
         v_at = v_ptr + page[:, None] * stride_vb + row[:, None] * stride_vs + kvh * stride_vh + d[None, :]
         if EVEN_D and not MASKED:
-            k = tl.load(k_at)
+            k = tl.load(k_at).to(q.dtype)  # a cache in another dtype (--kv-cache-dtype) is read back in q's
         else:
-            k = tl.load(k_at, mask=kv_mask, other=0.0)
+            k = tl.load(k_at, mask=kv_mask, other=0.0).to(q.dtype)
         s = _mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], tl.float32), UPCAST, PREC) * qk_scale
         if MASKED:
             ok = (pos < seq_len)[None, :]
@@ -52,9 +52,9 @@ def _attend_tiles(acc, l_i, m, q, lo, hi, q_pos, seq_len, window, table, k_ptr, 
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if EVEN_D and not MASKED:
-            v = tl.load(v_at)
+            v = tl.load(v_at).to(q.dtype)
         else:
-            v = tl.load(v_at, mask=kv_mask, other=0.0)
+            v = tl.load(v_at, mask=kv_mask, other=0.0).to(q.dtype)
         acc = _mma(p.to(v.dtype), v, acc * alpha[:, None], UPCAST, PREC)
         m = m_new
     return acc, l_i, m
