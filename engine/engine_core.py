@@ -273,6 +273,8 @@ class EngineCore:
             if not s.req.status.finished and s.req.request_id not in sampling:
                 s.req.num_computed_tokens += s.num_new_tokens  # a prompt chunk
                 self.kv.cache_full_blocks(s.req)
+        for i, (first, entries) in out.prompt_logprobs.items():
+            sched.scheduled[i].req.add_prompt_logprobs(first, entries)
         for j, i in enumerate(out.sampled):
             s = sched.scheduled[i]
             req = s.req

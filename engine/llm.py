@@ -11,6 +11,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.prompt_logprobs import with_ranks
 from engine.request import FINISH_REASONS, Request
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -205,6 +206,7 @@ class LLM:
             finished=req.status.finished,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             cached_tokens_by_tier=dict(req.cached_by_tier),
+            prompt_logprobs=None if req.prompt_logprobs is None else [None] + [with_ranks(e) for e in req.prompt_logprobs],
             error=req.error,
             kv_transfer_params=req.kv_transfer_params,
         )

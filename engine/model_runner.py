@@ -14,6 +14,8 @@ from engine.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from engine.config import ModelConfig
 from engine.input_batch import InputBatch
 from engine.kv_groups import KVLayout
+from engine.prompt_logprobs import PromptLogprob, PromptRows, prompt_logprobs
+from engine.prompt_logprobs import select as select_prompt_rows
 from engine.request import RequestId
 from connectors.hidden_spec import HiddenStatesSpec
 from engine.scheduler import SchedulerOutput
@@ -29,6 +31,8 @@ class ModelOutput:
     logits: torch.Tensor
     sampled: list[int]  # indices into scheduler_output.scheduled that produce a token
     row_starts: list[int] = field(default_factory=list)  # first logits row of each `sampled` entry
+    # prompt_logprobs: {scheduled index: (first position, entries)} (engine/prompt_logprobs.py)
+    prompt_logprobs: dict[int, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
 
     def rows(self, i: int) -> torch.Tensor:
         """The logits rows of the i-th sampled entry."""
@@ -47,6 +51,7 @@ class StepInputs:
     # Async scheduling: (index into input_ids, request) for tokens an earlier, still running step
     # samples; whoever runs the step writes them in first (`fill_placeholders`).
     placeholders: list[tuple[int, RequestId]] = field(default_factory=list)
+    prompt_rows: list[PromptRows] = field(default_factory=list)  # prompt_logprobs' rows
 
     @torch.inference_mode()
     def fill_placeholders(self, tokens: dict[RequestId, int]) -> None:
@@ -148,7 +153,8 @@ class ModelRunner:
             self.last_aux = torch.cat([captured[capture.index(i)] for i in self.aux_layer_ids], dim=-1)
         rows = step.sample_rows
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
-        return ModelOutput(logits.float(), step.sampled, step.row_starts)
+        prompt = prompt_logprobs(hidden, step.prompt_rows, self.model.compute_logits) if step.prompt_rows else {}
+        return ModelOutput(logits.float(), step.sampled, step.row_starts, prompt)
 
     @torch.inference_mode()  # inference tensors, as at warm-up: the compiled graph's guards see no change
     def prepare(self, sched: SchedulerOutput, block_tables: list) -> StepInputs:
@@ -165,6 +171,7 @@ class ModelRunner:
         sampled: list[int] = []
         row_starts: list[int] = []
         placeholders: list[tuple[int, RequestId]] = []
+        prompt_rows: list[PromptRows] = []
         for idx, item in enumerate(sched.scheduled):
             req, n, spec = item.req, item.num_new_tokens, item.spec_token_ids
             start = item.start
@@ -177,6 +184,9 @@ class ModelRunner:
             input_ids.extend(spec)
             positions.extend(range(start, start + n))
             spans.append((q_start, n, start + n))
+            if req.wants_prompt_logprobs and (pick := select_prompt_rows(
+                    idx, req.prompt_token_ids, start, n - len(spec), q_start, req.params.prompt_logprobs or 0)):
+                prompt_rows.append(pick)
             if item.samples:
                 row_starts.append(len(sample_rows))
                 sample_rows.extend(range(q_start + n - 1 - len(spec), q_start + n))
@@ -188,7 +198,7 @@ class ModelRunner:
                  for g in range(len(self.batches))]
         meta = metas[0] if len(metas) == 1 else replace(metas[0], groups=tuple(metas), layer_groups=self.layer_groups)
         return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=self.device), positions_t, meta,
-                          sample_rows, sampled, row_starts, placeholders)
+                          sample_rows, sampled, row_starts, placeholders, prompt_rows)
 
     def _group_meta(self, group: int, sched: SchedulerOutput, tables: list[list[int]],
                     spans: list[tuple[int, int, int]], positions_t: torch.Tensor, counts: torch.Tensor

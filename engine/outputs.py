@@ -5,6 +5,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's: a token's log-probability and its rank in the distribution (1 = the likeliest)."""
+    logprob: float
+    rank: int
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -28,6 +35,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    # prompt_logprobs (vLLM's shape): None for the first token, then {token id: Logprob} for the
+    # prompt token and the top-k; None when not asked for.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Prompt tokens this request did not compute, by the tier that supplied them ("G1", ...).
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     error: str | None = None  # set when finish_reason is "error"

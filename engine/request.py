@@ -8,6 +8,7 @@ from typing import NewType
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.prompt_logprobs import PromptLogprob
 from engine.structured import GrammarState
 from engine.thinking import ThinkingTracker
 from kvstore.keys import BlockKey
@@ -77,6 +78,8 @@ class Request:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # Entry i is prompt token i + 1's (engine/prompt_logprobs.py).
+        self.prompt_logprobs: list[PromptLogprob] | None = [] if params.prompt_logprobs is not None else None
         self.first_logits: torch.Tensor | None = None
         self.output_text = ""
         self.stop_reason: int | str | None = None
@@ -114,6 +117,18 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's log-probs are not all in: computed tokens are not read from a cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
+
+    def add_prompt_logprobs(self, first_position: int, entries: list[PromptLogprob]) -> None:
+        """Entries from `first_position` on; those already in (a recomputed prompt) are skipped."""
+        assert self.prompt_logprobs is not None
+        skip = len(self.prompt_logprobs) - first_position
+        if skip >= 0:
+            self.prompt_logprobs += entries[skip:]
 
     def active_grammar(self) -> GrammarState | None:
         """The grammar while it applies: structured outputs constrain the answer, not a thinking

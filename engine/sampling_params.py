@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.structured import StructuredOutputsParams
+from engine.prompt_logprobs import MAX_PROMPT_LOGPROBS
 from engine.thinking import check_budget
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
@@ -26,6 +27,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n log-probs per generated token (plus the chosen one)
+    # vLLM's: top-n log-probs at each prompt position, with the prompt token's own and its rank
+    # (engine/prompt_logprobs.py); such a request's prompt is computed, not read from a cache.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Which tokens may come next (engine/logit_controls.py): a bias added to listed tokens' logits
     # (OpenAI's, -100..100), the only tokens allowed, words never to complete.
@@ -63,6 +67,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens]; got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0; got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}]; got {self.prompt_logprobs}")
         if self.logit_bias is not None:
             for t, b in self.logit_bias.items():
                 if isinstance(t, bool) or not isinstance(t, int) or isinstance(b, bool) \

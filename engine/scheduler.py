@@ -163,9 +163,10 @@ class Scheduler:
         while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
             fresh = not self.kv.block_table(req)  # else resuming after an async load
-            hits = self.kv.get_computed_blocks(req) if fresh else []
+            lookup = fresh and not req.wants_prompt_logprobs  # those need every prompt position's logits
+            hits = self.kv.get_computed_blocks(req) if lookup else []
             num_cached = len(hits) * self.kv.block_size if fresh else req.num_computed_tokens
-            if fresh and not req.load_failed:
+            if lookup and not req.load_failed:
                 ext, is_async = self.connector.get_num_new_matched_tokens(req, num_cached)
                 if ext > 0:
                     # Blocks for the whole prompt, not just the loaded part: a request that waits

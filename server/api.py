@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
+from engine.prompt_logprobs import with_ranks
 from engine.structured import GrammarCompiler
 from engine.token_ids import check_token_ids
 from server.client import CoreState, EngineClient, EngineDeadError
@@ -96,6 +97,7 @@ class Choice:
     first_token_at: float | None = None
     queue: Any = None  # asyncio.Queue of core deltas, set by submit()
     thinking_opened: bool | None = None  # with a reasoning parser: the prompt opened a thinking section
+    prompt_logprobs: list[Any] | None = None  # from the core's first delta: [rank, {token id: logprob}] each
 
 
 class API:
@@ -324,6 +326,8 @@ class API:
                     c.first_token_at = now
                 c.token_ids += d["token_ids"]
                 c.logprobs += d.get("logprobs") or []
+                if "prompt_logprobs" in d:
+                    c.prompt_logprobs = d["prompt_logprobs"]
                 if d.get("finish_reason") is None:
                     text = c.detok.add(d["token_ids"])
                 else:  # the last tokens may hold the stop string: take the engine's cut text
@@ -402,6 +406,17 @@ class API:
             offs.append(off)
             off += len(s)
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+    def prompt_logprobs(self, c: Choice) -> list[dict[str, Any] | None] | None:
+        """vLLM's format: None for the first token, then {token id: {logprob, rank, decoded_token}}."""
+        if c.prompt_logprobs is None:
+            return None
+        out: list[dict[str, Any] | None] = [None]
+        for rank, lps in c.prompt_logprobs:
+            entry = with_ranks((rank, {int(t): v for t, v in lps.items()}))
+            out.append({str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self.tok.decode([t])}
+                        for t, lp in entry.items()})
+        return out
 
     def chat_logprobs(self, c: Choice, top: int, start: int = 0) -> dict[str, Any]:
         content = []

@@ -91,6 +91,8 @@ class CoreLoop:
         d: dict[str, Any] = {"id": r.request_id, "token_ids": r.output_token_ids[start:]}
         if r.logprobs is not None:
             d["logprobs"] = r.logprobs[start:]
+        if start == 0 and r.prompt_logprobs is not None:  # complete once a token was sampled
+            d["prompt_logprobs"] = r.prompt_logprobs
         self.sent[r.request_id] = len(r.output_token_ids)
         if r.status.finished:
             del self.sent[r.request_id]

@@ -21,7 +21,6 @@ WHY: dict[str, str] = {
     "guided_decoding_backend": "the grammar backend is xgrammar; guided_decoding_backend cannot choose another",
     "guided_whitespace_pattern": "guided_whitespace_pattern is not supported",
     "tools": _TOOLS, "tool_choice": _TOOLS, "functions": _TOOLS, "function_call": _TOOLS,
-    "prompt_logprobs": "prompt_logprobs is not supported yet",
     "kv_transfer_params": "request-side kv_transfer_params are not supported: no connector here reads them",
     "chat_template": "a request-supplied chat_template needs the server's --trust-request-chat-template",
 }

@@ -7,6 +7,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from engine.prompt_logprobs import MAX_PROMPT_LOGPROBS
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutputsParams
 from server.fields import unsupported
@@ -75,6 +76,8 @@ class _Sampling(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: log-probs of the prompt's tokens (engine/prompt_logprobs.py)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_PROMPT_LOGPROBS)
     # vLLM's: tokens a reasoning model may think before the end marker is forced (engine/thinking.py)
     thinking_token_budget: int | None = Field(default=None, ge=0, lt=2**31)
     priority: I64 = 0
@@ -161,6 +164,7 @@ class _Sampling(BaseModel):
             bad_words=self.bad_words or None,
             structured_outputs=so[1] if (so := self.structured()) else None,
             thinking_token_budget=self.thinking_token_budget,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 

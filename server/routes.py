@@ -156,7 +156,8 @@ def build_app(api: API) -> FastAPI:
         _check_error(choices)
         body = {**head, "choices": [
             {"index": c.index, "text": api.final_text(c), "finish_reason": api.finish_reason(c),
-             "logprobs": api.completion_logprobs(c) if req.logprobs is not None else None, **api.extras(c, req)}
+             "logprobs": api.completion_logprobs(c) if req.logprobs is not None else None, **api.extras(c, req),
+             **_prompt_logprobs(api, req, c)}
             for c in choices], "usage": api.usage(choices, req.n)}
         kvp = api.transfer_params(choices)
         if kvp is not None:
@@ -218,13 +219,21 @@ def _reasoning_fields(text: str) -> dict[str, str]:
     return {"reasoning_content": text, "reasoning": text}
 
 
+def _prompt_logprobs(api: API, req: Any, c: Choice) -> dict[str, Any]:
+    return {"prompt_logprobs": api.prompt_logprobs(c)} if req.prompt_logprobs is not None else {}
+
+
 def _chat_body(api: API, req: Any, choices: list[Choice], head: dict[str, Any],
                tools: ToolPlan | None = None) -> dict[str, Any]:
+    # vLLM puts a chat response's prompt_logprobs beside its choices; the batch endpoint's
+    # choices answer different prompts, so there each choice has its own.
+    batch = isinstance(req, BatchChatCompletionRequest)
     body = {**head, "object": "chat.completion", "choices": [
         {"index": c.index, "message": msg, "finish_reason": reason,
-         "logprobs": api.chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None, **api.extras(c, req)}
+         "logprobs": api.chat_logprobs(c, req.top_logprobs or 0) if req.logprobs else None, **api.extras(c, req),
+         **(_prompt_logprobs(api, req, c) if batch else {})}
         for c in choices for msg, reason in [_message(api, c, tools, req.include_reasoning)]],
-        "usage": api.usage(choices, req.n)}
+        "usage": api.usage(choices, req.n), **({} if batch else _prompt_logprobs(api, req, choices[0]))}
     kvp = api.transfer_params(choices)
     if kvp is not None:
         body["kv_transfer_params"] = kvp
@@ -268,6 +277,8 @@ def _stream(api: API, req: Any, choices: list[Choice], arrival: float, head: dic
             choice = body(c, text, sent[c.index], offsets[c.index])
             if choice is None:
                 continue
+            if not sent[c.index] and not offsets[c.index]:  # the choice's first chunk
+                choice.update(_prompt_logprobs(api, req, c))
             sent[c.index] = len(c.token_ids)
             offsets[c.index] += len(text)
             if done:

@@ -53,7 +53,7 @@ COMMON = {
     "guided_whitespace_pattern": (" ", REFUSED),
     "guided_json_object": (True, REFUSED),
     "kv_transfer_params": ({"do_remote_prefill": True}, REFUSED),
-    "prompt_logprobs": (1, REFUSED),
+    "prompt_logprobs": (1, IMPLEMENTED),
     "use_beam_search": (True, REFUSED),
     "length_penalty": (0.5, REFUSED),
     "include_stop_str_in_output": (True, REFUSED),
