@@ -176,6 +176,7 @@ class EngineCore:
             self.drain()
             self._helper.shutdown()
             self._helper = None
+        self.sampler.masks.close()
         self.connector.close()
         self.connector = NullConnector()
         self.scheduler.connector = self.connector
@@ -221,6 +222,7 @@ class EngineCore:
         if not sched.scheduled:
             self._idle()
             return updated
+        self.sampler.prefetch([s.req for s in sched.scheduled if s.samples])
         forward_start = time.perf_counter()
         out, failed = execute_isolating(self.runner, sched, tables)
         forward = time.perf_counter() - forward_start
@@ -331,6 +333,7 @@ class EngineCore:
         if skip:
             out = ModelOutput(torch.empty(0, 0), [], [])
         else:
+            self.sampler.prefetch([s.req for s in cur.sched.scheduled if s.samples])
             forward_start = time.perf_counter()
             try:
                 out = self.runner.run(cur.inputs)

@@ -16,6 +16,7 @@ import torch
 
 from engine.logit_controls import apply_controls, has_controls
 from engine.request import Request
+from engine.structured import MaskPrefetch
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,15 @@ class Sampler:
     def __init__(self, seed: int) -> None:
         # Unseeded requests share one engine-wide stream, seeded once for reproducible runs.
         self.generator = torch.Generator().manual_seed(seed)
+        self.masks = MaskPrefetch()
+
+    def prefetch(self, reqs: list[Request]) -> None:
+        """A step that will sample `reqs` is about to run its forward: their grammars' masks are
+        filled meanwhile."""
+        self.masks.start([g for r in reqs if (g := r.active_grammar()) is not None])
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        self.masks.wait()  # a grammar's state must not change under its mask's fill
         logits = logits.float()
         want_logprobs = any(r.params.logprobs is not None for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None

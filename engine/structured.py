@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -123,10 +124,21 @@ class GrammarState:
         self._xgr = xgr
         self._matcher = xgr.GrammarMatcher(compiled)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._accepted = 0  # tokens accepted so far: the state the bitmask was filled for
+        self._filled_at = -1
+
+    def prefill(self) -> None:
+        """Computes the next token's mask now (on the mask thread, while the forward runs). A
+        finished grammar has none (async scheduling plans a step past a request's stop)."""
+        if self._matcher.is_terminated():
+            return
+        self._matcher.fill_next_token_bitmask(self._bitmask, 0)
+        self._filled_at = self._accepted
 
     def mask(self, row: torch.Tensor) -> torch.Tensor:
         """`row` (float32 logits `[vocab]`) with the tokens the grammar forbids next at -inf, in place."""
-        self._matcher.fill_next_token_bitmask(self._bitmask, 0)
+        if self._filled_at != self._accepted:
+            self.prefill()
         self._xgr.apply_token_bitmask_inplace(row.view(1, -1), self._bitmask)
         if not bool(torch.isfinite(row).any()):
             raise ValueError("the grammar allows no token of this model's vocabulary here")
@@ -135,6 +147,43 @@ class GrammarState:
     def accept(self, token: int) -> None:
         if not self._matcher.accept_token(token):
             raise ValueError(f"token {token} does not follow the grammar")
+        self._accepted += 1
+
+
+def _prefill_all(grammars: list[GrammarState]) -> None:
+    for g in grammars:
+        g.prefill()
+
+
+class MaskPrefetch:
+    """Fills the masks of a step's constrained rows on a thread of its own while the forward
+    runs (xgrammar's fill is C++; a grammar state changes only when the sampler accepts a token,
+    after the forward). `wait()` before sampling."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
+
+    def start(self, grammars: list[GrammarState]) -> None:
+        self.wait()
+        if not grammars:
+            return
+        if self._pool is None:
+            from kvstore.threads import one_torch_thread
+
+            self._pool = ThreadPoolExecutor(1, "kvtier-grammar-masks", initializer=one_torch_thread)
+        self._pending = self._pool.submit(_prefill_all, grammars)
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self) -> None:
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
 
 class LazyGrammarCompiler:

@@ -74,3 +74,34 @@ def test_bad_constraints_are_value_errors_before_anything_runs(demo_dir, bad, ma
 def test_ignore_eos_cannot_be_combined():
     with pytest.raises(ValueError, match="ignore_eos"):
         SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="a"))
+
+
+def test_prefetched_masks_are_those_of_the_state_at_sampling(demo_dir):
+    """Masks filled on the mask thread during the forward equal a fresh matcher's at the same
+    point; a mask filled before the state moved on is not used."""
+    import torch
+
+    from engine.loader import load_tokenizer
+    from engine.structured import GrammarCompiler, MaskPrefetch
+
+    tok = load_tokenizer(demo_dir)
+    gc = GrammarCompiler(tok, 49152, frozenset({tok.eos_token_id}))
+    params = StructuredOutputsParams(regex=r"\(\d{3}\) \d{3}")
+    prefetched, fresh, masks = gc.matcher(params), gc.matcher(params), MaskPrefetch()
+    text_ids = tok.encode("(415) 555", add_special_tokens=False)
+    for step, t in enumerate(text_ids):
+        masks.start([prefetched])
+        masks.wait()
+        if step == 2:  # the state moves on after the fill: that mask is stale and must not be applied
+            prefetched.accept(t)
+            fresh.accept(t)
+            a, b = prefetched.mask(torch.zeros(49152)), fresh.mask(torch.zeros(49152))
+            assert torch.equal(torch.isinf(a), torch.isinf(b))
+            continue
+        a, b = prefetched.mask(torch.zeros(49152)), fresh.mask(torch.zeros(49152))
+        assert torch.equal(torch.isinf(a), torch.isinf(b)) and not torch.isinf(a[t])
+        prefetched.accept(t)
+        fresh.accept(t)
+    a, b = prefetched.mask(torch.zeros(49152)), fresh.mask(torch.zeros(49152))
+    assert torch.equal(torch.isinf(a), torch.isinf(b))
+    masks.close()
