@@ -21,9 +21,11 @@ from engine.prompt_logprobs import with_ranks
 from engine.structured import GrammarCompiler
 from engine.token_ids import check_token_ids
 from server.client import CoreState, EngineClient, EngineDeadError
+from server.defaults import SamplingDefaults
 from server.detok import IncrementalDetokenizer
 from server.fields import unsupported
 from server.metrics import Metrics
+from server.request_log import RequestLogger
 from server.reasoning import PARSERS as REASONING_PARSERS
 from server.reasoning import prompt_opens
 from server.protocol import (
@@ -66,6 +68,8 @@ class ServerSettings:
     metrics_no_auth: bool = False  # with api_key: /metrics stays open (for scrapers without the key)
     enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice (server/tools.py)
     tool_call_parser: str | None = None  # vLLM's --tool-call-parser
+    sampling_defaults: SamplingDefaults | None = None  # --generation-config: for fields a request leaves unset
+    request_logger: RequestLogger | None = None  # --enable-log-requests
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser (server/reasoning.py)
     system_fingerprint: str = ""  # OpenAI's: names the backend configuration answers come from
 
@@ -234,6 +238,8 @@ class API:
         choices: list[Choice] = []
         try:
             params = [req.sampling_params(info.max_model_len - len(ids), j) for ids in prompts for j in range(req.n)]
+            if self.s.sampling_defaults:
+                params = [self.s.sampling_defaults.apply(req, p) for p in params]
         except ValueError as e:
             raise APIError(400, str(e)) from None
         await self._check_structured(req, info.vocab_size)
@@ -244,6 +250,9 @@ class API:
                 rid = base if total == 1 and req.request_id else f"{base}-{k}"
                 choices.append(Choice(k, rid, ids, IncrementalDetokenizer(
                     self.tok, req.skip_special_tokens, stops)))
+        if self.s.request_logger is not None:
+            for c, p in zip(choices, params):
+                self.s.request_logger.log(c.request_id, c.prompt_ids, p)
         queues = []
         try:
             for c, p in zip(choices, params):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_LINE = "kvtier: serving {model} (max_model_len={max_model_len}) on {url}"
-READY = re.compile(r"kvtier: serving (\S+) \(max_model_len=(\d+)\) on (http://\S+)")
+READY = re.compile(r"kvtier: serving (\S+) \(max_model_len=(\d+)\) on (https?://\S+)")
 
 
 @dataclass

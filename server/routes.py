@@ -52,7 +52,9 @@ def build_app(api: API) -> FastAPI:
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:
-        if s.api_key and request.url.path not in open_paths:
+        # The route's own path: behind --root-path the URL's path starts with the proxy's prefix.
+        path, root = request.scope["path"], request.scope.get("root_path", "")
+        if s.api_key and (path[len(root):] if root and path.startswith(root) else path) not in open_paths:
             got = request.headers.get("authorization", "")
             if not secrets.compare_digest(got.encode(), f"Bearer {s.api_key}".encode()):
                 return error_response(APIError(401, "invalid or missing API key", "authentication_error"))

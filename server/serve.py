@@ -26,6 +26,7 @@ from server.reasoning import PARSERS as REASONING_PARSERS
 from server.tools import PARSERS
 from server.args import add_engine_args, llm_kwargs
 from server.client import DEFAULT_HEARTBEAT_TIMEOUT_S
+from server.flags import HttpSettings, add_http_args, http_settings, load_chat_template
 
 log = logging.getLogger(__name__)
 DEATH_LINGER_S = 5.0  # how long a server whose engine core died keeps answering 503 before it exits 1
@@ -38,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "a batch chat endpoint, /metrics, /v1/kv/stats).",
         epilog="example:\n  kvtier serve                      # the embedded demo model on 127.0.0.1:8000\n"
                "  kvtier serve ./my-llama --port 9000 --kv-offloading-size 4 --kv-offload-disk /var/cache/kvtier")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="read flags from a YAML file (vLLM's): keys are flag names without the dashes "
+                        "(max-model-len or max_model_len, model for MODEL); flags on the command line win; "
+                        "an unknown key is an error")
     add_engine_args(p)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; "
@@ -89,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "route but /health and /version needs it, /metrics and /tokenize included)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="logging verbosity of both processes (default: %(default)s)")
+    add_http_args(p)
     return p
 
 
@@ -137,7 +143,9 @@ def _fail(msg: str) -> int:
 
 def main(argv: list[str]) -> int:
     p = build_parser()
-    ns = p.parse_args(argv)
+    from server import config_file
+
+    ns = p.parse_args(config_file.expand(p, argv))
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not 0 <= ns.port <= 65535:
         p.error(f"--port must be in [0, 65535]; got {ns.port}")
@@ -147,6 +155,8 @@ def main(argv: list[str]) -> int:
     except ImportError as e:
         return _fail(f"{e.name} is not installed; run 'pip install -e .' (or 'make setup')")
     from server.api import API, ServerSettings
+    from server.defaults import SamplingDefaults
+    from server.request_log import RequestLogger
 
     kwargs = llm_kwargs(ns)
     if kwargs["max_num_batched_tokens"] is None:  # a server's default, not an offline batch's
@@ -161,6 +171,9 @@ def main(argv: list[str]) -> int:
         model_dir = Path(kwargs["model"])
         if not model_dir.is_dir():
             return _fail(f"model directory {model_dir} does not exist")
+        http = http_settings(ns)
+        defaults = SamplingDefaults.load(ns.generation_config, model_dir)
+        request_log = RequestLogger(ns.max_log_len)  # checks --max-log-len with or without --enable-log-requests
         settings = ServerSettings(tuple(ns.served_model_name or [model_dir.name]), str(model_dir),
                                   ns.api_key or None, ns.max_request_bytes, ns.max_pending_requests,
                                   trust_request_chat_template=ns.trust_request_chat_template,
@@ -168,7 +181,8 @@ def main(argv: list[str]) -> int:
                                   tokenizer_threads=ns.tokenizer_threads, metrics_no_auth=ns.metrics_no_auth,
                                   enable_auto_tool_choice=ns.enable_auto_tool_choice,
                                   tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
-                                  system_fingerprint=system_fingerprint(kwargs))
+                                  system_fingerprint=system_fingerprint(kwargs), sampling_defaults=defaults,
+                                  request_logger=request_log if ns.enable_log_requests else None)
         if ns.engine_heartbeat_timeout <= 0:
             raise ValueError(f"--engine-heartbeat-timeout must be > 0; got {ns.engine_heartbeat_timeout}")
         # Probe the config in this process (cheap: no weights) so flag errors exit 2 before a spawn.
@@ -184,19 +198,22 @@ def main(argv: list[str]) -> int:
         from engine.loader import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)
+        if ns.chat_template is not None:  # for chat and /tokenize; a request's own (if trusted) still wins
+            tokenizer.chat_template = load_chat_template(ns.chat_template)
     except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
         return _fail(str(e))
+    defaults.log_startup()
     try:
         sock = socket.socket(socket.AF_INET6 if ":" in ns.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((ns.host, ns.port))
     except OSError as e:
         return _fail(f"cannot listen on {ns.host}:{ns.port}: {e.strerror}")
-    return asyncio.run(_serve(ns, kwargs, settings, tokenizer, sock, API))
+    return asyncio.run(_serve(ns, kwargs, settings, tokenizer, sock, API, http))
 
 
 async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, tokenizer: Any,
-                 sock: socket.socket, api_cls: Any) -> int:
+                 sock: socket.socket, api_cls: Any, http: HttpSettings) -> int:
     import uvicorn
 
     from server.client import EngineClient, StartupError
@@ -214,6 +231,7 @@ async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, 
         return _fail(f"engine core failed to start: {e}")
     api = api_cls(client, tokenizer, settings)
     app = build_app(api)
+    http.add_cors(app)
 
     @asynccontextmanager
     async def lifespan(_: Any) -> Any:
@@ -226,8 +244,8 @@ async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, 
     app.router.lifespan_context = lifespan
     # At --shutdown-timeout the requests left end with finish_reason "abort" (their responses
     # still complete); uvicorn's own timeout, a little later, only backs that up.
-    config = uvicorn.Config(app, log_level=ns.log_level, timeout_graceful_shutdown=max(ns.shutdown_timeout, 0) + 5,
-                            access_log=ns.log_level == "debug", lifespan="on")
+    config = uvicorn.Config(app, timeout_graceful_shutdown=max(ns.shutdown_timeout, 0) + 5, lifespan="on",
+                            **http.uvicorn_kwargs())
     server = _Server(config)
     host, port = sock.getsockname()[:2]
     loop = asyncio.get_running_loop()
@@ -255,7 +273,7 @@ async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, 
     from server.launch import READY_LINE
 
     print(READY_LINE.format(model=settings.served_model_names[0], max_model_len=info.max_model_len,
-                            url=f"http://{host}:{port}"), flush=True)
+                            url=f"{http.scheme}://{host}:{port}"), flush=True)
     async def exit_on_death() -> None:
         await client.dead.wait()
         # Linger so health checkers and the failed requests' clients see the 503s, then exit 1
