@@ -1,6 +1,6 @@
 """`kvtier serve`'s HTTP-side flags, with vLLM's names: the proxy prefix, CORS, TLS, uvicorn's log
-level, request logging, the chat template and default sampling parameters. Each is checked before
-the engine starts, so a bad value exits 2 with a line naming its flag."""
+level, request logging, the chat template and --generation-config (read by server/defaults.py).
+Each is checked before the engine starts, so a bad value exits 2 with a line naming its flag."""
 from __future__ import annotations
 
 import argparse
@@ -19,8 +19,8 @@ class HttpSettings:
     """What uvicorn and the app's middleware get from the flags; ValueError names the bad flag."""
 
     root_path: str = ""  # FastAPI's root_path: the prefix a path-routing proxy strips
-    # CORS, vLLM's defaults: any origin, method and header; no credentials (browsers refuse a
-    # wildcard origin with credentials, so allowing them needs the origins listed).
+    # CORS, vLLM's defaults: any origin, method and header; no credentials (with them and the
+    # wildcard, Starlette answers every asking origin by name: any site could then send them).
     allowed_origins: tuple[str, ...] = ("*",)
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
@@ -108,8 +108,8 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
         h.add_argument(f"--allowed-{name}", type=_json_list, default=getattr(_D, f"allowed_{name}"),
                        metavar="JSON", help=f"CORS: the {what} browsers may use, a JSON list (default: '[\"*\"]')")
     h.add_argument("--allow-credentials", action="store_true",
-                   help="CORS: let browsers send cookies and Authorization (then list --allowed-origins: browsers "
-                        "refuse credentials with '*')")
+                   help="CORS: let browsers send cookies and Authorization; list --allowed-origins with it, since "
+                        "with the default '*' every site may then send them")
     h.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="the TLS private key (PEM), with --ssl-certfile")
     h.add_argument("--ssl-certfile", default=None, metavar="PATH",
                    help="serve HTTPS with this certificate chain (PEM; it may hold the key too)")

@@ -18,6 +18,7 @@ from engine import LLM, SamplingParams, cpu_kernels
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillSeq, TorchPagedAttention
 from engine.attention_cpu import CpuPagedAttention
 from engine.config import EngineConfig, load_model_config
+from engine.draft_proposer import draft_model_config
 from engine.kernels.reference import attend_ref
 from engine.model_runner import kv_cache_bytes_per_block
 
@@ -82,6 +83,7 @@ def test_cache_sizes_and_offload_identity_follow_the_kv_dtype(ckpt_dir):
     bf16 = load_model_config(model, "float32", kv_cache_dtype="bfloat16")
     assert (f32.kv_dtype, bf16.kv_dtype, bf16.dtype) == (torch.float32, torch.bfloat16, torch.float32)
     assert kv_cache_bytes_per_block(bf16, 16) * 2 == kv_cache_bytes_per_block(f32, 16)
+    assert draft_model_config(model, "float32", "cpu", bf16).kv_dtype == torch.bfloat16  # a draft's KV too
     # Exported hidden states stay float32: only the KV part of a block halves.
     hidden = 16 * 2 * f32.hidden_size * 4
     assert kv_cache_bytes_per_block(bf16, 16, 2) - hidden == kv_cache_bytes_per_block(bf16, 16)
