@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 from collections.abc import Callable
-
-from server.args import add_engine_args, llm_kwargs
+from typing import Any
 
 
 def _generate(argv: list[str]) -> int:
+    # Here, not at the top: server.args imports torch, which must come after entry()'s Ctrl-C handling.
+    from server.args import add_engine_args, llm_kwargs
+
     p = argparse.ArgumentParser(prog="kvtier generate", description="Generate text offline with the kvtier engine.")
     add_engine_args(p)
     s = p.add_argument_group("request")
@@ -97,18 +101,33 @@ def entry() -> None:
     """The `kvtier` executable. Unlike `main` (which tests and embedders call in-process), it may
     re-execute the process under tcmalloc first (engine/cpu_runtime)."""
     argv = sys.argv[1:]
+    if argv[:1] and argv[0] in _IN_PROCESS_COMMANDS:
+        signal.signal(signal.SIGINT, _start_up_interrupt(argv[0]))
     if argv[:1] and argv[0] in _ENGINE_COMMANDS and argv[1:2] not in (["-h"], ["--help"]):
         _reexec_with_allocator()
     sys.exit(main(argv))
 
 
 _ENGINE_COMMANDS = ("serve", "generate", "extract")
+# Commands whose start-up Ctrl-C ends at once (the engine in this process, no other started; the
+# command puts the default handler back when its work begins).
+_IN_PROCESS_COMMANDS = ("extract",)
+
+
+def _start_up_interrupt(command: str) -> Callable[[int, Any], None]:
+    """The SIGINT handler while `command` starts (imports and the model load take seconds; nothing
+    is written yet): one line and exit 130. Not a KeyboardInterrupt: raised inside an import or the
+    model load, a library's bare `except:` can swallow it, or pybind11 turns it into an abort. A
+    command that starts work it must wind down (extract's job loop) puts the default back first."""
+    def handler(signum: int, frame: Any) -> None:
+        print(f"kvtier {command}: interrupted during start-up", file=sys.stderr, flush=True)
+        os._exit(130)
+    handler.start_up_only = True  # type: ignore[attr-defined]
+    return handler
 
 
 def _reexec_with_allocator() -> None:
     """Runs the command again under tcmalloc when the system has it (engine/cpu_runtime)."""
-    import os
-
     from engine.cpu_runtime import reexec_env
 
     try:

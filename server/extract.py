@@ -23,6 +23,14 @@ after the batch's files are on disk, so a rerun with the same DIR resumes:
     manifest line is dropped by rewriting the manifest atomically.
 One job at a time per DIR (a lock file enforces it: temp-file cleanup would race otherwise).
 
+Layers: --eagle3 (the default) is speculators' choice, [2, N//2, N-3] and then N, the last layer's
+output, last: speculators reads a file's last layer as the final state. --layout speculators also
+writes, from the manifest at the end of each run, what speculators' offline training reads as it
+is (hidden_states/hs_{i}.safetensors and the Arrow dataset: server/extract_layout.py).
+
+Progress moves per file (as each request finishes); Ctrl-C during start-up exits 130 with one line
+(server/cli.py's handler), during the job it ends the batch in flight, prints the summary, exits 130.
+
 extract builds the engine's `--speculative-config` and `--kv-transfer-config` itself, so passing
 either is an error (exit 2) rather than a silent merge; the offload flags (--kv-offloading-size,
 --kv-offload-disk) compose: the HiddenStatesConnector then runs inside a MultiConnector beside
@@ -38,16 +46,18 @@ import fcntl
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from server.args import add_engine_args, llm_kwargs
+from server.extract_manifest import Manifest, check_file
 
 PROG = "kvtier extract"
-MANIFEST = "manifest.jsonl"
 LOCK = ".kvtier-extract.lock"
 TEMP_GLOB = ".*.tmp-*"  # HiddenStatesConnector's `.NAME.tmp-PID-TID`, and our manifest rewrite's
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
@@ -66,6 +76,7 @@ class Item:
     lineno: int
     rid: str
     token_ids: list[int]
+    request: Any  # the engine's Request, validated and built once (EngineCore.make_request)
 
 
 @dataclass
@@ -99,10 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated layer ids, in file order (0 = embeddings, k = output of "
                              "decoder layer k-1, N = the last layer's, before the final norm)")
     layers.add_argument("--eagle3", action="store_true",
-                        help="EAGLE-3's default layers [2, N//2, N-3] for an N-layer model (the default "
+                        help="EAGLE-3's default layers [2, N//2, N-3] for an N-layer model, then N (the default "
                              "when --layers is not given)")
-    x.add_argument("--include-last-layer", action="store_true",
-                   help="with --eagle3 (or by default): also export layer N, the last layer's output")
+    last = x.add_mutually_exclusive_group()
+    last.add_argument("--include-last-layer", dest="include_last_layer", action="store_const", const=True,
+                      default=None, help="with --eagle3: export layer N (the last layer's output, before the final "
+                                         "norm) after the aux layers; the default, kept for speculators' flag name")
+    last.add_argument("--no-include-last-layer", dest="include_last_layer", action="store_const", const=False,
+                      help="with --eagle3: the aux layers only (speculators then reads the last aux layer as the "
+                           "final state: only for files you pair with the final states yourself)")
+    x.add_argument("--layout", choices=["kvtier", "speculators"], default="kvtier",
+                   help="kvtier: {id}.safetensors files and manifest.jsonl; speculators: those plus what "
+                        "speculators' offline training reads as is: hidden_states/hs_{i}.safetensors and the "
+                        "Arrow dataset of input_ids/loss_mask/seq_len (needs pyarrow) (default: %(default)s)")
     x.add_argument("--max-tokens", type=int, default=0,
                    help="0: prompt tokens only; K > 0: generate up to K tokens greedily and include the "
                         "states of the generated tokens that went through the model (default: %(default)s)")
@@ -140,108 +160,26 @@ def choose_layers(ns: argparse.Namespace, num_layers: int) -> list[int]:
     from connectors.hidden_spec import HiddenStatesSpec, eagle3_layer_ids
 
     if ns.layers is not None:
-        if ns.include_last_layer:
-            raise ConfigError("--include-last-layer goes with --eagle3; with --layers list the id "
-                              f"({num_layers}) yourself")
+        if ns.include_last_layer is not None:
+            flag = "--include-last-layer" if ns.include_last_layer else "--no-include-last-layer"
+            raise ConfigError(f"{flag} goes with --eagle3; with --layers list the ids yourself (the last "
+                              f"layer is {num_layers})")
         ids = ns.layers
     else:
-        ids = eagle3_layer_ids(num_layers, include_last=ns.include_last_layer)
+        ids = eagle3_layer_ids(num_layers)
+        if ns.include_last_layer is not False:
+            # Last, as speculators' launch_vllm.py appends it: training reads the file's last layer as the
+            # final state. A tiny model's aux ids can include N itself; it then moves to the end.
+            ids = [i for i in ids if i != num_layers] + [num_layers]
     try:
         HiddenStatesSpec(tuple(ids)).check_model(num_layers)
+        if ns.layout == "speculators":
+            from server.extract_layout import check_layers
+
+            check_layers(ids, num_layers)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return ids
-
-
-def check_file(path: Path, layer_ids: list[int], *, num_tokens: int | None = None,
-               prompt: list[int] | None = None, max_new: int = 0) -> int | None:
-    """The token count of a complete hidden-state file, or None when it is not one we can keep."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), "pt") as f:
-            if json.loads((f.metadata() or {}).get("layer_ids", "null")) != layer_ids:
-                return None
-            hs, tk = f.get_slice("hidden_states").get_shape(), f.get_slice("token_ids").get_shape()
-            if len(tk) != 1 or len(hs) != 3 or hs[0] != tk[0] or hs[1] != len(layer_ids) or tk[0] < 1:
-                return None
-            n = int(tk[0])
-            if num_tokens is not None and n != num_tokens:
-                return None
-            if prompt is not None:
-                # The prompt, then (with --max-tokens K) at most K-1 generated tokens.
-                if not len(prompt) <= n <= len(prompt) + max(max_new - 1, 0):
-                    return None
-                if f.get_tensor("token_ids")[: len(prompt)].tolist() != prompt:
-                    return None
-    except Exception:  # noqa: BLE001 - a torn, truncated or foreign file of any kind is simply recomputed
-        return None
-    return n
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class Manifest:
-    """DIR/manifest.jsonl: one line per complete file, each id at most once."""
-
-    def __init__(self, out: Path, layer_ids: list[int]) -> None:
-        self.out, self.path, self.layer_ids = out, out / MANIFEST, layer_ids
-        self.entries: dict[str, dict[str, Any]] = {}
-        self._fh: IO[str] | None = None
-
-    def load(self) -> None:
-        from connectors.hidden_states import file_name
-
-        if not self.path.exists():
-            return
-        dirty = False
-        for raw in self.path.read_bytes().splitlines():
-            try:
-                e = json.loads(raw)
-                ok = (isinstance(e, dict) and isinstance(e.get("id"), str) and isinstance(e.get("num_tokens"), int)
-                      and e.get("path") == file_name(e["id"]))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                ok = False  # a torn last line from a kill mid-append
-            if ok and e.get("layer_ids") != self.layer_ids:
-                raise ConfigError(f"{self.out} holds files with layer ids {e.get('layer_ids')}, this run asks for "
-                                  f"{self.layer_ids}: use another --output directory")
-            if not ok or e["id"] in self.entries or \
-                    check_file(self.out / e["path"], self.layer_ids, num_tokens=e["num_tokens"]) is None:
-                dirty = True  # dropped: torn, duplicated, or its file is gone or damaged (recomputed)
-                continue
-            self.entries[e["id"]] = e
-        if dirty:
-            self._rewrite()
-
-    def _rewrite(self) -> None:
-        tmp = self.out / f".{MANIFEST}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.writelines(json.dumps(e) + "\n" for e in self.entries.values())
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path)
-        _fsync_dir(self.out)
-
-    def append(self, entries: list[dict[str, Any]]) -> None:
-        if not entries:
-            return
-        if self._fh is None:
-            self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across batches; close()
-        self._fh.write("".join(json.dumps(e) + "\n" for e in entries))  # one write: at most one torn line
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        for e in entries:
-            self.entries[e["id"]] = e
-
-    def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
 
 
 def line_id(obj: dict[str, Any], lineno: int) -> str:
@@ -253,9 +191,18 @@ def line_id(obj: dict[str, Any], lineno: int) -> str:
     return str(rid)
 
 
-def tokenize(obj: dict[str, Any], tok: Any, add_generation_prompt: bool) -> list[int]:
-    from engine.llm import as_token_ids  # exactly what LLM.chat does with a conversation
+def chat_ids(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    """The conversation's ids through the chat template, exactly as LLM.chat makes them."""
+    from engine.llm import as_token_ids
 
+    try:
+        return as_token_ids(tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                    tokenize=True))
+    except Exception as e:  # noqa: BLE001 - the template is user code (jinja): any failure is this line's
+        raise LineError(f"the chat template failed on these messages: {e}") from None
+
+
+def tokenize(obj: dict[str, Any], tok: Any, add_generation_prompt: bool) -> list[int]:
     keys = [k for k in PROMPT_KEYS if k in obj]
     if len(keys) != 1:
         raise LineError(f"needs exactly one of {', '.join(repr(k) for k in PROMPT_KEYS)}; got "
@@ -271,10 +218,7 @@ def tokenize(obj: dict[str, Any], tok: Any, add_generation_prompt: bool) -> list
         return value
     if not isinstance(value, list) or not value or not all(isinstance(m, dict) and "role" in m for m in value):
         raise LineError('"messages" must be a non-empty list of {"role": ..., "content": ...} objects')
-    try:
-        return as_token_ids(tok.apply_chat_template(value, add_generation_prompt=add_generation_prompt, tokenize=True))
-    except Exception as e:  # noqa: BLE001 - the template is user code (jinja): any failure is this line's
-        raise LineError(f"the chat template failed on these messages: {e}") from None
+    return chat_ids(tok, value, add_generation_prompt)
 
 
 class Extractor:
@@ -286,6 +230,8 @@ class Extractor:
         self.params = SamplingParams(temperature=0.0, max_tokens=max(ns.max_tokens, 1), ignore_eos=ns.max_tokens == 0)
         self.totals = Totals()
         self.seen: dict[str, int] = {}
+        self.rows: dict[str, Any] = {}  # --layout speculators: each good line's row (extract_layout.Row)
+        self.start = time.perf_counter()
 
     def fail(self, lineno: int, why: str) -> None:
         print(f"{PROG}: line {lineno}: {why}", file=sys.stderr, flush=True)
@@ -308,12 +254,17 @@ class Extractor:
             if rid in self.seen:
                 raise LineError(f"duplicate id {rid!r} (first on line {self.seen[rid]})")
             self.seen[rid] = lineno
-            if rid in self.manifest.entries:
+            if rid in self.manifest.entries and self.ns.layout == "kvtier":
                 self.totals.skipped += 1
                 return None
             ids = tokenize(obj, self.llm.get_tokenizer(), self.ns.add_generation_prompt)
+            if self.ns.layout == "speculators":  # every line, done ones too: the dataset is rebuilt each run
+                self.rows[rid] = self._row(obj, ids)
+                if rid in self.manifest.entries:
+                    self.totals.skipped += 1
+                    return None
             try:  # the engine's own checks (empty, max_model_len, vocabulary), without queueing anything
-                self.llm.engine.make_request(rid, ids, self.params)
+                request = self.llm.engine.make_request(rid, ids, self.params)
             except ValueError as e:
                 raise LineError(str(e)) from None
         except LineError as e:
@@ -327,37 +278,72 @@ class Extractor:
             self.totals.recovered += 1
             return None
         path.unlink(missing_ok=True)  # not this line's file: the writer never overwrites, so clear the name
-        return Item(lineno, rid, ids)
+        return Item(lineno, rid, ids, request)
+
+    def _row(self, obj: dict[str, Any], ids: list[int]) -> Any:
+        from server.extract_layout import LayoutError, line_row
+
+        tok = self.llm.get_tokenizer()
+        try:
+            return line_row(obj, ids, lambda msgs, agp: chat_ids(tok, msgs, agp))
+        except LayoutError as e:
+            raise LineError(str(e)) from None
 
     def entry(self, rid: str, num_tokens: int) -> dict[str, Any]:
         from connectors.hidden_states import file_name
 
         return {"id": rid, "path": file_name(rid), "num_tokens": num_tokens, "layer_ids": self.layer_ids}
 
-    def run_batch(self, batch: list[Item]) -> None:
+    def run_batch(self, batch: list[Item], bar: Any) -> None:
+        """Runs the batch through the engine, then records its files in the manifest. The bar moves
+        as each request finishes (its file then goes to the writer threads), not once per batch."""
+        eng = self.llm.engine
+        for it in batch:
+            eng.add_request(it.request)
+        pending = {it.request.request_id for it in batch}
+        errors: dict[Any, str | None] = {}
+        try:
+            while pending:
+                for req in eng.step():
+                    if req.status.finished and req.request_id in pending:
+                        pending.discard(req.request_id)
+                        errors[req.request_id] = req.error
+                        bar.update(1)
+                        bar.set_postfix_str(f"{self.totals.tokens / (time.perf_counter() - self.start):,.0f} tok/s",
+                                            refresh=False)
+        except BaseException:
+            for rid in pending:  # a Ctrl-C: nothing half-done stays queued in the engine
+                eng.abort_request(rid)
+            raise
+        eng.drain()  # async scheduling: the steps planned and run after the last token
+        eng.connector.wait_for_outputs()  # the files exist once this returns
+        self._commit(batch, errors)
+
+    def _commit(self, batch: list[Item], errors: dict[Any, str | None]) -> None:
         from connectors.hidden_states import file_name
 
-        try:
-            outs = self.llm.generate([{"prompt_token_ids": it.token_ids} for it in batch], self.params,
-                                     use_tqdm=False, request_ids=[it.rid for it in batch])
-        except ValueError as e:  # every line was checked up front, so this is unexpected:
-            if len(batch) == 1:  # isolate the culprit rather than failing the whole batch
-                self.fail(batch[0].lineno, str(e))
-            else:
-                for it in batch:
-                    self.run_batch([it])
-            return
         entries = []
-        for it, o in zip(batch, outs):
-            n = None if o.error else check_file(self.out / file_name(it.rid), self.layer_ids, prompt=it.token_ids,
-                                                max_new=self.ns.max_tokens)
+        for it in batch:
+            error = errors.get(it.request.request_id)
+            n = None if error else check_file(self.out / file_name(it.rid), self.layer_ids, prompt=it.token_ids,
+                                              max_new=self.ns.max_tokens)
             if n is None:
-                self.fail(it.lineno, f"id {it.rid!r}: {o.error or 'the hidden-state file was not written (see log)'}")
+                self.fail(it.lineno, f"id {it.rid!r}: {error or 'the hidden-state file was not written (see log)'}")
+                self.rows.pop(it.rid, None)
                 continue
             entries.append(self.entry(it.rid, n))
             self.totals.done += 1
             self.totals.tokens += n
-        self.manifest.append(entries)  # only now: the files exist (generate waits for them)
+        self.manifest.append(entries)  # only now: the files exist
+
+    def write_layout(self) -> int:
+        """--layout speculators: the dataset and hidden_states/ of every complete line, in input order."""
+        from server.extract_layout import write
+
+        order = sorted((lineno, rid) for rid, lineno in self.seen.items()
+                       if rid in self.rows and rid in self.manifest.entries)
+        entries = [(rid, self.out / self.manifest.entries[rid]["path"], self.rows[rid]) for _, rid in order]
+        return write(self.out, entries, lambda rid, why: self.fail(self.seen[rid], f"id {rid!r}: {why}"))
 
 
 def _setup(ns: argparse.Namespace) -> tuple[Path, Path, list[int]]:
@@ -369,6 +355,13 @@ def _setup(ns: argparse.Namespace) -> tuple[Path, Path, list[int]]:
                           "--eagle3 and --output); drop them (the offload flags still work)")
     if ns.max_tokens < 0 or ns.batch_size < 1:
         raise ConfigError("--max-tokens must be >= 0 and --batch-size >= 1")
+    if ns.layout == "speculators":
+        from server.extract_layout import check_pyarrow
+
+        try:
+            check_pyarrow()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     src = Path(ns.input)
     if not src.is_file() or not os.access(src, os.R_OK):
         raise ConfigError(f"input file {str(src)!r} does not exist or is not readable")
@@ -417,20 +410,20 @@ def _run_locked(ns: argparse.Namespace, src: Path, out: Path, layer_ids: list[in
     for tmp in out.glob(TEMP_GLOB):  # a killed run's half-written files (we hold the lock: none are live)
         tmp.unlink(missing_ok=True)
     manifest = Manifest(out, layer_ids)
-    manifest.load()
     try:
+        manifest.load()
         llm = LLM(**{**llm_kwargs(ns), "speculative_config": speculative_config(layer_ids),
                      "kv_transfer_config": _transfer_config(ns, out)})
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError) as e:  # LayerMismatch included
         raise ConfigError(str(e)) from None
+    _start_up_done()
     job = Extractor(ns, llm, out, layer_ids, manifest)
     fh = open(src, "rb")  # noqa: SIM115 - closed in the finally below, with the engine
     total_lines = sum(1 for _ in fh)
     fh.seek(0)
-    start = time.perf_counter()
     bar = tqdm(total=total_lines, unit="line", desc="extract", disable=ns.no_progress, dynamic_ncols=True,
                file=sys.stderr)
-    interrupted = False
+    interrupted, rows = False, None
     try:
         batch: list[Item] = []
         for lineno, raw in enumerate(fh, 1):  # bytes: a line that is not UTF-8 fails alone
@@ -440,13 +433,13 @@ def _run_locked(ns: argparse.Namespace, src: Path, out: Path, layer_ids: list[in
             else:
                 bar.update(1)
             if len(batch) >= ns.batch_size:
-                job.run_batch(batch)
-                bar.update(len(batch))
+                job.run_batch(batch, bar)
                 batch = []
-                bar.set_postfix_str(f"{job.totals.tokens / (time.perf_counter() - start):,.0f} tok/s")
         if batch:
-            job.run_batch(batch)
-            bar.update(len(batch))
+            job.run_batch(batch, bar)
+        bar.close()
+        if ns.layout == "speculators":
+            rows = job.write_layout()
     except KeyboardInterrupt:
         interrupted = True  # what the manifest holds is complete; a rerun resumes
     finally:
@@ -454,13 +447,22 @@ def _run_locked(ns: argparse.Namespace, src: Path, out: Path, layer_ids: list[in
         bar.close()
         manifest.close()
         llm.close()
-    t, secs = job.totals, time.perf_counter() - start
+    t, secs = job.totals, time.perf_counter() - job.start
     print(f"{PROG}: {t.done} done, {t.skipped} skipped (already complete; {t.recovered} recovered from files), "
           f"{t.failed} failed; {t.tokens:,} tokens in {secs:.1f} s ({t.tokens / max(secs, 1e-9):,.0f} tokens/s) "
-          f"-> {out}" + (" [interrupted]" if interrupted else ""), flush=True)
+          f"-> {out}" + (f" ({rows} speculators rows)" if rows is not None else "")
+          + (" [interrupted]" if interrupted else ""), flush=True)
     if interrupted:
         return 130
     return 1 if t.failed else 0
+
+
+def _start_up_done() -> None:
+    """From here Ctrl-C raises KeyboardInterrupt again, which the job loop winds down with (the
+    summary, exit 130), instead of the `kvtier` entry point's exit during start-up (server/cli.py)."""
+    handler = signal.getsignal(signal.SIGINT)
+    if getattr(handler, "start_up_only", False) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def main(argv: list[str]) -> int:
@@ -471,3 +473,6 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # during start-up (model load): the job loop reports its own interruption
+        print(f"{PROG}: interrupted during start-up; nothing was extracted", file=sys.stderr, flush=True)
+        return 130

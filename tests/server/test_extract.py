@@ -6,6 +6,7 @@ job's bookkeeping: per-line errors, configuration errors, and resume after a kil
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -258,3 +259,79 @@ def test_sigkill_then_rerun_completes_every_line_once(ckpt_dir, tmp_path):
         data = load_file(out / e["path"])
         assert data["token_ids"].tolist() == prompts[e["id"]] and e["num_tokens"] == len(prompts[e["id"]])
         assert data["hidden_states"].shape[:2] == (len(prompts[e["id"]]), 2)
+
+
+def test_progress_advances_per_file(ckpt_dir, tmp_path, monkeypatch):
+    import tqdm
+
+    updates: list[int] = []
+
+    class Bar:  # records what the job reports; tqdm itself throttles what it draws
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            pass
+
+        def update(self, n: int = 1) -> None:
+            updates.append(n)
+
+        def set_postfix_str(self, *args: Any, **kw: Any) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt_token_ids": random_prompt(10 + k, 5500 + k)} for k in range(6)])
+    assert run_cli(ckpt_dir(KIND), src, tmp_path / "out", "--layers", "1", "--batch-size", "6") == 0
+    assert updates == [1] * 6  # one step per file as its request finishes, not one jump of 6 per batch
+
+
+@pytest.mark.parametrize("when", ["imports", "configuration", "model load"])
+def test_ctrl_c_during_start_up_exits_130_with_one_line(ckpt_dir, tmp_path, when):
+    """A real `kvtier extract` process gets SIGINT where start-up waits on the test, so it lands
+    there however fast or loaded this machine is: in configuration, on config.json made a FIFO
+    (its read blocks until a writer comes); in the model load, on the CPU kernels' build, run by a
+    stand-in compiler (CXX) that never finishes, in an empty cache."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in ckpt_dir(KIND).iterdir():
+        (model / f.name).symlink_to(f)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hello world"}])
+    out, building = tmp_path / "out", tmp_path / "building"
+    cxx = tmp_path / "cxx"
+    cxx.write_text(f'#!/bin/sh\n[ "$1" = --version ] && echo stand-in 1.0 && exit 0\ntouch {building}\nexec sleep 600\n')
+    cxx.chmod(0o755)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "CXX": str(cxx),
+           "KVTIER_CACHE_DIR": str(tmp_path / "cache"), "KVTIER_CPU_KERNELS": "1"}
+    if when == "configuration":
+        (model / "config.json").unlink()
+        os.mkfifo(model / "config.json")
+    argv = [sys.executable, "-m", "server.cli", "extract", str(model), "--input", str(src), "--output", str(out),
+            *ENGINE]
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    fd = None
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if when == "imports":  # Python is up, the handler too, and importing torch, which takes seconds
+                time.sleep(0.5)
+                break
+            if when == "model load" and building.exists():
+                break
+            if when == "configuration":
+                with contextlib.suppress(OSError):  # ENXIO until the job opens it to read
+                    fd = os.open(model / "config.json", os.O_WRONLY | os.O_NONBLOCK)
+                    break  # held open, unwritten: the job's read blocks
+            time.sleep(0.005)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if fd is not None:
+            os.close(fd)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = (stdout + stderr).strip().splitlines()
+    assert proc.returncode == 130 and lines == ["kvtier extract: interrupted during start-up"], (proc.returncode, lines)
+    assert (out / ".kvtier-extract.lock").exists() == (when == "model load")  # the lock: model load began
+    assert not (out / "manifest.jsonl").exists()
