@@ -22,6 +22,7 @@ from server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from server.render import add_render_routes
 from server.tools import ToolPlan
 from server.tools import extract as extract_tool_calls
 
@@ -197,6 +198,7 @@ def build_app(api: API) -> FastAPI:
         _check_error(choices)
         return JSONResponse(_chat_body(api, req, choices, head, tools))
 
+    add_render_routes(app, api)  # vLLM's /v1/chat/completions/render and /v1/completions/render
     return app
 
 
