@@ -5,7 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup serve demo test test-all bench-throughput bench-policies bench-offload bench-serve bench-hidden-states soak gpu-wheels gpu-check
+.PHONY: speculators-venv setup serve demo test test-all bench-throughput bench-policies bench-offload bench-serve bench-hidden-states soak gpu-wheels gpu-check
 
 setup:
 	@PYTHON=$(PY) VENV=$(VENV) bash scripts/setup.sh
@@ -19,6 +19,11 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest
+
+# speculators 0.9.0 in its own venv (.venv-speculators, ~2.5 min and 1.5 GB once): the oracle that
+# tests/server/test_speculators_oracle.py runs when it exists.
+speculators-venv:
+	@PYTHON=$(PY) bash scripts/speculators-venv.sh
 
 # Includes the slow tests (the real demo model end to end).
 test-all: setup

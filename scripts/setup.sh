@@ -42,3 +42,10 @@ if ! command -v redis-server >/dev/null 2>&1 && ! command -v valkey-server >/dev
     echo "setup: WARNING: no apt-get; install redis-server or valkey-server for the G4 tests"
   fi
 fi
+# speculators 0.9.0 in its own venv, the oracle tests/server/test_speculators_oracle.py runs (kvtier
+# extract --layout speculators, the render endpoint): ~2 min and 1.5 GB once, then cached. Its
+# tests skip without it; KVTIER_SKIP_SPECULATORS=1 skips the build.
+if [ "${KVTIER_SKIP_SPECULATORS:-0}" != 1 ]; then
+  PYTHON="$PYTHON" bash scripts/speculators-venv.sh \
+    || echo "setup: WARNING: could not build .venv-speculators; the speculators oracle tests will be skipped"
+fi

@@ -29,7 +29,8 @@ writes, from the manifest at the end of each run, what speculators' offline trai
 is (hidden_states/hs_{i}.safetensors and the Arrow dataset: server/extract_layout.py).
 
 Progress moves per file (as each request finishes); Ctrl-C during start-up exits 130 with one line
-(server/cli.py's handler), during the job it ends the batch in flight, prints the summary, exits 130.
+(server/cli.py's handler); during the job it stops the batch in flight (a rerun recovers its finished
+files), prints the summary and exits 130.
 
 extract builds the engine's `--speculative-config` and `--kv-transfer-config` itself, so passing
 either is an error (exit 2) rather than a silent merge; the offload flags (--kv-offloading-size,

@@ -13,16 +13,15 @@ import json
 import os
 from pathlib import Path
 
+import pyarrow as pa  # kvtier[test] has it: --layout speculators writes Arrow
 import pytest
 import torch
 from checkpoints import build_checkpoint, load_hf, random_prompt
 from safetensors.torch import load_file
+from test_extract import manifest, run_cli, write_jsonl
 from transformers import AutoTokenizer
 
-pa = pytest.importorskip("pyarrow", reason="--layout speculators writes Arrow: pip install pyarrow")
-
-from server.extract import build_parser, choose_layers  # noqa: E402
-from test_extract import manifest, run_cli, write_jsonl  # noqa: E402
+from server.extract import build_parser, choose_layers
 
 NUM_LAYERS = 8  # EAGLE-3's defaults [2, 4, 5] are distinct, and then 8
 STORY = [{"role": "user", "content": "tell me a story"}, {"role": "assistant", "content": "the capital of france"},

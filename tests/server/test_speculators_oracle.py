@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 from checkpoints import build_checkpoint, random_prompt
 from serving import start_server
-from transformers import AutoTokenizer
-
 from test_extract import run_cli, write_jsonl
+from transformers import AutoTokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 VERSION = "0.9.0"
@@ -116,7 +115,7 @@ def test_prepare_data_renders_through_kvtier_serve_and_extract_completes_it(deep
     for conv, turn in [(STORY, 1), (STORY, 3), (system_conv, 2)]:
         ids, start = render(conv[: turn + 1], False), len(render(conv[:turn], True))
         want.append({"input_ids": ids, "loss_mask": [0] * start + [1] * (len(ids) - start), "seq_len": len(ids)})
-    key = lambda r: r["input_ids"]  # noqa: E731 - prepare-data shuffles its rows
+    key = lambda r: r["input_ids"]
     assert sorted(got, key=key) == sorted(want, key=key)
 
     # Its rows as speculator-format lines: kvtier extract completes the training directory.
