@@ -233,6 +233,7 @@ class Extractor:
         self.seen: dict[str, int] = {}
         self.rows: dict[str, Any] = {}  # --layout speculators: each good line's row (extract_layout.Row)
         self.start = time.perf_counter()
+        self.finished_tokens = 0
 
     def fail(self, lineno: int, why: str) -> None:
         print(f"{PROG}: line {lineno}: {why}", file=sys.stderr, flush=True)
@@ -309,9 +310,10 @@ class Extractor:
                     if req.status.finished and req.request_id in pending:
                         pending.discard(req.request_id)
                         errors[req.request_id] = req.error
+                        self.finished_tokens += len(req.prompt_token_ids)  # the bar's rate, before the commit
                         bar.update(1)
-                        bar.set_postfix_str(f"{self.totals.tokens / (time.perf_counter() - self.start):,.0f} tok/s",
-                                            refresh=False)
+                        bar.set_postfix_str(f"{self.finished_tokens / (time.perf_counter() - self.start):,.0f} "
+                                            "prompt tok/s", refresh=False)
         except BaseException:
             for rid in pending:  # a Ctrl-C: nothing half-done stays queued in the engine
                 eng.abort_request(rid)
