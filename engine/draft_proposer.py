@@ -57,6 +57,7 @@ class View:
     all_token_ids: list[int]
     num_computed_tokens: int
     num_output_placeholders = 0  # the draft runs synchronously: nothing is ever in flight
+    wants_prompt_logprobs = False  # the target's request asks for them, not the draft's view
 
     @property
     def num_tokens(self) -> int:

@@ -222,7 +222,7 @@ REFUSED = {
     "guided_whitespace_pattern": " ",
     "functions": [{"name": "f", "parameters": {"type": "object"}}],
     "kv_transfer_params": {"do_remote_prefill": True},
-    "prompt_logprobs": 1,
+    "use_beam_search": True,
     "frobnicate": 1,
 }
 
