@@ -54,7 +54,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max
     model.load_weights((k, v.to(cfg.dtype)) for k, v in iter_safetensors(model_dir))
     model.eval().requires_grad_(False)
     cpu = device == "cpu" and cfg.dtype in (torch.float32, torch.bfloat16)
-    if cpu and packing_available():
+    if cpu and packing_available(cfg.dtype):
         log.info("prepacked %d linear layers into oneDNN's blocked layout", pack_linears(model))
     if cpu and fused_ops and not compiled and cfg.head_dim <= 512 and model.supports_fused_cpu_ops \
             and cpu_kernels.get() is not None:

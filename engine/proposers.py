@@ -57,7 +57,7 @@ class DraftPlan:
             model = Eagle3Draft(self.eagle3, backend, max_len).to(dev, layer.dtype)
             model.load(Path(self.spec.model), target.embed_tokens.weight)
             model.eval().requires_grad_(False)
-            if dev == "cpu" and layer.dtype in (torch.float32, torch.bfloat16) and packing_available():
+            if dev == "cpu" and layer.dtype in (torch.float32, torch.bfloat16) and packing_available(layer.dtype):
                 pack_linears(model)  # oneDNN's prepacked GEMMs, as the target's
         runner = ModelRunner(model, layer, num_blocks, bs, dev, group_decodes=backend.pads_decodes,
                              max_rows=config.max_num_seqs, max_model_len=max_len)

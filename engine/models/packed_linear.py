@@ -38,8 +38,25 @@ def _(x, key, part, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-def packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_SUPPORTED: dict[torch.dtype, bool] = {}
+
+
+def packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN packs and multiplies `dtype` weights on this CPU. bfloat16 needs AVX-512
+    (BW/VL/DQ) or AVX-NE-CONVERT: on an AVX2-only CPU the reorder raises, and the model must keep
+    its plain linears rather than fail to load. Probed once per dtype on a tiny weight."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    if dtype not in _SUPPORTED:
+        try:
+            w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+            torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 16, dtype=dtype), w, None, "none", [], "")
+            _SUPPORTED[dtype] = True
+        except RuntimeError as e:
+            log.warning("oneDNN cannot pack %s linears on this CPU (%s); they run unpacked", dtype,
+                        str(e).splitlines()[0][:200])
+            _SUPPORTED[dtype] = False
+    return _SUPPORTED[dtype]
 
 
 class PackedLinear(nn.Module):

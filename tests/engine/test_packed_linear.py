@@ -10,9 +10,13 @@ from torch import nn
 from engine.models.packed_linear import PackedLinear, pack_linears, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN linear")
+# bfloat16 packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere the loader keeps plain linears.
+BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not packing_available(torch.bfloat16),
+                                                              reason="oneDNN cannot pack bfloat16 on this CPU"))
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), pytest.param(
+    torch.bfloat16, 1e-2, marks=BF16.marks)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_packed_linear_matches_nn_linear(dtype, tol, bias, rows):
@@ -48,7 +52,7 @@ def test_the_engine_packs_its_cpu_model(ckpt_dir):
     llm.close()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_parts_are_the_fused_outputs_bit_for_bit(dtype, bias):
     torch.manual_seed(1)
@@ -75,3 +79,16 @@ def test_the_engine_packs_gate_and_up_apart(ckpt_dir):
     half = mlp.gate_up_proj.out_features // 2
     assert mlp.gate_up_proj.parts == (half, half)
     llm.close()
+
+
+def test_a_dtype_oneDNN_cannot_pack_leaves_the_linears_plain(ckpt_dir, monkeypatch):
+    """On an AVX2-only CPU bfloat16 packing raises; the model must load with plain linears."""
+    from engine import LLM, SamplingParams
+    from engine.models import packed_linear
+
+    monkeypatch.setitem(packed_linear._SUPPORTED, torch.float32, False)
+    with LLM(model=str(ckpt_dir("llama")), dtype="float32", num_gpu_blocks=32, optimization_level=0) as llm:
+        assert not any(isinstance(m, PackedLinear) for m in llm.engine.runner.model.modules())
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, temperature=0),
+                           use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
