@@ -207,6 +207,10 @@ def main(argv: list[str]) -> int:
         sock = socket.socket(socket.AF_INET6 if ":" in ns.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((ns.host, ns.port))
+        # Listening now, not when uvicorn starts: the ready line goes out before uvicorn's start-up
+        # (an SSL context to load, under load in CI) and a client that reads it and connects at
+        # once must wait in the backlog, not be refused.
+        sock.listen(2048)
     except OSError as e:
         return _fail(f"cannot listen on {ns.host}:{ns.port}: {e.strerror}")
     return asyncio.run(_serve(ns, kwargs, settings, tokenizer, sock, API, http))
