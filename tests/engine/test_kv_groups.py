@@ -55,7 +55,8 @@ def test_per_layer_views_are_disjoint_and_read_back_what_was_written():
     from engine.model_runner import layer_cache_views, new_kv_cache
 
     shapes = ((2, 16), (1, 64), (2, 16), (1, 64), (2, 16))
-    cfg = SimpleNamespace(num_layers=5, num_kv_heads=2, head_dim=16, dtype=torch.float32, uniform_kv=False,
+    cfg = SimpleNamespace(num_layers=5, num_kv_heads=2, head_dim=16, dtype=torch.float32, kv_dtype=torch.float32,
+                          uniform_kv=False,
                           kv_widths=tuple(h * d for h, d in shapes), kv_shape=lambda i: shapes[i],
                           kv_sources=(0, 1, 2, 3, 2), kv_source=lambda i: (0, 1, 2, 3, 2)[i])
     layout = plan_kv_layout((8, 0, 8, 0, 8), cfg.kv_widths, cfg.kv_sources)
