@@ -51,6 +51,7 @@ REPO = _HERE.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.traces import unbounded_hit_rate  # noqa: E402
 from policies import EvictionPolicy, make_policy  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic.jsonl"
@@ -185,19 +186,6 @@ def replay(policy: EvictionPolicy, trace: Trace, capacity: int, prio: PriorityFn
         "seconds": seconds,
         "ops_per_s": ops / seconds if seconds else 0.0,
     }
-
-
-def unbounded_hit_rate(trace: Trace) -> float:
-    seen: set[int] = set()
-    hits = refs = 0
-    for ids in trace:
-        refs += len(ids)
-        for b in ids:
-            if b not in seen:
-                break
-            hits += 1
-        seen.update(ids)
-    return hits / refs if refs else 0.0
 
 
 def priority_fns(trace: Trace) -> dict[str, PriorityFn]:
