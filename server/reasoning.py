@@ -56,6 +56,16 @@ def _held(text: str, marker: str) -> int:
     return 0
 
 
+def _until(buf: str, marker: str) -> tuple[str, str, bool]:
+    """(the text before `marker`, the text after it, True); without the marker, (what can be
+    passed on, the end held back as a possible beginning of it, False)."""
+    at = buf.find(marker)
+    if at >= 0:
+        return buf[:at], buf[at + len(marker):], True
+    keep = _held(buf, marker)
+    return buf[:len(buf) - keep], buf[len(buf) - keep:], False
+
+
 class ReasoningStream:
     """Splits one output's text deltas into (reasoning delta, content delta)."""
 
@@ -80,28 +90,17 @@ class ReasoningStream:
                     buf = stripped[len(self.p.start):]
                 self.state = "thinking"
             elif self.state == "thinking":
-                at = buf.find(self.p.end)
-                if at >= 0:
-                    reasoning.append(buf[:at])
-                    buf = buf[at + len(self.p.end):]
-                    self.state = "content"
-                    continue
-                keep = _held(buf, self.p.end)
-                reasoning.append(buf[:len(buf) - keep])
-                buf = buf[len(buf) - keep:]
-                break
+                before, buf, found = _until(buf, self.p.end)
+                reasoning.append(before)
+                if not found:
+                    break
+                self.state = "content"
             elif self.state == "answer-or-start":
-                at = buf.find(self.p.start)
-                if at >= 0:
-                    content.append(buf[:at])
-                    buf = buf[at + len(self.p.start):]
-                    self.state = "thinking"
-                    self.saw_reasoning = True
-                    continue
-                keep = _held(buf, self.p.start)
-                content.append(buf[:len(buf) - keep])
-                buf = buf[len(buf) - keep:]
-                break
+                before, buf, found = _until(buf, self.p.start)
+                content.append(before)
+                if not found:
+                    break
+                self.state, self.saw_reasoning = "thinking", True
             else:
                 content.append(buf)
                 buf = ""
