@@ -2,7 +2,9 @@
 
 from policies.base import EvictionPolicy
 from policies.lru import LRUPolicy
+from policies.pins import PinnedAside, as_lookup, check_candidates, check_count
 from policies.priority import PriorityPolicy
 from policies.registry import available_policies, make_policy
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "PriorityPolicy", "available_policies", "make_policy"]
+__all__ = ["EvictionPolicy", "LRUPolicy", "PinnedAside", "PriorityPolicy", "as_lookup",
+           "available_policies", "check_candidates", "check_count", "make_policy"]

@@ -7,24 +7,26 @@ from collections import OrderedDict
 from collections.abc import Collection
 from typing import ClassVar
 
-from policies._common import PinMixin, as_lookup, check_count
 from policies.base import EvictionPolicy, K
+from policies.pins import PinnedAside, as_lookup, check_count
 
 
-class PriorityPolicy(PinMixin[K], EvictionPolicy[K]):
+class PriorityPolicy(PinnedAside[K], EvictionPolicy[K]):
     """Each key carries the most urgent (lowest) priority of the requests that used it.
     Keys with the highest priority value are evicted first; ties go least recently used.
 
     Layout: one insertion-ordered bucket per live priority, plus a max-heap of bucket
     priorities with lazy deletion (an emptied bucket is dropped from the dict at once and
-    from the heap when it surfaces). insert/touch are O(log P) for P distinct priorities,
-    remove/pin/unpin O(1), evict O((n + #skipped) + b log P) over the b buckets visited.
+    from the heap when it surfaces). Pinned keys keep their priority but wait outside the
+    buckets; unpinned, they go to the most recently used end of theirs. insert/touch/pin/unpin
+    are O(log P) for P distinct priorities, remove O(1), evict O((n + #skipped protected) +
+    b log P) over the b buckets visited.
     """
 
     name: ClassVar[str] = "priority"
 
     def __init__(self) -> None:
-        self._prio: dict[K, int] = {}
+        self._prio: dict[K, int] = {}  # every candidate's, pinned ones included
         self._buckets: dict[int, OrderedDict[K, None]] = {}  # each oldest first, never empty
         self._heap: list[int] = []  # negated priorities: heap top = least urgent
         self._in_heap: set[int] = set()  # priorities with a heap entry (live or stale)
@@ -54,6 +56,12 @@ class PriorityPolicy(PinMixin[K], EvictionPolicy[K]):
             heapq.heapify(self._heap)
             self._in_heap = set(self._buckets)
 
+    def _unrank(self, key: K) -> None:
+        self._discard(key, self._prio[key])
+
+    def _rerank(self, key: K) -> None:
+        self._add(key, self._prio[key])
+
     def insert(self, key: K, priority: int = 0) -> None:
         if key in self._prio:
             raise ValueError(f"key already present: {key!r}")
@@ -62,22 +70,26 @@ class PriorityPolicy(PinMixin[K], EvictionPolicy[K]):
     def touch(self, key: K, priority: int | None = None) -> None:
         old = self._prio[key]  # raises KeyError if absent
         new = old if priority is None or priority >= old else priority
-        if new == old:
+        if key in self._pinned:  # ranked again, with its priority, when unpinned
+            self._prio[key] = new
+        elif new == old:
             self._buckets[old].move_to_end(key)
         else:
             self._discard(key, old)
             self._add(key, new)
 
     def remove(self, key: K) -> None:
-        self._discard(key, self._prio.pop(key))
-        self._pinned.discard(key)
+        priority = self._prio.pop(key)
+        if key in self._pinned:
+            self._pinned.remove(key)
+        else:
+            self._discard(key, priority)
 
     def evict(self, n: int, protected: Collection[K] = ()) -> list[K] | None:
         check_count(n)
         if n == 0:
             return []
         skip = as_lookup(protected)
-        pinned = self._pinned
         heap, buckets = self._heap, self._buckets
         victims: list[K] = []
         popped: list[int] = []  # live priorities taken off the heap during the walk
@@ -90,7 +102,7 @@ class PriorityPolicy(PinMixin[K], EvictionPolicy[K]):
                 continue
             popped.append(p)
             for key in bucket:
-                if key not in pinned and key not in skip:
+                if key not in skip:
                     victims.append(key)
                     if len(victims) == n:
                         break
@@ -112,18 +124,21 @@ class PriorityPolicy(PinMixin[K], EvictionPolicy[K]):
         return key in self._prio
 
     def check_integrity(self) -> None:
-        self._check_pins()
         seen = 0
         for p, bucket in self._buckets.items():
             if not bucket:
                 raise RuntimeError(f"empty bucket kept for priority {p}")
             for key in bucket:
+                if key in self._pinned:
+                    raise RuntimeError(f"pinned key {key!r} still ranked in bucket {p}")
                 if self._prio.get(key) != p:
                     got = self._prio.get(key)
                     raise RuntimeError(f"{key!r} in bucket {p} but recorded as {got}")
             seen += len(bucket)
-        if seen != len(self._prio):
-            raise RuntimeError(f"{len(self._prio)} keys recorded, {seen} in buckets")
+        if any(k not in self._prio for k in self._pinned):
+            raise RuntimeError("a pinned key has no priority recorded")
+        if seen + len(self._pinned) != len(self._prio):
+            raise RuntimeError(f"{len(self._prio)} keys recorded, {seen} in buckets, {len(self._pinned)} pinned")
         entries = [-x for x in self._heap]
         if len(entries) != len(set(entries)) or set(entries) != self._in_heap:
             raise RuntimeError("heap entries and their index disagree")

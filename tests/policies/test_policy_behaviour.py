@@ -155,10 +155,71 @@ def test_priority_heap_stays_bounded_under_churn() -> None:
 def test_check_integrity_detects_corruption(cls: type[EvictionPolicy]) -> None:
     policy = cls()
     policy.insert("a")
+    policy.pin("a")
     policy.check_integrity()
-    policy._pinned.add("ghost")  # a pin on a key that is not a candidate
-    with pytest.raises(RuntimeError):
+    policy._rerank("a")  # a pinned key back in the ranking, where evict would find it
+    with pytest.raises(RuntimeError, match="pinned"):
         policy.check_integrity()
+
+
+@pytest.mark.parametrize("cls", POLICIES)
+def test_unpinned_key_ranks_as_just_used(cls: type[EvictionPolicy]) -> None:
+    policy = cls()
+    for k in "abc":
+        policy.insert(k, priority=1)
+    policy.pin("a")
+    policy.touch("a", priority=0)  # a pinned key may be touched; priority keeps the most urgent
+    policy.unpin("a")
+    policy.unpin("a")  # not pinned: a no-op, not another use
+    policy.touch("b")
+    # LRU: a went back after c, then b was used; priority: a is now the most urgent.
+    assert policy.evict(3) == (["c", "a", "b"] if cls is LRUPolicy else ["c", "b", "a"])
+    policy.check_integrity()
+
+
+def test_priority_unpin_keeps_the_priority_and_goes_to_its_buckets_mru_end() -> None:
+    policy = PriorityPolicy()
+    policy.insert("a", priority=2)
+    policy.insert("b", priority=2)
+    policy.insert("z", priority=9)
+    policy.pin("a")
+    policy.unpin("a")
+    assert policy.evict(3) == ["z", "b", "a"]
+
+
+class CountedKey:
+    """A key that counts how often it is hashed: every set or dict lookup of it does."""
+
+    hashes = 0
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def __hash__(self) -> int:
+        CountedKey.hashes += 1
+        return self.i
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CountedKey) and other.i == self.i
+
+
+@pytest.mark.parametrize("cls", POLICIES)
+def test_evict_does_not_walk_pinned_keys(cls: type[EvictionPolicy]) -> None:
+    """G1 keeps every block a running request holds pinned in its policy: evict must not pay for them."""
+    policy = cls()
+    keys = [CountedKey(i) for i in range(100_000)]
+    for k in keys:  # the oldest (and, for priority, least urgent) keys are the pinned ones
+        policy.insert(k, priority=5)
+        policy.pin(k)
+    policy.insert(CountedKey(-1), priority=5)
+    policy.insert(CountedKey(-2), priority=0)
+    CountedKey.hashes = 0
+    assert policy.evict(2) == [CountedKey(-1), CountedKey(-2)]
+    assert CountedKey.hashes < 20, f"evict hashed {CountedKey.hashes} keys"
+    assert policy.evict(1) is None
+    assert CountedKey.hashes < 40
+    assert len(policy) == 100_000
 
 
 def test_priority_check_integrity_detects_bucket_mismatch() -> None:
