@@ -1,10 +1,10 @@
 """Eviction policies over opaque keys (pure stdlib; no project or torch imports)."""
 
-from policies.base import EvictionPolicy
+from policies.base import BlockInfo, EvictionPolicy
 from policies.lru import LRUPolicy
 from policies.pins import PinnedAside, as_lookup, check_candidates, check_count
 from policies.priority import PriorityPolicy
 from policies.registry import available_policies, make_policy
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "PinnedAside", "PriorityPolicy", "as_lookup",
+__all__ = ["BlockInfo", "EvictionPolicy", "LRUPolicy", "PinnedAside", "PriorityPolicy", "as_lookup",
            "available_policies", "check_candidates", "check_count", "make_policy"]

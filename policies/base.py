@@ -1,18 +1,35 @@
 """The eviction-policy interface.
 
-A policy ranks opaque, hashable keys (block hashes) and chooses which to drop. It never
-owns data: the tier that holds the blocks calls `insert` when a block becomes evictable,
-`touch` when it is used again, `remove` when it stops being a candidate (freed, or taken
-by a running request), and `evict` when it needs room.
+A policy ranks opaque, hashable keys (block hashes, G1 block ids) and chooses which to drop. It
+never owns data: the tier that holds the blocks calls `insert` (or `insert_block`) when a block
+becomes a candidate, `touch` (or `touch_block`) when it is used again, `pin` while a request or a
+copy holds it, `remove` when it stops being a candidate, and `evict` when it needs room.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Hashable
-from typing import ClassVar, Generic, TypeVar
+from collections.abc import Collection, Hashable, Mapping
+from dataclasses import dataclass
+from typing import ClassVar, Generic, Self, TypeVar
 
 K = TypeVar("K", bound=Hashable)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """What a tier knows of a block when it inserts or touches it. Every field is a hint: a
+    tier passes what it has and leaves the rest at the defaults."""
+
+    depth: int = 0  # the block's index in its prompt, 0 = the first block
+    parent: Hashable | None = None  # the tier's key of the prompt's previous block; None for the first
+    arrival: float = 0.0  # the using request's arrival time, seconds on some monotonic clock
+    priority: int = 0  # the using request's priority; lower is more urgent (vLLM's convention)
+    session: str | None = None  # a session hint: the request's cache_salt
+
+    def __post_init__(self) -> None:
+        if self.depth < 0:
+            raise ValueError(f"BlockInfo.depth must be >= 0; got {self.depth}")
 
 
 class EvictionPolicy(ABC, Generic[K]):
@@ -32,6 +49,18 @@ class EvictionPolicy(ABC, Generic[K]):
     #: Registry name ("lru", "priority", ...). Plugins set their own.
     name: ClassVar[str]
 
+    @classmethod
+    def from_config(cls, capacity: int | None, options: Mapping[str, object]) -> Self:
+        """The policy a tier of `capacity` blocks asks for with `options` (the `options` of a
+        `{"name": ..., "options": {...}}` spec). `capacity` is None where the tier cannot say,
+        and when a spec is only being checked (`kvtier serve` does that at start-up), so a policy
+        that sizes itself from it must accept None. ValueError for options it does not take,
+        naming them. This default takes none and ignores `capacity`."""
+        if options:
+            raise ValueError(f"eviction policy {getattr(cls, 'name', cls.__name__)!r} takes no options; "
+                             f"got {sorted(options)}")
+        return cls()
+
     @abstractmethod
     def insert(self, key: K, priority: int = 0) -> None:
         """Add `key` as an evictable candidate, most recently used.
@@ -47,6 +76,18 @@ class EvictionPolicy(ABC, Generic[K]):
         priority, so a block shared by an urgent request stays urgent. Pins are unchanged.
         Raises KeyError if `key` is absent.
         """
+
+    def insert_block(self, key: K, info: BlockInfo) -> None:
+        """`insert` with what the tier knows of the block. Tiers call this (not `insert`) where
+        they know the metadata; a policy may use any of it or none. Same errors as `insert`.
+        The default is `insert(key, info.priority)`."""
+        self.insert(key, info.priority)
+
+    def touch_block(self, key: K, info: BlockInfo) -> None:
+        """`touch` with what the tier knows of this use of the block (the using request's
+        arrival, priority, session). Same errors and priority rule as `touch`. The default is
+        `touch(key, info.priority)`."""
+        self.touch(key, info.priority)
 
     @abstractmethod
     def remove(self, key: K) -> None:
@@ -65,12 +106,16 @@ class EvictionPolicy(ABC, Generic[K]):
     @abstractmethod
     def pin(self, key: K) -> None:
         """Exempt `key` from eviction until `unpin` or `remove`. Idempotent (pins do not
-        nest). Raises KeyError if `key` is absent."""
+        nest). A pinned key is still a candidate: it may be touched. Tiers pin the blocks
+        requests or copies hold, possibly many, so `evict` should not walk pinned keys (the
+        built-ins keep them out of their ranking). Raises KeyError if `key` is absent."""
 
     @abstractmethod
     def unpin(self, key: K) -> None:
-        """Make `key` evictable again; a no-op if it is not pinned. Raises KeyError if
-        `key` is absent."""
+        """Make `key` evictable again; a no-op if it is not pinned. Where it then ranks is the
+        policy's choice: the built-ins rank it as just used (most recently used), since a
+        tier unpins a block when the request that held it lets go. Raises KeyError if `key`
+        is absent."""
 
     @abstractmethod
     def __len__(self) -> int:
