@@ -1,18 +1,67 @@
-"""Find an eviction policy by name, entry point, or `module:Class` path."""
+"""Find an eviction policy by name, entry point, or `module:Class` path, with its options.
+
+A policy spec is a string (a name, an entry point, or `module:Class`) or a mapping
+`{"name": NAME, "options": {...}}`; a string that starts with `{` is that mapping as JSON, so a
+command-line flag can carry options.
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
+from types import MappingProxyType
 
+from plugins import load_plugin_class
 from policies.base import EvictionPolicy
 from policies.lru import LRUPolicy
-from plugins import load_plugin_class
 from policies.priority import PriorityPolicy
 
 ENTRY_POINT_GROUP = "kvtier.policies"
+SPEC_KEYS = ("name", "options")
 
 # The only name -> class table; builtins win over plugins of the same name.
 _BUILTIN: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (LRUPolicy, PriorityPolicy)}
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A policy's name (see `load_policy_class`) and the options its `from_config` gets."""
+
+    name: str
+    options: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"an eviction policy's \"name\" must be a non-empty string; got {self.name!r}")
+        if not isinstance(self.options, Mapping):
+            raise ValueError(f"eviction policy {self.name!r}: \"options\" must be a mapping; got {self.options!r}")
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))  # frozen means frozen
+
+    @classmethod
+    def parse(cls, spec: PolicySpecLike) -> PolicySpec:
+        """`spec` as a PolicySpec; ValueError naming what is wrong with it."""
+        if isinstance(spec, PolicySpec):
+            return spec
+        if isinstance(spec, str):
+            if not spec.lstrip().startswith("{"):
+                return cls(spec)
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"eviction policy {spec!r} starts with '{{' but is not valid JSON: {e}") from None
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"an eviction policy is a name or {{\"name\": ..., \"options\": {{...}}}}; got {spec!r}")
+        unknown = sorted(set(spec) - set(SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown} in eviction policy {dict(spec)!r}; it takes {list(SPEC_KEYS)}")
+        if "name" not in spec:
+            raise ValueError(f"eviction policy {dict(spec)!r} has no \"name\"")
+        return cls(spec["name"], spec.get("options", {}))  # type: ignore[arg-type]
+
+
+PolicySpecLike = str | Mapping[str, object] | PolicySpec
 
 
 def _plugins() -> dict[str, EntryPoint]:
@@ -30,7 +79,9 @@ def load_policy_class(spec: str) -> type[EvictionPolicy]:
     return load_plugin_class(spec, EvictionPolicy, "eviction policy", _BUILTIN, _plugins(), short="policy")
 
 
-def make_policy(spec: str) -> EvictionPolicy:
-    """Instantiate the policy named by `spec` (see `load_policy_class`); ValueError if
-    it cannot be resolved."""
-    return load_policy_class(spec)()
+def make_policy(spec: PolicySpecLike, capacity: int | None = None) -> EvictionPolicy:
+    """A fresh policy for a tier of `capacity` blocks (None: unknown), from a name or a
+    `{"name", "options"}` spec (see the module docstring); ValueError if the name cannot be
+    resolved or the policy refuses the options."""
+    parsed = PolicySpec.parse(spec)
+    return load_policy_class(parsed.name).from_config(capacity, parsed.options)

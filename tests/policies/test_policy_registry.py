@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from importlib.metadata import EntryPoint
 
 import pytest
 
 import policies.registry as registry
-from policies import LRUPolicy, PriorityPolicy, available_policies, make_policy
+from policies import BlockInfo, LRUPolicy, PolicySpec, PriorityPolicy, available_policies, make_policy
 from policies.base import EvictionPolicy
 
 THIS = __name__  # module:Class specs below point back into this module
@@ -121,3 +122,71 @@ def test_real_entry_points_are_queried() -> None:
     assert {"lru", "priority"} <= set(available_policies())
     assert all(isinstance(n, str) for n in available_policies())
     assert issubclass(registry.load_policy_class("priority"), EvictionPolicy)
+
+
+# --- specs with options (issue 18) ---------------------------------------------------------
+
+
+class SizedPolicy(LRUPolicy):
+    """A plugin that takes options and its tier's capacity."""
+
+    name = "sized"
+
+    def __init__(self, capacity: int | None = None, ghost: float = 1.0) -> None:
+        super().__init__()
+        self.capacity, self.ghost = capacity, ghost
+
+    @classmethod
+    def from_config(cls, capacity, options):  # type: ignore[no-untyped-def]
+        unknown = sorted(set(options) - {"ghost"})
+        if unknown:
+            raise ValueError(f"policy 'sized' does not take {unknown}")
+        return cls(capacity, float(options.get("ghost", 1.0)))
+
+
+def test_mapping_and_json_specs_reach_from_config() -> None:
+    spec = {"name": f"{THIS}:SizedPolicy", "options": {"ghost": 0.5}}
+    for form in (spec, json.dumps(spec), "  " + json.dumps(spec), PolicySpec.parse(spec)):
+        policy = make_policy(form, capacity=64)
+        assert type(policy) is SizedPolicy and (policy.capacity, policy.ghost) == (64, 0.5)
+    assert make_policy({"name": f"{THIS}:SizedPolicy"}).capacity is None  # capacity unknown, options default
+    assert type(make_policy('{"name": "priority"}', capacity=8)) is PriorityPolicy
+    assert PolicySpec.parse("lru") == PolicySpec("lru", {})
+
+
+def test_spec_options_are_a_frozen_copy() -> None:
+    opts = {"ghost": 2}
+    spec = PolicySpec("sized", opts)
+    opts["ghost"] = 3
+    assert spec.options["ghost"] == 2
+    with pytest.raises(TypeError):
+        spec.options["ghost"] = 4  # type: ignore[index]
+
+
+@pytest.mark.parametrize(("spec", "needle"), [
+    ({"name": "lru", "opts": {}}, r"unknown key\(s\) \['opts'\]"),
+    ({"options": {}}, 'no "name"'),
+    ({"name": "lru", "options": [1]}, '"options" must be a mapping'),
+    ({"name": ""}, "non-empty string"),
+    ('{"name": "lru",', "not valid JSON"),
+    (3, "a name or"),
+    ({"name": "lru", "options": {"size": 3}}, r"'lru' takes no options; got \['size'\]"),
+    ({"name": "priority", "options": {"x": 1}}, r"'priority' takes no options"),
+    ({"name": f"{THIS}:SizedPolicy", "options": {"gost": 1}}, r"does not take \['gost'\]"),
+    ({"name": "no_such_policy"}, "unknown eviction policy 'no_such_policy'"),
+])
+def test_bad_specs_name_what_is_wrong(spec: object, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        make_policy(spec)  # type: ignore[arg-type]
+
+
+def test_old_style_plugin_loads_and_refuses_options() -> None:
+    """A plugin written before from_config/insert_block (NewestFirstPolicy) still works."""
+    policy = make_policy(f"{THIS}:NewestFirstPolicy", capacity=100)
+    assert type(policy) is NewestFirstPolicy
+    for k in "abc":
+        policy.insert_block(k, BlockInfo(depth=ord(k) - ord("a")))
+    policy.touch_block("a", BlockInfo())
+    assert policy.evict(1) == ["a"]
+    with pytest.raises(ValueError, match=r"'mru' takes no options; got \['k'\]"):
+        make_policy({"name": f"{THIS}:NewestFirstPolicy", "options": {"k": 1}})
