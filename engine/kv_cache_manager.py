@@ -12,6 +12,7 @@ from kvstore.events import BlockStored
 from kvstore.g1 import BlockId, BlockPool
 from kvstore.keys import BlockKey, extend_keys, group_key
 from engine.kv_groups import KVLayout
+from policies import BlockInfo
 from engine.request import Request, RequestId
 
 PLACEHOLDER = BlockId(0)  # a table entry out of its group's window: any valid block index
@@ -101,14 +102,15 @@ class KVCacheManager:
         total = req.num_scheduled_tokens + len(computed) * self.block_size + num_new_tokens
         blocks = -(-total // self.block_size)
         need = sum(max(0, blocks - len(t) - len(computed)) for t in tables)
-        hit_ids = [b for h in computed for b in h if b is not None]
+        hits = [(i, g, b) for i, h in enumerate(computed) for g, b in enumerate(h) if b is not None]
+        hit_ids = [b for _, _, b in hits]
         # Hit blocks that sit idle in the pool count as free until we acquire them.
         idle_hits = sum(1 for b in hit_ids if self.pool.blocks[b].ref_cnt == 0)
         if need > self.pool.num_free_blocks() - idle_hits:
             if fresh:
                 del self._tables[req.request_id]
             return False
-        self.pool.acquire(hit_ids, req.priority)
+        self.pool.acquire(hit_ids, [_info(req, i, computed[i - 1][g] if i else None) for i, g, _ in hits])
         if computed:
             self._released[req.request_id] = [next((i for i, h in enumerate(computed) if h[g] is not None), len(computed))
                                               for g in range(len(tables))]
@@ -169,7 +171,10 @@ class KVCacheManager:
         for i in range(start, req.num_computed_tokens // bs):
             block = self.pool.blocks[table[i]]
             if block.key is None:
-                self.pool.cache(table[i], keys[i], req.priority, announced=group == 0)
+                # The parent is the block cached under the previous key: this table's may be a
+                # private duplicate, or a sliding group's placeholder.
+                parent = self.pool.lookup(keys[i - 1]) if i else None
+                self.pool.cache(table[i], keys[i], _info(req, i, parent), announced=group == 0)
                 # Events describe token blocks (KV-aware routing): group 0's stand for them.
                 if group == 0 and self.pool.events is not None and block.key is not None:
                     self.pool.events.append(BlockStored([block.key], keys[i - 1] if i else None,
@@ -194,3 +199,9 @@ class KVCacheManager:
 
     def num_requests(self) -> int:
         return len(self._tables)
+
+
+def _info(req: Request, depth: int, parent: BlockId | None) -> BlockInfo:
+    """A G1 block's use by `req`, for the eviction policy: the block's index in the request and
+    the block of the one before it."""
+    return BlockInfo(depth, parent, req.arrival_time, req.priority, req.cache_salt)

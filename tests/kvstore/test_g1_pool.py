@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvstore.g1 import BlockPool
 from kvstore.keys import ROOT_KEY, block_key, chain_keys
-from policies import LRUPolicy, make_policy
+from policies import BlockInfo, LRUPolicy, make_policy
 
 
 def test_chain_keys_are_stable_and_chained():
@@ -138,3 +138,136 @@ def test_check_integrity_catches_corruption():
     pool.blocks[a].ref_cnt = 0  # in neither the free list nor the policy
     with pytest.raises(RuntimeError):
         pool.check_integrity()
+
+
+# --- the policy keeps a cached block across uses (issue 18) -------------------------------
+
+
+class RecordingLRU(LRUPolicy):
+    """LRU that records the calls G1 makes, with the BlockInfo where there is one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def insert_block(self, key, info):  # type: ignore[no-untyped-def]
+        self.calls.append(("insert_block", key, info))
+        super().insert_block(key, info)
+
+    def touch_block(self, key, info):  # type: ignore[no-untyped-def]
+        self.calls.append(("touch_block", key, info))
+        super().touch_block(key, info)
+
+    def remove(self, key):  # type: ignore[no-untyped-def]
+        self.calls.append(("remove", key))
+        super().remove(key)
+
+    def pin(self, key):  # type: ignore[no-untyped-def]
+        self.calls.append(("pin", key))
+        super().pin(key)
+
+    def unpin(self, key):  # type: ignore[no-untyped-def]
+        self.calls.append(("unpin", key))
+        super().unpin(key)
+
+    def names(self) -> list[tuple]:
+        return [c[:2] for c in self.calls]
+
+
+def _cached_prompt(pool: BlockPool, n: int, info=lambda i: BlockInfo(depth=i)) -> list[int]:
+    """A finished request's n cached blocks, released tails first, as the engine does."""
+    blocks = pool.allocate(n)
+    for i, b in enumerate(blocks):
+        pool.cache(b, bytes([i + 1]) * 16, info(i))
+    pool.release(reversed(blocks))
+    return blocks
+
+
+def test_prefix_hit_touches_then_pins_and_release_unpins_without_losing_history():
+    policy = RecordingLRU()
+    pool = BlockPool(8, policy)
+    a, b, c = _cached_prompt(pool, 3, lambda i: BlockInfo(depth=i, priority=4, session="s1"))
+    # First release after caching: insert_block with the caching request's info, tails first.
+    assert policy.calls == [("insert_block", c, BlockInfo(depth=2, priority=4, session="s1")),
+                            ("insert_block", b, BlockInfo(depth=1, priority=4, session="s1")),
+                            ("insert_block", a, BlockInfo(depth=0, priority=4, session="s1"))]
+    policy.calls.clear()
+    hit = [BlockInfo(depth=0, arrival=7.0, priority=1), BlockInfo(depth=1, parent=a, arrival=7.0, priority=1)]
+    pool.acquire([a, b], hit)
+    assert policy.calls == [("touch_block", a, hit[0]), ("pin", a), ("touch_block", b, hit[1]), ("pin", b)]
+    assert pool.num_free_blocks() == 8 - 2  # pinned blocks are not evictable
+    pool.check_integrity()
+    second = [BlockInfo(depth=0, priority=3)]
+    pool.acquire([a], second)  # another request, while the first holds it: a use, no second pin
+    assert policy.names()[-1] == ("touch_block", a)
+    policy.calls.clear()
+    pool.release([a])
+    pool.release([b, a])  # tails first
+    assert policy.names() == [("unpin", b), ("unpin", a)]  # never removed: the policy kept them
+    assert pool.blocks[a].info.priority == 1  # the most urgent user's priority is kept
+    assert pool.allocate(8 - 3 + 1) is not None  # the one evicted is c: a and b were used since
+    assert pool.lookup(bytes([3]) * 16) is None and pool.lookup(bytes([1]) * 16) == a
+    assert not any(name == "remove" for name, *_ in policy.calls)
+    pool.check_integrity()
+
+
+def test_tails_are_evicted_first():
+    pool = BlockPool(4, LRUPolicy())
+    blocks = _cached_prompt(pool, 4)
+    pool.acquire(blocks, [BlockInfo(depth=i) for i in range(4)])
+    pool.release(reversed(blocks))
+    assert pool.allocate(1) == [blocks[-1]]
+    assert pool.allocate(1) == [blocks[-2]]
+
+
+def test_a_hold_without_infos_pins_but_is_no_use():
+    policy = RecordingLRU()
+    pool = BlockPool(4, policy)
+    (a,) = _cached_prompt(pool, 1)
+    policy.calls.clear()
+    pool.acquire([a])  # e.g. a connector holding the block until it is copied
+    pool.release([a])
+    assert policy.names() == [("pin", a), ("unpin", a)]
+    with pytest.raises(ValueError, match="2 blocks but 1 infos"):
+        pool.acquire([a, a], [BlockInfo()])
+
+
+def test_reset_and_free_count_skip_blocks_requests_hold():
+    pool = BlockPool(6, LRUPolicy())
+    blocks = _cached_prompt(pool, 4)
+    pool.acquire(blocks[:2], [BlockInfo(depth=0), BlockInfo(depth=1, parent=blocks[0])])
+    assert pool.num_free_blocks() == 2 + 2
+    assert pool.reset_prefix_cache() == 2  # only the evictable ones
+    assert [pool.lookup(bytes([i + 1]) * 16) for i in range(4)] == [blocks[0], blocks[1], None, None]
+    assert pool.num_free_blocks() == 4
+    assert pool.allocate(5) is None
+    pool.check_integrity()
+    pool.release(reversed(blocks[:2]))
+    assert pool.num_free_blocks() == 6
+    pool.check_integrity()
+
+
+def test_check_integrity_catches_pins_out_of_step_with_the_policy():
+    pool = BlockPool(2, LRUPolicy())
+    (a,) = _cached_prompt(pool, 1)
+    pool.acquire([a], [BlockInfo()])
+    pool.check_integrity()
+    pool._pinned.discard(a)  # held, yet counted evictable
+    with pytest.raises(RuntimeError, match="in-use block"):
+        pool.check_integrity()
+    pool._pinned.add(a)
+    pool.policy.remove(a)  # held and pinned, but gone from the policy: its history lost
+    with pytest.raises(RuntimeError, match="in-use block"):
+        pool.check_integrity()
+
+
+def test_old_style_plugin_works_in_g1():
+    """A plugin with only insert/touch/... (no from_config, no insert_block) runs G1."""
+    from policies.registry import make_policy as make
+
+    pool = BlockPool(4, make("tests.policies.test_policy_registry:NewestFirstPolicy", capacity=4))
+    blocks = _cached_prompt(pool, 3)
+    pool.acquire(blocks[:1], [BlockInfo()])
+    pool.release(blocks[:1])
+    pool.check_integrity()
+    assert pool.allocate(2) == sorted([blocks[0], 3])  # the free block, then the newest-used victim

@@ -1,0 +1,58 @@
+"""What KVCacheManager tells G1's eviction policy about each block (issue 18): its index in the
+request, the block before it, and the request's arrival, priority and cache salt."""
+from __future__ import annotations
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_groups import KVLayout
+from engine.request import Request, RequestId
+from engine.sampling_params import SamplingParams
+from kvstore.g1 import BlockPool
+from policies import BlockInfo, LRUPolicy
+
+BS = 4
+
+
+class Recording(LRUPolicy):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def insert_block(self, key, info):  # type: ignore[no-untyped-def]
+        self.calls.append(("insert_block", key, info))
+        super().insert_block(key, info)
+
+    def touch_block(self, key, info):  # type: ignore[no-untyped-def]
+        self.calls.append(("touch_block", key, info))
+        super().touch_block(key, info)
+
+    def pin(self, key):  # type: ignore[no-untyped-def]
+        self.calls.append(("pin", key))
+        super().pin(key)
+
+
+def _request(rid: str, tokens: list[int], **kw) -> Request:  # type: ignore[no-untyped-def]
+    return Request(RequestId(rid), tokens, SamplingParams(max_tokens=1), max_total_tokens=256, **kw)
+
+
+def test_cached_and_hit_blocks_carry_their_depth_parent_and_request():
+    policy = Recording()
+    pool = BlockPool(16, policy)
+    kv = KVCacheManager(pool, BS, KVLayout.single(1))
+    tokens = list(range(1, 3 * BS + 2))  # three full blocks and one token
+    first = _request("a", tokens, priority=2, cache_salt="tenant")
+    assert kv.allocate_slots(first, len(tokens))
+    first.num_computed_tokens = len(tokens)
+    kv.cache_full_blocks(first)
+    kv.free(first)
+    table = [c[1] for c in policy.calls][::-1]  # inserted tails first
+    want = [BlockInfo(i, table[i - 1] if i else None, first.arrival_time, 2, "tenant") for i in range(3)]
+    assert policy.calls == [("insert_block", table[i], want[i]) for i in (2, 1, 0)]
+
+    policy.calls.clear()
+    second = _request("b", tokens, priority=1, cache_salt="tenant")
+    hit = kv.get_computed_blocks(second)
+    assert [h[0] for h in hit] == table
+    assert kv.allocate_slots(second, 1, hit)
+    want = [BlockInfo(i, table[i - 1] if i else None, second.arrival_time, 1, "tenant") for i in range(3)]
+    assert policy.calls == [c for i in range(3) for c in (("touch_block", table[i], want[i]), ("pin", table[i]))]
+    pool.check_integrity()
