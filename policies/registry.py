@@ -17,12 +17,13 @@ from plugins import load_plugin_class
 from policies.base import EvictionPolicy
 from policies.lru import LRUPolicy
 from policies.priority import PriorityPolicy
+from policies.turn_lru import TurnLRUPolicy
 
 ENTRY_POINT_GROUP = "kvtier.policies"
 SPEC_KEYS = ("name", "options")
 
 # The only name -> class table; builtins win over plugins of the same name.
-_BUILTIN: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (LRUPolicy, PriorityPolicy)}
+_BUILTIN: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (LRUPolicy, PriorityPolicy, TurnLRUPolicy)}
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def plugins(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
 def test_builtin_names(plugins: dict[str, str]) -> None:
     assert type(make_policy("lru")) is LRUPolicy
     assert type(make_policy("priority")) is PriorityPolicy
-    assert available_policies() == ["lru", "priority"]
+    assert available_policies() == ["lru", "priority", "turn_lru"]
     assert make_policy("lru") is not make_policy("lru")  # a fresh instance per call
 
 
@@ -98,7 +98,7 @@ def test_unknown_name_lists_available(plugins: dict[str, str]) -> None:
 
 def test_entry_point_lookup(plugins: dict[str, str]) -> None:
     plugins["mru"] = f"{THIS}:NewestFirstPolicy"
-    assert available_policies() == ["lru", "mru", "priority"]
+    assert available_policies() == ["lru", "mru", "priority", "turn_lru"]
     assert type(make_policy("mru")) is NewestFirstPolicy
 
 
@@ -114,7 +114,7 @@ def test_entry_point_must_be_a_policy(plugins: dict[str, str]) -> None:
 def test_builtin_wins_over_plugin_with_same_name(plugins: dict[str, str]) -> None:
     plugins["lru"] = f"{THIS}:NewestFirstPolicy"
     assert type(make_policy("lru")) is LRUPolicy
-    assert available_policies() == ["lru", "priority"]
+    assert available_policies() == ["lru", "priority", "turn_lru"]
 
 
 def test_real_entry_points_are_queried() -> None:
