@@ -42,7 +42,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 _HERE = Path(__file__).resolve().parent
 REPO = _HERE.parent
@@ -51,14 +51,23 @@ REPO = _HERE.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.traces import unbounded_hit_rate  # noqa: E402
-from policies import EvictionPolicy, make_policy  # noqa: E402
+from benchmarks.traces import TraceSpec, generate, unbounded_hit_rate  # noqa: E402
+from policies import BlockInfo, EvictionPolicy, make_policy  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic.jsonl"
+GENERATED = "multiturn"
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "policies.json"
 INF = float("inf")
 
 Trace = list[list[int]]
+
+
+class Request(NamedTuple):
+    """One trace line as the replay uses it."""
+
+    ids: list[int]
+    arrival: float  # seconds
+    session: str | None  # the trace's `session` field, unless --no-session-hints
 PriorityFn = Callable[[int, int], int]  # (block, position in prompt) -> priority
 
 
@@ -139,13 +148,15 @@ class BeladyPolicy(EvictionPolicy[int]):
             raise RuntimeError("resident block without a live heap entry")
 
 
-def replay(policy: EvictionPolicy, trace: Trace, capacity: int, prio: PriorityFn) -> dict:
-    """Run the replay described in the module docstring; return counters and timing."""
+def replay(policy: EvictionPolicy, trace: list[Request], capacity: int, prio: PriorityFn) -> dict:
+    """Run the replay described in the module docstring; return counters and timing. Every
+    insert and touch carries the block's `BlockInfo` (depth, parent, arrival, priority and
+    the session hint), as the tiers pass it."""
     hits = refs = ops = 0
-    contains, touch, insert, evict = policy.__contains__, policy.touch, policy.insert, policy.evict
+    contains, touch, insert, evict = policy.__contains__, policy.touch_block, policy.insert_block, policy.evict
     is_belady = isinstance(policy, BeladyPolicy)
     t0 = time.perf_counter()
-    for i, ids in enumerate(trace):
+    for i, (ids, arrival, session) in enumerate(trace):
         if is_belady:
             policy.now = i
         refs += len(ids)
@@ -153,14 +164,14 @@ def replay(policy: EvictionPolicy, trace: Trace, capacity: int, prio: PriorityFn
         for b in ids:
             if not contains(b):
                 break
-            touch(b, prio(b, h))
+            touch(b, BlockInfo(h, ids[h - 1] if h else None, arrival, prio(b, h), session))
             h += 1
         hits += h
         missing: list[tuple[int, int]] = []
         for pos in range(h, len(ids)):
             b = ids[pos]
             if contains(b):
-                touch(b, prio(b, pos))
+                touch(b, BlockInfo(pos, ids[pos - 1] if pos else None, arrival, prio(b, pos), session))
             else:
                 missing.append((pos, b))
         ops += len(ids) - len(missing)
@@ -173,7 +184,7 @@ def replay(policy: EvictionPolicy, trace: Trace, capacity: int, prio: PriorityFn
                 raise RuntimeError(f"{policy.name}: evict({need}) failed at request {i}")
             ops += need
         for pos, b in missing:
-            insert(b, prio(b, pos))
+            insert(b, BlockInfo(pos, ids[pos - 1] if pos else None, arrival, prio(b, pos), session))
         ops += len(missing)
         if len(policy) > capacity:
             raise RuntimeError(f"{policy.name}: {len(policy)} blocks > capacity {capacity}")
@@ -197,14 +208,17 @@ def priority_fns(trace: Trace) -> dict[str, PriorityFn]:
     }
 
 
-def load_trace(path: Path, limit: int | None) -> Trace:
-    trace: Trace = []
+def load_trace(path: Path, limit: int | None, session_hints: bool = True) -> list[Request]:
+    trace: list[Request] = []
     with path.open() as f:
         for line in f:
             if limit is not None and len(trace) >= limit:
                 break
             if line.strip():
-                trace.append(list(json.loads(line)["hash_ids"]))
+                r = json.loads(line)
+                session = r.get("session") if session_hints else None
+                trace.append(Request(list(r["hash_ids"]), r.get("timestamp", 0) / 1000,
+                                     None if session is None else str(session)))
     return trace
 
 
@@ -219,8 +233,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
-                    help="JSONL trace with a hash_ids list per line (default: %(default)s)")
+    ap.add_argument("--trace", action="append", default=None, metavar="PATH|multiturn",
+                    help="a JSONL trace with a hash_ids list per line (a `timestamp` in ms and a `session` "
+                         f"are used when present), or `{GENERATED}` for benchmarks/traces.py's default trace "
+                         f"(seed 0); repeat for several (default: {DEFAULT_TRACE} and {GENERATED})")
+    ap.add_argument("--no-session-hints", action="store_true",
+                    help="drop the traces' `session` fields, as for clients that send no cache_salt")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
                     help="where to write the JSON results; parent dirs are created "
                          "(default: %(default)s)")
@@ -232,13 +250,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(default: 0.01,0.05,0.1,0.25,0.5)")
     ap.add_argument("--capacities", type=lambda s: _csv(int, s), default=None,
                     help="absolute capacities in blocks, comma-separated; overrides --fractions")
-    ap.add_argument("--policies", type=lambda s: _csv(str, s), default=["lru", "priority"],
-                    help="policy specs for make_policy (names, entry points or module:Class), "
-                         "comma-separated (default: lru,priority)")
-    ap.add_argument("--priority-modes", type=lambda s: _csv(str, s), default=["shared"],
+    ap.add_argument("--policies", type=lambda s: [x.strip() for x in s.split(";") if x.strip()], default=["lru", "priority", "turn_lru"],
+                    help="policy specs for make_policy (names, entry points, module:Class, or JSON "
+                         "{\"name\": ..., \"options\": {...}}), separated by ';' "
+                         "(default: lru;priority;turn_lru)")
+    ap.add_argument("--priority-modes", type=lambda s: _csv(str, s), default=["depth"],
                     help="priority hints to run each non-LRU policy under, comma-separated, from "
                          "uniform,depth,shared (see above); LRU ignores priorities and runs once "
-                         "(default: shared)")
+                         "(default: depth)")
     ap.add_argument("--no-belady", action="store_true",
                     help="skip the offline Belady MIN reference")
     args = ap.parse_args(argv)
@@ -249,46 +268,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("capacities and fractions must be positive")
     if args.limit is not None and args.limit < 1:
         ap.error("--limit must be >= 1")
-    if not args.trace.is_file():
-        ap.error(f"trace not found: {args.trace}")
+    args.trace = args.trace or [str(DEFAULT_TRACE), GENERATED]
+    for name in args.trace:
+        if name != GENERATED and not Path(name).is_file():
+            ap.error(f"trace not found: {name}")
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    trace = load_trace(args.trace, args.limit)
-    distinct = len({b for ids in trace for b in ids})
+def variants_for(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(label, spec, priority mode) per column; ValueError for a spec that does not resolve."""
+    variants: list[tuple[str, str, str]] = []
+    for spec in args.policies:
+        if make_policy(spec).name in ("lru", "turn_lru"):  # they ignore priorities: run once
+            variants.append((spec, spec, "uniform"))
+        else:
+            variants += [(f"{spec}[{m}]", spec, m) for m in args.priority_modes]
+    if not args.no_belady:
+        variants.append(("belady", "belady", "uniform"))
+    return variants
+
+
+def run_trace(name: str, trace: list[Request], args: argparse.Namespace, variants: list[tuple[str, str, str]]) -> dict:
+    """Replay one trace at every capacity through every variant; print its table."""
+    blocks = [r.ids for r in trace]
+    distinct = len({b for ids in blocks for b in ids})
     if args.capacities:
         caps = [(c, c / distinct) for c in args.capacities]
     else:
         caps = [(max(1, round(f * distinct)), f) for f in args.fractions]
-    prios = priority_fns(trace)
-    try:
-        variants: list[tuple[str, str, str]] = []  # (label, spec, priority mode)
-        for spec in args.policies:
-            if make_policy(spec).name == "lru":
-                variants.append((spec, spec, "uniform"))
-            else:
-                variants += [(f"{spec}[{m}]", spec, m) for m in args.priority_modes]
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if not args.no_belady:
-        variants.append(("belady", "belady", "uniform"))
-
+    prios = priority_fns(blocks)
     results = []
     for cap, frac in caps:
         for label, spec, mode in variants:
-            policy = BeladyPolicy(trace) if spec == "belady" else make_policy(spec)
+            policy = BeladyPolicy(blocks) if spec == "belady" else make_policy(spec, capacity=cap)
             r = replay(policy, trace, cap, prios[mode])
             results.append({"policy": label, "spec": spec, "priority_mode": mode,
                             "capacity": cap, "fraction": frac, **r})
 
-    unbounded = unbounded_hit_rate(trace)
+    unbounded = unbounded_hit_rate(blocks)
+    hinted = sum(r.session is not None for r in trace)
     labels = [v[0] for v in variants]
     width = max(16, *(len(s) + 2 for s in labels))
-    print(f"trace {args.trace.name}: {len(trace)} requests, "
-          f"{sum(map(len, trace))} block refs, {distinct} distinct blocks; "
+    print(f"trace {name}: {len(trace)} requests ({hinted} with a session hint), "
+          f"{sum(map(len, blocks))} block refs, {distinct} distinct blocks; "
           f"unbounded-cache hit rate {unbounded:.1%}")
     print("cells: block hit rate (block ops/s in thousands)")
     print(f"{'capacity':>16}" + "".join(f"{s:>{width}}" for s in labels))
@@ -299,18 +321,32 @@ def main(argv: list[str] | None = None) -> int:
             r = by_key[(s, cap)]
             row += f"{r['hit_rate']:>{width - 8}.1%} ({r['ops_per_s'] / 1e3:>4.0f})"
         print(row)
+    print()
+    return {"trace": name, "requests": len(trace), "session_hints": hinted, "block_refs": sum(map(len, blocks)),
+            "distinct_blocks": distinct, "unbounded_hit_rate": unbounded, "results": results}
 
+
+def load_named(name: str, args: argparse.Namespace) -> list[Request]:
+    if name != GENERATED:
+        return load_trace(Path(name), args.limit, not args.no_session_hints)
+    out = []
+    for r in generate(TraceSpec())[: args.limit]:
+        session = None if args.no_session_hints else str(r["session"])
+        out.append(Request(r["hash_ids"], r["timestamp"] / 1000, session))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        variants = variants_for(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    runs = [run_trace(name, load_named(name, args), args, variants) for name in args.trace]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "benchmark": "policies",
-        "trace": str(args.trace),
-        "requests": len(trace),
-        "block_refs": sum(map(len, trace)),
-        "distinct_blocks": distinct,
-        "unbounded_hit_rate": unbounded,
-        "python": sys.version.split()[0],
-        "results": results,
-    }, indent=2) + "\n")
+    args.out.write_text(json.dumps({"benchmark": "policies", "python": sys.version.split()[0],
+                                    "argv": sys.argv[1:] if argv is None else argv, "traces": runs}, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
 
