@@ -45,6 +45,7 @@ class RequestView(Protocol):
     block_keys: list[BlockKey]
     cache_salt: str | None
     priority: int
+    arrival_time: float  # time.monotonic() when the engine took it (tiers' eviction policies see it)
     error: str | None  # set when the request failed
 
 

@@ -34,6 +34,7 @@ from connectors.backend import BackendError, StorageBackend
 from connectors.conformance_base import _check_result, _expect_raises, _what_is_wrong, key_of, value_of
 from connectors.conformance_threads import ConcurrencyChecks
 from kvstore.keys import BlockKey
+from policies import BlockInfo
 
 __all__ = ["BackendConformance", "key_of", "value_of"]
 
@@ -176,6 +177,20 @@ class BackendConformance(ConcurrencyChecks):
         backend.touch([k], 7)
         self._expect(backend, k, value, "a key after touch")
         assert backend.get([unknown]) == [None], "touch of an unknown key must not create it"
+
+    def test_block_infos_keep_values(self, backend: StorageBackend) -> None:
+        """`put_blocks` (how kvtier writes, with each block's BlockInfo) stores what `put` would;
+        `touch_blocks` changes no value and accepts unknown keys."""
+        k, child, unknown = key_of("infos"), key_of("infos/child"), key_of("infos/unknown")
+        values = [value_of(k, 0, 300), value_of(child, 0, 301)]
+        infos = [BlockInfo(priority=3), BlockInfo(depth=1, parent=k, arrival=1.0, priority=3, session="s")]
+        stored = backend.put_blocks([k, child], values, infos)
+        _check_result(stored, 2, "put_blocks", bool)
+        assert stored == [True, True], f"put_blocks refused blocks well under capacity: {stored}"
+        assert backend.touch_blocks([child, unknown], [infos[1], BlockInfo()]) is None, "touch_blocks must return None"
+        self._expect(backend, k, values[0], "a key stored by put_blocks")
+        self._expect(backend, child, values[1], "a key after touch_blocks")
+        assert backend.get([unknown]) == [None], "touch_blocks of an unknown key must not create it"
 
     # ---- get_into --------------------------------------------------------------------
 

@@ -207,7 +207,7 @@ def _host(ctx: ConnectorContext, size_gib: float, policy: str | None) -> Any:
     if slots < 1:
         raise ValueError(f"kv_offloading_size={size_gib} GiB holds no offload block of "
                          f"{ctx.layout.encoded_bytes / 2**20:.1f} MiB; raise it or lower the offload block size")
-    g2 = HostTier(slots, ctx.layout.encoded_bytes, make_policy(policy or ctx.eviction_policy), pin_memory=_cuda())
+    g2 = HostTier(slots, ctx.layout.encoded_bytes, make_policy(policy or ctx.eviction_policy, slots), pin_memory=_cuda())
     g2.events, g2.block_tokens = ctx.events, ctx.layout.tokens
     log.info("G2: %d blocks of %d tokens (%.2f GiB)", slots, ctx.layout.tokens, slots * ctx.layout.encoded_bytes / 2**30)
     return g2
@@ -216,8 +216,9 @@ def _host(ctx: ConnectorContext, size_gib: float, policy: str | None) -> Any:
 def _disk(ctx: ConnectorContext, path: Path, size_gib: float, policy: str | None) -> Any:
     from kvstore.disk import DiskBackend
 
+    # The connector tells G3's policy of each read it used (touch_blocks), so reads are not uses.
     disk = DiskBackend(path, int(size_gib * 2**30), ctx.fingerprint, policy=policy or ctx.eviction_policy,
-                       secret=ctx.kv_secret)
+                       secret=ctx.kv_secret, entry_bytes=ctx.layout.encoded_bytes, touch_on_read=False)
     log.info("disk tier: %s (%.1f GiB, %d entries found)", path, size_gib, len(disk))
     return disk
 

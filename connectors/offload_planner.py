@@ -14,6 +14,8 @@ copies what each group still holds (a sliding group's blocks that left its windo
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from connectors.base import ConnectorMeta, RequestView
 from connectors.codec import BlockLayout
 from connectors.offload_plans import Chunk, LoadDone, LoadJob, StoreJob
@@ -23,12 +25,25 @@ from connectors.writeback import WriteBackTracker
 from kvstore.g1 import BlockId, BlockPool
 from kvstore.host import HostTier
 from kvstore.keys import BlockKey, extend_keys, group_key, token_digest
+from policies import BlockInfo
 
-Cand = tuple[int, BlockKey, bytes]  # (offload block index, key, token digest)
+Cand = tuple[int, BlockKey, bytes, BlockKey | None]  # (offload block index, key, token digest, previous block's key)
 
 
 def _gkey(key: BlockKey, group: int) -> BlockKey:
     return key if group == 0 else group_key(key, group)
+
+
+def _gcand(c: Cand, group: int) -> Cand:
+    """`c` as KV group `group`'s entry."""
+    j, key, dig, parent = c
+    return j, _gkey(key, group), dig, None if parent is None else _gkey(parent, group)
+
+
+def _use(request: RequestView) -> BlockInfo:
+    """The request's side of what the tiers' policies get for its blocks (depth and parent are
+    each block's)."""
+    return BlockInfo(arrival=request.arrival_time, priority=request.priority, session=request.cache_salt)
 
 
 class OffloadPlanner:
@@ -60,8 +75,9 @@ class OffloadPlanner:
     def _chunk_keys(self, request: RequestView, start: int, end: int) -> list[Cand]:
         k, t = self.g1_per_chunk, self.layout.tokens
         extend_keys(request.block_keys, request.all_token_ids, self.layout.block_size, request.cache_salt)
-        return [(j, request.block_keys[(j + 1) * k - 1], token_digest(request.all_token_ids[j * t:(j + 1) * t]))
-                for j in range(start, end)]
+        keys = request.block_keys
+        return [(j, keys[(j + 1) * k - 1], token_digest(request.all_token_ids[j * t:(j + 1) * t]),
+                 keys[j * k - 1] if j else None) for j in range(start, end)]
 
     def _run(self, cands: list[Cand], count: bool) -> list[Chunk]:
         """The leading run of `cands` found below G1: in G2, then each tier for what the ones above
@@ -70,14 +86,14 @@ class OffloadPlanner:
         t, rest = self.layout.tokens, cands
         if self.g2 is not None:
             n = self.g2.lookup([c[1] for c in cands], [c[2] for c in cands])
-            found = [Chunk(j, key, dig, HOST) for j, key, dig in cands[:n]]
+            found = [Chunk(j, key, dig, HOST, parent) for j, key, dig, parent in cands[:n]]
             self.tier_misses[HOST] += (len(cands) - n) * t * count
             rest = cands[n:]
         for tier in self.tiers:
             if not rest:
                 break
             n = tier.lookup([c[1] for c in rest])
-            found += [Chunk(j, key, dig, tier.name) for j, key, dig in rest[:n]]
+            found += [Chunk(j, key, dig, tier.name, parent) for j, key, dig, parent in rest[:n]]
             self.tier_misses[tier.name] += (len(rest) - n) * t * count
             rest = rest[n:]
         return found
@@ -107,7 +123,7 @@ class OffloadPlanner:
         end = first + len(runs[0])  # offload blocks every group can serve end here
         for g in range(1, len(self.windows)):  # full groups: the whole run
             if not self.windows[g]:
-                runs[g] = self._run([(j, _gkey(key, g), d) for j, key, d in cands[:end - first]], False)
+                runs[g] = self._run([_gcand(c, g) for c in cands[:end - first]], False)
                 end = first + len(runs[g])
         end = self._sliding_runs(request, cands, first, end, runs)
         n = min(end * t, request.num_tokens - 1) - num_computed_tokens
@@ -126,7 +142,7 @@ class OffloadPlanner:
             last_token = min(end * self.layout.tokens, request.num_tokens - 1)
             for g in sliding:
                 s = max(first, self._first_chunk(g, last_token))
-                runs[g] = self._run([(j, _gkey(key, g), d) for j, key, d in cands[s - first:end - first]], False)
+                runs[g] = self._run([_gcand(c, g) for c in cands[s - first:end - first]], False)
                 if len(runs[g]) < end - s:  # a hit must end before the missing block
                     end = s + len(runs[g])
                     break
@@ -141,9 +157,12 @@ class OffloadPlanner:
         bs, t = self.layout.block_size, self.layout.tokens
         end = num_computed + num_external_tokens
         slots: dict[BlockKey, int] = {}
+        use = _use(request)
         if self.g2 is not None:
-            g2_keys = [c.key for run in runs.values() for c in run if c.tier == HOST]
-            got = self.g2.prepare_load(g2_keys, request.priority) if g2_keys else []
+            g2_chunks = [c for run in runs.values() for c in run if c.tier == HOST]
+            g2_keys = [c.key for c in g2_chunks]
+            infos = [replace(use, depth=c.index, parent=c.parent) for c in g2_chunks]
+            got = self.g2.prepare_load(g2_keys, infos) if g2_keys else []
             if got is None:  # evicted since lookup: load nothing, report failure
                 runs = {g: [] for g in runs}
             else:
@@ -160,7 +179,7 @@ class OffloadPlanner:
             first_g1 = max(num_computed // bs, max(0, end - w + 1) // bs if w else 0)
             dst = tuple(BlockId(b) for b in tables[g][first_g1:-(-end // bs)])
             jobs.append(LoadJob(request.request_id, tuple(run), first_g1, dst, end,
-                                {c.key: slots[c.key] for c in run if c.key in slots}, request.priority, g,
+                                {c.key: slots[c.key] for c in run if c.key in slots}, use, g,
                                 skipped_tokens=first_g1 * bs - num_computed))
         self._loads_left[request.request_id] = len(jobs)
         self._load_dst0[request.request_id] = jobs[0].dst
@@ -197,26 +216,28 @@ class OffloadPlanner:
             done_chunks = (req.num_computed_tokens + num_new) // t
             start = self._stored_upto.get(req.request_id, req.num_computed_tokens // t)
             chunks = self._chunk_keys(req, start, done_chunks) if done_chunks > start else []
+            use = _use(req)
             for g, tab in enumerate(tables):  # group by group: a group's blocks take consecutive G2 slots
-                for j, key, dig in chunks:
+                for c in chunks:
+                    j, key, dig, parent = _gcand(c, g)
                     src = tuple(BlockId(b) for b in tab[j * k:(j + 1) * k])
                     if min(src) >= 0:  # a sliding group may have released them
-                        self._store(meta, req, j, _gkey(key, g), dig, src)
+                        self._store(meta, req, key, dig, src, replace(use, depth=j, parent=parent))
             self._stored_upto[req.request_id] = max(start, done_chunks)
         return meta
 
-    def _store(self, meta: ConnectorMeta, req: RequestView, j: int, key: BlockKey, dig: bytes,
-               src: tuple[BlockId, ...]) -> None:
+    def _store(self, meta: ConnectorMeta, req: RequestView, key: BlockKey, dig: bytes, src: tuple[BlockId, ...],
+               info: BlockInfo) -> None:
         if key in self._inflight or (self.g2 is not None and self.g2.contains(key)):
             return
         if self.write_back is not None:
-            k = self.g1_per_chunk
-            self.write_back.mark_dirty(key, dig, req.priority, tuple(req.block_keys[j * k:(j + 1) * k]))
+            k, j = self.g1_per_chunk, info.depth
+            self.write_back.mark_dirty(key, dig, info, tuple(req.block_keys[j * k:(j + 1) * k]))
             return
         self.pool.acquire(list(src))  # keep them from being evicted or reused until copied
         self._held[key] = src
         self._inflight.add(key)
-        meta.stores.append(StoreJob(key, dig, src, req.priority))
+        meta.stores.append(StoreJob(key, dig, src, info))
 
     def store_done(self, key: BlockKey) -> None:
         """The transfer engine copied the block out of G1: drop the held refs."""

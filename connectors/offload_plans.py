@@ -4,11 +4,12 @@ Frozen: once the planner has made a plan, nothing changes it; the transfer engin
 happened through `LoadDone` / `StoreDone`."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from kvstore.g1 import BlockId
+from kvstore.g1 import NO_INFO, BlockId
 from kvstore.keys import BlockKey
+from policies import BlockInfo
 
 
 class WritePolicy(Enum):
@@ -26,6 +27,7 @@ class Chunk:
     key: BlockKey
     digest: bytes
     tier: str  # the name of the tier that holds it
+    parent: BlockKey | None = None  # the key of the request's offload block before it (same KV group)
 
 
 @dataclass(frozen=True)
@@ -38,9 +40,14 @@ class LoadJob:
     dst: tuple[BlockId, ...]
     end_token: int  # the load supplies tokens before this one (the last block may hold more)
     g2_slots: dict[BlockKey, int] = field(default_factory=dict)  # pinned by the planner
-    priority: int = 0  # the request's: blocks promoted into G2 on the way are inserted with it
+    # The request's arrival, priority and session: what the tiers' policies get for each chunk
+    # (`chunk_info`), as a use of a tier that served it and on promotion into G2.
+    info: BlockInfo = NO_INFO
     group: int = 0  # the KV group whose blocks `dst` are (tier hits count group 0's tokens only)
     skipped_tokens: int = 0  # tokens of the hit before `first_g1`: out of a sliding group's window, not loaded
+
+    def chunk_info(self, c: Chunk) -> BlockInfo:
+        return replace(self.info, depth=c.index, parent=c.parent)
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,7 @@ class StoreJob:
     key: BlockKey
     digest: bytes
     src: tuple[BlockId, ...]
-    priority: int
+    info: BlockInfo  # the offload block's index and parent in the request, and the request's use
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from kvstore.g1 import BlockId
 from kvstore.host import HostTier
 from kvstore.keys import BlockKey
 from kvstore.threads import CopyPool, one_torch_thread
+from policies import BlockInfo
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ class TransferEngine:
                 reason = "error"
             if reason not in (None, "miss", "error"):
                 log.warning("%s entry rejected: %s", tier.name, reason)
-            self._promote(i, c.key, slot, buf, reason is None, job.priority)
+            self._promote(i, c.key, slot, buf, reason is None, job.chunk_info(c))
             if ok and reason is None:
                 landed += self._land(i, c, buf, job)
             else:
@@ -254,7 +255,7 @@ class TransferEngine:
                 reason = reason or check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
                 if reason not in (None, "miss"):
                     log.warning("%s entry rejected: %s", tier.name, reason)
-                self._promote(i, c.key, slot, buf, reason is None, job.priority)
+                self._promote(i, c.key, slot, buf, reason is None, job.chunk_info(c))
                 if ok and reason is None:
                     landed += self._land(i, c, buf, job)
                 else:
@@ -262,26 +263,26 @@ class TransferEngine:
         return landed, ok
 
     def _land(self, i: int, c: Chunk, buf: torch.Tensor, job: LoadJob) -> int:
-        """A checked hit from tier i: scatter it into G1, count it, tell the tier who used it
-        (priority) and the batched tiers below that it was reused. Returns the G1 blocks filled."""
+        """A checked hit from tier i: scatter it into G1, count it, tell the tier it was used (the
+        chunk's BlockInfo) and the batched tiers below that it was reused. Returns the G1 blocks filled."""
         tier = self.tiers[i]
         n = self._scatter(buf, c.index, job)
         self.tier_hits[tier.name] += n * self.layout.block_size * (job.group == 0)
-        tier.touch([c.key], job.priority)
+        tier.touch([c.key], [job.chunk_info(c)])
         self._note_use(self.tiers[i + 1:], c.key, lambda: bytes(buf.numpy()))
         return n
 
-    def _promote(self, i: int, key: BlockKey, slot: int | None, buf: torch.Tensor, good: bool, priority: int) -> None:
+    def _promote(self, i: int, key: BlockKey, slot: int | None, buf: torch.Tensor, good: bool, info: BlockInfo) -> None:
         """A read from tier i that landed in G2 slot `slot`: publish it in G2 (or free the slot)
         and, when good, write it to every parallel tier above i. The rule for every tier."""
         if slot is None:
             return
         assert self.g2 is not None
-        self.g2.complete_store(key, good, priority)
+        self.g2.complete_store(key, good, info)
         if good:
             for up in self.tiers[:i]:
                 if up.mode is TierMode.PARALLEL:
-                    self._write_from_g2(up, key, buf, wait=False, priority=priority)
+                    self._write_from_g2(up, key, buf, wait=False, info=info)
 
     def _note_use(self, tiers: list[StorageTier], key: BlockKey, data) -> None:
         """A store or reuse of `key`: the batched tiers among `tiers` count it towards min_uses."""
@@ -289,12 +290,13 @@ class TransferEngine:
             if t.remote is not None:
                 t.remote.note_use(key, data)
 
-    def _write_from_g2(self, tier: StorageTier, key: BlockKey, buf: torch.Tensor, wait: bool, priority: int) -> bool:
-        """Queue a parallel tier's write of the G2 slot `buf`, pinned until written."""
+    def _write_from_g2(self, tier: StorageTier, key: BlockKey, buf: torch.Tensor, wait: bool, info: BlockInfo) -> bool:
+        """Queue a parallel tier's write of the G2 slot `buf`, pinned until written (a copy, not
+        a use of it in G2)."""
         assert self.g2 is not None and tier.writer is not None
         if self.g2.prepare_load([key]) is None:
             return False
-        return tier.writer.submit(key, buf, lambda: self.g2.complete_load([key]), wait, priority)  # type: ignore[union-attr]
+        return tier.writer.submit(key, buf, lambda: self.g2.complete_load([key]), wait, info)  # type: ignore[union-attr]
 
     def _bounce_buffer(self, i: int) -> torch.Tensor:
         buf = self._bounce[i]
@@ -360,10 +362,10 @@ class TransferEngine:
             buf = self.g2.slot_view(slot)
             with self._copies.scope():  # on CUDA: after the forward that wrote src, synced here
                 self._gather(job.src, buf, job)
-            self.g2.complete_store(job.key, True, job.priority)
+            self.g2.complete_store(job.key, True, job.info)
             for tier in self.tiers:
                 if tier.writer is not None:
-                    self._write_from_g2(tier, job.key, buf, wait_for_write_slot, job.priority)
+                    self._write_from_g2(tier, job.key, buf, wait_for_write_slot, job.info)
             self._note_use(self.tiers, job.key, lambda: bytes(buf.numpy()))
             return True
         buf = torch.empty(self.layout.encoded_bytes, dtype=torch.uint8)
@@ -373,7 +375,7 @@ class TransferEngine:
         taken = any(t.remote is not None for t in self.tiers)
         for tier in self.tiers:
             if tier.writer is not None:
-                taken = tier.writer.submit(job.key, buf, lambda: None, wait_for_write_slot, job.priority) or taken
+                taken = tier.writer.submit(job.key, buf, lambda: None, wait_for_write_slot, job.info) or taken
         return taken
 
     def flush(self) -> None:

@@ -31,6 +31,7 @@ from connectors.remote_tier import RemoteTier, leading_hits
 from kvstore.threads import one_torch_thread
 from kvstore.events import BlockStored, EventBuffer
 from kvstore.keys import BlockKey
+from policies import BlockInfo
 
 log = logging.getLogger(__name__)
 
@@ -50,21 +51,19 @@ class OrderedWriter:
         self._slots = threading.BoundedSemaphore(max_pending)
 
     def submit(self, key: BlockKey, buf: torch.Tensor, done: Callable[[], None], wait: bool,
-               priority: int = 0) -> bool:
-        """Queue `buf` (valid until `done()` is called) for `key`, stored by a request of
-        `priority`. False, with `done()` already called, when `wait` is False and the queue is
-        full."""
+               info: BlockInfo) -> bool:
+        """Queue `buf` (valid until `done()` is called) for `key`, the block `info` describes.
+        False, with `done()` already called, when `wait` is False and the queue is full."""
         if not self._slots.acquire(blocking=wait):
             done()
             return False
-        self._io.submit(self._write, key, buf, done, priority)
+        self._io.submit(self._write, key, buf, done, info)
         return True
 
-    def _write(self, key: BlockKey, buf: torch.Tensor, done: Callable[[], None], priority: int) -> None:
+    def _write(self, key: BlockKey, buf: torch.Tensor, done: Callable[[], None], info: BlockInfo) -> None:
         try:
-            stored = self.backend.put([key], [memoryview(buf.numpy())])[0]
-            if stored:
-                self.backend.touch([key], priority)  # the storing request's priority reaches the tier's policy
+            # With its BlockInfo: the storing request's priority (and the rest) reaches the tier's policy.
+            stored = self.backend.put_blocks([key], [memoryview(buf.numpy())], [info])[0]
             if stored and self.events is not None:
                 # The tier's own evictions are internal to the backend and not reported (yet).
                 self.events.append(BlockStored([key], None, [], self.block_tokens, "DISK"))
@@ -116,11 +115,11 @@ class StorageTier:
             return self.remote.lookup(keys)  # one round trip
         return leading_hits(self.backend, keys, self.name)
 
-    def touch(self, keys: Sequence[BlockKey], priority: int) -> None:
-        """Tell the backend a request of `priority` used `keys`; a backend that fails at it
+    def touch(self, keys: Sequence[BlockKey], infos: Sequence[BlockInfo]) -> None:
+        """Tell the backend a request used `keys` (`touch_blocks`); a backend that fails at it
         costs a log line, not the load."""
         try:
-            self.backend.touch(keys, priority)
+            self.backend.touch_blocks(keys, infos)
         except Exception as e:  # a plugin may raise anything; the load it is part of goes on
             log.warning("%s touch failed: %s: %s", self.name, type(e).__name__, e)
 

@@ -101,7 +101,7 @@ class EngineCore:
         self.max_num_batched_tokens = step_token_budget(config, max_len)
         if model is None:
             model = load_model(model_dir, mc, backend, max_len, config.device, compiled=compiled)
-        self.pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy), config.enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy, num_blocks), config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, bs, layout)
         self.runner = ModelRunner(model, mc, num_blocks, bs, config.device, self.hidden_spec,
                                   group_decodes=backend.pads_decodes, max_rows=config.max_num_seqs,

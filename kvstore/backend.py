@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.keys import KEY_BYTES, BlockKey
+from policies import BlockInfo
 
 Buffer = Any  # bytes, bytearray, memoryview: anything exposing the buffer protocol
 
@@ -118,11 +119,38 @@ class StorageBackend(ABC):
         itself, like Redis)."""
         check_keys(keys)
 
+    def touch_blocks(self, keys: Sequence[BlockKey], infos: Sequence[BlockInfo]) -> None:
+        """`touch` with what kvtier knows of each use (`policies.BlockInfo`: the block's index in
+        its prompt, the key of the block before it, the using request's arrival, priority and
+        session), for a backend whose eviction policy uses more than the priority. kvtier calls
+        it once for every block a load took from this tier. The default calls `touch` with each
+        block's priority."""
+        check_infos(keys, infos)
+        for key, info in zip(keys, infos):
+            self.touch([key], info.priority)
+
+    def put_blocks(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer], infos: Sequence[BlockInfo]) -> list[bool]:
+        """`put` with what kvtier knows of each block (as in `touch_blocks`), which is how
+        kvtier writes to a tier. The default is `put`, then `touch_blocks` of the stored ones."""
+        check_infos(keys, infos)
+        stored = self.put(keys, blocks)
+        kept = [(k, i) for k, i, ok in zip(keys, infos, stored) if ok]
+        if kept:
+            self.touch_blocks([k for k, _ in kept], [i for _, i in kept])
+        return stored
+
     def __enter__(self) -> StorageBackend:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_infos(keys: Sequence[BlockKey], infos: Sequence[BlockInfo]) -> None:
+    """Validate a `touch_blocks` / `put_blocks` call's keys and infos."""
+    check_keys(keys)
+    if len(keys) != len(infos):
+        raise ValueError(f"got {len(keys)} keys but {len(infos)} block infos")
 
 
 def check_keys(keys: Sequence[BlockKey]) -> None:

@@ -36,12 +36,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.backend import BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_keys, check_outs
+from kvstore.backend import (BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_infos, check_keys,
+                             check_outs)
 # MAGIC, HEADER_SIZE and encode_header are also imported from here (the format's old home).
 from kvstore.entry import HEADER_SIZE, CorruptEntry, EntryCodec, EntryHeader, check_secret
 from kvstore.entry import MAGIC, encode_header  # noqa: F401  (re-exported)
 from kvstore.keys import KEY_BYTES, BlockKey
-from policies import make_policy
+from policies import BlockInfo, PolicySpecLike, check_candidates, make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +56,17 @@ class DiskConfig:
     root: Path
     capacity_bytes: int  # header + payload bytes of all entries
     namespace: bytes  # 16-byte model fingerprint digest
-    policy: str = "lru"
+    policy: PolicySpecLike = "lru"  # a policies.make_policy spec
     fsync: bool = False  # fsync file and directory per write: power-loss durability, slower
     retry_after_s: float = 30.0  # back-off before writing again after a write error
     # KV secret: entries carry keyed MACs and unkeyed ones are rejected (see kvstore.entry)
     secret: bytes | None = field(default=None, repr=False)
+    # A typical entry's payload bytes: the policy's capacity is capacity_bytes // (header + this)
+    # entries (approximate where entries differ, as with KV groups); None: unknown.
+    entry_bytes: int | None = None
+    # Reads count as uses. The connector turns it off: it reports each read that served a request
+    # through touch_blocks, with the block's metadata, so no use counts twice.
+    touch_on_read: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
@@ -70,6 +77,8 @@ class DiskConfig:
             raise ValueError(f"capacity_bytes must be >= 0, got {self.capacity_bytes}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.entry_bytes is not None and self.entry_bytes < 1:
+            raise ValueError(f"entry_bytes must be >= 1 or None, got {self.entry_bytes}")
 
 
 class DiskBackend(StorageBackend):
@@ -78,15 +87,17 @@ class DiskBackend(StorageBackend):
     name = "disk"  # its name in a tier stack (connectors.stack) and in /v1/kv/stats
 
     def __init__(
-        self, root: Path | str, capacity_bytes: int, namespace: bytes, policy: str = "lru",
+        self, root: Path | str, capacity_bytes: int, namespace: bytes, policy: PolicySpecLike = "lru",
         fsync: bool = False, retry_after_s: float = 30.0, secret: bytes | None = None,
+        entry_bytes: int | None = None, touch_on_read: bool = True,
     ) -> None:
-        self.config = DiskConfig(Path(root), capacity_bytes, namespace, policy, fsync, retry_after_s, secret)
+        self.config = DiskConfig(Path(root), capacity_bytes, namespace, policy, fsync, retry_after_s, secret,
+                                 entry_bytes, touch_on_read)
         self._codec = EntryCodec(secret)
         self.directory = self.config.root / namespace.hex()
         self.stats = BackendStats()
         self._dir = str(self.directory)
-        self._policy = make_policy(policy)
+        self._policy = make_policy(policy, None if entry_bytes is None else capacity_bytes // (HEADER_SIZE + entry_bytes))
         self._index: dict[BlockKey, int] = {}  # key -> file size (header + payload)
         self._used = 0  # bytes of indexed entries
         self._reserved = 0  # bytes claimed by writes in flight
@@ -130,7 +141,14 @@ class DiskBackend(StorageBackend):
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer]) -> list[bool]:
         views = check_blocks(keys, blocks)
         self._check_open()
-        return [self._store(k, v) for k, v in zip(keys, views)]
+        return [self._store(k, v, None) for k, v in zip(keys, views)]
+
+    def put_blocks(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer], infos: Sequence[BlockInfo]) -> list[bool]:
+        """`put`, the policy getting each block's BlockInfo at its insert (not a later touch)."""
+        check_infos(keys, infos)
+        views = check_blocks(keys, blocks)
+        self._check_open()
+        return [self._store(k, v, i) for k, v, i in zip(keys, views, infos)]
 
     def delete(self, keys: Sequence[BlockKey]) -> None:
         check_keys(keys)
@@ -162,9 +180,7 @@ class DiskBackend(StorageBackend):
                 raise RuntimeError(f"used_bytes {self._used} != {sum(self._index.values())} indexed")
             if self._reserved < 0 or self._used + self._reserved > self.config.capacity_bytes:
                 raise RuntimeError(f"{self._used} used + {self._reserved} reserved > {self.config.capacity_bytes}")
-            if len(self._policy) != len(self._index) or any(k not in self._policy for k in self._index):
-                raise RuntimeError("policy candidates differ from indexed keys")
-            self._policy.check_integrity()
+            check_candidates(self._policy, self._index.keys(), f"G3 {self._dir}")
 
     # ---- start-up --------------------------------------------------------------------
 
@@ -295,7 +311,7 @@ class DiskBackend(StorageBackend):
         with self._lock:
             self.stats.hits += 1
             self.stats.bytes_read += n
-            if key in self._policy:
+            if self.config.touch_on_read and key in self._policy:
                 self._policy.touch(key)
         return data if out is None else True
 
@@ -307,6 +323,15 @@ class DiskBackend(StorageBackend):
             for key in keys:
                 if key in self._policy:
                     self._policy.touch(key, priority)
+
+    def touch_blocks(self, keys: Sequence[BlockKey], infos: Sequence[BlockInfo]) -> None:
+        """Passes each use, with the block's metadata, to this tier's eviction policy."""
+        check_infos(keys, infos)
+        self._check_open()
+        with self._lock:
+            for key, info in zip(keys, infos):
+                if key in self._policy:
+                    self._policy.touch_block(key, info)
 
     def _vanished(self, key: BlockKey, path: str) -> None:
         # Removed behind our back (not by us: we unlink under the lock): a plain miss.
@@ -331,7 +356,7 @@ class DiskBackend(StorageBackend):
 
     # ---- writes ----------------------------------------------------------------------
 
-    def _store(self, key: BlockKey, view: memoryview) -> bool:
+    def _store(self, key: BlockKey, view: memoryview, info: BlockInfo | None) -> bool:
         size = HEADER_SIZE + view.nbytes
         if size > self.config.capacity_bytes:
             return False
@@ -358,11 +383,11 @@ class DiskBackend(StorageBackend):
                 _unlink_quietly(tmp)
                 return False
             old = self._index.get(key)
-            if old is None:
-                self._policy.insert(key)
-            else:
+            if old is not None:
                 self._used -= old
-                self._policy.touch(key)
+                self._policy.touch(key) if info is None else self._policy.touch_block(key, info)
+            else:
+                self._policy.insert(key) if info is None else self._policy.insert_block(key, info)
             self._index[key] = size
             self._used += size
             self.stats.bytes_written += view.nbytes  # payload bytes, as bytes_read counts them

@@ -20,7 +20,7 @@ import torch
 from kvstore.events import BlockRemoved, BlockStored, EventBuffer
 from kvstore.keys import BlockKey
 from kvstore.pinned import HostSlab
-from policies import EvictionPolicy
+from policies import BlockInfo, EvictionPolicy, check_candidates
 
 
 @dataclass
@@ -70,17 +70,21 @@ class HostTier:
         with self._lock:
             return key in self._slot or key in self._pending
 
-    def prepare_load(self, keys: Sequence[BlockKey], priority: int | None = None) -> list[int] | None:
-        """Pin and return the slots of `keys`; None (nothing pinned) if any is gone. The policy
-        sees a use of each, with the loading request's `priority` when given."""
+    def prepare_load(self, keys: Sequence[BlockKey], infos: Sequence[BlockInfo] | None = None) -> list[int] | None:
+        """Pin and return the slots of `keys`; None (nothing pinned) if any is gone. `infos`, one
+        per key: a request's load, each a use the policy sees (`touch_block`); None: a copy out
+        (to a tier below) that is no use."""
+        if infos is not None and len(infos) != len(keys):
+            raise ValueError(f"prepare_load got {len(keys)} keys but {len(infos)} infos")
         with self._lock:
             if any(k not in self._slot for k in keys):
                 return None
-            for k in keys:
+            for i, k in enumerate(keys):
+                if infos is not None:
+                    self.policy.touch_block(k, infos[i])
                 self._pins[k] = self._pins.get(k, 0) + 1
                 if self._pins[k] == 1:
                     self.policy.pin(k)
-                self.policy.touch(k, priority)
             return [self._slot[k] for k in keys]
 
     def complete_load(self, keys: Sequence[BlockKey]) -> None:
@@ -114,12 +118,17 @@ class HostTier:
             self._digest[key] = digest
             return slot
 
-    def complete_store(self, key: BlockKey, success: bool, priority: int = 0) -> None:
+    def complete_store(self, key: BlockKey, success: bool, info: BlockInfo | None = None) -> None:
+        """Publish (or, failed, free) the slot `prepare_store` reserved; `info`: the block as the
+        storing request knows it, for the policy (None: unknown)."""
         with self._lock:
             slot = self._pending.pop(key)
             if success:
                 self._slot[key] = slot
-                self.policy.insert(key, priority=priority)
+                if info is None:
+                    self.policy.insert(key)
+                else:
+                    self.policy.insert_block(key, info)
                 self.stats.bytes_in += self.slot_bytes
                 if self.events is not None:
                     self.events.append(BlockStored([key], None, [], self.block_tokens, "CPU"))
@@ -144,6 +153,4 @@ class HostTier:
                 raise RuntimeError("G2 leaked slots")
             if set(self._digest) != set(self._slot) | set(self._pending):
                 raise RuntimeError("G2 digests out of sync")
-            if len(self.policy) != len(self._slot) or any(k not in self.policy for k in self._slot):
-                raise RuntimeError("G2 policy out of sync with readable entries")
-            self.policy.check_integrity()
+            check_candidates(self.policy, self._slot.keys(), "G2")

@@ -15,14 +15,14 @@ from kvstore.backend import (
     check_outs,
 )
 from kvstore.keys import BlockKey
-from policies import make_policy
+from policies import PolicySpecLike, check_candidates, make_policy
 
 
 class MemoryBackend(StorageBackend):
     """A dict of immutable `bytes`, bounded by `capacity_bytes` of payload, evicting through
     an eviction policy (`lru` by default, or any `policies.make_policy` spec)."""
 
-    def __init__(self, capacity_bytes: int = 1 << 30, policy: str = "lru") -> None:
+    def __init__(self, capacity_bytes: int = 1 << 30, policy: PolicySpecLike = "lru") -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
@@ -137,6 +137,4 @@ class MemoryBackend(StorageBackend):
                 raise RuntimeError(f"used_bytes is {self._used}, entries hold {used}")
             if used > self.capacity_bytes:
                 raise RuntimeError(f"{used} bytes stored over capacity {self.capacity_bytes}")
-            if len(self._policy) != len(self._data) or any(k not in self._policy for k in self._data):
-                raise RuntimeError("policy candidates differ from stored keys")
-            self._policy.check_integrity()
+            check_candidates(self._policy, self._data.keys(), "MemoryBackend")

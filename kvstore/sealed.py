@@ -19,10 +19,12 @@ import hashlib
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 
-from kvstore.backend import BackendStats, Buffer, StorageBackend, check_blocks, check_keys, check_outs
+from kvstore.backend import BackendStats, Buffer, StorageBackend, check_blocks, check_infos, check_keys, check_outs
 from kvstore.entry import HEADER_SIZE, CorruptEntry, EntryCodec
 from kvstore.keys import KEY_BYTES, BlockKey
+from policies import BlockInfo
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +98,16 @@ class SealedBackend(StorageBackend):
         return filled
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer]) -> list[bool]:
+        return self._put(keys, blocks, None)
+
+    def put_blocks(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer], infos: Sequence[BlockInfo]) -> list[bool]:
+        return self._put(keys, blocks, self._inner_infos(keys, infos))
+
+    def _put(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer], infos: list[BlockInfo] | None) -> list[bool]:
         views = check_blocks(keys, blocks)
         entries = [self.codec.seal(self.namespace, k, v) + bytes(v) for k, v in zip(keys, views)]
-        stored = self.inner.put([self._inner_key(k) for k in keys], entries)
+        inner_keys = [self._inner_key(k) for k in keys]
+        stored = self.inner.put(inner_keys, entries) if infos is None else self.inner.put_blocks(inner_keys, entries, infos)
         with self._lock:
             for ok, v in zip(stored, views):
                 if ok:
@@ -114,6 +123,14 @@ class SealedBackend(StorageBackend):
     def touch(self, keys: Sequence[BlockKey], priority: int) -> None:
         check_keys(keys)
         self.inner.touch([self._inner_key(k) for k in keys], priority)
+
+    def touch_blocks(self, keys: Sequence[BlockKey], infos: Sequence[BlockInfo]) -> None:
+        self.inner.touch_blocks([self._inner_key(k) for k in keys], self._inner_infos(keys, infos))
+
+    def _inner_infos(self, keys: Sequence[BlockKey], infos: Sequence[BlockInfo]) -> list[BlockInfo]:
+        """`infos` with parents named as the inner backend names them."""
+        check_infos(keys, infos)
+        return [i if i.parent is None else replace(i, parent=self._inner_key(i.parent)) for i in infos]  # type: ignore[arg-type]
 
     def close(self) -> None:
         self.inner.close()
