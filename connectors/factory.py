@@ -18,6 +18,7 @@ from connectors.hidden_spec import HiddenStatesSpec
 from kvstore.events import EventBuffer
 from kvstore.g1 import BlockPool
 from plugins import load_plugin_class
+from policies import PolicySpecLike
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class ConnectorContext:
     layout: BlockLayout
     pool: BlockPool
     fingerprint: bytes  # 16-byte model identity digest (namespaces persistent tiers)
-    eviction_policy: str
+    eviction_policy: PolicySpecLike  # G1's; G2's and G3's unless their own keys say otherwise
     offloading_size_gib: float | None
     disk_path: str | None
     disk_size_gib: float
@@ -199,7 +200,7 @@ def _batched(name: str, backend: Any, min_uses: int) -> Any:
     return StorageTier.batched(name, RemoteTier(backend, name=name, min_uses=min_uses))
 
 
-def _host(ctx: ConnectorContext, size_gib: float, policy: str | None) -> Any:
+def _host(ctx: ConnectorContext, size_gib: float, policy: PolicySpecLike | None) -> Any:
     from kvstore.host import HostTier
     from policies import make_policy
 
@@ -213,7 +214,7 @@ def _host(ctx: ConnectorContext, size_gib: float, policy: str | None) -> Any:
     return g2
 
 
-def _disk(ctx: ConnectorContext, path: Path, size_gib: float, policy: str | None) -> Any:
+def _disk(ctx: ConnectorContext, path: Path, size_gib: float, policy: PolicySpecLike | None) -> Any:
     from kvstore.disk import DiskBackend
 
     # The connector tells G3's policy of each read it used (touch_blocks), so reads are not uses.

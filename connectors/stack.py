@@ -17,7 +17,9 @@ for disks and most plugins) or `batched` (one round trip per batch, writes after
 uses: the default for `redis`); `"mode"` overrides it (`connectors.storage_tier`).
 
 Every key is checked: an unknown one, an unknown backend, or options a backend refuses raise
-ValueError naming it.
+ValueError naming it. Eviction policies (`g2_eviction_policy`, `g3_eviction_policy`, a `host` or
+`disk` tier's `eviction_policy`) are `policies.make_policy` specs, a name or
+`{"name": ..., "options": {...}}`, built once to check them. G4 has none: Redis evicts.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from policies import check_policy
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,10 @@ _BUILTIN_OPTIONS = {
     "redis": {"url", "prefix", "ttl_s", "timeout_s"},
 }
 MAX_STORAGE_TIERS = 6  # G3..G8: a sanity bound, not a design limit
+POLICY_OPTION = "eviction_policy"
+NO_G4_POLICY = ("G4 (Redis/Valkey) takes no eviction policy: the server evicts, by its maxmemory-policy (e.g. "
+                "allkeys-lru or allkeys-lfu), because replicas share the store and one client cannot see the "
+                "others' accesses")
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,8 @@ def check_extra_keys(extra: dict[str, Any], flag_tiers: set[str]) -> None:
     flags did not set up (it would be ignored), or for mixing the two forms. `flag_tiers`: which
     of "g2", "g3", "g4" the flags configure."""
     known = set(FLAG_STACK_KEYS) | CONNECTOR_KEYS | {TIERS_KEY}
+    if "g4_eviction_policy" in extra:
+        raise ValueError(f"kv_connector_extra_config.g4_eviction_policy: {NO_G4_POLICY}")
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown} for the tiered offload connector; "
@@ -107,6 +117,9 @@ def check_extra_keys(extra: dict[str, Any], flag_tiers: set[str]) -> None:
     if idle and TIERS_KEY not in extra:
         raise ValueError(f"{idle} tune tier(s) that are not configured: set "
                          f"{sorted({FLAG_TIER_SOURCE[k[:2]] for k in idle})} or drop them")
+    for key in ("g2_eviction_policy", "g3_eviction_policy"):
+        if key in extra:
+            check_policy(extra[key], f"kv_connector_extra_config.{key}")
 
 
 def parse_stack(raw: Any) -> StackSpec:
@@ -143,6 +156,8 @@ def _storage_spec(name: str, spec: TierSpec) -> StorageSpec:
 
 
 def check_builtin_options(spec: TierSpec, options: dict[str, Any], required: tuple[str, ...]) -> None:
+    if spec.backend == "redis" and POLICY_OPTION in options:
+        raise ValueError(f"the 'redis' tier's {POLICY_OPTION}: {NO_G4_POLICY}")
     allowed = _BUILTIN_OPTIONS[spec.backend]
     unknown = sorted(set(options) - allowed)
     if unknown:
@@ -150,6 +165,8 @@ def check_builtin_options(spec: TierSpec, options: dict[str, Any], required: tup
     missing = [k for k in required if k not in options]
     if missing:
         raise ValueError(f"the {spec.backend!r} tier needs {missing}")
+    if POLICY_OPTION in options:
+        check_policy(options[POLICY_OPTION], f"the {spec.backend!r} tier's {POLICY_OPTION}")
 
 
 REQUIRED = {HOST: ("size_gib",), "disk": ("path",), "redis": ("url",)}

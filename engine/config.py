@@ -20,6 +20,7 @@ import torch
 from connectors.hidden_spec import HiddenStatesSpec
 from engine.spec_config import SpeculativeConfig, parse_speculative_config
 from engine.thinking import ReasoningConfig
+from policies import check_policy
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +235,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
-    kv_eviction_policy: str = "lru"
+    # G1's eviction policy: a name, an entry point, module:Class, or {"name": ..., "options": {...}}
+    # (also as a JSON string); G2 and G3 take it too unless their own keys say otherwise.
+    kv_eviction_policy: str | dict[str, Any] = "lru"
     # vLLM's --kv-cache-dtype: auto (the weights' dtype), bfloat16 or float16 (KV_CACHE_DTYPES).
     kv_cache_dtype: str = "auto"
     seed: int = 0
@@ -307,6 +310,7 @@ class EngineConfig:
             from kvstore.remote import check_url
 
             check_url(self.kv_offload_remote)  # before any weights load
+        check_policy(self.kv_eviction_policy, "kv_eviction_policy")  # before any weights load
         parse_speculative_config(self.speculative_config)  # validates
         ReasoningConfig.from_dict(self.reasoning_config)  # validates
         if self.kv_namespace is not None:

@@ -40,7 +40,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         scheduling_policy: str = "fcfs",
-        kv_eviction_policy: str = "lru",
+        kv_eviction_policy: str | dict[str, Any] = "lru",
         kv_cache_dtype: str = "auto",
         seed: int = 0,
         device: str = "auto",

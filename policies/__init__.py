@@ -5,7 +5,8 @@ from policies.lru import LRUPolicy
 from policies.pins import PinnedAside, as_lookup, check_candidates, check_count
 from policies.priority import PriorityPolicy
 from policies.turn_lru import TurnLRUPolicy
-from policies.registry import PolicySpec, PolicySpecLike, available_policies, make_policy
+from policies.registry import PolicySpec, PolicySpecLike, available_policies, check_policy, make_policy
 
 __all__ = ["BlockInfo", "EvictionPolicy", "LRUPolicy", "PinnedAside", "PolicySpec", "PolicySpecLike", "PriorityPolicy",
-           "TurnLRUPolicy", "as_lookup", "available_policies", "check_candidates", "check_count", "make_policy"]
+           "TurnLRUPolicy", "as_lookup", "available_policies", "check_candidates", "check_count", "check_policy",
+           "make_policy"]

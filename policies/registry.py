@@ -85,4 +85,17 @@ def make_policy(spec: PolicySpecLike, capacity: int | None = None) -> EvictionPo
     `{"name", "options"}` spec (see the module docstring); ValueError if the name cannot be
     resolved or the policy refuses the options."""
     parsed = PolicySpec.parse(spec)
-    return load_policy_class(parsed.name).from_config(capacity, parsed.options)
+    cls = load_policy_class(parsed.name)
+    try:
+        return cls.from_config(capacity, parsed.options)
+    except TypeError as e:  # an option of the wrong type, met by a from_config that does not check it
+        raise ValueError(f"eviction policy {parsed.name!r} rejected its options {dict(parsed.options)}: {e}") from None
+
+
+def check_policy(spec: PolicySpecLike, where: str) -> None:
+    """Build `spec`'s policy once, its tier's size unknown, to check its name and options before
+    anything runs; ValueError prefixed with `where` (the flag or key that gave it)."""
+    try:
+        make_policy(spec)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None

@@ -8,6 +8,7 @@ import argparse
 from typing import Any
 
 from engine.config import KV_CACHE_DTYPES, check_kv_cache_dtype
+from policies import available_policies
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -66,9 +67,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "fp8/int8 are not supported (default: %(default)s)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="admission order: first come first served, or by request priority (lower first)")
-    g.add_argument("--kv-eviction-policy", default="lru",
-                   help="G1 eviction policy: lru, priority, a kvtier.policies entry point, or module:Class "
-                        "(default: %(default)s)")
+    g.add_argument("--kv-eviction-policy", default="lru", metavar="NAME|JSON",
+                   help="G1 eviction policy: a built-in (" + ", ".join(available_policies()) + "), a "
+                        'kvtier.policies entry point or module:Class, or JSON with options: \'{"name": NAME, '
+                        '"options": {...}}\'. G2 and G3 use it too unless kv_connector_extra_config sets '
+                        "g2_eviction_policy / g3_eviction_policy (or a tier's eviction_policy) (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: %(default)s)")
     o = p.add_argument_group("KV offload (G2 host memory, G3 disk, G4 Redis/Valkey)")
     o.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",

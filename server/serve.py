@@ -191,6 +191,9 @@ def main(argv: list[str]) -> int:
         for key in ("kv_transfer_config", "kv_events_config", "speculative_config", "reasoning_config"):
             kwargs[key] = _parse_json(kwargs[key], key)
         kwargs["reasoning_config"] = reasoning_config(ns.reasoning_parser, kwargs["reasoning_config"])
+        from policies import check_policy
+
+        check_policy(kwargs["kv_eviction_policy"], "--kv-eviction-policy")
         from connectors.factory import check_transfer_config, flag_tiers
 
         check_transfer_config(kwargs["kv_transfer_config"], flag_tiers(

@@ -147,6 +147,16 @@ BAD_STACKS = [
     ({"tiers": [plugin_tier(Path(f"/tmp/{i}")) for i in range(7)]}, "at most 6"),
     ({"tiers": []}, "non-empty"),
     ({"tiers": [{"size_gib": 1}]}, "backend"),
+    # Eviction policies (issue 18): built once up front, the message naming the tier and the policy.
+    ({"tiers": [{"backend": "host", "size_gib": 1, "eviction_policy": "nope"}]},
+     "'host' tier's eviction_policy: unknown eviction policy 'nope'"),
+    ({"tiers": [{"backend": "disk", "path": "/tmp/x", "eviction_policy": {"name": "lru", "options": {"k": 1}}}]},
+     "'disk' tier's eviction_policy: eviction policy 'lru' takes no options"),
+    ({"tiers": [{"backend": "disk", "path": "/tmp/x", "eviction_policy": '{"name": "lru", "opts": 1}'}]},
+     "unknown key.*'opts'"),
+    ({"tiers": [{"backend": "redis", "url": "redis://localhost:1", "eviction_policy": "lru"}]},
+     "'redis' tier's eviction_policy: G4 .* maxmemory-policy"),
+    ({"g4_eviction_policy": "lru"}, "g4_eviction_policy: G4 .*allkeys-lfu"),
 ]
 
 
@@ -166,6 +176,13 @@ def test_flat_extra_keys_are_checked_too(model_dir, tmp_path):
         offload_llm(model_dir, kv_transfer_config={"kv_connector_extra_config": {"backend": "sqlite"}})
     with pytest.raises(ValueError, match="no kv_connector"):
         offload_llm(model_dir, kv_transfer_config={"kv_connector_extra_config": {"write_policy": "write_back"}})
+    # Per-tier policies are checked up front, in both forms, naming the key.
+    for policy, named in (("lfu-ish", "g3_eviction_policy: unknown eviction policy 'lfu-ish'"),
+                          ({"name": "priority", "options": {"depth": 1}}, "g3_eviction_policy: .*'priority' takes no"),
+                          ('{"name": "lru"', "g3_eviction_policy: .*not valid JSON")):
+        tc = {"kv_connector": "TieredOffloadConnector", "kv_connector_extra_config": {"g3_eviction_policy": policy}}
+        with pytest.raises(ValueError, match=named):
+            offload_llm(model_dir, kv_offload_disk=str(tmp_path / "d"), kv_transfer_config=tc)
     # A flat key tuning a tier the flags did not set up would be ignored: refused, naming it.
     tc = {"kv_connector": "TieredOffloadConnector", "kv_connector_extra_config": {"g4_min_uses": 2}}
     with pytest.raises(ValueError, match="g4_min_uses.*kv_offload_remote"):
@@ -174,6 +191,23 @@ def test_flat_extra_keys_are_checked_too(model_dir, tmp_path):
     tc = {"kv_connector": "TieredOffloadConnector", "kv_connector_extra_config": {"tiers": [plugin_tier(tmp_path)]}}
     with pytest.raises(ValueError, match="not both"):
         offload_llm(model_dir, kv_offloading_size=0.05, kv_transfer_config=tc)
+
+
+def test_tiers_take_their_own_eviction_policies(model_dir, tmp_path):
+    """Issue 18: G2 and G3 each get the policy their tier entry names (mapping or JSON form),
+    whatever G1's is."""
+    from policies import LRUPolicy, PriorityPolicy
+
+    tiers = [{"backend": "host", "size_gib": 0.05, "eviction_policy": {"name": "priority"}},
+             {"backend": "disk", "path": str(tmp_path / "d"), "eviction_policy": '{"name": "lru", "options": {}}'}]
+    llm = stack_llm(model_dir, tiers, kv_eviction_policy='{"name": "priority"}')
+    try:
+        conn = llm.engine.connector
+        assert type(llm.engine.pool.policy) is PriorityPolicy
+        assert type(conn.g2.policy) is PriorityPolicy
+        assert type(conn.tier("G3").backend._policy) is LRUPolicy
+    finally:
+        llm.close()
 
 
 def test_bad_backend_option_value_is_a_start_up_error(model_dir, tmp_path):
@@ -189,6 +223,9 @@ def test_serve_refuses_a_bad_stack_before_starting(model_dir, tmp_path):
     repo = Path(__file__).resolve().parents[2]
     for extra, named in ((({"tiers": [{"backend": "no-such-backend"}]}), "no-such-backend"),
                          ({"tiers": [{"backend": PLUGIN, "rot": "x"}]}, "rot"),
+                         ({"tiers": [{"backend": "host", "size_gib": 1, "eviction_policy": {"name": "nope"}}]}, "'nope'"),
+                         ({"tiers": [{"backend": "redis", "url": "redis://localhost:1", "eviction_policy": "lru"}]},
+                          "maxmemory-policy"),
                          ({"bogus_key": 1}, "bogus_key")):
         tc = {"kv_connector": "TieredOffloadConnector", "kv_connector_extra_config": extra}
         proc = subprocess.run([sys.executable, "-m", "server.cli", "serve", str(model_dir), "--port", "0",

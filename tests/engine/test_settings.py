@@ -51,6 +51,9 @@ CASES = {
     # 8 prompts of 40 tokens (3 blocks each, 24 in all) fit together; growing to 88 tokens
     # (6 blocks each, 48) does not fit in 30 blocks: running requests must be preempted.
     "preempt_many_short": (dict(num_gpu_blocks=30), "many_short", 48, True),
+    # G1 keeps held blocks pinned in its policy (issue 18): the same under another policy, given as JSON.
+    "preempt_many_short_priority_eviction": (dict(num_gpu_blocks=30, kv_eviction_policy='{"name": "priority"}'),
+                                             "many_short", 48, True),
     # 3 prompts of 160 tokens (10 blocks) growing to 256 (16 blocks); 24 blocks hold ~1.5
     # finished requests: two start, and the second is preempted as they grow.
     "preempt_long": (dict(num_gpu_blocks=24), "few_long", 96, True),
@@ -145,3 +148,15 @@ def test_per_request_sampling_params(ckpt_dir, oracle):
     finally:
         del llm
         gc.collect()
+
+
+def test_kv_eviction_policy_is_checked_before_any_weights_load(tmp_path):
+    """A name, a mapping or its JSON; a bad one is a ValueError naming the setting and the problem."""
+    from engine.config import EngineConfig
+
+    for good in ("priority", {"name": "lru"}, '{"name": "lru", "options": {}}'):
+        assert EngineConfig(model=str(tmp_path), kv_eviction_policy=good).kv_eviction_policy == good
+    for bad, named in (("nope", "unknown eviction policy 'nope'"), ({"name": "lru", "options": {"x": 1}}, "takes no options"),
+                       ({"nme": "lru"}, "unknown key")):
+        with pytest.raises(ValueError, match=f"kv_eviction_policy: .*{named}"):
+            EngineConfig(model=str(tmp_path), kv_eviction_policy=bad)

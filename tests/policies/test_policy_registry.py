@@ -190,3 +190,13 @@ def test_old_style_plugin_loads_and_refuses_options() -> None:
     assert policy.evict(1) == ["a"]
     with pytest.raises(ValueError, match=r"'mru' takes no options; got \['k'\]"):
         make_policy({"name": f"{THIS}:NewestFirstPolicy", "options": {"k": 1}})
+
+
+def test_check_policy_names_where_the_spec_came_from() -> None:
+    from policies import check_policy
+
+    check_policy('{"name": "lru"}', "--flag")  # a good spec: nothing to say
+    with pytest.raises(ValueError, match=r"^--flag: unknown eviction policy 'nope'"):
+        check_policy("nope", "--flag")
+    with pytest.raises(ValueError, match=r"^g2_eviction_policy: .*'ghost'"):  # a TypeError in from_config too
+        check_policy({"name": f"{THIS}:SizedPolicy", "options": {"ghost": None}}, "g2_eviction_policy")

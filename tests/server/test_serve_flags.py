@@ -119,6 +119,13 @@ def test_bad_flags_exit_2_with_a_message(ckpt_dir, tmp_path):
         ([model, "-sc", json.dumps({"method": "draft_model", "num_speculative_tokens": 2,
                                     "model": str(tmp_path / "nowhere")}), "--num-gpu-blocks", "64"], "nowhere"),
         ([model, "--kv-eviction-policy", "no_such_policy", "--num-gpu-blocks", "64"], "no_such_policy"),
+        ([model, "--kv-eviction-policy", '{"name": "lru", "options": {"ghosts": 4}}'],
+         "--kv-eviction-policy: eviction policy 'lru' takes no options; got ['ghosts']"),
+        ([model, "--kv-eviction-policy", '{"name": "lru"'], "--kv-eviction-policy: eviction policy"),
+        ([model, "--kv-offload-remote", "redis://localhost:1", "--kv-transfer-config",
+          '{"kv_connector_extra_config": {"g4_eviction_policy": "lru"}}'], "maxmemory-policy"),
+        ([model, "--kv-offloading-size", "1", "--kv-transfer-config",
+          '{"kv_connector_extra_config": {"g2_eviction_policy": {"name": "nope"}}}'], "g2_eviction_policy"),
         ([str(tmp_path / "missing")], "does not exist"),
         ([model, "--port", "70000"], "--port"),
     ]:
