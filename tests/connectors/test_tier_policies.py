@@ -9,53 +9,12 @@ import json
 from checkpoints import random_prompt
 from kvstore.keys import chain_keys
 from offload_helpers import OB, g2_gib, greedy, offload_llm
-from policies import BlockInfo, LRUPolicy
+from policies import BlockInfo
+from recording_policy import RecordingLRU
 
 PROMPT = random_prompt(5 * OB + 10, 7301)
 SALT = "session-7"
 CHUNKS = 5  # offload blocks of the prompt (and of what a rerun loads)
-
-
-class Recording(LRUPolicy):
-    """LRU that records what its tier calls, tagged by an option."""
-
-    name = "recording"
-    made: list[Recording] = []
-
-    def __init__(self, tag: str, capacity: int | None) -> None:
-        super().__init__()
-        self.tag, self.capacity, self.calls = tag, capacity, []
-
-    @classmethod
-    def from_config(cls, capacity, options):  # type: ignore[no-untyped-def]
-        policy = cls(str(options["tag"]), capacity)
-        cls.made.append(policy)
-        return policy
-
-    def insert(self, key, priority=0):  # type: ignore[no-untyped-def]
-        self.calls.append(("insert", key, priority))
-        super().insert(key, priority)
-
-    def touch(self, key, priority=None):  # type: ignore[no-untyped-def]
-        self.calls.append(("touch", key, priority))
-        super().touch(key, priority)
-
-    def insert_block(self, key, info):  # type: ignore[no-untyped-def]
-        self.calls.append(("insert_block", key, info))
-        LRUPolicy.insert(self, key)
-
-    def touch_block(self, key, info):  # type: ignore[no-untyped-def]
-        self.calls.append(("touch_block", key, info))
-        LRUPolicy.touch(self, key)
-
-    def of(self, kind: str, keys: list[bytes]) -> list[BlockInfo]:
-        """The infos `kind` calls got for `keys`, in call order."""
-        return [c[2] for c in self.calls if c[0] == kind and c[1] in keys]
-
-
-def policy(tag: str) -> Recording:
-    """The tier's policy: the last one made with `tag` (start-up checks build one first)."""
-    return [p for p in Recording.made if p.tag == tag][-1]
 
 
 def chunk_keys() -> list[bytes]:
@@ -69,17 +28,17 @@ def expected(keys: list[bytes], arrival: float, priority: int) -> list[BlockInfo
 
 
 def spec(tag: str) -> dict:
-    return {"name": f"{__name__}:Recording", "options": {"tag": tag}}
+    return {"name": "recording_policy:RecordingLRU", "options": {"tag": tag}}
 
 
 def test_g2_and_g3_policies_see_block_infos_and_every_reuse(model_dir, tmp_path):
-    Recording.made.clear()
+    RecordingLRU.made.clear()
     keys = chunk_keys()
     extra = {"g2_eviction_policy": spec("g2"), "g3_eviction_policy": json.dumps(spec("g3"))}
     llm = offload_llm(model_dir, kv_offloading_size=g2_gib(model_dir, 16), kv_offload_disk=str(tmp_path / "g3"),
                       kv_transfer_config={"kv_connector_extra_config": extra})
     try:
-        g2, g3 = policy("g2"), policy("g3")
+        g2, g3 = RecordingLRU.tagged("g2"), RecordingLRU.tagged("g3")
         assert g2.capacity == 16
         assert g3.capacity is not None and g3.capacity > 16  # 10 GiB of blocks: approximate, but a count
         llm.generate([{"prompt_token_ids": PROMPT}], greedy(), priority=[3], cache_salt=SALT, use_tqdm=False)
@@ -106,7 +65,7 @@ def test_g2_and_g3_policies_see_block_infos_and_every_reuse(model_dir, tmp_path)
     try:
         out = llm.generate([{"prompt_token_ids": PROMPT}], greedy(), priority=[2], cache_salt=SALT, use_tqdm=False)
         assert out[0].cached_tokens_by_tier.get("G3") == 5 * OB
-        g3 = policy("g3-again")
+        g3 = RecordingLRU.tagged("g3-again")
         touched = g3.of("touch_block", keys)
         assert touched == expected(keys, touched[0].arrival, 2)
         assert [c[0] for c in g3.calls if c[1] in keys] == ["insert"] * CHUNKS + ["touch_block"] * CHUNKS  # scan, reads

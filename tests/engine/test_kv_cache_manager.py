@@ -7,27 +7,10 @@ from engine.kv_groups import KVLayout
 from engine.request import Request, RequestId
 from engine.sampling_params import SamplingParams
 from kvstore.g1 import BlockPool
-from policies import BlockInfo, LRUPolicy
+from policies import BlockInfo
+from recording_policy import RecordingLRU
 
 BS = 4
-
-
-class Recording(LRUPolicy):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple] = []
-
-    def insert_block(self, key, info):  # type: ignore[no-untyped-def]
-        self.calls.append(("insert_block", key, info))
-        super().insert_block(key, info)
-
-    def touch_block(self, key, info):  # type: ignore[no-untyped-def]
-        self.calls.append(("touch_block", key, info))
-        super().touch_block(key, info)
-
-    def pin(self, key):  # type: ignore[no-untyped-def]
-        self.calls.append(("pin", key))
-        super().pin(key)
 
 
 def _request(rid: str, tokens: list[int], **kw) -> Request:  # type: ignore[no-untyped-def]
@@ -35,7 +18,7 @@ def _request(rid: str, tokens: list[int], **kw) -> Request:  # type: ignore[no-u
 
 
 def test_cached_and_hit_blocks_carry_their_depth_parent_and_request():
-    policy = Recording()
+    policy = RecordingLRU()
     pool = BlockPool(16, policy)
     kv = KVCacheManager(pool, BS, KVLayout.single(1))
     tokens = list(range(1, 3 * BS + 2))  # three full blocks and one token

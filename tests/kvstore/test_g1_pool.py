@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvstore.g1 import BlockPool
 from kvstore.keys import ROOT_KEY, block_key, chain_keys
 from policies import BlockInfo, LRUPolicy, make_policy
+from recording_policy import RecordingLRU
 
 
 def test_chain_keys_are_stable_and_chained():
@@ -141,37 +142,6 @@ def test_check_integrity_catches_corruption():
 
 
 # --- the policy keeps a cached block across uses (issue 18) -------------------------------
-
-
-class RecordingLRU(LRUPolicy):
-    """LRU that records the calls G1 makes, with the BlockInfo where there is one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple] = []
-
-    def insert_block(self, key, info):  # type: ignore[no-untyped-def]
-        self.calls.append(("insert_block", key, info))
-        super().insert_block(key, info)
-
-    def touch_block(self, key, info):  # type: ignore[no-untyped-def]
-        self.calls.append(("touch_block", key, info))
-        super().touch_block(key, info)
-
-    def remove(self, key):  # type: ignore[no-untyped-def]
-        self.calls.append(("remove", key))
-        super().remove(key)
-
-    def pin(self, key):  # type: ignore[no-untyped-def]
-        self.calls.append(("pin", key))
-        super().pin(key)
-
-    def unpin(self, key):  # type: ignore[no-untyped-def]
-        self.calls.append(("unpin", key))
-        super().unpin(key)
-
-    def names(self) -> list[tuple]:
-        return [c[:2] for c in self.calls]
 
 
 def _cached_prompt(pool: BlockPool, n: int, info=lambda i: BlockInfo(depth=i)) -> list[int]:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvstore.host import HostTier
-from policies import BlockInfo, LRUPolicy, make_policy
+from policies import BlockInfo, make_policy
+from recording_policy import RecordingLRU
 
 
 def key(i: int) -> bytes:
@@ -69,40 +70,8 @@ def test_disk_tier_keeps_the_block_an_urgent_request_used(tmp_path):
 # --- BlockInfo reaches G2's and G3's policies (issue 18) ----------------------------------
 
 
-class Recording(LRUPolicy):
-    """LRU that records what its tier calls; the last one made is `Recording.last`."""
-
-    name = "recording"
-    last: Recording | None = None
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple] = []
-        Recording.last = self
-
-    def insert(self, key, priority=0):  # type: ignore[no-untyped-def]
-        self.calls.append(("insert", key))
-        super().insert(key, priority)
-
-    def touch(self, key, priority=None):  # type: ignore[no-untyped-def]
-        self.calls.append(("touch", key, priority))
-        super().touch(key, priority)
-
-    def insert_block(self, key, info):  # type: ignore[no-untyped-def]
-        self.calls.append(("insert_block", key, info))
-        LRUPolicy.insert(self, key)
-
-    def touch_block(self, key, info):  # type: ignore[no-untyped-def]
-        self.calls.append(("touch_block", key, info))
-        LRUPolicy.touch(self, key)
-
-    def pin(self, key):  # type: ignore[no-untyped-def]
-        self.calls.append(("pin", key))
-        super().pin(key)
-
-
 def test_g2_inserts_with_the_info_and_a_load_touches_before_it_pins():
-    rec = Recording()
+    rec = RecordingLRU()
     g2 = HostTier(4, 64, rec)
     info = BlockInfo(depth=1, parent=key(0), arrival=2.0, priority=4, session="s")
     assert g2.prepare_store(key(1), b"d" * 16) is not None
@@ -113,19 +82,20 @@ def test_g2_inserts_with_the_info_and_a_load_touches_before_it_pins():
     assert g2.prepare_load([key(1)]) is not None  # a copy to a tier below: no use
     g2.complete_load([key(1)])
     assert rec.calls == [("insert_block", key(1), info), ("touch_block", key(1), use), ("pin", key(1)),
-                         ("pin", key(1))]
+                         ("unpin", key(1)), ("pin", key(1)), ("unpin", key(1))]
     g2.check_integrity()
 
 
 def test_g3_takes_infos_with_writes_and_uses_and_reads_are_no_uses_when_told(tmp_path):
     from kvstore.disk import DiskBackend
+    from kvstore.entry import HEADER_SIZE
     from kvstore.sealed import SealedBackend
 
     ns = bytes(range(16))
-    spec = f"{__name__}:Recording"
+    spec = "recording_policy:RecordingLRU"
     disk = DiskBackend(tmp_path / "a", 10_000, ns, policy=spec, entry_bytes=1000, touch_on_read=False)
-    rec = Recording.last
-    assert rec is not None
+    rec = RecordingLRU.made[-1]
+    assert rec.capacity == 10_000 // (HEADER_SIZE + 1000)
     first, second = BlockInfo(depth=0, priority=2), BlockInfo(depth=1, parent=key(1), priority=2)
     assert disk.put_blocks([key(1), key(2)], [b"x" * 1000] * 2, [first, second]) == [True, True]
     assert disk.get([key(2)]) == [b"x" * 1000]  # not a use: the connector reports uses
@@ -138,13 +108,13 @@ def test_g3_takes_infos_with_writes_and_uses_and_reads_are_no_uses_when_told(tmp
     plain = DiskBackend(tmp_path / "b", 10_000, ns, policy=spec)  # as a standalone store: reads are uses
     plain.put([key(1)], [b"y"])
     plain.get([key(1)])
-    assert Recording.last.calls == [("insert", key(1)), ("touch", key(1), None)]  # type: ignore[union-attr]
+    assert RecordingLRU.made[-1].calls == [("insert", key(1), 0), ("touch", key(1), None)]
     plain.close()
 
     inner = DiskBackend(tmp_path / "c", 10_000, ns, policy=spec, touch_on_read=False)
     sealed = SealedBackend(inner, ns)
     assert sealed.put_blocks([key(2)], [b"z"], [second]) == [True]
-    (call,) = Recording.last.calls  # type: ignore[union-attr]
+    (call,) = RecordingLRU.made[-1].calls
     # The inner backend sees its own key names, for the block and for its parent.
     assert call == ("insert_block", sealed._inner_key(key(2)), BlockInfo(depth=1, parent=sealed._inner_key(key(1)),
                                                                           priority=2))

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from policies import BlockInfo, LRUPolicy, PriorityPolicy
+from policies import BlockInfo, EvictionPolicy, LRUPolicy, PriorityPolicy
+from recording_policy import RecordingLRU
 
 
 def test_block_info_defaults_and_validation() -> None:
@@ -27,31 +28,15 @@ def test_from_config_default_takes_no_options(cls: type) -> None:
         cls.from_config(128, {"beta": 1, "alpha": 2})
 
 
-class Recorder(LRUPolicy):
-    """Records the plain calls the default insert_block/touch_block make."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple] = []
-
-    def insert(self, key, priority=0):  # type: ignore[no-untyped-def]
-        self.calls.append(("insert", key, priority))
-        super().insert(key, priority)
-
-    def touch(self, key, priority=None):  # type: ignore[no-untyped-def]
-        self.calls.append(("touch", key, priority))
-        super().touch(key, priority)
-
-
 def test_block_calls_default_to_the_plain_ones_with_the_priority() -> None:
-    policy = Recorder()
-    policy.insert_block("a", BlockInfo(depth=2, parent="p", arrival=1.5, priority=3, session="s"))
-    policy.touch_block("a", BlockInfo(priority=-1))
+    policy = RecordingLRU()  # records the plain calls; the defaults under test are EvictionPolicy's
+    EvictionPolicy.insert_block(policy, "a", BlockInfo(depth=2, parent="p", arrival=1.5, priority=3, session="s"))
+    EvictionPolicy.touch_block(policy, "a", BlockInfo(priority=-1))
     assert policy.calls == [("insert", "a", 3), ("touch", "a", -1)]
     with pytest.raises(ValueError):
-        policy.insert_block("a", BlockInfo())
+        EvictionPolicy.insert_block(policy, "a", BlockInfo())
     with pytest.raises(KeyError):
-        policy.touch_block("zz", BlockInfo())
+        EvictionPolicy.touch_block(policy, "zz", BlockInfo())
 
 
 def test_priority_policy_ranks_by_block_info_priority() -> None:
