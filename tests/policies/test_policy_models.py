@@ -152,6 +152,13 @@ class PolicyMachine(RuleBasedStateMachine):
         self._both("unpin", self._key(data, present=True))
 
     @rule(data=st.data())
+    def hold(self, data: st.DataObject) -> None:
+        """A block a request holds and lets go (G1 pins a prefix hit until its release)."""
+        key = self._key(data, present=True)
+        self._both("pin", key)
+        self._both("unpin", key)
+
+    @rule(data=st.data())
     def evict(self, data: st.DataObject) -> None:
         present = [k for k in KEYS if k in self.model]
         pool = st.sampled_from(present + [99]) if present else st.just(99)
