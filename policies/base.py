@@ -9,8 +9,8 @@ copy holds it, `remove` when it stops being a candidate, and `evict` when it nee
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Hashable, Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Hashable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import ClassVar, Generic, Self, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -89,6 +89,24 @@ class EvictionPolicy(ABC, Generic[K]):
         `touch(key, info.priority)`."""
         self.touch(key, info.priority)
 
+    def insert_blocks(self, keys: Sequence[K], info: BlockInfo) -> None:
+        """Insert a run of one prompt's consecutive blocks in one call (a request's new blocks):
+        `keys[0]` is the block `info` describes, `keys[i]` sits at depth `info.depth + i` with
+        parent `keys[i - 1]`. Ranked as just used, the deepest to go first: a block is no use
+        once its parent is gone. ValueError, changing nothing, if a key is present or repeated.
+        The default calls `insert_block` per key, deepest first."""
+        check_run(self, keys, present=False)
+        for i in range(len(keys) - 1, -1, -1):
+            self.insert_block(keys[i], _nth(info, keys, i))
+
+    def touch_blocks(self, keys: Sequence[K], info: BlockInfo) -> None:
+        """`touch_block` for a run laid out as in `insert_blocks` (a request's prefix hit).
+        KeyError, changing nothing, if a key is absent. The default calls `touch_block` per
+        key, deepest first."""
+        check_run(self, keys, present=True)
+        for i in range(len(keys) - 1, -1, -1):
+            self.touch_block(keys[i], _nth(info, keys, i))
+
     @abstractmethod
     def remove(self, key: K) -> None:
         """Drop `key` from the candidates, clearing its pin. Raises KeyError if absent."""
@@ -129,3 +147,18 @@ class EvictionPolicy(ABC, Generic[K]):
     def check_integrity(self) -> None:
         """Verify internal invariants; raise RuntimeError (never AssertionError, so it
         still works under `python -O`) if any is broken. O(n); meant for tests."""
+
+
+def check_run(policy: EvictionPolicy[K], keys: Sequence[K], present: bool) -> None:
+    """`insert_blocks`'s ValueError (a key present or repeated) or, with `present`,
+    `touch_blocks`' KeyError (a key absent), before anything changes."""
+    if present:
+        missing = [k for k in keys if k not in policy]
+        if missing:
+            raise KeyError(missing[0])
+    elif len(set(keys)) != len(keys) or any(k in policy for k in keys):
+        raise ValueError(f"keys already present or repeated in {list(keys)!r}")
+
+
+def _nth(info: BlockInfo, keys: Sequence[K], i: int) -> BlockInfo:
+    return info if i == 0 else replace(info, depth=info.depth + i, parent=keys[i - 1])

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import ClassVar
 
-from policies.base import EvictionPolicy, K
+from policies.base import BlockInfo, EvictionPolicy, K, check_run
 from policies.pins import PinnedAside, as_lookup, check_count
 
 
@@ -37,6 +37,19 @@ class LRUPolicy(PinnedAside[K], EvictionPolicy[K]):
     def touch(self, key: K, priority: int | None = None) -> None:
         if key not in self._pinned:  # a pinned key is ranked as just used when unpinned anyway
             self._order.move_to_end(key)  # raises KeyError if absent
+
+    def insert_blocks(self, keys: Sequence[K], info: BlockInfo) -> None:
+        check_run(self, keys, present=False)
+        order = self._order
+        for key in reversed(keys):  # deepest oldest: evicted first
+            order[key] = None
+
+    def touch_blocks(self, keys: Sequence[K], info: BlockInfo) -> None:
+        check_run(self, keys, present=True)
+        order, pinned = self._order, self._pinned
+        for key in reversed(keys):
+            if key not in pinned:
+                order.move_to_end(key)
 
     def remove(self, key: K) -> None:
         if key in self._pinned:

@@ -1,12 +1,13 @@
 """Helpers for eviction-policy authors (the built-ins use them): pins kept out of the ranking,
-`evict`'s argument checks, and the check a tier runs on its policy. Pure stdlib."""
+`evict`'s and the run methods' argument checks, and the check a tier runs on its policy. Pure
+stdlib."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Set
 from typing import Generic
 
-from policies.base import EvictionPolicy, K
+from policies.base import EvictionPolicy, K, check_run  # noqa: F401  (re-exported for authors)
 
 
 class PinnedAside(Generic[K]):

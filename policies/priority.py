@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import ClassVar
 
-from policies.base import EvictionPolicy, K
+from policies.base import BlockInfo, EvictionPolicy, K, check_run
 from policies.pins import PinnedAside, as_lookup, check_count
 
 
@@ -77,6 +77,16 @@ class PriorityPolicy(PinnedAside[K], EvictionPolicy[K]):
         else:
             self._discard(key, old)
             self._add(key, new)
+
+    def insert_blocks(self, keys: Sequence[K], info: BlockInfo) -> None:
+        check_run(self, keys, present=False)
+        for key in reversed(keys):  # deepest oldest among equals: evicted first
+            self._add(key, info.priority)
+
+    def touch_blocks(self, keys: Sequence[K], info: BlockInfo) -> None:
+        check_run(self, keys, present=True)
+        for key in reversed(keys):
+            self.touch(key, info.priority)
 
     def remove(self, key: K) -> None:
         priority = self._prio.pop(key)

@@ -21,10 +21,10 @@ keys it skips.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Hashable, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import ClassVar
 
-from policies.base import BlockInfo, EvictionPolicy, K
+from policies.base import BlockInfo, EvictionPolicy, K, check_run
 from policies.pins import PinnedAside, as_lookup, check_count
 
 _NONE = object()
@@ -120,6 +120,31 @@ class TurnLRUPolicy(PinnedAside[K], EvictionPolicy[K]):
         del self._lists[old][key]
         self._level[key] = level
         self._lists[level][key] = None
+
+    def insert_blocks(self, keys: Sequence[K], info: BlockInfo) -> None:
+        check_run(self, keys, present=False)
+        if not keys:
+            return
+        level = self._level_of(info)
+        lst, levels, used, now = self._lists[level], self._level, self._used, self._now
+        for key in reversed(keys):  # deepest oldest: evicted first
+            levels[key] = level
+            used[key] = now
+            lst[key] = None
+
+    def touch_blocks(self, keys: Sequence[K], info: BlockInfo) -> None:
+        check_run(self, keys, present=True)
+        if not keys:
+            return
+        new = self._level_of(info)
+        lists, levels, used, pinned, now = self._lists, self._level, self._used, self._pinned, self._now
+        for key in reversed(keys):
+            old = levels[key]
+            level = levels[key] = old if old > new else new
+            used[key] = now
+            if key not in pinned:
+                del lists[old][key]
+                lists[level][key] = None
 
     def remove(self, key: K) -> None:
         level = self._level.pop(key)

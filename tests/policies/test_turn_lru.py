@@ -6,11 +6,11 @@ import itertools
 from collections.abc import Collection, Hashable
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from policies import BlockInfo, LRUPolicy, make_policy
+from policies import BlockInfo, EvictionPolicy, LRUPolicy, make_policy
 from policies.turn_lru import TurnLRUPolicy
 
 KEYS = list(range(10))
@@ -248,3 +248,54 @@ def test_forgets_the_oldest_sessions() -> None:
         policy.insert_block(s, BlockInfo(arrival=float(i), session=s))
     assert list(policy._sessions) == ["b", "c"]
     policy.check_integrity()
+
+
+class _PerKey:
+    """Wraps a policy so its run methods are the base class's defaults: one call per key."""
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self.p = policy
+
+    def insert_blocks(self, keys: list, info: BlockInfo) -> None:
+        EvictionPolicy.insert_blocks(self.p, keys, info)  # type: ignore[arg-type]
+
+    def touch_blocks(self, keys: list, info: BlockInfo) -> None:
+        EvictionPolicy.touch_blocks(self.p, keys, info)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.p, name)
+
+
+_ops = st.lists(st.tuples(st.sampled_from(["insert", "touch", "evict", "pin", "unpin"]),
+                          st.lists(st.sampled_from(KEYS), min_size=0, max_size=4), st.sampled_from(SESSIONS)),
+                max_size=40)
+
+
+@pytest.mark.parametrize("name", ["lru", "priority", "turn_lru"])
+@settings(max_examples=120, deadline=None)
+@given(ops=_ops)
+@example(ops=[("insert", [0], "a"), ("insert", [1], "a"), ("touch", [1], "b"), ("evict", [0, 1], None)])
+def test_run_methods_equal_one_call_per_key(name: str, ops: list) -> None:
+    """A policy's own insert_blocks/touch_blocks rank exactly as the per-key default does,
+    and a run that raises changes nothing."""
+    fast, slow = make_policy(name), _PerKey(make_policy(name))
+    for t, (op, keys, session) in enumerate(ops):
+        info = BlockInfo(depth=1, parent="root", arrival=float(t), priority=t % 3, session=session)
+        outcomes = []
+        for policy in (fast, slow):
+            try:
+                if op == "insert":
+                    outcomes.append(policy.insert_blocks(keys, info))
+                elif op == "touch":
+                    outcomes.append(policy.touch_blocks(keys, info))
+                elif op == "evict":
+                    outcomes.append(policy.evict(len(keys), protected={"root"}))
+                else:
+                    outcomes.append(getattr(policy, op)(keys[0]) if keys else None)
+            except (KeyError, ValueError) as e:
+                outcomes.append(type(e))
+        assert outcomes[0] == outcomes[1], (op, keys, outcomes)
+        assert len(fast) == len(slow.p)
+        assert getattr(fast, "_level", None) == getattr(slow.p, "_level", None)  # turn_lru: same levels
+        fast.check_integrity()
+    assert fast.evict(len(fast)) == slow.p.evict(len(slow.p))
