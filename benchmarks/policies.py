@@ -1,19 +1,24 @@
 #!/usr/bin/env python3
-"""How close do the eviction policies get to the offline optimum on a real prefix trace?
+"""How close do the eviction policies get to the offline optimum on prefix traces?
 
-Replays the Mooncake synthetic trace through each policy at several cache capacities (in
-blocks) and reports the block hit rate and replay throughput, next to Belady's MIN.
+Replays Mooncake's synthetic trace and a generated multi-turn trace (benchmarks/traces.py, seed
+0) through each policy at several cache capacities (in blocks) and reports the block hit rate
+and replay throughput, next to Belady's MIN.
 
 Replay semantics (identical for every policy, Belady included), per request:
   1. hit = the longest run of the request's leading hash_ids that is resident; those
-     blocks are touched (with their priority, see below) and counted as hits;
+     blocks are touched as one run (`touch_blocks`, deepest first) and counted as hits;
   2. every later block is touched if it happens to be resident (it is reused, but is not
-     a prefix hit) and inserted otherwise;
+     a prefix hit) and inserted otherwise, as runs of consecutive blocks (`insert_blocks`);
+  Every call carries a BlockInfo: depth, parent, the request's arrival (the trace's
+  `timestamp`) and, unless --no-session-hints, its `session` (the generated trace has one;
+  Mooncake's has none).
   3. before inserting, `evict(k, protected=<this request's blocks>)` frees exactly the
      room needed. A request can never evict its own blocks, so if it is bigger than what
      the others leave free, only its leading missing blocks that fit are inserted.
 
-Priorities handed to `touch`/`insert` (LRU ignores them; --priority-modes picks which
+Priorities handed to `touch`/`insert`, one block per call (LRU and turn_lru ignore them, and
+run once; --priority-modes picks which
 priority variants run):
   uniform  every block 0: the priority policy must then equal LRU exactly (a check);
   depth    the block's position in its prompt (0 = first block): an online hint, since
@@ -149,11 +154,23 @@ class BeladyPolicy(EvictionPolicy[int]):
 
 
 def replay(policy: EvictionPolicy, trace: list[Request], capacity: int, prio: PriorityFn) -> dict:
-    """Run the replay described in the module docstring; return counters and timing. Every
-    insert and touch carries the block's `BlockInfo` (depth, parent, arrival, priority and
-    the session hint), as the tiers pass it."""
+    """Run the replay described in the module docstring; return counters and timing. A
+    request's hit prefix is one `touch_blocks` run and its new blocks one `insert_blocks` run,
+    each with the run's first `BlockInfo` (depth, parent, arrival, priority, session hint),
+    as a tier passes them. With per-block priorities (`depth`, `shared`) every block is its
+    own call instead, deepest first, as the runs' default does."""
     hits = refs = ops = 0
-    contains, touch, insert, evict = policy.__contains__, policy.touch_block, policy.insert_block, policy.evict
+    contains, touch, evict = policy.__contains__, policy.touch_block, policy.evict
+    per_block = prio is not UNIFORM
+
+    def run(method: Callable, one: Callable, keys: list[int], info: BlockInfo) -> None:
+        if not per_block:
+            method(keys, info)
+            return
+        for i in range(len(keys) - 1, -1, -1):  # deepest first, as the runs' default
+            pos = info.depth + i
+            one(keys[i], BlockInfo(pos, keys[i - 1] if i else info.parent, info.arrival, prio(keys[i], pos), info.session))
+
     is_belady = isinstance(policy, BeladyPolicy)
     t0 = time.perf_counter()
     for i, (ids, arrival, session) in enumerate(trace):
@@ -164,16 +181,17 @@ def replay(policy: EvictionPolicy, trace: list[Request], capacity: int, prio: Pr
         for b in ids:
             if not contains(b):
                 break
-            touch(b, BlockInfo(h, ids[h - 1] if h else None, arrival, prio(b, h), session))
             h += 1
+        if h:
+            run(policy.touch_blocks, touch, ids[:h], BlockInfo(0, None, arrival, 0, session))
         hits += h
-        missing: list[tuple[int, int]] = []
+        missing: list[int] = []  # positions
         for pos in range(h, len(ids)):
             b = ids[pos]
             if contains(b):
                 touch(b, BlockInfo(pos, ids[pos - 1] if pos else None, arrival, prio(b, pos), session))
             else:
-                missing.append((pos, b))
+                missing.append(pos)
         ops += len(ids) - len(missing)
         # Room left for this request once every other block could go; cache what fits.
         missing = missing[: max(0, capacity - (len(ids) - len(missing)))]
@@ -183,8 +201,13 @@ def replay(policy: EvictionPolicy, trace: list[Request], capacity: int, prio: Pr
             if victims is None:  # cannot happen: the room was computed above
                 raise RuntimeError(f"{policy.name}: evict({need}) failed at request {i}")
             ops += need
-        for pos, b in missing:
-            insert(b, BlockInfo(pos, ids[pos - 1] if pos else None, arrival, prio(b, pos), session))
+        start = 0
+        for j in range(1, len(missing) + 1):  # runs of consecutive missing positions
+            if j == len(missing) or missing[j] != missing[j - 1] + 1:
+                pos = missing[start]
+                run(policy.insert_blocks, policy.insert_block, [ids[q] for q in missing[start:j]],
+                    BlockInfo(pos, ids[pos - 1] if pos else None, arrival, 0, session))
+                start = j
         ops += len(missing)
         if len(policy) > capacity:
             raise RuntimeError(f"{policy.name}: {len(policy)} blocks > capacity {capacity}")
@@ -199,10 +222,14 @@ def replay(policy: EvictionPolicy, trace: list[Request], capacity: int, prio: Pr
     }
 
 
+def UNIFORM(b: int, pos: int) -> int:
+    return 0
+
+
 def priority_fns(trace: Trace) -> dict[str, PriorityFn]:
     users = Counter(b for ids in trace for b in set(ids))
     return {
-        "uniform": lambda b, pos: 0,
+        "uniform": UNIFORM,
         "depth": lambda b, pos: pos,
         "shared": lambda b, pos: 0 if users[b] > 1 else 10,
     }

@@ -20,6 +20,7 @@ keys it skips.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from typing import ClassVar
@@ -166,22 +167,38 @@ class TurnLRUPolicy(PinnedAside[K], EvictionPolicy[K]):
         if n == 0:
             return []
         skip = as_lookup(protected)
-        walks = [iter(lst) for lst in self._lists]
-        heads = [next((k for k in walk if k not in skip), _NONE) for walk in walks]
         used, weights, now = self._used, self._weights, self._now
+        walks = [iter(lst) for lst in self._lists]
+        scores = []  # each level's oldest eligible key's weighted age; -1: none left
+        for level, walk in enumerate(walks):
+            head = next((k for k in walk if k not in skip), _NONE)
+            scores.append(-1.0 if head is _NONE else weights[level] * (now - used[head] + 1e-9))  # type: ignore[index]
+            walks[level] = itertools.chain((head,), walk)  # type: ignore[call-overload]
         victims: list[K] = []
-        # Collect first, delete after: a short count must leave everything as it was.
+        # Collect first, delete after: a short count must leave everything as it was. Scores
+        # fall along a level's list, so the winning level keeps winning until its next key's
+        # score drops below the best other head's (ties go to the lower level).
         while len(victims) < n:
-            best, score = -1, -1.0
-            for level, key in enumerate(heads):
-                if key is not _NONE:
-                    s = weights[level] * (now - used[key] + 1e-9)  # type: ignore[index]
-                    if s > score:
-                        best, score = level, s
-            if best < 0:
+            best = scores.index(max(scores))
+            if scores[best] < 0:
                 return None
-            victims.append(heads[best])  # type: ignore[arg-type]
-            heads[best] = next((k for k in walks[best] if k not in skip), _NONE)
+            rival, rival_at = -1.0, len(scores)
+            for c, sc in enumerate(scores):
+                if c != best and sc > rival:
+                    rival, rival_at = sc, c
+            weight, walk = weights[best], walks[best]
+            for key in walk:
+                if key in skip:
+                    continue
+                s = weight * (now - used[key] + 1e-9)
+                if len(victims) < n and (s > rival or (s == rival and best < rival_at)):
+                    victims.append(key)
+                    continue
+                scores[best] = s
+                walks[best] = itertools.chain((key,), walk)
+                break
+            else:
+                scores[best] = -1.0
         for key in victims:
             del self._lists[self._level.pop(key)][key]
             del self._used[key]
