@@ -46,6 +46,7 @@ class RequestView(Protocol):
     cache_salt: str | None
     priority: int
     arrival_time: float  # time.monotonic() when the engine took it (tiers' eviction policies see it)
+    session: str | None  # the client's conversation hint (prompt_cache_key or user), for eviction policies
     error: str | None  # set when the request failed
 
 

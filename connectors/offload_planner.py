@@ -43,7 +43,7 @@ def _gcand(c: Cand, group: int) -> Cand:
 def _use(request: RequestView) -> BlockInfo:
     """The request's side of what the tiers' policies get for its blocks (depth and parent are
     each block's)."""
-    return BlockInfo(arrival=request.arrival_time, priority=request.priority, session=request.cache_salt)
+    return BlockInfo(arrival=request.arrival_time, priority=request.priority, session=request.session)
 
 
 class OffloadPlanner:

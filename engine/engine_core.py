@@ -187,10 +187,12 @@ class EngineCore:
 
     # -- requests --------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                     prompt: str | None = None, priority: int = 0, cache_salt: str | None = None) -> Request:
-        """Validates and builds a request without touching engine state."""
+                     prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                     session: str | None = None) -> Request:
+        """Validates and builds a request without touching engine state. `session`: the client's
+        conversation hint (OpenAI's `prompt_cache_key`, else `user`), which eviction policies see."""
         return self.requests.make(request_id, prompt_token_ids, params, self.max_model_len, prompt=prompt,
-                                  priority=priority, cache_salt=cache_salt)
+                                  priority=priority, cache_salt=cache_salt, session=session)
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add_request(req)

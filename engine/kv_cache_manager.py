@@ -204,4 +204,4 @@ class KVCacheManager:
 def _info(req: Request, depth: int, parent: BlockId | None) -> BlockInfo:
     """A G1 block's use by `req`, for the eviction policy: the block's index in the request and
     the block of the one before it."""
-    return BlockInfo(depth, parent, req.arrival_time, req.priority, req.cache_salt)
+    return BlockInfo(depth, parent, req.arrival_time, req.priority, req.session)

@@ -111,8 +111,11 @@ class LLM:
         priority: Sequence[int] | None = None,
         cache_salt: str | Sequence[str | None] | None = None,
         request_ids: Sequence[str] | None = None,
+        session: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """`request_ids` name the requests (and their hidden-state files); default: a counter."""
+        """`request_ids` name the requests (and their hidden-state files); default: a counter.
+        `session`: each request's conversation hint for the tiers' eviction policies (what the
+        server takes from `prompt_cache_key` or `user`)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         n = len(prompts)
@@ -123,10 +126,11 @@ class LLM:
         prios = _broadcast(list(priority) if priority is not None else 0, n, "priority")
         salts = _broadcast(cache_salt if not isinstance(cache_salt, str) and cache_salt is not None else cache_salt, n,
                            "cache_salt")
+        sessions = _broadcast(session, n, "session")
         # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
         reqs = [
-            self.engine.make_request(rid, *self._tokenize(p), sp, priority=pr, cache_salt=salt)
-            for rid, p, sp, pr, salt in zip(ids, prompts, params, prios, salts)
+            self.engine.make_request(rid, *self._tokenize(p), sp, priority=pr, cache_salt=salt, session=ses)
+            for rid, p, sp, pr, salt, ses in zip(ids, prompts, params, prios, salts, sessions)
         ]
         return self._run(reqs, use_tqdm)
 

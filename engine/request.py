@@ -49,6 +49,7 @@ class Request:
         prompt: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        session: str | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
         max_total_tokens: int,
         bad_word_ids: tuple[tuple[int, ...], ...] = (),
@@ -66,6 +67,7 @@ class Request:
         self.thinking = thinking  # the thinking section and its budget (engine/thinking.py)
         self.priority = priority
         self.cache_salt = cache_salt
+        self.session = session  # the client's conversation hint (prompt_cache_key or user), for eviction policies
         self.arrival_time = time.monotonic()
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

@@ -24,7 +24,8 @@ class RequestFactory:
         self._markers = Markers.of(reasoning, tokenizer) if reasoning is not None else None
 
     def make(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, *,
-             prompt: str | None = None, priority: int = 0, cache_salt: str | None = None) -> Request:
+             prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
+             session: str | None = None) -> Request:
         """ValueError naming what is wrong with the request."""
         n = len(prompt_token_ids)
         if n == 0:
@@ -39,5 +40,5 @@ class RequestFactory:
         default_budget = self.reasoning.thinking_token_budget if self.reasoning is not None else None
         thinking = tracker_for(self._markers, default_budget, params.thinking_token_budget, prompt_token_ids)
         return Request(RequestId(request_id), prompt_token_ids, params, prompt=prompt, priority=priority,
-                       cache_salt=cache_salt, eos_token_ids=self.eos_token_ids, max_total_tokens=max_model_len,
+                       cache_salt=cache_salt, session=session, eos_token_ids=self.eos_token_ids, max_total_tokens=max_model_len,
                        bad_word_ids=bad, grammar=grammar, thinking=thinking)

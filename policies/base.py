@@ -25,7 +25,7 @@ class BlockInfo:
     parent: Hashable | None = None  # the tier's key of the prompt's previous block; None for the first
     arrival: float = 0.0  # the using request's arrival time, seconds on some monotonic clock
     priority: int = 0  # the using request's priority; lower is more urgent (vLLM's convention)
-    session: str | None = None  # a session hint: the request's cache_salt
+    session: str | None = None  # a conversation hint: the request's prompt_cache_key, else its OpenAI `user`
 
     def __post_init__(self) -> None:
         if self.depth < 0:

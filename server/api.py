@@ -257,7 +257,8 @@ class API:
         try:
             for c, p in zip(choices, params):
                 queues.append(await self.client.add(c.request_id, c.prompt_ids, p, priority=req.priority,
-                                                    cache_salt=req.cache_salt))
+                                                    cache_salt=req.cache_salt,
+                                                    session=req.prompt_cache_key or req.user))
         except EngineDeadError as e:
             await self.client.abort([c.request_id for c in choices])
             raise APIError(503, str(e), "ServiceUnavailableError") from None

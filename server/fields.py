@@ -10,7 +10,7 @@ from typing import Any
 
 # Accepted and ignored: they label, route or bill a request, and cannot change its tokens.
 HARMLESS: frozenset[str] = frozenset({
-    "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+    "metadata", "store", "service_tier", "safety_identifier",
     "parallel_tool_calls",  # means something only with tools (chat); elsewhere it cannot change the answer
 })
 

@@ -82,6 +82,10 @@ class _Sampling(BaseModel):
     thinking_token_budget: int | None = Field(default=None, ge=0, lt=2**31)
     priority: I64 = 0
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # OpenAI's: a conversation's key; the tiers' eviction policies see it (BlockInfo.session), so
+    # turn_lru can keep conversations that come back. It never changes the tokens.
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    user: str | None = Field(default=None, max_length=1024)  # the hint when prompt_cache_key is absent
     return_token_ids: bool = False
     # vLLM's: names the request (and its hidden-state file); sequences get "-k" suffixes when
     # a request has several (n > 1 or several prompts). Default: a random id.

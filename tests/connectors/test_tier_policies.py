@@ -13,7 +13,7 @@ from policies import BlockInfo
 from recording_policy import RecordingLRU
 
 PROMPT = random_prompt(5 * OB + 10, 7301)
-SALT = "session-7"
+SALT, SESSION = "tenant-7", "conversation-7"
 CHUNKS = 5  # offload blocks of the prompt (and of what a rerun loads)
 
 
@@ -24,7 +24,7 @@ def chunk_keys() -> list[bytes]:
 
 
 def expected(keys: list[bytes], arrival: float, priority: int) -> list[BlockInfo]:
-    return [BlockInfo(j, keys[j - 1] if j else None, arrival, priority, SALT) for j in range(CHUNKS)]
+    return [BlockInfo(j, keys[j - 1] if j else None, arrival, priority, SESSION) for j in range(CHUNKS)]
 
 
 def spec(tag: str) -> dict:
@@ -41,7 +41,8 @@ def test_g2_and_g3_policies_see_block_infos_and_every_reuse(model_dir, tmp_path)
         g2, g3 = RecordingLRU.tagged("g2"), RecordingLRU.tagged("g3")
         assert g2.capacity == 16
         assert g3.capacity is not None and g3.capacity > 16  # 10 GiB of blocks: approximate, but a count
-        llm.generate([{"prompt_token_ids": PROMPT}], greedy(), priority=[3], cache_salt=SALT, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": PROMPT}], greedy(), priority=[3], cache_salt=SALT,
+                     session=SESSION, use_tqdm=False)
         llm.engine.flush_offload()
         stored = g2.of("insert_block", keys)
         arrival = stored[0].arrival
@@ -50,7 +51,8 @@ def test_g2_and_g3_policies_see_block_infos_and_every_reuse(model_dir, tmp_path)
         assert not [c for c in g2.calls + g3.calls if c[0] in ("insert", "touch")]
 
         llm.engine.pool.reset_prefix_cache()  # G1 forgets: the rerun loads from G2
-        llm.generate([{"prompt_token_ids": PROMPT}], greedy(), priority=[1], cache_salt=SALT, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": PROMPT}], greedy(), priority=[1], cache_salt=SALT,
+                     session=SESSION, use_tqdm=False)
         llm.engine.flush_offload()
         touched = g2.of("touch_block", keys)
         assert len(touched) == CHUNKS and touched == expected(keys, touched[0].arrival, 1)
@@ -63,7 +65,8 @@ def test_g2_and_g3_policies_see_block_infos_and_every_reuse(model_dir, tmp_path)
     llm = offload_llm(model_dir, kv_offload_disk=str(tmp_path / "g3"),
                       kv_transfer_config={"kv_connector_extra_config": {"g3_eviction_policy": spec("g3-again")}})
     try:
-        out = llm.generate([{"prompt_token_ids": PROMPT}], greedy(), priority=[2], cache_salt=SALT, use_tqdm=False)
+        out = llm.generate([{"prompt_token_ids": PROMPT}], greedy(), priority=[2], cache_salt=SALT,
+                     session=SESSION, use_tqdm=False)
         assert out[0].cached_tokens_by_tier.get("G3") == 5 * OB
         g3 = RecordingLRU.tagged("g3-again")
         touched = g3.of("touch_block", keys)

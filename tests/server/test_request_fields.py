@@ -28,7 +28,7 @@ COMMON = {
     "stream_options": (None, IMPLEMENTED),
     "temperature": (0.5, IMPLEMENTED),
     "top_p": (0.9, IMPLEMENTED),
-    "user": ("u", HARMLESS_),
+    "user": ("u", IMPLEMENTED),
     # vLLM's extensions
     "top_k": (5, IMPLEMENTED),
     "min_p": (0.1, IMPLEMENTED),
@@ -67,7 +67,7 @@ COMMON = {
     "metadata": ({"k": "v"}, HARMLESS_),
     "store": (False, HARMLESS_),
     "service_tier": ("auto", HARMLESS_),
-    "prompt_cache_key": ("k", HARMLESS_),
+    "prompt_cache_key": ("k", IMPLEMENTED),
     "safety_identifier": ("s", HARMLESS_),
 }
 CHAT_ONLY = {
