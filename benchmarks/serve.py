@@ -192,9 +192,11 @@ def start_server(args: list[str], threads: int, timeout: float) -> Server:
 
 
 # -- client --------------------------------------------------------------------------------------
-async def one_request(client: Any, req: Req, salt: str, model: str) -> dict[str, Any]:
+async def one_request(client: Any, req: Req, salt: str, model: str,
+                      extra: dict[str, Any] | None = None) -> dict[str, Any]:
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt,
+            **(extra or {})}
     first = last = None
     usage: dict[str, Any] = {}
     sent = time.perf_counter()
@@ -227,9 +229,10 @@ async def one_request(client: Any, req: Req, salt: str, model: str) -> dict[str,
             "latency_s": last - sent}
 
 
-async def replay(url: str, reqs: list[Req], concurrency: int, salt: str, model: str,
-                 timeout: float) -> tuple[list[dict[str, Any]], float]:
-    """Sends `reqs` in order, at most `concurrency` in flight; returns per-request results and wall time."""
+async def replay(url: str, reqs: list[Req], concurrency: int, salt: str, model: str, timeout: float,
+                 extras: dict[int, dict[str, Any]] | None = None) -> tuple[list[dict[str, Any]], float]:
+    """Sends `reqs` in order, at most `concurrency` in flight; returns per-request results and wall
+    time. `extras`: more body fields per request index."""
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
@@ -238,7 +241,7 @@ async def replay(url: str, reqs: list[Req], concurrency: int, salt: str, model: 
 
         async def guarded(r: Req) -> dict[str, Any]:
             try:
-                return await one_request(client, r, salt, model)
+                return await one_request(client, r, salt, model, (extras or {}).get(r.index))
             finally:
                 sem.release()
 
