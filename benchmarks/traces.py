@@ -19,6 +19,8 @@ The model (every parameter is a flag):
     `--think` seconds (log-normal, `--think-sigma`); each later turn's prompt is the previous
     prompt, the model's answer (`--output-tokens`) and a new message (`--turn-tokens`), so it
     extends the previous prompt; prompts are capped at `--max-tokens` (the session then ends);
+  * with `--agent-share` > 0, that share of the system prompts are agents (tool loops): their
+    sessions use `--agent-turns-alpha` and `--agent-think` instead (default off);
   * a block's id depends on its parent's id and its own tokens: a prompt's last block is partial,
     so the next turn, which fills it, has a different id for it (as a real prefix cache does).
 With the defaults (seed 0) the trace has 11,896 requests, 300,707 block references, 185,609
@@ -62,6 +64,9 @@ class TraceSpec:
     output_tokens: float = 300.0
     sigma: float = 0.9  # log-normal spread of every token length
     max_tokens: int = 64000
+    agent_share: float = 0.0  # share of system prompts that are agents: their own turns law and think time
+    agent_turns_alpha: float = 1.5
+    agent_think_s: float = 15.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -72,8 +77,10 @@ class TraceSpec:
             raise ValueError("sessions, system_prompts and turns must be >= 1, max_tokens >= one block")
         if self.turns_alpha != 0 and self.turns_alpha <= 1:
             raise ValueError("turns_alpha must be 0 (geometric) or > 1 (a finite mean)")
-        if not 0 <= self.no_system_share <= 1:
-            raise ValueError("no_system_share must be in [0, 1]")
+        if not 0 <= self.no_system_share <= 1 or not 0 <= self.agent_share <= 1:
+            raise ValueError("no_system_share and agent_share must be in [0, 1]")
+        if self.agent_turns_alpha <= 1 or self.agent_think_s <= 0:
+            raise ValueError("agent_turns_alpha must be > 1 and agent_think_s > 0")
 
 
 def _lognormal(rng: random.Random, mean: float, sigma: float) -> float:
@@ -115,6 +122,8 @@ def generate(spec: TraceSpec) -> list[dict]:
     weights = [1 / (k + 1) ** spec.system_zipf for k in range(spec.system_prompts)]
     cum = [sum(weights[:k + 1]) for k in range(len(weights))]
     sys_lens = [max(1, round(_lognormal(rng, spec.system_tokens, spec.sigma))) for _ in weights]
+    apps = random.Random(f"{spec.seed}:apps")  # its own stream: agent_share 0 leaves the trace as it was
+    agent = [apps.random() < spec.agent_share for _ in weights]
     events: list[tuple[float, int, int, int, int]] = []  # (time, session, turn, prompt length, system)
     state: dict[int, tuple[int | None, int]] = {}
     for s in range(spec.sessions):
@@ -124,10 +133,10 @@ def generate(spec: TraceSpec) -> list[dict]:
         length = sys_len + max(1, round(_lognormal(rng, spec.first_tokens, spec.sigma)))
         state[s] = (system, sys_len)
         heapq.heappush(events, (t0, s, 0, min(length, spec.max_tokens), 0))
-    def goes_on(turns_done: int) -> bool:
-        if spec.turns_alpha == 0:
+    def goes_on(turns_done: int, alpha: float) -> bool:
+        if alpha == 0:
             return rng.random() < 1 - 1 / spec.turns
-        return rng.random() < (turns_done / (turns_done + 1)) ** spec.turns_alpha  # P(T > k | T >= k)
+        return rng.random() < (turns_done / (turns_done + 1)) ** alpha  # P(T > k | T >= k)
 
     out = []
     while events:
@@ -140,8 +149,10 @@ def generate(spec: TraceSpec) -> list[dict]:
         out.append({"timestamp": round(t * 1000), "input_length": length, "output_length": answer,
                     "hash_ids": hash_ids, "session": s, "turn": turn})
         nxt = length + answer + max(1, round(_lognormal(rng, spec.turn_tokens, spec.sigma)))
-        if goes_on(turn + 1) and nxt <= spec.max_tokens:
-            heapq.heappush(events, (t + _lognormal(rng, spec.think_s, spec.think_sigma), s, turn + 1, nxt, 0))
+        is_agent = system is not None and agent[system]
+        alpha, think = (spec.agent_turns_alpha, spec.agent_think_s) if is_agent else (spec.turns_alpha, spec.think_s)
+        if goes_on(turn + 1, alpha) and nxt <= spec.max_tokens:
+            heapq.heappush(events, (t + _lognormal(rng, think, spec.think_sigma), s, turn + 1, nxt, 0))
     return out
 
 
@@ -182,7 +193,11 @@ def main(argv: list[str] | None = None) -> int:
             ("--turn-tokens", "turn_tokens", "mean new-message length of later turns"),
             ("--output-tokens", "output_tokens", "mean answer length"),
             ("--sigma", "sigma", "log-normal sigma of token lengths"),
-            ("--max-tokens", "max_tokens", "longest prompt; a session ends there"), ("--seed", "seed", "random seed")]:
+            ("--max-tokens", "max_tokens", "longest prompt; a session ends there"),
+            ("--agent-share", "agent_share", "share of system prompts that are agents (tool loops)"),
+            ("--agent-turns-alpha", "agent_turns_alpha", "power-law exponent of an agent session's turns"),
+            ("--agent-think", "agent_think_s", "mean seconds between an agent's turns (its tools)"),
+            ("--seed", "seed", "random seed")]:
         default = getattr(d, name)
         ap.add_argument(flag, dest=name, type=type(default), default=default, help=f"{help_} (default: %(default)s)")
     ns = ap.parse_args(argv)
