@@ -13,7 +13,8 @@ per run, so every run starts cold).
 Modes, each a fresh server per run, interleaved (lru, turn_lru, lru, ...): `--kv-eviction-policy
 lru` or `turn_lru` (G1 and G2 both take it), the same G1 (--num-gpu-blocks, default room for
 --concurrency of the longest requests plus 25%) and G2 (--g2-fraction of the KV bytes of the
-slice's distinct blocks). Metrics as in benchmarks/serve.py: client-side TTFT from the stream,
+slice's distinct blocks; it must be well above G1's, since G2 holds copies of what G1 stored).
+Metrics as in benchmarks/serve.py: client-side TTFT from the stream,
 hit tokens per tier from /v1/kv/stats deltas; medians over --runs.
 """
 from __future__ import annotations
@@ -57,7 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--runs", type=int, default=2, help="runs per mode, interleaved (default %(default)s)")
     ap.add_argument("--num-gpu-blocks", type=int, default=None, help="G1 blocks (default: see above)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per G1 block (default %(default)s)")
-    ap.add_argument("--g2-fraction", type=float, default=0.15,
+    ap.add_argument("--g2-fraction", type=float, default=0.35,
                     help="G2 size as a fraction of the slice's distinct KV bytes (default %(default)s)")
     ap.add_argument("--threads", type=int, default=usable_cpus(), help="torch threads per server")
     ap.add_argument("--start-timeout", type=float, default=300, help="seconds for a server to start")
@@ -93,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(len(r.prompt) + r.max_tokens for r in wl.reqs)
     g1_blocks = args.num_gpu_blocks or math.ceil(1.25 * args.concurrency * longest / args.block_size)
     g2_gib = args.g2_fraction * wl.distinct_tokens * kv_bytes_per_token / 2**30
+    if args.g2_fraction * wl.distinct_tokens <= 1.5 * g1_blocks * args.block_size:
+        # G2 holds copies of what G1 stores: no bigger than G1, it serves nothing G1 does not
+        sys.exit(f"G2 ({args.g2_fraction * wl.distinct_tokens:,.0f} tokens) must be well above G1 "
+                 f"({g1_blocks * args.block_size:,} tokens) to serve hits: raise --g2-fraction or lower --num-gpu-blocks")
     log(f"workload: {summary['requests']} requests of {len(set(sessions.values()))} conversations, "
         f"{summary['prompt_tokens']:,} prompt tokens ({summary['distinct_tokens']:,} distinct), "
         f"{summary['reusable_token_fraction']:.0%} reusable with an unbounded cache; G1 {g1_blocks} blocks, "
