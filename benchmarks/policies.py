@@ -7,9 +7,9 @@ and replay throughput, next to Belady's MIN.
 
 Replay semantics (identical for every policy, Belady included), per request:
   1. hit = the longest run of the request's leading hash_ids that is resident; those
-     blocks are touched as one run (`touch_blocks`, deepest first) and counted as hits;
+     blocks are touched as one run (`touch_run`, deepest first) and counted as hits;
   2. every later block is touched if it happens to be resident (it is reused, but is not
-     a prefix hit) and inserted otherwise, as runs of consecutive blocks (`insert_blocks`);
+     a prefix hit) and inserted otherwise, as runs of consecutive blocks (`insert_run`);
   Every call carries a BlockInfo: depth, parent, the request's arrival (the trace's
   `timestamp`) and, unless --no-session-hints, its `session` (the generated trace has one;
   Mooncake's has none).
@@ -155,7 +155,7 @@ class BeladyPolicy(EvictionPolicy[int]):
 
 def replay(policy: EvictionPolicy, trace: list[Request], capacity: int, prio: PriorityFn) -> dict:
     """Run the replay described in the module docstring; return counters and timing. A
-    request's hit prefix is one `touch_blocks` run and its new blocks one `insert_blocks` run,
+    request's hit prefix is one `touch_run` run and its new blocks one `insert_run` run,
     each with the run's first `BlockInfo` (depth, parent, arrival, priority, session hint),
     as a tier passes them. With per-block priorities (`depth`, `shared`) every block is its
     own call instead, deepest first, as the runs' default does."""
@@ -183,7 +183,7 @@ def replay(policy: EvictionPolicy, trace: list[Request], capacity: int, prio: Pr
                 break
             h += 1
         if h:
-            run(policy.touch_blocks, touch, ids[:h], BlockInfo(0, None, arrival, 0, session))
+            run(policy.touch_run, touch, ids[:h], BlockInfo(0, None, arrival, 0, session))
         hits += h
         missing: list[int] = []  # positions
         for pos in range(h, len(ids)):
@@ -205,7 +205,7 @@ def replay(policy: EvictionPolicy, trace: list[Request], capacity: int, prio: Pr
         for j in range(1, len(missing) + 1):  # runs of consecutive missing positions
             if j == len(missing) or missing[j] != missing[j - 1] + 1:
                 pos = missing[start]
-                run(policy.insert_blocks, policy.insert_block, [ids[q] for q in missing[start:j]],
+                run(policy.insert_run, policy.insert_block, [ids[q] for q in missing[start:j]],
                     BlockInfo(pos, ids[pos - 1] if pos else None, arrival, 0, session))
                 start = j
         ops += len(missing)

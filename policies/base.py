@@ -89,7 +89,7 @@ class EvictionPolicy(ABC, Generic[K]):
         `touch(key, info.priority)`."""
         self.touch(key, info.priority)
 
-    def insert_blocks(self, keys: Sequence[K], info: BlockInfo) -> None:
+    def insert_run(self, keys: Sequence[K], info: BlockInfo) -> None:
         """Insert a run of one prompt's consecutive blocks in one call (a request's new blocks):
         `keys[0]` is the block `info` describes, `keys[i]` sits at depth `info.depth + i` with
         parent `keys[i - 1]`. Ranked as just used, the deepest to go first: a block is no use
@@ -99,8 +99,8 @@ class EvictionPolicy(ABC, Generic[K]):
         for i in range(len(keys) - 1, -1, -1):
             self.insert_block(keys[i], _nth(info, keys, i))
 
-    def touch_blocks(self, keys: Sequence[K], info: BlockInfo) -> None:
-        """`touch_block` for a run laid out as in `insert_blocks` (a request's prefix hit).
+    def touch_run(self, keys: Sequence[K], info: BlockInfo) -> None:
+        """`touch_block` for a run laid out as in `insert_run` (a request's prefix hit).
         KeyError, changing nothing, if a key is absent. The default calls `touch_block` per
         key, deepest first."""
         check_run(self, keys, present=True)
@@ -150,8 +150,8 @@ class EvictionPolicy(ABC, Generic[K]):
 
 
 def check_run(policy: EvictionPolicy[K], keys: Sequence[K], present: bool) -> None:
-    """`insert_blocks`'s ValueError (a key present or repeated) or, with `present`,
-    `touch_blocks`' KeyError (a key absent), before anything changes."""
+    """`insert_run`'s ValueError (a key present or repeated) or, with `present`,
+    `touch_run`' KeyError (a key absent), before anything changes."""
     if present:
         missing = [k for k in keys if k not in policy]
         if missing:

@@ -38,13 +38,13 @@ class LRUPolicy(PinnedAside[K], EvictionPolicy[K]):
         if key not in self._pinned:  # a pinned key is ranked as just used when unpinned anyway
             self._order.move_to_end(key)  # raises KeyError if absent
 
-    def insert_blocks(self, keys: Sequence[K], info: BlockInfo) -> None:
+    def insert_run(self, keys: Sequence[K], info: BlockInfo) -> None:
         check_run(self, keys, present=False)
         order = self._order
         for key in reversed(keys):  # deepest oldest: evicted first
             order[key] = None
 
-    def touch_blocks(self, keys: Sequence[K], info: BlockInfo) -> None:
+    def touch_run(self, keys: Sequence[K], info: BlockInfo) -> None:
         check_run(self, keys, present=True)
         order, pinned = self._order, self._pinned
         for key in reversed(keys):

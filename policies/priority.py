@@ -78,12 +78,12 @@ class PriorityPolicy(PinnedAside[K], EvictionPolicy[K]):
             self._discard(key, old)
             self._add(key, new)
 
-    def insert_blocks(self, keys: Sequence[K], info: BlockInfo) -> None:
+    def insert_run(self, keys: Sequence[K], info: BlockInfo) -> None:
         check_run(self, keys, present=False)
         for key in reversed(keys):  # deepest oldest among equals: evicted first
             self._add(key, info.priority)
 
-    def touch_blocks(self, keys: Sequence[K], info: BlockInfo) -> None:
+    def touch_run(self, keys: Sequence[K], info: BlockInfo) -> None:
         check_run(self, keys, present=True)
         for key in reversed(keys):
             self.touch(key, info.priority)

@@ -119,7 +119,7 @@ class TurnLRUPolicy(PinnedAside[K], EvictionPolicy[K]):
             del self._lists[old][key]
             self._lists[level][key] = self._now
 
-    def insert_blocks(self, keys: Sequence[K], info: BlockInfo) -> None:
+    def insert_run(self, keys: Sequence[K], info: BlockInfo) -> None:
         if len(set(keys)) != len(keys) or not self._level.keys().isdisjoint(keys):
             check_run(self, keys, present=False)  # raises the standard error
         if not keys:
@@ -130,7 +130,7 @@ class TurnLRUPolicy(PinnedAside[K], EvictionPolicy[K]):
             levels[key] = level
             lst[key] = now
 
-    def touch_blocks(self, keys: Sequence[K], info: BlockInfo) -> None:
+    def touch_run(self, keys: Sequence[K], info: BlockInfo) -> None:
         if not all(map(self._level.__contains__, keys)):
             check_run(self, keys, present=True)  # raises the standard error
         if not keys:

@@ -256,11 +256,11 @@ class _PerKey:
     def __init__(self, policy: EvictionPolicy) -> None:
         self.p = policy
 
-    def insert_blocks(self, keys: list, info: BlockInfo) -> None:
-        EvictionPolicy.insert_blocks(self.p, keys, info)  # type: ignore[arg-type]
+    def insert_run(self, keys: list, info: BlockInfo) -> None:
+        EvictionPolicy.insert_run(self.p, keys, info)  # type: ignore[arg-type]
 
-    def touch_blocks(self, keys: list, info: BlockInfo) -> None:
-        EvictionPolicy.touch_blocks(self.p, keys, info)  # type: ignore[arg-type]
+    def touch_run(self, keys: list, info: BlockInfo) -> None:
+        EvictionPolicy.touch_run(self.p, keys, info)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.p, name)
@@ -276,7 +276,7 @@ _ops = st.lists(st.tuples(st.sampled_from(["insert", "touch", "evict", "pin", "u
 @given(ops=_ops)
 @example(ops=[("insert", [0], "a"), ("insert", [1], "a"), ("touch", [1], "b"), ("evict", [0, 1], None)])
 def test_run_methods_equal_one_call_per_key(name: str, ops: list) -> None:
-    """A policy's own insert_blocks/touch_blocks rank exactly as the per-key default does,
+    """A policy's own insert_run/touch_run rank exactly as the per-key default does,
     and a run that raises changes nothing."""
     fast, slow = make_policy(name), _PerKey(make_policy(name))
     for t, (op, keys, session) in enumerate(ops):
@@ -285,9 +285,9 @@ def test_run_methods_equal_one_call_per_key(name: str, ops: list) -> None:
         for policy in (fast, slow):
             try:
                 if op == "insert":
-                    outcomes.append(policy.insert_blocks(keys, info))
+                    outcomes.append(policy.insert_run(keys, info))
                 elif op == "touch":
-                    outcomes.append(policy.touch_blocks(keys, info))
+                    outcomes.append(policy.touch_run(keys, info))
                 elif op == "evict":
                     outcomes.append(policy.evict(len(keys), protected={"root"}))
                 else:
