@@ -1,7 +1,7 @@
 """G3: the local-disk tier, a `StorageBackend` over one file per block.
 
-Layout: `{root}/{namespace.hex()}/{key.hex()[:2]}/{key.hex()}.kvb`, directories 0700 and
-files 0600. `namespace` is the model fingerprint digest, so another model or dtype on the
+Layout (`kvstore.disk_layout`): `{root}/{namespace.hex()}/{key.hex()[:2]}/{key.hex()}.kvb`,
+directories 0700 and files 0600. `namespace` is the model fingerprint digest, so another model or dtype on the
 same root lives in another directory and can never be served.
 
 Each file is one entry in the self-checking format of `kvstore.entry` (magic, version,
@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -38,17 +36,15 @@ from pathlib import Path
 
 from kvstore.backend import (BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_infos, check_keys,
                              check_outs)
+from kvstore.disk_layout import (entry_key, entry_path, fsync_dir, list_files, pid_alive, temp_path, temp_writer,
+                                 unlink_quietly, write_all)
 # MAGIC, HEADER_SIZE and encode_header are also imported from here (the format's old home).
-from kvstore.entry import HEADER_SIZE, CorruptEntry, EntryCodec, EntryHeader, check_secret
-from kvstore.entry import MAGIC, encode_header  # noqa: F401  (re-exported)
+from kvstore.entry import HEADER_SIZE, MAGIC, CorruptEntry, EntryCodec, EntryHeader, check_secret, encode_header  # noqa: F401
 from kvstore.keys import KEY_BYTES, BlockKey
 from policies import BlockInfo, PolicySpecLike, check_candidates, make_policy
 
 logger = logging.getLogger(__name__)
 
-_SHARD_RE = re.compile(r"[0-9a-f]{2}")
-_ENTRY_RE = re.compile(r"([0-9a-f]{32})\.kvb")
-_TMP_RE = re.compile(r"\.[0-9a-f]{32}\.(\d+)\.[0-9a-f]+\.tmp")
 
 
 @dataclass(frozen=True)
@@ -168,9 +164,8 @@ class DiskBackend(StorageBackend):
         with self._lock:
             on_disk = {}
             for shard, name in self._listing():
-                m = _ENTRY_RE.fullmatch(name)
-                if m:
-                    on_disk[BlockKey(bytes.fromhex(m[1]))] = os.path.getsize(os.path.join(shard, name))
+                if (key := entry_key(name)) is not None:
+                    on_disk[key] = os.path.getsize(os.path.join(shard, name))
             if on_disk != self._index:
                 extra = sorted(k.hex() for k in on_disk.keys() - self._index.keys())
                 missing = sorted(k.hex() for k in self._index.keys() - on_disk.keys())
@@ -201,9 +196,7 @@ class DiskBackend(StorageBackend):
         found: list[tuple[int, BlockKey, int]] = []  # (mtime, key, size)
         for shard, name in self._listing():
             path = os.path.join(shard, name)
-            m = _ENTRY_RE.fullmatch(name)
-            if m:
-                key = BlockKey(bytes.fromhex(m[1]))
+            if (key := entry_key(name)) is not None:
                 try:
                     if name[:2] != os.path.basename(shard):
                         raise CorruptEntry("file in the wrong shard directory")
@@ -214,9 +207,8 @@ class DiskBackend(StorageBackend):
                     self._remove_bad(path, str(e))
                     continue
                 found.append((mtime, key, size))
-            elif (t := _TMP_RE.fullmatch(name)) is not None:
-                pid = int(t[1])
-                if pid != os.getpid() and _alive(pid):
+            elif (pid := temp_writer(name)) is not None:
+                if pid != os.getpid() and pid_alive(pid):
                     continue  # another live process is writing it
                 self._remove_bad(path, "temp file of an interrupted write")
             # anything else is not ours: left alone
@@ -235,21 +227,8 @@ class DiskBackend(StorageBackend):
 
     def _listing(self) -> list[tuple[str, str]]:
         """(shard directory, file name) of every file under the namespace directory."""
-        out = []
-        try:
-            shards = [e.path for e in os.scandir(self._dir) if _SHARD_RE.fullmatch(e.name) and e.is_dir()]
-        except FileNotFoundError:
-            return out
-        except OSError as e:
-            logger.warning("G3 cannot list %s: %s", self._dir, e)
-            return out
-        for shard in shards:
-            try:
-                out.extend((shard, e.name) for e in os.scandir(shard) if e.is_file(follow_symlinks=False))
-            except OSError as e:
-                logger.warning("G3 cannot list %s: %s", shard, e)
-                continue
-            self._shards.add(shard)
+        out = list_files(self._dir, lambda path, e: logger.warning("G3 cannot list %s: %s", path, e))
+        self._shards.update(shard for shard, _ in out)
         return out
 
     def _check_header_file(self, path: str, key: BlockKey) -> tuple[int, int]:
@@ -380,7 +359,7 @@ class DiskBackend(StorageBackend):
                 os.replace(tmp, path)
             except OSError as e:
                 self._write_failed(e, "publish")
-                _unlink_quietly(tmp)
+                unlink_quietly(tmp)
                 return False
             old = self._index.get(key)
             if old is not None:
@@ -395,19 +374,18 @@ class DiskBackend(StorageBackend):
                 logger.info("G3 %s: writes work again", self._dir)
                 self._warned = False
         if self.config.fsync:
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
         return True
 
     def _write_temp(self, key: BlockKey, header: bytes, view: memoryview) -> str:
-        h = key.hex()
-        shard = os.path.join(self._dir, h[:2])
+        tmp = temp_path(self._dir, key)
+        shard = os.path.dirname(tmp)
         if shard not in self._shards:
             try:
                 os.mkdir(shard, 0o700)
             except FileExistsError:
                 pass
             self._shards.add(shard)
-        tmp = os.path.join(shard, f".{h}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError:
@@ -415,14 +393,14 @@ class DiskBackend(StorageBackend):
             raise
         try:
             try:
-                _write_all(fd, memoryview(header))
-                _write_all(fd, view)
+                write_all(fd, memoryview(header))
+                write_all(fd, view)
                 if self.config.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
         except OSError:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             raise
         return tmp
 
@@ -478,47 +456,12 @@ class DiskBackend(StorageBackend):
     def _remove_bad(self, path: str, reason: str) -> None:
         self.stats.corrupt += 1
         logger.warning("G3 removing bad file %s: %s", path, reason)
-        _unlink_quietly(path)
+        unlink_quietly(path)
 
     def _path(self, key: BlockKey) -> str:
-        h = key.hex()
-        return os.path.join(self._dir, h[:2], h + ".kvb")
+        return entry_path(self._dir, key)
 
     def _check_open(self) -> None:
         if self._closed:
             raise BackendError(f"DiskBackend {self._dir} is closed")
 
-
-def _write_all(fd: int, view: memoryview) -> None:
-    while view.nbytes:
-        view = view[os.write(fd, view) :]
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        logger.debug("cannot remove %s: %s", path, e)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)  # makes the rename itself durable
-        finally:
-            os.close(fd)
-    except OSError as e:  # the entry is published either way; only its durability is weaker
-        logger.debug("cannot fsync directory %s: %s", path, e)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        pass
-    return True

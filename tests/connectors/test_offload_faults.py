@@ -232,7 +232,7 @@ def full_disk(request, tmp_path, monkeypatch):
         def no_space(fd, view):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-        monkeypatch.setattr(disk_module, "_write_all", no_space)
+        monkeypatch.setattr(disk_module, "write_all", no_space)
         yield root
 
 

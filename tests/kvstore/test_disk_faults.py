@@ -28,7 +28,7 @@ import os, random, sys, time
 import kvstore.disk as disk
 root, ns, start, stall = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 b = disk.DiskBackend(root, 1 << 40, ns)
-write_all = disk._write_all
+write_all = disk.write_all
 def stalling(fd, view):
     if view.nbytes > 1000:
         write_all(fd, view[: view.nbytes // 2])
@@ -38,7 +38,7 @@ def stalling(fd, view):
 i = start
 while True:
     if i == stall:
-        disk._write_all = stalling
+        disk.write_all = stalling
     k = i.to_bytes(16, "little")
     assert b.put([k], [random.Random(k).randbytes(64 * 1024 + (i * 7919) % (1 << 20))]) == [True]
     print(i, flush=True)
