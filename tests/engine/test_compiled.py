@@ -70,6 +70,7 @@ print(json.dumps(dict(torch._dynamo.utils.counters["inductor"])))
 """
 
 
+@pytest.mark.slow  # two processes that compile (~2 min); `make test-all` runs it
 def test_a_restart_reuses_the_compiled_code_from_disk(ckpt_dir, tmp_path):
     """The second process finds inductor's graph in $KVTIER_CACHE_DIR/inductor (a freezing build
     bypassed that cache: every process recompiled)."""

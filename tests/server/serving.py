@@ -2,7 +2,9 @@
 back from the server's start-up line) and stops them."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,6 +61,31 @@ def start_server(*args: str, env: dict[str, str] | None = None, timeout: float =
     threads = {"OMP_NUM_THREADS": os.environ.get("KVTIER_TEST_THREADS", "1")}
     srv = launch(list(args), {**threads, **(env or {})}, timeout)
     return Server(srv.proc, srv.url, srv.model, srv.lines)
+
+
+_MANY = """
+import json, sys
+from server import cli
+for i, args in enumerate(json.loads(sys.argv[1])):
+    try:
+        rc = cli.main(["serve", *args])
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+    sys.stdout.flush()
+    print(f"\\n@@case {i} {rc}", file=sys.stderr, flush=True)
+"""
+
+
+def run_cli_many(cases: list[list[str]], timeout: float = 240) -> list[tuple[int, str]]:
+    """`kvtier serve ARGS` for each ARGS, all expected to exit on their own (bad flags), in one
+    process so the imports are paid once: (exit code, stderr) per case."""
+    r = subprocess.run([sys.executable, "-c", _MANY, json.dumps(cases)], cwd=REPO, capture_output=True, text=True,
+                       timeout=timeout, check=False, env={**os.environ, "PYTHONPATH": str(REPO)})
+    parts = re.split(r"\n@@case (\d+) (-?\d+)\n", "\n" + r.stderr)
+    out = [(int(parts[i + 2]), parts[i]) for i in range(0, len(parts) - 1, 3)]
+    if r.returncode != 0 or len(out) != len(cases):
+        raise AssertionError(f"the driver ended early (rc {r.returncode}):\n{r.stderr[-3000:]}")
+    return out
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
