@@ -252,7 +252,7 @@ class API:
                     self.tok, req.skip_special_tokens, stops)))
         if self.s.request_logger is not None:
             for c, p in zip(choices, params):
-                self.s.request_logger.log(c.request_id, c.prompt_ids, p)
+                self.s.request_logger.received(c.request_id, c.prompt_ids, p)
         queues = []
         try:
             for c, p in zip(choices, params):
@@ -346,6 +346,7 @@ class API:
                     text = c.detok.finish(self.final_text(c))
                     self.metrics.observe_request(arrival, c.first_token_at, now, len(c.token_ids), d["finish_reason"],
                                                  len(c.prompt_ids), d.get("cached_by_tier") or {})
+                    self._log_finished(c, d["finish_reason"], d.get("cached_by_tier") or {}, arrival, now)
                 yield c, text
         finally:
             for t in tasks:
@@ -353,7 +354,17 @@ class API:
             running = [c.request_id for c in choices if c.finish is None]
             if running:
                 log.info("aborting %d unfinished sequence(s) (client gone or error)", len(running))
+                now = time.monotonic()
+                for c in choices:
+                    if c.finish is None:
+                        self._log_finished(c, "abort", {}, arrival, now)
                 await self.client.abort(running)
+
+    def _log_finished(self, c: Choice, reason: str, cached_by_tier: dict[str, int], arrival: float, now: float) -> None:
+        if self.s.request_logger is not None:
+            ttft = None if c.first_token_at is None else c.first_token_at - arrival
+            self.s.request_logger.finished(c.request_id, len(c.prompt_ids), cached_by_tier, len(c.token_ids), reason,
+                                           ttft, now - arrival)
 
     def final_text(self, c: Choice) -> str:
         text = self.tok.decode(c.token_ids, skip_special_tokens=c.detok.skip)

@@ -20,6 +20,7 @@ import zmq.asyncio
 from engine.sampling_params import SamplingParams
 from server import channel as ch
 from server.core import core_main, params_to_wire
+from server.logs import LogSettings
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +53,11 @@ class CoreInfo:
 
 
 class EngineClient:
-    def __init__(self, llm_kwargs: dict[str, Any], log_level: str = "info",
+    def __init__(self, llm_kwargs: dict[str, Any], logs: LogSettings = LogSettings(),
                  heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> None:
         if heartbeat_timeout_s <= 0:
             raise ValueError(f"heartbeat timeout must be > 0 seconds; got {heartbeat_timeout_s}")
-        self.llm_kwargs, self.log_level, self.heartbeat_timeout_s = llm_kwargs, log_level, heartbeat_timeout_s
+        self.llm_kwargs, self.logs, self.heartbeat_timeout_s = llm_kwargs, logs, heartbeat_timeout_s
         self.state = CoreState.STARTING
         self.died = False  # the core ended without being asked to (or hung): serve exits 1
         self.dead = asyncio.Event()  # set with `died`
@@ -88,7 +89,7 @@ class EngineClient:
         ctx = mp.get_context("spawn")  # never fork a process that may hold torch threads
         self.proc = ctx.Process(target=core_main, name="kvtier-engine-core", daemon=True,
                                 args=(self.llm_kwargs, f"ipc://{self._ipc_dir}/to_core",
-                                      f"ipc://{self._ipc_dir}/from_core", self.log_level))
+                                      f"ipc://{self._ipc_dir}/from_core", self.logs))
         self.proc.start()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s

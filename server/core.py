@@ -21,6 +21,7 @@ import zmq
 from engine.request import FINISH_REASONS, Request
 from engine.sampling_params import SamplingParams
 from server import channel as ch
+from server.logs import LogSettings
 
 if TYPE_CHECKING:
     from engine.llm import LLM
@@ -117,9 +118,9 @@ class CoreLoop:
             self.sent.clear()
 
 
-def run_core(llm_kwargs: dict[str, Any], to_core: str, from_core: str, log_level: str = "INFO") -> int:
+def run_core(llm_kwargs: dict[str, Any], to_core: str, from_core: str, logs: LogSettings = LogSettings()) -> int:
     """Entry point of the engine-core process (spawned by the API process)."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s core %(name)s: %(message)s")
+    logs.configure("core")
     # The API process decides when to stop: it catches SIGINT/SIGTERM and sends "shutdown".
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -210,6 +211,6 @@ class Heartbeat:
         self._sock.close()
 
 
-def core_main(llm_kwargs: dict[str, Any], to_core: str, from_core: str, log_level: str) -> None:
+def core_main(llm_kwargs: dict[str, Any], to_core: str, from_core: str, logs: LogSettings) -> None:
     """multiprocessing target: the exit code tells the API process how the core ended."""
-    raise SystemExit(run_core(llm_kwargs, to_core, from_core, log_level))
+    raise SystemExit(run_core(llm_kwargs, to_core, from_core, logs))

@@ -1,5 +1,5 @@
 """`kvtier serve`'s HTTP-side flags, with vLLM's names: the proxy prefix, CORS, TLS, uvicorn's log
-level, request logging, the chat template and --generation-config (read by server/defaults.py).
+level, logging (levels, format, request and stats lines), the chat template and --generation-config (read by server/defaults.py).
 Each is checked before the engine starts, so a bad value exits 2 with a line naming its flag."""
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from server.logs import LOG_FORMATS, LOG_LEVELS, LogSettings
+from server.stats_log import STATS_INTERVAL_S
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -86,6 +89,7 @@ class HttpSettings:
 
 
 _D = HttpSettings()
+_L = LogSettings()
 
 
 def _json_list(value: str) -> tuple[str, ...]:
@@ -100,7 +104,7 @@ def _json_list(value: str) -> tuple[str, ...]:
 
 
 def add_http_args(p: argparse.ArgumentParser) -> None:
-    h = p.add_argument_group("HTTP (vLLM's flags): proxy prefix, CORS, TLS, logging")
+    h = p.add_argument_group("HTTP (vLLM's flags): proxy prefix, CORS, TLS, uvicorn's log level")
     h.add_argument("--root-path", default=_D.root_path, metavar="PREFIX",
                    help="the path prefix a path-routing proxy strips before forwarding (FastAPI's root_path): "
                         "routes stay where they are, /docs and /openapi.json name the prefix (default: none)")
@@ -121,14 +125,31 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     h.add_argument("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
                    help="uvicorn's own loggers (start-up, errors; the access log at debug and trace), apart from "
                         "kvtier's (default: --log-level's value)")
-    h.add_argument("--enable-log-requests", action="store_true",
-                   help="log each request at INFO: its id, sampling parameters and prompt token ids (off by default: "
-                        "prompts are the users' data)")
-    h.add_argument("--disable-log-requests", action="store_true",
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-level", default=_L.level, choices=LOG_LEVELS,
+                   help="logging verbosity of both processes (default: %(default)s)")
+    g.add_argument("--log-format", default=_L.format, choices=LOG_FORMATS,
+                   help="text: vLLM-like lines; json: one JSON object per line (time, level, process, logger, "
+                        "message, and the per-request and stats lines' numbers as fields) for log shippers "
+                        "(default: %(default)s)")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log one INFO line per finished request: its id, prompt tokens, cached tokens by tier, output "
+                        "tokens, finish reason, TTFT and latency. Never the prompt (the users' data) unless "
+                        "--log-prompts")
+    g.add_argument("--log-prompts", action="store_true",
+                   help="with --enable-log-requests, also log each request's prompt token ids and non-default "
+                        "sampling parameters when it arrives")
+    g.add_argument("--disable-log-requests", action="store_true",
                    help="accepted for vLLM's older command lines; request logging is off unless "
                         "--enable-log-requests is given")
-    h.add_argument("--max-log-len", type=int, default=None, metavar="TOKENS",
-                   help="with --enable-log-requests, the prompt token ids shown per request (default: all)")
+    g.add_argument("--max-log-len", type=int, default=None, metavar="TOKENS",
+                   help="with --log-prompts, the prompt token ids shown per request (default: all)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="do not log the periodic stats line (throughput, running/waiting, G1 usage, prefix-cache "
+                        "hit rate, per-tier hit tokens and bytes moved), which is logged every "
+                        "--log-stats-interval seconds while the server is busy")
+    g.add_argument("--log-stats-interval", type=float, default=STATS_INTERVAL_S, metavar="SECONDS",
+                   help="seconds between stats lines (default: %(default)s)")
     c = p.add_argument_group("chat template and default sampling parameters")
     c.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="the Jinja chat template for chat requests and /tokenize, instead of the tokenizer's: a file "

@@ -92,8 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-no-auth", action="store_true",
                    help="with --api-key, leave /metrics open to scrapers without the key (by default every "
                         "route but /health and /version needs it, /metrics and /tokenize included)")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="logging verbosity of both processes (default: %(default)s)")
     add_http_args(p)
     return p
 
@@ -146,7 +144,10 @@ def main(argv: list[str]) -> int:
     from server import config_file
 
     ns = p.parse_args(config_file.expand(p, argv))
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from server.logs import LogSettings
+
+    logs = LogSettings(ns.log_level, ns.log_format)
+    logs.configure("api")
     if not 0 <= ns.port <= 65535:
         p.error(f"--port must be in [0, 65535]; got {ns.port}")
     try:
@@ -157,6 +158,7 @@ def main(argv: list[str]) -> int:
     from server.api import API, ServerSettings
     from server.defaults import SamplingDefaults
     from server.request_log import RequestLogger
+    from server.stats_log import StatsLogger
 
     kwargs = llm_kwargs(ns)
     if kwargs["max_num_batched_tokens"] is None:  # a server's default, not an offline batch's
@@ -173,7 +175,10 @@ def main(argv: list[str]) -> int:
             return _fail(f"model directory {model_dir} does not exist")
         http = http_settings(ns)
         defaults = SamplingDefaults.load(ns.generation_config, model_dir)
-        request_log = RequestLogger(ns.max_log_len)  # checks --max-log-len with or without --enable-log-requests
+        request_log = RequestLogger(ns.max_log_len, ns.log_prompts)  # checks --max-log-len even when unused
+        if ns.log_prompts and not ns.enable_log_requests:
+            raise ValueError("--log-prompts needs --enable-log-requests")
+        stats_log = None if ns.disable_log_stats else StatsLogger(ns.log_stats_interval)
         settings = ServerSettings(tuple(ns.served_model_name or [model_dir.name]), str(model_dir),
                                   ns.api_key or None, ns.max_request_bytes, ns.max_pending_requests,
                                   trust_request_chat_template=ns.trust_request_chat_template,
@@ -216,19 +221,20 @@ def main(argv: list[str]) -> int:
         sock.listen(2048)
     except OSError as e:
         return _fail(f"cannot listen on {ns.host}:{ns.port}: {e.strerror}")
-    return asyncio.run(_serve(ns, kwargs, settings, tokenizer, sock, API, http))
+    return asyncio.run(_serve(ns, kwargs, settings, tokenizer, sock, API, http, logs, stats_log))
 
 
 async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, tokenizer: Any,
-                 sock: socket.socket, api_cls: Any, http: HttpSettings) -> int:
+                 sock: socket.socket, api_cls: Any, http: HttpSettings, logs: Any, stats_log: Any) -> int:
     import uvicorn
 
-    from server.client import EngineClient, StartupError
+    from server.client import CoreState, EngineClient, StartupError
+    from server.stats_log import run_stats_log
 
     _Server = _uvicorn_server()
     from server.routes import build_app
 
-    client = EngineClient(kwargs, ns.log_level, ns.engine_heartbeat_timeout)
+    client = EngineClient(kwargs, logs, ns.engine_heartbeat_timeout)
     log.info("starting the engine core for %s", settings.model_path)
     try:
         info = await client.start(ns.engine_start_timeout)
@@ -251,8 +257,9 @@ async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, 
     app.router.lifespan_context = lifespan
     # At --shutdown-timeout the requests left end with finish_reason "abort" (their responses
     # still complete); uvicorn's own timeout, a little later, only backs that up.
+    # JSON logs: uvicorn's loggers go through the root handler instead of its own text ones.
     config = uvicorn.Config(app, timeout_graceful_shutdown=max(ns.shutdown_timeout, 0) + 5, lifespan="on",
-                            **http.uvicorn_kwargs())
+                            **http.uvicorn_kwargs(), **({"log_config": None} if logs.format == "json" else {}))
     server = _Server(config)
     host, port = sock.getsockname()[:2]
     loop = asyncio.get_running_loop()
@@ -290,10 +297,14 @@ async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, 
         server.should_exit = True
 
     watcher = loop.create_task(exit_on_death())
+    stats_task = None if stats_log is None else loop.create_task(
+        run_stats_log(client.stats, lambda: client.state is CoreState.READY, stats_log))
     try:
         await server.serve(sockets=[sock])
     finally:
         watcher.cancel()
+        if stats_task is not None:
+            stats_task.cancel()
         api.close()
     if client.died:
         log.error("exiting with status 1: the engine core had died")

@@ -61,7 +61,7 @@ def configured(model_dir, tls, tmp_path_factory):
     (d / "template.jinja").write_text(TEMPLATE)
     cfg = {"model": str(model_dir), "served-model-name": ["cfg"], "num_gpu_blocks": 64, "max-model-len": 256,
            "api_key": KEY, "root-path": "/api", "allowed-origins": [ORIGIN], "allow_credentials": True,
-           "ssl-certfile": str(tls[0]), "ssl_keyfile": str(tls[1]), "enable-log-requests": True,
+           "ssl-certfile": str(tls[0]), "ssl_keyfile": str(tls[1]), "enable-log-requests": True, "log-prompts": True,
            "uvicorn-log-level": "warning", "chat-template": str(d / "template.jinja"), "enable-prefix-caching": True}
     (d / "serve.yaml").write_text(yaml.safe_dump(cfg))
     srv = start_server("--config", str(d / "serve.yaml"), "--max-model-len", "512")
@@ -169,6 +169,9 @@ def test_request_logging_and_uvicorn_log_level(configured, plain, tls):
     line = next(x for x in configured.lines if "Received request logged-1" in x)
     assert f"prompt_token_ids: {prompt}" in line and "'max_tokens': 2" in line
     assert not any("Received request" in x for x in plain.lines)  # off by default
+    done = next(x for x in configured.lines if "Finished request logged-1" in x)
+    assert "prompt_tokens=12 " in done and "output_tokens=2 " in done and "finish_reason=length" in done
+    assert not any("Finished request" in x for x in plain.lines)
     # uvicorn at warning while kvtier logs at info; by default uvicorn follows --log-level.
     assert not any("Application startup complete" in x for x in configured.lines)
     assert any("Application startup complete" in x for x in plain.lines)
@@ -240,6 +243,8 @@ def test_bad_values_exit_2_naming_the_flag(serve_main, capsys, model_dir, tls, t
         ([m, "--generation-config", str(tmp_path / "nowhere")], "--generation-config"),
         ([m, "--generation-config", str(tmp_path / "gc")], "temperature must be a number"),
         ([m, "--max-log-len", "-1"], "--max-log-len"),
+        ([m, "--log-prompts"], "--log-prompts needs --enable-log-requests"),
+        ([m, "--log-stats-interval", "0"], "--log-stats-interval"),
         ([m, "--model", str(tmp_path)], "the positional MODEL and --model differ"),
         (["--config", str(tmp_path / "missing.yaml")], "--config"),
         (["--config", str(tmp_path / "unknown.yaml"), m], "max-modle-len"),
@@ -262,7 +267,8 @@ def test_every_flag_has_help():
                  "--no-enable-prefix-caching", "--kv-cache-dtype", "--root-path", "--allowed-origins",
                  "--allowed-methods", "--allowed-headers", "--allow-credentials", "--ssl-keyfile", "--ssl-certfile",
                  "--ssl-ca-certs", "--ssl-cert-reqs", "--uvicorn-log-level", "--enable-log-requests",
-                 "--disable-log-requests", "--max-log-len"):
+                 "--disable-log-requests", "--max-log-len", "--log-prompts", "--log-format", "--disable-log-stats",
+                 "--log-stats-interval", "--log-level"):
         assert flag in text, flag
     for action in build_parser()._actions:
         assert action.help, action.option_strings
