@@ -128,7 +128,10 @@ class StorageTier:
         if self.remote is not None:
             return {"backend": name, **self.remote.stats()}
         s = getattr(self.backend, "stats", None)
-        return {"backend": name, **(vars(s) if s is not None else {})}
+        occ = getattr(self.backend, "occupancy", None)  # a plugin written before the method may lack it
+        used = occ() if occ is not None else None
+        size = {} if used is None else {"used_bytes": used[0], "capacity_bytes": used[1]}
+        return {"backend": name, **(vars(s) if s is not None else {}), **size}
 
     def flush(self) -> None:
         if self.writer is not None:

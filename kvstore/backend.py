@@ -112,6 +112,11 @@ class StorageBackend(ABC):
             filled.append(ok)
         return filled
 
+    def occupancy(self) -> tuple[int, int | None] | None:
+        """(bytes stored, capacity in bytes or None if unbounded), as /v1/kv/stats and the dashboard
+        show it; None (the default) when the backend cannot tell cheaply (a shared Redis)."""
+        return None
+
     def touch(self, keys: Sequence[BlockKey], priority: int) -> None:
         """A request of `priority` (lower = more urgent, as in `policies`) stored or read these
         keys. A backend with its own eviction may keep urgent blocks longer; unknown keys are

@@ -37,6 +37,9 @@ class MemoryBackend(StorageBackend):
     def used_bytes(self) -> int:
         return self._used
 
+    def occupancy(self) -> tuple[int, int | None]:
+        return self._used, self.capacity_bytes
+
     def __len__(self) -> int:
         return len(self._data)
 

@@ -6,6 +6,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,6 +28,11 @@ from server.tools import ToolPlan
 from server.tools import extract as extract_tool_calls
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DASHBOARD_HTML = (Path(__file__).parent / "static" / "dashboard.html").read_text()
+# Its script and style are inline and it talks only to this server: nothing else may load or run.
+DASHBOARD_HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff", "Content-Security-Policy":
+                     "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+                     "img-src 'self' data:; form-action 'none'; frame-ancestors 'none'"}
 
 
 def build_app(api: API) -> FastAPI:
@@ -49,7 +55,9 @@ def build_app(api: API) -> FastAPI:
 
     # With --api-key every route needs the key except these: load balancers probe /health without
     # one, and /metrics only with --metrics-no-auth (its gauges describe the traffic).
-    open_paths = {"/health", "/ping", "/version"} | ({"/metrics"} if s.metrics_no_auth else set())
+    # /dashboard is a static page with no data in it: it asks for the key and sends it with its
+    # own requests, which need it like any other.
+    open_paths = {"/health", "/ping", "/version", "/dashboard"} | ({"/metrics"} if s.metrics_no_auth else set())
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:
@@ -75,6 +83,10 @@ def build_app(api: API) -> FastAPI:
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": VERSION}
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard() -> Response:
+        return Response(DASHBOARD_HTML, media_type="text/html; charset=utf-8", headers=DASHBOARD_HEADERS)
 
     def model_card(name: str) -> dict[str, Any]:
         info = api.client.info
