@@ -2,10 +2,12 @@
 
 Request latencies are observed in the API process, which sees every token arrive. Engine
 gauges and counters come from a stats snapshot the core sends when /metrics is scraped, so
-they are exact at scrape time without the core pushing anything per step."""
+they are exact at scrape time without the core pushing anything per step. With
+`--metrics-compat vllm` the same inputs also feed vLLM-named copies (server/metrics_compat.py)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -13,12 +15,50 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from connectors.base import tier_entries
+from server.metrics_compat import VllmCompat, make_compat
 
 P = "kvtier:"
 disable_created_metrics()  # no `_created` series beside every counter (vLLM turns them off too)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 TIER_SOURCES = {"G1": "local_cache_hit"}  # other tiers count as external_kv_transfer, as in vLLM
+
+
+@dataclass(frozen=True)
+class FinishedSequence:
+    """One finished sequence as the API process saw it (monotonic seconds): the input of every
+    per-request series, kvtier's and the compat ones alike."""
+    arrival: float
+    first_token: float | None  # None: it ended before its first token
+    finished: float
+    num_output: int
+    finish_reason: str
+    num_prompt: int
+    cached_by_tier: dict[str, int]
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def decode_seconds(self) -> float:
+        """First token to the end (0 without a first token: no decode phase)."""
+        return 0.0 if self.first_token is None else self.finished - self.first_token
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first; None with fewer than two tokens."""
+        if self.first_token is None or self.num_output < 2:
+            return None
+        return self.decode_seconds / (self.num_output - 1)
+
+    def by_source(self) -> dict[str, int]:
+        """Prompt tokens by where their KV came from, under vLLM's source label values."""
+        out = {"local_compute": max(self.num_prompt - sum(self.cached_by_tier.values()), 0)}
+        for tier, n in self.cached_by_tier.items():
+            src = TIER_SOURCES.get(tier, "external_kv_transfer")
+            out[src] = out.get(src, 0) + n
+        return out
 
 
 class _EngineCollector(Collector):
@@ -51,6 +91,7 @@ class _EngineCollector(Collector):
         yield counter("prompt_tokens", "Prompt tokens received by the engine.", s["prompt_tokens"])
         yield counter("generation_tokens", "Tokens generated.", s["generation_tokens"])
         yield counter("kv_cache_evictions", "Cached G1 blocks evicted.", s["num_evictions"])
+        yield gauge("kv_cache_capacity_blocks", "G1 KV blocks in all.", s["num_gpu_blocks"])
         groups = GaugeMetricFamily(P + "kv_group_held_blocks", "G1 blocks requests hold, per KV group.",
                                    labels=lab + ["group", "window"])
         for i, g in enumerate(s.get("kv_groups") or ()):
@@ -78,6 +119,16 @@ class _EngineCollector(Collector):
         evict = CounterMetricFamily(P + "offload_evictions", "Blocks evicted from an offload tier.", labels=lab + ["tier"])
         info = GaugeMetricFamily(P + "offload_tier_info", "The storage backend of each offload tier (value 1).",
                                  labels=lab + ["tier", "backend"])
+        # Occupancy only where a tier reports it: G2 counts blocks, storage backends that can tell
+        # cheaply report bytes (a shared Redis cannot). The others get no series, not a made-up 0.
+        held = GaugeMetricFamily(P + "offload_blocks", "Blocks an offload tier holds (tiers that count them).",
+                                 labels=lab + ["tier"])
+        cap = GaugeMetricFamily(P + "offload_capacity_blocks", "Blocks an offload tier can hold (tiers that count "
+                                "them).", labels=lab + ["tier"])
+        used = GaugeMetricFamily(P + "offload_used_bytes", "Bytes an offload tier stores (tiers that report it).",
+                                 labels=lab + ["tier"])
+        size = GaugeMetricFamily(P + "offload_capacity_bytes", "Bytes an offload tier may store (bounded tiers that "
+                                 "report it).", labels=lab + ["tier"])
         for tier, t in tier_entries(tiers).items():
             info.add_metric(m + [tier, str(t.get("backend", "unknown"))], 1)
             hits.add_metric(m + [tier], t.get("hit_tokens", 0))
@@ -86,7 +137,14 @@ class _EngineCollector(Collector):
             moved.add_metric(m + [tier, "out"], t.get("bytes_out", t.get("bytes_read", 0)))
             bad.add_metric(m + [tier], t.get("corrupt", 0))
             evict.add_metric(m + [tier], t.get("evictions", 0))
-        yield from (info, hits, miss, moved, bad, evict)
+            if "blocks" in t and "capacity_blocks" in t:
+                held.add_metric(m + [tier], t["blocks"])
+                cap.add_metric(m + [tier], t["capacity_blocks"])
+            if t.get("used_bytes") is not None:
+                used.add_metric(m + [tier], t["used_bytes"])
+            if t.get("capacity_bytes") is not None:  # None: unbounded
+                size.add_metric(m + [tier], t["capacity_bytes"])
+        yield from (info, hits, miss, moved, bad, evict, held, cap, used, size)
 
 
 class Metrics:
@@ -112,21 +170,30 @@ class Metrics:
                                 lab + ["status"], registry=r)
         self.engine = _EngineCollector(model)
         r.register(self.engine)
+        self.compat: VllmCompat | None = None
+
+    def enable_compat(self, mode: str, max_model_len: int) -> None:
+        """Also write `mode`'s series names (server.metrics_compat; "none" adds nothing). Call it
+        once, before the first request: sequences observed earlier are not replayed."""
+        if self.compat is not None:
+            raise RuntimeError("metrics compat is already enabled")
+        self.compat = make_compat(mode, self.registry, self.model, max_model_len, lambda: self.engine.snapshot)
 
     def observe_request(self, arrival: float, first_token: float | None, finished: float, num_output: int,
                         finish_reason: str, num_prompt: int, cached_by_tier: dict[str, int]) -> None:
-        if first_token is not None:
-            self.ttft.observe(first_token - arrival)
-            if num_output > 1:
-                self.tpot.observe((finished - first_token) / (num_output - 1))
+        seq = FinishedSequence(arrival, first_token, finished, num_output, finish_reason, num_prompt, cached_by_tier)
+        if seq.ttft is not None:
+            self.ttft.observe(seq.ttft)
+        if seq.tpot is not None:
+            self.tpot.observe(seq.tpot)
         self.e2e.observe(finished - arrival)
         self.success.labels(self.model, finish_reason).inc()
-        cached = 0
+        for source, n in seq.by_source().items():
+            self.by_source.labels(self.model, source).inc(n)
         for tier, n in cached_by_tier.items():
-            self.by_source.labels(self.model, TIER_SOURCES.get(tier, "external_kv_transfer")).inc(n)
             self.by_tier.labels(self.model, tier).inc(n)
-            cached += n
-        self.by_source.labels(self.model, "local_compute").inc(max(num_prompt - cached, 0))
+        if self.compat is not None:
+            self.compat.observe(seq)
 
     def render(self, snapshot: dict[str, Any] | None) -> bytes:
         self.engine.snapshot = snapshot

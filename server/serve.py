@@ -27,6 +27,7 @@ from server.tools import PARSERS
 from server.args import add_engine_args, llm_kwargs
 from server.client import DEFAULT_HEARTBEAT_TIMEOUT_S
 from server.flags import HttpSettings, add_http_args, http_settings, load_chat_template
+from server.metrics_compat import DEFAULT_METRICS_COMPAT, METRICS_COMPAT_CHOICES
 
 log = logging.getLogger(__name__)
 DEATH_LINGER_S = 5.0  # how long a server whose engine core died keeps answering 503 before it exits 1
@@ -92,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-no-auth", action="store_true",
                    help="with --api-key, leave /metrics open to scrapers without the key (by default every "
                         "route but /health and /version needs it, /metrics and /tokenize included)")
+    s.add_argument("--metrics-compat", choices=METRICS_COMPAT_CHOICES, default=DEFAULT_METRICS_COMPAT,
+                   help="vllm: /metrics also carries vLLM's own names (vllm:...) for the series that mean the same "
+                        "thing, with vLLM's labels and buckets, so vLLM's dashboards and alerts work unchanged; "
+                        "server/metrics_compat.py lists which are exported and why the rest are not "
+                        "(default: %(default)s, kvtier: names only)")
     add_http_args(p)
     return p
 
@@ -243,6 +249,7 @@ async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, 
         sock.close()
         return _fail(f"engine core failed to start: {e}")
     api = api_cls(client, tokenizer, settings)
+    api.metrics.enable_compat(ns.metrics_compat, info.max_model_len)  # vLLM's token buckets need the model length
     app = build_app(api)
     http.add_cors(app)
 
