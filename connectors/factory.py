@@ -45,6 +45,9 @@ class ConnectorContext:
     model_name: str = ""
     remote_url: str | None = None  # G4: redis://, rediss://, redis+cluster://
     kv_secret: bytes | None = field(default=None, repr=False)  # MACs G3/G4 entries (kvstore.entry)
+    # What the namespace is (model, dtype, fingerprint inputs): G3/G4 record it for `kvtier kv`
+    # (kvstore.namespace_info); informational only
+    namespace_info: dict[str, Any] | None = field(default=None, repr=False)
 
 
 def validate_transfer_config(tc: dict[str, Any]) -> dict[str, Any]:
@@ -219,7 +222,8 @@ def _disk(ctx: ConnectorContext, path: Path, size_gib: float, policy: PolicySpec
 
     # The connector tells G3's policy of each read it used (touch_blocks), so reads are not uses.
     disk = DiskBackend(path, int(size_gib * 2**30), ctx.fingerprint, policy=policy or ctx.eviction_policy,
-                       secret=ctx.kv_secret, entry_bytes=ctx.layout.encoded_bytes, touch_on_read=False)
+                       secret=ctx.kv_secret, entry_bytes=ctx.layout.encoded_bytes, touch_on_read=False,
+                       info=ctx.namespace_info)
     log.info("disk tier: %s (%.1f GiB, %d entries found)", path, size_gib, len(disk))
     return disk
 
@@ -229,7 +233,8 @@ def _redis(ctx: ConnectorContext, url: str, prefix: str, ttl_s: float | None, ti
     tier turns into misses (and says so in the log)."""
     from kvstore.remote import RedisBackend, RemoteConfig
 
-    cfg = RemoteConfig(url, ctx.fingerprint, prefix=prefix, ttl_s=ttl_s, timeout_s=timeout_s, secret=ctx.kv_secret)
+    cfg = RemoteConfig(url, ctx.fingerprint, prefix=prefix, ttl_s=ttl_s, timeout_s=timeout_s, secret=ctx.kv_secret,
+                       info=ctx.namespace_info)
     backend = RedisBackend(cfg)
     log.info("Redis tier: %s (key prefix %s, TTL %s)", backend.url, cfg.prefix, f"{cfg.ttl_s:g}s" if cfg.ttl_s else "none")
     return backend

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 from connectors.base import KVConnector
 from connectors.codec import BlockLayout
 from connectors.factory import ConnectorContext, build_connector, has_hidden_states_connector
 from connectors.hidden_spec import HiddenStatesSpec
 from engine.config import EngineConfig, ModelConfig
-from engine.fingerprint import model_fingerprint
+from engine.fingerprint import fingerprint_description, namespace_digest
 from engine.model_runner import ModelRunner
 from kvstore.events import EventBuffer
 from kvstore.g1 import BlockPool
@@ -29,14 +30,20 @@ def make_connector(cfg: EngineConfig, mc: ModelConfig, model_dir: Path, hidden_s
     if (cfg.offload_enabled or explicit_tiers) and not cfg.enable_prefix_caching:
         raise ValueError("KV offload needs prefix caching (block keys); drop --no-enable-prefix-caching")
     extra = dict(tc.get("kv_connector_extra_config") or {})
-    fp = model_fingerprint(model_dir, mc, cfg.block_size, cfg.kv_namespace)
+    desc = fingerprint_description(model_dir, mc, cfg.block_size, cfg.kv_namespace)
+    fp = namespace_digest(desc)
+    # What the persistent tiers record about their namespace (kvstore.namespace_info): for people.
+    info: dict[str, Any] = {"model": str(model_dir), "dtype": str(mc.dtype), "kv_dtype": str(mc.kv_dtype),
+                            "offload_block_tokens": cfg.kv_offload_block_size, "fingerprint": desc}
     hs = hidden_spec
     if hs is not None:  # blocks carry hidden states too: a G3 namespace of their own
         fp = hashlib.sha256(fp + repr(hs.layer_ids).encode()).digest()[:16]
+        info["hidden_state_layers"] = list(hs.layer_ids)
     groups = runner.layout.groups
     grouped = len(groups) > 1 or any(g.window for g in groups)
     if grouped:  # an entry holds one group's layers: a namespace per layout
         fp = hashlib.sha256(fp + repr([(g.layer_ids, g.window, g.per_slot) for g in groups]).encode()).digest()[:16]
+        info["kv_groups"] = [{"layers": list(g.layer_ids), "window": g.window} for g in groups]
     # Connectors may override the offload block size in their extra config ("block_size").
     # The cache tensor's own shape: with per-layer head sizes it is rows of the widest layer, and
     # layers that reuse another's KV have no slot (engine/kv_groups.py).
@@ -47,7 +54,7 @@ def make_connector(cfg: EngineConfig, mc: ModelConfig, model_dir: Path, hidden_s
     ctx = ConnectorContext(layout, pool, fp, cfg.kv_eviction_policy, cfg.kv_offloading_size,
                            cfg.kv_offload_disk, cfg.kv_offload_disk_size, extra, events,
                            hidden_spec=hs, model_name=model_dir.name, remote_url=cfg.kv_offload_remote,
-                           kv_secret=cfg.kv_offload_secret)
+                           kv_secret=cfg.kv_offload_secret, namespace_info=info)
     connector = build_connector(ctx, tc)
     if connector is not None and grouped:
         connector.set_kv_groups(tuple(g.window for g in groups))

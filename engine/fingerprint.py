@@ -147,12 +147,24 @@ def weights_identity(model_dir: Path) -> str:
     return h.hexdigest()
 
 
+def fingerprint_description(model_dir: Path, cfg: ModelConfig, block_size: int,
+                            kv_namespace: str | None = None) -> dict[str, Any]:
+    """What a namespace digests (a JSON object): the architecture facts, the weights' identity or
+    `kv_namespace` in its place (which skips hashing them), the block size and the layout version."""
+    weights = {"kv_namespace": kv_namespace} if kv_namespace is not None else {"weights": weights_identity(model_dir)}
+    return {**cfg.fingerprint(), **weights, "block_size": block_size, "layout_version": LAYOUT_VERSION}
+
+
+def namespace_digest(desc: dict[str, Any]) -> bytes:
+    """The 16-byte namespace of a `fingerprint_description`."""
+    digest = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).digest()[:16]
+    named = desc.get("kv_namespace")
+    log.info("KV namespace %s (weights named %s)", digest.hex(),
+             f"by kv_namespace {named!r}" if named is not None else "by the digest of every byte")
+    return digest
+
+
 def model_fingerprint(model_dir: Path, cfg: ModelConfig, block_size: int, kv_namespace: str | None = None) -> bytes:
     """16-byte namespace of this model's KV. `kv_namespace` replaces only the weights' identity
     (and skips hashing them); the architecture, dtype and block size always count."""
-    weights = {"kv_namespace": kv_namespace} if kv_namespace is not None else {"weights": weights_identity(model_dir)}
-    desc = {**cfg.fingerprint(), **weights, "block_size": block_size, "layout_version": LAYOUT_VERSION}
-    digest = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).digest()[:16]
-    log.info("KV namespace %s (weights named %s)", digest.hex(),
-             f"by kv_namespace {kv_namespace!r}" if kv_namespace is not None else "by the digest of every byte")
-    return digest
+    return namespace_digest(fingerprint_description(model_dir, cfg, block_size, kv_namespace))

@@ -3,6 +3,8 @@
 Layout (`kvstore.disk_layout`): `{root}/{namespace.hex()}/{key.hex()[:2]}/{key.hex()}.kvb`,
 directories 0700 and files 0600. `namespace` is the model fingerprint digest, so another model or dtype on the
 same root lives in another directory and can never be served.
+`namespace.json` in a namespace's directory says which model it is (`kvstore.namespace_info`, for
+`kvtier kv inspect`); the tier writes it at start-up and never reads it.
 
 Each file is one entry in the self-checking format of `kvstore.entry` (magic, version,
 namespace, key, payload length and checksum, header checksum), keyed with a MAC when the
@@ -30,9 +32,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvstore.backend import (BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_infos, check_keys,
                              check_outs)
@@ -41,6 +44,7 @@ from kvstore.disk_layout import (entry_key, entry_path, fsync_dir, list_files, p
 # MAGIC, HEADER_SIZE and encode_header are also imported from here (the format's old home).
 from kvstore.entry import HEADER_SIZE, MAGIC, CorruptEntry, EntryCodec, EntryHeader, check_secret, encode_header  # noqa: F401
 from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.namespace_info import check_info, write_disk_record
 from policies import BlockInfo, PolicySpecLike, check_candidates, make_policy
 
 logger = logging.getLogger(__name__)
@@ -63,10 +67,14 @@ class DiskConfig:
     # Reads count as uses. The connector turns it off: it reports each read that served a request
     # through touch_blocks, with the block's metadata, so no use counts twice.
     touch_on_read: bool = True
+    # What the namespace is (model, dtype, ...): written to {root}/{namespace}/namespace.json for
+    # the `kvtier kv` tools (kvstore.namespace_info); informational, never read back by the tier.
+    info: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
         check_secret(self.secret)
+        check_info(self.info)
         if type(self.namespace) is not bytes or len(self.namespace) != KEY_BYTES:
             raise ValueError(f"namespace must be {KEY_BYTES} bytes (a fingerprint digest), got {self.namespace!r}")
         if self.capacity_bytes < 0:
@@ -85,10 +93,10 @@ class DiskBackend(StorageBackend):
     def __init__(
         self, root: Path | str, capacity_bytes: int, namespace: bytes, policy: PolicySpecLike = "lru",
         fsync: bool = False, retry_after_s: float = 30.0, secret: bytes | None = None,
-        entry_bytes: int | None = None, touch_on_read: bool = True,
+        entry_bytes: int | None = None, touch_on_read: bool = True, info: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = DiskConfig(Path(root), capacity_bytes, namespace, policy, fsync, retry_after_s, secret,
-                                 entry_bytes, touch_on_read)
+                                 entry_bytes, touch_on_read, info)
         self._codec = EntryCodec(secret)
         self.directory = self.config.root / namespace.hex()
         self.stats = BackendStats()
@@ -103,6 +111,8 @@ class DiskBackend(StorageBackend):
         self._warned = False  # one warning per run of write failures
         self._shards: set[str] = set()  # shard directories known to exist
         self._open_directory()
+        if info is not None and self.writable:
+            write_disk_record(self._dir, namespace, info)
         self._scan()
 
     # ---- public ----------------------------------------------------------------------
@@ -110,6 +120,9 @@ class DiskBackend(StorageBackend):
     @property
     def used_bytes(self) -> int:
         return self._used
+
+    def occupancy(self) -> tuple[int, int | None]:
+        return self._used, self.config.capacity_bytes
 
     @property
     def writable(self) -> bool:

@@ -3,6 +3,7 @@
 
     {root}/{namespace.hex()}/{key.hex()[:2]}/{key.hex()}.kvb       an entry (`kvstore.entry`)
     {root}/{namespace.hex()}/{key.hex()[:2]}/.{key.hex()}.{pid}.{random}.tmp   a write in flight
+    {root}/{namespace.hex()}/namespace.json                       which model (`kvstore.namespace_info`)
 
 Directories are 0700 and files 0600. Any other name is not kvtier's and is left alone.
 """

@@ -158,6 +158,16 @@ class EntryCodec:
 _UNKEYED = EntryCodec()
 
 
+def looks_keyed(raw: Buffer) -> bool:
+    """Whether `raw` starts like a keyed entry (magic, version, algorithm 3). Nothing is verified:
+    it tells a tool without the secret "cannot check this one" from "damaged"."""
+    raw = bytes(raw[:_HEAD.size])
+    if len(raw) < _HEAD.size:
+        return False
+    magic, version, header_len, alg = _HEAD.unpack_from(raw)[:4]
+    return magic == MAGIC and version == FORMAT_VERSION and header_len == HEADER_SIZE and alg == ALG_HMAC_SHA256
+
+
 def encode_header(namespace: bytes, key: bytes, payload: Buffer, alg: int | None = None) -> bytes:
     """An unkeyed header (what a process without a secret writes)."""
     return _UNKEYED.seal(namespace, key, payload, alg)

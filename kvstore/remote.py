@@ -5,8 +5,9 @@ prefixes. The server does the evicting (`maxmemory-policy allkeys-lru` is the re
 setting); entries may also carry a TTL.
 
 Keys are `{prefix}:{namespace hex}:{block key hex}`, the namespace being the model fingerprint,
-so another model or dtype never reads these entries. Values are the same self-checking entry
-as G3's files (magic, version, namespace, key, payload length and checksum, header checksum;
+so another model or dtype never reads these entries; `{prefix}:{namespace hex}:namespace`, written
+on connecting, says which model it is (`kvstore.namespace_info`, for `kvtier kv`). Values are the
+same self-checking entry as G3's files (magic, version, namespace, key, payload length and checksum, header checksum;
 see `kvstore.entry`), so a value written under the wrong key, truncated, or written by another
 model is a miss: counted in `stats.corrupt`, deleted, logged, never served. With a KV secret
 (`RemoteConfig.secret`) values carry keyed MACs, and any value that fails them, unkeyed ones
@@ -28,7 +29,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
@@ -36,6 +37,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 from kvstore.backend import BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_keys, check_outs
 from kvstore.entry import HEADER_SIZE, CorruptEntry, EntryCodec, check_secret
 from kvstore.keys import KEY_BYTES, BlockKey
+from kvstore.namespace_info import check_info, encode_record, redis_record_key
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +73,14 @@ class RemoteConfig:
     max_cooldown_s: float = 60.0
     # KV secret: values carry keyed MACs and unkeyed ones are rejected (see kvstore.entry)
     secret: bytes | None = field(default=None, repr=False)
+    # What the namespace is: written to {prefix}:{namespace hex}:namespace for the `kvtier kv`
+    # tools (kvstore.namespace_info); informational, never read back by the tier.
+    info: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_url(self.url)
         check_secret(self.secret)
+        check_info(self.info)
         if type(self.namespace) is not bytes or len(self.namespace) != KEY_BYTES:
             raise ValueError(f"namespace must be {KEY_BYTES} bytes")
         if not self.prefix or any(c in self.prefix for c in " \n\r"):
@@ -142,23 +148,25 @@ class CircuitBreaker:
             self.state, self._until = BreakerState.OPEN, self.clock() + self._pause
 
 
-def _connect(cfg: RemoteConfig) -> Any:
+def connect(url: str, timeout_s: float) -> Any:
+    """A redis-py client for a G4 URL (cluster or not), credentials from the URL or the environment,
+    `timeout_s` on every socket operation and no retries (the caller decides what a failure means)."""
     import redis
     from redis.cluster import ClusterNode, RedisCluster
 
-    parts = urlsplit(cfg.url)
+    parts = urlsplit(url)
     username = unquote(parts.username) if parts.username else os.environ.get(ENV_USER) or None
     password = unquote(parts.password) if parts.password else os.environ.get(ENV_PASSWORD) or None
-    common = dict(username=username, password=password, socket_timeout=cfg.timeout_s,
-                  socket_connect_timeout=cfg.timeout_s, retry_on_timeout=False)
+    common = dict(username=username, password=password, socket_timeout=timeout_s,
+                  socket_connect_timeout=timeout_s, retry_on_timeout=False)
     tls = parts.scheme.startswith("rediss")
-    if cfg.cluster:
+    if parts.scheme.endswith("+cluster"):
         hosts = parts.netloc.rsplit("@", 1)[-1].split(",")
         nodes = []
         for h in hosts:
             host, _, port = h.rpartition(":")
             if not host or not port.isdigit():
-                raise ValueError(f"cluster node {h!r} in {redact(cfg.url)!r} is not host:port")
+                raise ValueError(f"cluster node {h!r} in {redact(url)!r} is not host:port")
             nodes.append(ClusterNode(host.strip("[]"), int(port)))
         # No retries inside redis-py: the breaker is the retry policy.
         return RedisCluster(startup_nodes=nodes, ssl=tls, cluster_error_retry_attempts=0, **common)
@@ -187,7 +195,7 @@ class RedisBackend(StorageBackend):
         self._ns = cfg.namespace.hex()
         self._codec = EntryCodec(cfg.secret)
         try:
-            self.client = client if client is not None else _connect(cfg)
+            self.client = client if client is not None else connect(cfg.url, cfg.timeout_s)
         except self._auth_errors as e:
             self._disable(e)
             self.client = None
@@ -262,6 +270,7 @@ class RedisBackend(StorageBackend):
             self.client.ping()
             log.info("G4 remote %s connected (key prefix %s:%s%s)", self.url, self.cfg.prefix, self._ns[:8],
                      "; values MAC'd with the KV secret" if self._codec.keyed else "")
+            self._write_record()
         except self._auth_errors as e:
             self._disable(e)
         except self._redis_error as e:
@@ -270,6 +279,17 @@ class RedisBackend(StorageBackend):
             else:
                 self.breaker.failure(e)
 
+    def _write_record(self) -> None:
+        """The namespace record (kvstore.namespace_info); best effort: a refusal (a read-only
+        replica, maxmemory with noeviction) or a dropped connection costs the record, nothing else."""
+        if self.cfg.info is None:
+            return
+        try:
+            self.client.set(redis_record_key(self.cfg.prefix, self.cfg.namespace),
+                            encode_record(self.cfg.namespace, self.cfg.info))
+        except self._redis_error as e:
+            log.debug("G4 cannot write the namespace record: %s", e)
+
     def _pipeline(self, build: Callable[[Any], Any]) -> list[Any] | None:
         """One round trip; None when the tier is off, the breaker is open, or the call failed."""
         if self._closed:
@@ -277,7 +297,7 @@ class RedisBackend(StorageBackend):
         if self.disabled or not self.breaker.allow():
             return None
         if self.client is None:  # the cluster was unreachable at start-up: try again now
-            self.client = self._guarded(lambda: _connect(self.cfg))
+            self.client = self._guarded(lambda: connect(self.cfg.url, self.cfg.timeout_s))
             if self.client is None:
                 return None
         return self._guarded(lambda: self._execute(build))

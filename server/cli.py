@@ -5,6 +5,7 @@ Subcommands:
   generate    answer prompts or chat messages offline with the engine
   extract     export hidden states (EAGLE-3 training data) for a JSONL of prompts
   demo-model  convert the embedded demo model into a Hugging Face checkpoint
+  kv          inspect, verify or clear a G3 directory or G4 Redis (safe on a live server's tier)
 
 Bad input exits with code 2 and a one-line message, never a traceback.
 """
@@ -69,6 +70,12 @@ def _extract(argv: list[str]) -> int:
     return main(argv)
 
 
+def _kv(argv: list[str]) -> int:
+    from server.kv_cli import main
+
+    return main(argv)
+
+
 def _demo_model(argv: list[str]) -> int:
     from engine.demo_model import main
 
@@ -80,6 +87,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "generate": (_generate, "answer prompts or chat messages offline"),
     "extract": (_extract, "export hidden states (EAGLE-3 training data) for a JSONL of prompts"),
     "demo-model": (_demo_model, "convert the embedded demo model (SmolLM2-135M-Instruct) into an HF checkpoint"),
+    "kv": (_kv, "inspect, verify or clear a G3 directory or G4 Redis: kvtier kv {inspect,verify,clear} DIR|URL"),
 }
 
 
