@@ -69,6 +69,9 @@ class Request:
         self.cache_salt = cache_salt
         self.session = session  # the client's conversation hint (prompt_cache_key or user), for eviction policies
         self.arrival_time = time.monotonic()
+        # For the per-phase latencies (queue, prefill) the server exports: set once, on this clock.
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set when first scheduled
@@ -117,6 +120,8 @@ class Request:
         return len(self.prompt_token_ids)
 
     def append_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -195,6 +196,8 @@ class Scheduler:
                 self._count_prefix(req, num_cached)
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:  # its queue time ends here (loads from lower tiers included)
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             out.scheduled.append(ScheduledRequest.after(req, n))
             scheduled.add(req.request_id)

@@ -99,6 +99,8 @@ class Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish: dict[str, Any] | None = None
     first_token_at: float | None = None
+    last_token_at: float | None = None
+    token_gaps: list[float] = field(default_factory=list)  # seconds between successive deltas with tokens
     queue: Any = None  # asyncio.Queue of core deltas, set by submit()
     thinking_opened: bool | None = None  # with a reasoning parser: the prompt opened a thinking section
     prompt_logprobs: list[Any] | None = None  # from the core's first delta: [rank, {token id: logprob}] each
@@ -332,8 +334,12 @@ class API:
                 if isinstance(d, BaseException):
                     raise d
                 now = time.monotonic()
-                if d["token_ids"] and c.first_token_at is None:
-                    c.first_token_at = now
+                if d["token_ids"]:
+                    if c.first_token_at is None:
+                        c.first_token_at = now
+                    else:  # one engine step's tokens arrive in one delta: a gap per step, as vLLM counts
+                        c.token_gaps.append(now - c.last_token_at)
+                    c.last_token_at = now
                 c.token_ids += d["token_ids"]
                 c.logprobs += d.get("logprobs") or []
                 if "prompt_logprobs" in d:
@@ -345,9 +351,12 @@ class API:
                     left -= 1
                     text = c.detok.finish(self.final_text(c))
                     self.metrics.observe_request(arrival, c.first_token_at, now, len(c.token_ids), d["finish_reason"],
-                                                 len(c.prompt_ids), d.get("cached_by_tier") or {})
+                                                 len(c.prompt_ids), d.get("cached_by_tier") or {},
+                                                 queue_s=d.get("queue_s"), prefill_s=d.get("prefill_s"),
+                                                 token_gaps=tuple(c.token_gaps))
                     self._log_finished(c, d["finish_reason"], d.get("cached_by_tier") or {}, arrival, now)
                 yield c, text
+            self.metrics.observe_group(max(len(c.token_ids) for c in choices))
         finally:
             for t in tasks:
                 t.cancel()

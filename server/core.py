@@ -39,6 +39,14 @@ def params_to_wire(p: SamplingParams) -> dict[str, Any]:
     return wire
 
 
+def _phases(r: Request) -> dict[str, float | None]:
+    """A finished request's time in the queue (arrival to first scheduled) and in prefill (first
+    scheduled to first token), as durations: the API process's clock is not this one."""
+    sched, first = r.first_scheduled_time, r.first_token_time
+    return {"queue_s": None if sched is None else sched - r.arrival_time,
+            "prefill_s": None if sched is None or first is None else first - sched}
+
+
 def stats_snapshot(llm: LLM) -> dict[str, Any]:
     s = llm.get_stats()
     return {**{f.name: getattr(s, f.name) for f in dataclasses.fields(s)}, "num_free_blocks": llm.engine.pool.num_free_blocks(),
@@ -100,7 +108,7 @@ class CoreLoop:
             del self.sent[r.request_id]
             d.update(finish_reason=FINISH_REASONS.get(r.status), stop_reason=r.stop_reason, error=r.error,
                      num_cached_tokens=max(r.num_cached_tokens, 0), cached_by_tier=dict(r.cached_by_tier),
-                     kv_transfer_params=r.kv_transfer_params)
+                     kv_transfer_params=r.kv_transfer_params, **_phases(r))
             if r.thinking is not None:
                 d.update(thinking_tokens=r.thinking.thinking_tokens, thinking_forced_tokens=r.thinking.forced_tokens)
         return d

@@ -35,6 +35,9 @@ class FinishedSequence:
     finish_reason: str
     num_prompt: int
     cached_by_tier: dict[str, int]
+    queue_s: float | None = None  # the core's: arrival to first scheduled (None: never scheduled)
+    prefill_s: float | None = None  # the core's: first scheduled to first token
+    token_gaps: tuple[float, ...] = ()  # the API's: seconds between successive steps' tokens
 
     @property
     def ttft(self) -> float | None:
@@ -180,8 +183,11 @@ class Metrics:
         self.compat = make_compat(mode, self.registry, self.model, max_model_len, lambda: self.engine.snapshot)
 
     def observe_request(self, arrival: float, first_token: float | None, finished: float, num_output: int,
-                        finish_reason: str, num_prompt: int, cached_by_tier: dict[str, int]) -> None:
-        seq = FinishedSequence(arrival, first_token, finished, num_output, finish_reason, num_prompt, cached_by_tier)
+                        finish_reason: str, num_prompt: int, cached_by_tier: dict[str, int], *,
+                        queue_s: float | None = None, prefill_s: float | None = None,
+                        token_gaps: tuple[float, ...] = ()) -> None:
+        seq = FinishedSequence(arrival, first_token, finished, num_output, finish_reason, num_prompt, cached_by_tier,
+                               queue_s, prefill_s, token_gaps)
         if seq.ttft is not None:
             self.ttft.observe(seq.ttft)
         if seq.tpot is not None:
@@ -194,6 +200,11 @@ class Metrics:
             self.by_tier.labels(self.model, tier).inc(n)
         if self.compat is not None:
             self.compat.observe(seq)
+
+    def observe_group(self, max_output: int) -> None:
+        """A request all of whose n sequences finished: the longest one's output tokens."""
+        if self.compat is not None:
+            self.compat.observe_group(max_output)
 
     def render(self, snapshot: dict[str, Any] | None) -> bytes:
         self.engine.snapshot = snapshot

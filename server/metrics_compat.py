@@ -14,7 +14,7 @@ in `_bucket`, `_sum` and `_count`. Sources: vLLM's vllm/v1/metrics/loggers.py an
 its docs publish, examples/online_serving/prometheus_grafana/grafana.json."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -61,7 +61,6 @@ class NotExported:
     why: str
 
 
-_NO_SCHEDULE_TIME = "needs the time the engine first scheduled the request, which the core does not report"
 VLLM_METRICS: dict[str, Exported | NotExported] = {
     # -- engine state and counters: the core's stats snapshot, read at scrape time --------------
     "vllm:num_requests_running": Exported("gauge", "num_running", "kvtier:num_requests_running",
@@ -115,19 +114,32 @@ VLLM_METRICS: dict[str, Exported | NotExported] = {
     "vllm:request_generation_tokens": Exported("histogram", "request:num_output",
                                                "kvtier:generation_tokens (per request)",
                                                "Number of generation tokens processed."),
+    # One observation per engine step after a sequence's first token: the gap between the deltas
+    # the API process receives (a step's tokens, speculative ones included, arrive in one delta).
+    "vllm:time_per_output_token_seconds": Exported(
+        "histogram", "request:token_gaps", "kvtier:time_per_output_token_seconds (its per-sequence mean)",
+        "Histogram of time per output token in seconds.", TPOT_BUCKETS),
+    "vllm:inter_token_latency_seconds": Exported(
+        "histogram", "request:token_gaps", "kvtier:time_per_output_token_seconds (its per-sequence mean)",
+        "Histogram of inter-token latency in seconds.", TPOT_BUCKETS),
+    # The core's own clock: arrival to first scheduled (a load from a lower tier counts as queue
+    # time), first scheduled to first token, first scheduled to the end.
+    "vllm:request_queue_time_seconds": Exported("histogram", "request:queue", "none",
+                                                "Histogram of time spent in WAITING phase for request.",
+                                                REQUEST_LATENCY_BUCKETS),
+    "vllm:request_prefill_time_seconds": Exported("histogram", "request:prefill", "none",
+                                                  "Histogram of time spent in PREFILL phase for request.",
+                                                  REQUEST_LATENCY_BUCKETS),
+    "vllm:request_inference_time_seconds": Exported("histogram", "request:inference", "none",
+                                                    "Histogram of time spent in RUNNING phase for request.",
+                                                    REQUEST_LATENCY_BUCKETS),
+    # Per request (all of its n sequences finished), not per sequence.
+    "vllm:request_max_num_generation_tokens": Exported(
+        "histogram", "group:max_output", "none", "Histogram of maximum number of requested generation tokens."),
     # -- not exported -----------------------------------------------------------------------------
-    "vllm:time_per_output_token_seconds": NotExported(
-        "one observation per gap between a request's successive tokens (vLLM renamed it "
-        "vllm:inter_token_latency_seconds); kvtier's metrics see a sequence's first and last token times "
-        "only, so its per-request mean goes out as vllm:request_time_per_output_token_seconds instead"),
-    "vllm:inter_token_latency_seconds": NotExported("per-token gaps, as vllm:time_per_output_token_seconds"),
-    "vllm:request_queue_time_seconds": NotExported(f"time in the waiting queue: {_NO_SCHEDULE_TIME}"),
-    "vllm:request_prefill_time_seconds": NotExported(f"first scheduled to first token: {_NO_SCHEDULE_TIME}"),
-    "vllm:request_inference_time_seconds": NotExported(f"first scheduled to last token: {_NO_SCHEDULE_TIME}"),
-    "vllm:time_per_prefill_token_request_seconds": NotExported(f"prefill time per prompt token: {_NO_SCHEDULE_TIME}"),
-    "vllm:request_max_num_generation_tokens": NotExported(
-        "the longest output among a request's n sequences: kvtier observes finished sequences one at a time, "
-        "without the request they belong to"),
+    "vllm:time_per_prefill_token_request_seconds": NotExported(
+        "newer than vLLM's published dashboard and its bucket boundaries not pinned down here; "
+        "vllm:request_prefill_time_seconds and vllm:request_prompt_tokens give the same ratio"),
     "vllm:request_params_n": NotExported("a request parameter: kvtier's metrics see finished sequences, not requests"),
     "vllm:request_params_max_tokens": NotExported("a request parameter, as vllm:request_params_n"),
     "vllm:iteration_tokens_total": NotExported("tokens per engine step: the core reports running totals at scrape "
@@ -155,7 +167,15 @@ REQUEST_VALUES: dict[str, Callable[[FinishedSequence], float | None]] = {
     "request:tpot": lambda s: s.tpot if s.tpot is not None else 0.0,
     "request:num_prompt": lambda s: s.num_prompt,
     "request:num_output": lambda s: s.num_output,
+    "request:queue": lambda s: s.queue_s,
+    "request:prefill": lambda s: s.prefill_s,
+    "request:inference": lambda s: None if s.prefill_s is None else s.prefill_s + s.decode_seconds,
 }
+# Sources with several observations per sequence.
+REQUEST_SERIES: dict[str, Callable[[FinishedSequence], Iterable[float]]] = {
+    "request:token_gaps": lambda s: s.token_gaps,
+}
+GROUP_SOURCE = "group:max_output"  # observed once per request, by `observe_group`
 
 
 def exported_names() -> list[str]:
@@ -193,11 +213,18 @@ class VllmCompat(Collector):
         self.label_values = [model, ENGINE]
         lab = ["model_name", "engine"]
         self._histograms: list[tuple[Callable[[FinishedSequence], float | None], Any]] = []
+        self._series: list[tuple[Callable[[FinishedSequence], Iterable[float]], Any]] = []
+        self._groups: list[Any] = []
         for name, row in VLLM_METRICS.items():
             if isinstance(row, Exported) and row.kind == "histogram":
                 buckets = row.buckets or buckets_1_2_5(max_model_len)
-                h = Histogram(name, row.doc, lab, buckets=buckets, registry=registry)
-                self._histograms.append((REQUEST_VALUES[row.source], h.labels(*self.label_values)))
+                h = Histogram(name, row.doc, lab, buckets=buckets, registry=registry).labels(*self.label_values)
+                if row.source == GROUP_SOURCE:
+                    self._groups.append(h)
+                elif row.source in REQUEST_SERIES:
+                    self._series.append((REQUEST_SERIES[row.source], h))
+                else:
+                    self._histograms.append((REQUEST_VALUES[row.source], h))
         self._counters: dict[str, Counter] = {}  # by source: "request:finish_reason", "request:by_source"
         for name, row in VLLM_METRICS.items():
             if isinstance(row, Exported) and row.kind == "counter" and row.source in REQUEST_LABEL_VALUES:
@@ -212,16 +239,23 @@ class VllmCompat(Collector):
             value = value_of(seq)
             if value is not None:
                 child.observe(value)
+        for values_of, child in self._series:
+            for value in values_of(seq):
+                child.observe(value)
         self._counters["request:finish_reason"].labels(*self.label_values, seq.finish_reason).inc()
         for source, n in seq.by_source().items():
             self._counters["request:by_source"].labels(*self.label_values, source).inc(n)
+
+    def observe_group(self, max_output: int) -> None:
+        for child in self._groups:
+            child.observe(max_output)
 
     def collect(self) -> Iterator[Any]:
         snap = self.snapshot()
         if snap is None:  # the engine is down: its series are absent, as kvtier's are
             return
         for name, row in VLLM_METRICS.items():
-            if not isinstance(row, Exported) or row.source.startswith("request:"):  # observed, not read
+            if not isinstance(row, Exported) or row.source.startswith(("request:", "group:")):  # observed, not read
                 continue
             value = _lookup(snap, row.source)
             if value is not None:  # e.g. spec_decode without speculative decoding

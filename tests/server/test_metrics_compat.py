@@ -34,8 +34,10 @@ def families(text: bytes) -> dict[str, list]:
 def served(compat: str) -> Metrics:
     m = Metrics("tiny")
     m.enable_compat(compat, 2048)
-    m.observe_request(0.0, 0.1, 0.5, 5, "length", 40, {"G1": 16, "G2": 16})
-    m.observe_request(1.0, 1.2, 1.2, 1, "stop", 8, {})
+    m.observe_request(0.0, 0.1, 0.5, 5, "length", 40, {"G1": 16, "G2": 16}, queue_s=0.02, prefill_s=0.07,
+                      token_gaps=(0.1, 0.1, 0.05, 0.15))
+    m.observe_request(1.0, 1.2, 1.2, 1, "stop", 8, {})  # never said when it was scheduled: no phase values
+    m.observe_group(5)
     return m
 
 
@@ -73,6 +75,15 @@ def test_vllm_observation_rules():
     assert les[:-1] == list(buckets_1_2_5(2048)) and les[-1] == float("inf")
     per_pos = {s.labels["position"]: s.value for s in fams["vllm:spec_decode_num_accepted_tokens_per_pos"]}
     assert per_pos == {"0": 4, "1": 2, "2": 1}
+    # Per-step gaps (one observation each), the core's phases, and one value per request.
+    assert one("vllm:time_per_output_token_seconds", "_count") == one("vllm:inter_token_latency_seconds", "_count") == 4
+    assert one("vllm:inter_token_latency_seconds", "_sum") == pytest.approx(0.4)
+    assert one("vllm:request_queue_time_seconds", "_count") == 1
+    assert one("vllm:request_queue_time_seconds", "_sum") == pytest.approx(0.02)
+    assert one("vllm:request_prefill_time_seconds", "_sum") == pytest.approx(0.07)
+    assert one("vllm:request_inference_time_seconds", "_sum") == pytest.approx(0.07 + 0.4)
+    assert one("vllm:request_max_num_generation_tokens", "_count") == 1
+    assert one("vllm:request_max_num_generation_tokens", "_sum") == 5
     reasons = {s.labels["finished_reason"]: s.value for s in fams["vllm:request_success"]}
     assert reasons == {"stop": 1, "length": 1, "abort": 0, "error": 0}
 
