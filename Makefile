@@ -5,7 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: speculators-venv setup serve demo test test-all bench-throughput bench-policies bench-offload bench-serve bench-hidden-states soak gpu-wheels gpu-check
+.PHONY: speculators-venv setup serve demo test test-all bench-setup bench-throughput bench-policies bench-offload bench-serve bench-serve-policies bench-hidden-states soak gpu-wheels gpu-check
 
 setup:
 	@PYTHON=$(PY) VENV=$(VENV) bash scripts/setup.sh
@@ -17,8 +17,11 @@ serve: setup
 demo: setup
 	$(BIN)/kvtier generate --chat "What is the capital of France?" --max-tokens 32
 
+# Two pytest workers by default (this project's CI machine has 2 cores); a test file's tests stay
+# on one worker, so a module's server fixture starts once. TEST_WORKERS=0 runs them in-process.
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # speculators 0.9.0 in its own venv (.venv-speculators, ~2.5 min and 1.5 GB once): the oracle that
 # tests/server/test_speculators_oracle.py runs when it exists.
@@ -27,20 +30,40 @@ speculators-venv:
 
 # Includes the slow tests (the real demo model end to end).
 test-all: setup
-	$(BIN)/python -m pytest -m "slow or not slow"
+	$(BIN)/python -m pytest -m "slow or not slow" -n $(TEST_WORKERS) --dist loadfile
 
-bench-throughput: setup
+# The benchmarks draw a PNG beside their JSON (benchmarks/_plots.py) with matplotlib, the `bench`
+# extra: installed here, not by `setup`, so `make test` never needs it. Each bench-* target then
+# copies its fresh PNG to docs/plots/, where the README shows it.
+bench-setup: setup
+	@$(BIN)/python -c "import matplotlib" 2>/dev/null \
+	  || { echo "bench-setup: installing the bench extra (matplotlib)"; \
+	       $(BIN)/python -m pip install --disable-pip-version-check -q -e ".[bench]"; }
+
+publish_plot = @mkdir -p docs/plots && cp benchmarks/results/$(1).png docs/plots/$(1).png && echo "copied $(1).png to docs/plots/"
+
+bench-throughput: bench-setup
 	$(BIN)/python benchmarks/throughput.py
+	$(call publish_plot,throughput)
 
-bench-policies: setup
-	$(BIN)/python benchmarks/policies.py
+# The capacities of the README's "Choosing an eviction policy" table.
+bench-policies: bench-setup
+	$(BIN)/python benchmarks/policies.py --capacities 2048,4096,8192,16384,32768,65536
+	$(call publish_plot,policies)
 
-bench-offload: setup
+bench-offload: bench-setup
 	$(BIN)/python benchmarks/offload.py --runs 3
+	$(call publish_plot,offload)
 
 # Two `kvtier serve` subprocesses, offload off vs on, on a slice of the Mooncake trace (~10 min).
-bench-serve: setup
+bench-serve: bench-setup
 	$(BIN)/python benchmarks/serve.py --runs 3
+	$(call publish_plot,serve)
+
+# `kvtier serve` with lru vs turn_lru in G1 and G2 on a multi-turn slice (~15 min).
+bench-serve-policies: bench-setup
+	$(BIN)/python benchmarks/serve_policies.py
+	$(call publish_plot,serve_policies)
 
 bench-hidden-states: setup
 	$(BIN)/python benchmarks/hidden_states.py

@@ -37,6 +37,7 @@ sys.path.append(str(_HERE))
 
 from _common import (RESULTS_DIR, Timer, log, median, preload_allocator, print_table, ratio,  # noqa: E402
                      set_torch_threads, usable_cpus, write_json)
+from _plots import plot_file  # noqa: E402
 
 TARGETS = {"G2": 100.0, "G3": 50.0, "G4": 30.0}  # speedup over cold at the longest length (issues 3, 6)
 
@@ -273,8 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     if redis is not None:
         redis.close()
     tmp.cleanup()
-    path = write_json(args.out, results)
+    path = write_json(args.out, {"benchmark": "offload", **results})
     log(f"wrote {path}")
+    plot_file(path)
     return 0
 
 

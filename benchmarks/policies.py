@@ -56,6 +56,7 @@ REPO = _HERE.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(REPO))
 
+from benchmarks._plots import plot_file  # noqa: E402
 from benchmarks.traces import TraceSpec, generate, unbounded_hit_rate  # noqa: E402
 from policies import BlockInfo, EvictionPolicy, make_policy  # noqa: E402
 
@@ -375,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({"benchmark": "policies", "python": sys.version.split()[0],
                                     "argv": sys.argv[1:] if argv is None else argv, "traces": runs}, indent=2) + "\n")
     print(f"wrote {args.out}")
+    plot_file(args.out)
     return 0
 
 

@@ -77,6 +77,7 @@ sys.path.append(str(_HERE))
 
 from _common import (REPO_ROOT, RESULTS_DIR, log, median, print_table, ratio, run_interleaved,  # noqa: E402
                      usable_cpus, write_json)
+from _plots import plot_file  # noqa: E402
 from server.launch import launch  # noqa: E402
 
 TARGET_RATIO = 3.0  # p50 TTFT off / on (the acceptance bar)
@@ -443,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target: offload cuts p50 TTFT by >= {TARGET_RATIO:.0f}x: {'met' if met else 'NOT met'}")
 
     path = write_json(args.out, {
+        "benchmark": "serve",
         "workload": {**summary, "trace": str(args.trace), "start": args.start, "scale": args.scale,
                      "output_scale": args.output_scale, "min_output": args.min_output, "max_output": args.max_output,
                      "concurrency": args.concurrency, "seed": args.seed},
@@ -451,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_p50_ratio_off_on": got, "ttft_p50_ratio_per_run": per_run, "target_ratio": TARGET_RATIO,
         "target_met": met})
     log(f"wrote {path} ({time.perf_counter() - t_start:.0f} s in all)")
+    plot_file(path)
     return 0
 
 

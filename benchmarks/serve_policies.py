@@ -36,6 +36,7 @@ sys.path.insert(0, str(_HERE.parent))
 sys.path.append(str(_HERE))
 
 from _common import RESULTS_DIR, log, median, print_table, run_interleaved, usable_cpus, write_json  # noqa: E402
+from _plots import plot_file  # noqa: E402
 from serve import MIN_TOKEN_ID, Req, build_workload, hit_tokens, kv_stats, percentile, replay, start_server  # noqa: E402
 from traces import TraceSpec, generate  # noqa: E402
 
@@ -141,10 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     print_table(["policy (G1, G2)", "TTFT p50 s", "TTFT p99 s", "req/s", "G1 hit tok", "G2 hit tok"],
                 [[p, f"{m['ttft_p50_s']:.3f}", f"{m['ttft_p99_s']:.2f}", f"{m['req_per_s']:.2f}",
                   f"{int(m['G1_hit_tokens']):,}", f"{int(m['G2_hit_tokens']):,}"] for p, m in med.items()])
-    path = write_json(args.out, {"workload": {**summary, "trace_spec": asdict(spec)},
+    path = write_json(args.out, {"benchmark": "serve_policies", "workload": {**summary, "trace_spec": asdict(spec)},
                                  "server_args": mode_args, "g1_blocks": g1_blocks, "g2_gib": g2_gib, "runs": runs,
                                  "median": med, "argv": sys.argv[1:] if argv is None else argv})
     log(f"wrote {path} ({time.perf_counter() - t0:.0f} s in all)")
+    plot_file(path)
     return 0
 
 

@@ -30,6 +30,7 @@ sys.path.insert(0, str(_HERE.parent))
 sys.path.append(str(_HERE))
 
 from _common import RESULTS_DIR, log, median, print_table, run_interleaved, set_torch_threads, usable_cpus, write_json  # noqa: E402
+from _plots import plot_file  # noqa: E402
 
 TEXTS = [
     "The old lighthouse stood at the edge of the cliff for more then two hundred years. Every night its "
@@ -167,8 +168,9 @@ def main() -> None:
     for llm in engines.values():
         llm.close()
     print_table(["workload", "batch", "engine", "output tok/s", "vs off", "mean accepted len", "same tokens"], rows)
-    path = write_json(args.out, {"specs": specs, "args": vars(args), "results": results})
+    path = write_json(args.out, {"benchmark": "spec_decode", "specs": specs, "args": vars(args), "results": results})
     log(f"wrote {path}")
+    plot_file(path)
 
 
 if __name__ == "__main__":

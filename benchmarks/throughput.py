@@ -53,6 +53,7 @@ sys.path.append(str(_HERE))
 
 from _common import (RESULTS_DIR, JsonWorker, Timer, log, median, preload_allocator, print_table,  # noqa: E402
                      ratio, run_interleaved, set_torch_threads, usable_cpus, vllm_cpu_env, worker_reply, write_json)
+from _plots import plot_file  # noqa: E402
 
 TARGET_RATIO = 2.0  # the issue's acceptance bar: kvtier >= 2x transformers' best batch size
 MIN_TOKEN_ID = 100  # keep random prompts clear of special/control tokens
@@ -428,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "best_transformers": best_hf, "ratios": ratios, "target_ratio": TARGET_RATIO,
                                  "skipped": skipped})
     log(f"wrote {path}")
+    plot_file(path)
     return 0
 
 
