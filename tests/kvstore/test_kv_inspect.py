@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import time
@@ -19,19 +18,8 @@ from kvstore.entry import EntryCodec
 from kvstore.inspect_disk import clear_dir, inspect_dir, verify_dir
 from kvstore.namespace_info import RECORD_NAME
 from server.cli import main
+from kv_samples import INFO_A, INFO_B, NS_A, NS_B, key, value
 
-NS_A = bytes.fromhex("aa" * 16)
-NS_B = bytes.fromhex("bb" * 16)
-INFO_A = {"model": "/models/alpha", "dtype": "torch.float32"}
-INFO_B = {"model": "/models/beta", "dtype": "torch.bfloat16"}
-
-
-def key(i: int) -> bytes:
-    return random.Random(i).randbytes(16)
-
-
-def value(i: int) -> bytes:
-    return random.Random(-i).randbytes(3000 + i)
 
 
 def path_of(root: Path, ns: bytes, k: bytes) -> Path:

@@ -4,7 +4,6 @@ untouched entry byte-exact, and keys that are not kvtier's must be left as they 
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import redis
@@ -14,19 +13,13 @@ from kvstore.inspect_redis import RedisTool
 from kvstore.inspect_report import RedisTarget
 from kvstore.remote import RedisBackend, RemoteConfig
 from server.cli import main
+import kv_samples
+from kv_samples import INFO_A, INFO_B, NS_A, NS_B, key
 
-NS_A = bytes.fromhex("aa" * 16)
-NS_B = bytes.fromhex("bb" * 16)
-INFO_A = {"model": "/models/alpha", "dtype": "torch.float32"}
-INFO_B = {"model": "/models/beta", "dtype": "torch.bfloat16"}
-
-
-def key(i: int) -> bytes:
-    return random.Random(i).randbytes(16)
 
 
 def value(i: int) -> bytes:
-    return random.Random(-i).randbytes(2000 + i)
+    return kv_samples.value(i, 2000)
 
 
 def name(ns: bytes, k: bytes, prefix: str = "kvtier") -> str:
