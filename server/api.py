@@ -366,6 +366,7 @@ class API:
                 now = time.monotonic()
                 for c in choices:
                     if c.finish is None:
+                        self.metrics.observe_abort()
                         self._log_finished(c, "abort", {}, arrival, now)
                 await self.client.abort(running)
 

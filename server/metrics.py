@@ -201,6 +201,13 @@ class Metrics:
         if self.compat is not None:
             self.compat.observe(seq)
 
+    def observe_abort(self) -> None:
+        """A sequence its client gave up on: counted by finish reason only (its latencies would say
+        how long the client waited, not how the server did)."""
+        self.success.labels(self.model, "abort").inc()
+        if self.compat is not None:
+            self.compat.observe_abort()
+
     def observe_group(self, max_output: int) -> None:
         """A request all of whose n sequences finished: the longest one's output tokens."""
         if self.compat is not None:

@@ -246,6 +246,9 @@ class VllmCompat(Collector):
         for source, n in seq.by_source().items():
             self._counters["request:by_source"].labels(*self.label_values, source).inc(n)
 
+    def observe_abort(self) -> None:
+        self._counters["request:finish_reason"].labels(*self.label_values, "abort").inc()
+
     def observe_group(self, max_output: int) -> None:
         for child in self._groups:
             child.observe(max_output)

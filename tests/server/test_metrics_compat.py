@@ -38,6 +38,7 @@ def served(compat: str) -> Metrics:
                       token_gaps=(0.1, 0.1, 0.05, 0.15))
     m.observe_request(1.0, 1.2, 1.2, 1, "stop", 8, {})  # never said when it was scheduled: no phase values
     m.observe_group(5)
+    m.observe_abort()
     return m
 
 
@@ -85,7 +86,8 @@ def test_vllm_observation_rules():
     assert one("vllm:request_max_num_generation_tokens", "_count") == 1
     assert one("vllm:request_max_num_generation_tokens", "_sum") == 5
     reasons = {s.labels["finished_reason"]: s.value for s in fams["vllm:request_success"]}
-    assert reasons == {"stop": 1, "length": 1, "abort": 0, "error": 0}
+    assert reasons == {"stop": 1, "length": 1, "abort": 1, "error": 0}
+    assert one("vllm:e2e_request_latency_seconds", "_count") == 2  # the abort has no latencies
 
 
 def test_tier_occupancy_only_where_a_tier_counts_blocks():

@@ -91,9 +91,18 @@ def long_server(long_ckpt):
 
 
 # -- disconnects ---------------------------------------------------------------------------------
+def aborted(srv) -> float:
+    """kvtier:request_success_total{finished_reason="abort"} from /metrics."""
+    with srv.client() as c:
+        text = c.get("/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kvtier:request_success_total{") and 'finished_reason="abort"' in line)
+
+
 def test_stream_disconnect_aborts_and_frees_g1(long_server):
     assert wait_for(lambda: is_idle(kv_stats(long_server)), 10)
     before = kv_stats(long_server)["requests"]["generation_tokens"]
+    aborts = aborted(long_server)
     with long_server.client(timeout=30) as c:
         with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
             assert r.status_code == 200
@@ -111,6 +120,7 @@ def test_stream_disconnect_aborts_and_frees_g1(long_server):
     assert 5 <= generated < LONG["max_tokens"] // 2, generated  # stopped, far from done
     time.sleep(0.3)
     assert kv_stats(long_server)["requests"]["generation_tokens"] - before == generated  # and stays stopped
+    assert aborted(long_server) == aborts + 1  # counted, with vLLM's finish reason
     steps = st["steps"]  # the engine's step timing reaches the stats endpoint
     assert 0 < steps["forward_seconds"] < steps["busy_seconds"] and 0 < steps["bubble_fraction"] < 1, steps
 
