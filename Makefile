@@ -42,8 +42,10 @@ bench-setup: setup
 
 publish_plot = @mkdir -p docs/plots && cp benchmarks/results/$(1).png docs/plots/$(1).png && echo "copied $(1).png to docs/plots/"
 
+# vLLM's CPU build joins when VLLM_PYTHON names its venv's python (../shared/PEERS.md), e.g.
+#   make bench-throughput VLLM_PYTHON=/tmp/vllmvenv/bin/python VLLM_ENV=LD_PRELOAD=.../libtcmalloc_minimal.so.4
 bench-throughput: bench-setup
-	$(BIN)/python benchmarks/throughput.py
+	$(BIN)/python benchmarks/throughput.py $(BENCH_THROUGHPUT_ARGS) $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON)) $(if $(VLLM_ENV),--vllm-env $(VLLM_ENV))
 	$(call publish_plot,throughput)
 
 # The capacities of the README's "Choosing an eviction policy" table.

@@ -25,6 +25,8 @@ from kvstore.entry import ENV_SECRET, EntryCodec, load_secret
 from kvstore.inspect_report import (AGE_BUCKETS, EXIT_BAD, EXIT_CLEAN, EXIT_UNVERIFIED, UNKNOWN_AGE, ClearReport,
                                     DirTarget, Summary, TierUnavailable, VerifyReport, parse_namespace, parse_target)
 
+REDIS_TIMEOUT_S = 5.0  # G4: each command's socket timeout, unless --timeout-s
+
 PROG = "kvtier kv"
 USAGE_ERROR = 2
 
@@ -69,8 +71,8 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--prefix", default=None,
                         help="G4 only: the key prefix (the engine's g4_prefix, or a redis tier's prefix; "
                              "default: kvtier)")
-        sp.add_argument("--timeout-s", type=float, default=5.0, metavar="SECONDS",
-                        help="G4 only: socket timeout of each command (default: %(default)s)")
+        sp.add_argument("--timeout-s", type=float, default=None, metavar="SECONDS",
+                        help=f"G4 only: socket timeout of each command (default: {REDIS_TIMEOUT_S})")
     verify.add_argument("--remove", action="store_true",
                         help="delete the bad entries (only if unchanged since they were read) and stale temp files")
     verify.add_argument("--kv-offload-secret-file", default=None, metavar="PATH",
@@ -94,12 +96,13 @@ def main(argv: list[str]) -> int:
 def _run(ns: argparse.Namespace) -> int:
     target = parse_target(ns.target)
     if isinstance(target, DirTarget):
-        if ns.prefix is not None:
-            raise ValueError("--prefix applies to a Redis URL, not a directory")
+        for flag, value in (("--prefix", ns.prefix), ("--timeout-s", ns.timeout_s)):
+            if value is not None:
+                raise ValueError(f"{flag} applies to a Redis URL, not a directory")
         return _on_dir(ns, target)
     from kvstore.inspect_redis import RedisTool
 
-    tool = RedisTool(target, ns.prefix or "kvtier", ns.timeout_s)
+    tool = RedisTool(target, ns.prefix or "kvtier", REDIS_TIMEOUT_S if ns.timeout_s is None else ns.timeout_s)
     try:
         return _dispatch(ns, tool.inspect, tool.verify, tool.clear)
     finally:

@@ -164,7 +164,7 @@ def main(argv: list[str]) -> int:
     from server.api import API, ServerSettings
     from server.defaults import SamplingDefaults
     from server.request_log import RequestLogger
-    from server.stats_log import StatsLogger
+    from server.stats_log import STATS_INTERVAL_S, StatsLogger
 
     kwargs = llm_kwargs(ns)
     if kwargs["max_num_batched_tokens"] is None:  # a server's default, not an offline batch's
@@ -184,6 +184,10 @@ def main(argv: list[str]) -> int:
         request_log = RequestLogger(ns.max_log_len, ns.log_prompts)  # checks --max-log-len even when unused
         if ns.log_prompts and not ns.enable_log_requests:
             raise ValueError("--log-prompts needs --enable-log-requests")
+        if ns.max_log_len is not None and not ns.log_prompts:
+            raise ValueError("--max-log-len needs --log-prompts (it cuts the logged prompt token ids)")
+        if ns.disable_log_stats and ns.log_stats_interval != STATS_INTERVAL_S:
+            raise ValueError("--log-stats-interval has no effect with --disable-log-stats")
         stats_log = None if ns.disable_log_stats else StatsLogger(ns.log_stats_interval)
         settings = ServerSettings(tuple(ns.served_model_name or [model_dir.name]), str(model_dir),
                                   ns.api_key or None, ns.max_request_bytes, ns.max_pending_requests,

@@ -32,6 +32,7 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
     (["inspect", "{dir}", "--bogus"], "unrecognized arguments: --bogus"),
     (["clear", "{dir}", "--namespace", "xyz"], "a namespace is 32 hex digits"),
     (["inspect", "{dir}", "--prefix", "team1"], "--prefix applies to a Redis URL"),
+    (["verify", "{dir}", "--timeout-s", "2"], "--timeout-s applies to a Redis URL"),
     (["verify", "{dir}", "--kv-offload-secret-file", "{missing}"], "kv offload secret file"),
     (["frobnicate", "{dir}"], "invalid choice"),
     ([], "required"),

@@ -244,6 +244,8 @@ def test_bad_values_exit_2_naming_the_flag(serve_main, capsys, model_dir, tls, t
         ([m, "--generation-config", str(tmp_path / "gc")], "temperature must be a number"),
         ([m, "--max-log-len", "-1"], "--max-log-len"),
         ([m, "--log-prompts"], "--log-prompts needs --enable-log-requests"),
+        ([m, "--enable-log-requests", "--max-log-len", "8"], "--max-log-len needs --log-prompts"),
+        ([m, "--disable-log-stats", "--log-stats-interval", "5"], "--log-stats-interval has no effect"),
         ([m, "--log-stats-interval", "0"], "--log-stats-interval"),
         ([m, "--model", str(tmp_path)], "the positional MODEL and --model differ"),
         (["--config", str(tmp_path / "missing.yaml")], "--config"),
