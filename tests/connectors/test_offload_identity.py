@@ -260,3 +260,32 @@ def test_prompt_ending_on_an_offload_block_boundary(model_dir, tmp_path, tier):
         check_integrity(llm)
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("tiers", ["G2", "G3", "G2+G3"])
+def test_loads_staged_on_the_device_as_on_a_gpu(model_dir, ref, tmp_path, monkeypatch, tiers):
+    """The GPU's load path, run on CPU: each tier's bytes are first copied whole to the cache's
+    device and scattered from there, G2 runs in pieces of at most STAGING_BYTES (here two
+    offload blocks). Same tokens and hits as offload off / unstaged."""
+    import connectors.offload_transfer as transfer
+    from offload_helpers import encoded_block_bytes
+
+    monkeypatch.setattr(transfer, "STAGING_BYTES", 2 * encoded_block_bytes(model_dir) + 1)
+    kw = {}
+    if "G2" in tiers:
+        kw["kv_offloading_size"] = g2_gib(model_dir, 128)
+    if "G3" in tiers:
+        kw["kv_offload_disk"] = str(tmp_path / "g3")
+    llm = offload_llm(model_dir, **kw)
+    try:
+        engine = llm.engine.connector.transfer
+        engine.stage_on_device = True
+        second = _two_pass(llm, ref)
+        assert tokens(second) == ref
+        assert [sum(k.values()) for k in load_kinds(second)] == EXPECTED_HITS
+        if "G2" in tiers:  # every G2 hit is served in runs of at most two offload blocks
+            assert engine.g2_copies >= sum(EXPECTED_HITS) // (2 * OB)
+        assert llm.get_stats().tiers["load_failures"] == 0
+        check_integrity(llm)
+    finally:
+        llm.close()
