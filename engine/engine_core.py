@@ -290,7 +290,7 @@ class EngineCore:
                 updated.append(self._fail(req, bad_rows[j]))
                 continue
             if req.params.return_first_logits and req.first_logits is None:
-                req.first_logits = out.rows(j)[0].clone()
+                req.first_logits = out.rows(j)[0].float().cpu()  # host memory: the caller keeps it, not the KV pool
             status, kept = self._append(req, emitted[j], logprobs[j])
             # KV is kept for the committed tokens and the proposals that match kept tokens; the
             # last kept token is computed next step, as after any decode.

@@ -32,23 +32,24 @@ def register_spans(num_rows: int, row_bytes: int, max_bytes: int = MAX_REGISTER_
     return [(r, min(per, num_rows - r)) for r in range(0, num_rows, per)]
 
 
-def _unregister(ptrs: list[int]) -> None:
+def _unregister(spans: list[tuple[int, int]]) -> None:
     cudart = torch.cuda.cudart()
-    for ptr in reversed(ptrs):
+    for ptr, _ in reversed(spans):
         cudart.cudaHostUnregister(ptr)
-    ptrs.clear()
+    spans.clear()
 
 
 class HostSlab:
     """`tensor`: `[num_rows, row_bytes]` uint8, page-aligned, and page-locked when `pin`.
-    The registration is undone when this object is collected."""
+    The registration is undone when this object is collected. `tensor.is_pinned()` says False all
+    the same: torch asks about its storage's first byte, which lies before the first page."""
 
     def __init__(self, num_rows: int, row_bytes: int, pin: bool, max_register_bytes: int = MAX_REGISTER_BYTES):
         total = num_rows * row_bytes
         raw = torch.empty(total + PAGE, dtype=torch.uint8)
         offset = -raw.data_ptr() % PAGE
         self.tensor = raw[offset:offset + total].view(num_rows, row_bytes)
-        self._registered: list[int] = []
+        self._registered: list[tuple[int, int]] = []  # (address, bytes), in order
         if pin:
             self._pin(row_bytes, max_register_bytes)
             weakref.finalize(self, _unregister, self._registered)
@@ -64,11 +65,12 @@ class HostSlab:
                 _unregister(self._registered)
                 raise RuntimeError(f"G2: cudaHostRegister of {nbytes / 2**30:.1f} GiB failed ({err}); "
                                    "lower --kv-offloading-size")
-            self._registered.append(ptr)
+            self._registered.append((ptr, nbytes))
             if len(spans) > 1:
                 log.info("G2: page-locked %d/%d spans (%.0f GiB)", i + 1, len(spans),
                          (row + rows) * row_bytes / 2**30)
 
     @property
-    def pinned_spans(self) -> int:
-        return len(self._registered)
+    def pinned_spans(self) -> list[tuple[int, int]]:
+        """The page-locked `(address, bytes)` spans, in address order."""
+        return list(self._registered)

@@ -102,9 +102,13 @@ def test_g2_slab_is_page_locked_in_spans_and_released():
     from kvstore.pinned import HostSlab
 
     for _ in range(2):  # a second slab over reused pages must register again: the first unregistered
-        slab = HostSlab(64, 100_000, pin=True, max_register_bytes=1_000_000)
-        assert slab.pinned_spans > 1 and slab.tensor.is_pinned()
-        src = torch.arange(64 * 100_000, dtype=torch.int64).remainder(251).to(torch.uint8).view(64, 100_000)
+        # 3-page rows, spans of at most 100 kB: 8 rows (24 pages) a span, 8 spans.
+        slab = HostSlab(64, 3 * 4096, pin=True, max_register_bytes=100_000)
+        spans, t = slab.pinned_spans, slab.tensor
+        assert len(spans) == 8 and all(ptr % 4096 == 0 for ptr, _ in spans)
+        assert spans[0][0] == t.data_ptr() and sum(n for _, n in spans) == t.numel()
+        assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))  # no gap, no page twice
+        src = torch.arange(64 * 3 * 4096, dtype=torch.int64).remainder(251).to(torch.uint8).view(64, 3 * 4096)
         slab.tensor.copy_(src)
         dev = slab.tensor.to("cuda", non_blocking=True)
         torch.cuda.synchronize()

@@ -49,4 +49,4 @@ def test_unpinned_slab_is_page_aligned_and_writable():
     slab = HostSlab(7, 12_345, pin=False)
     assert slab.tensor.shape == (7, 12_345) and slab.tensor.data_ptr() % PAGE == 0
     slab.tensor[6].fill_(3)
-    assert int(slab.tensor[6].sum()) == 3 * 12_345 and slab.pinned_spans == 0
+    assert int(slab.tensor[6].sum()) == 3 * 12_345 and slab.pinned_spans == []
