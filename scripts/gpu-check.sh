@@ -8,6 +8,8 @@
 #   3. benchmarks/gpu.py on a random Llama-3-8B-shaped model in bf16 (written once, no download).
 # Everything lands in $OUT (default benchmarks/results/gpu-check): logs, and gpu-check.json with
 # each step's status and the benchmark's figures. Exit status: 0 when every test step passed.
+# For a short lease: STEP_TIMEOUT (seconds per step, default none), PARITY_K (a pytest -k filter
+# for the parity step, e.g. "eager or llama"), BENCH_ARGS (extra benchmarks/gpu.py arguments).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -31,6 +33,7 @@ declare -A status
 run_step() {  # name, then the command; its output goes to $OUT_DIR/<name>.log
   local name=$1; shift
   echo "== $name: $*"
+  if [ -n "${STEP_TIMEOUT:-}" ]; then set -- timeout -k 10 "$STEP_TIMEOUT" "$@"; fi
   "$@" 2>&1 | tee "$OUT_DIR/$name.log"
   status[$name]=${PIPESTATUS[0]}
   echo "== $name: exit ${status[$name]}"
@@ -38,8 +41,9 @@ run_step() {  # name, then the command; its output goes to $OUT_DIR/<name>.log
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider --durations=10 -o addopts=)
 run_step kernel-tests "${PYTEST[@]}" tests/kernels
 run_step gpu-tests "${PYTEST[@]}" -m gpu tests/gpu
-run_step parity-cuda env KVTIER_TEST_DEVICE=cuda "${PYTEST[@]}" tests/engine/test_parity.py
-run_step benchmark "$PY" benchmarks/gpu.py --out "$OUT_DIR/benchmark.json"
+run_step parity-cuda env KVTIER_TEST_DEVICE=cuda "${PYTEST[@]}" ${PARITY_K:+-k "$PARITY_K"} tests/engine/test_parity.py
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
+run_step benchmark "$PY" benchmarks/gpu.py --out "$OUT_DIR/benchmark.json" ${BENCH_ARGS:-}
 "$PY" - "$OUT_DIR" "kernel-tests=${status[kernel-tests]}" "gpu-tests=${status[gpu-tests]}" \
   "parity-cuda=${status[parity-cuda]}" "benchmark=${status[benchmark]}" <<'PYEOF'
 import json, sys
