@@ -28,6 +28,9 @@ WHY: dict[str, str] = {
 _OFF: dict[str, tuple[Any, ...]] = {
     "tools": ([],), "functions": ([],), "tool_choice": ("none",),
     "kv_transfer_params": ({},),
+    # SGLang's, at their defaults: vllm-router adds both to the /v1/completions/render call it makes
+    # for kv_aware routing (stop strings are trimmed here, hidden states not returned: the same).
+    "no_stop_trim": (False,), "return_hidden_states": (False,),
 }
 
 
