@@ -154,7 +154,7 @@ def _flag_stack(ctx: ConnectorContext) -> tuple[Any, list[Any]]:
         ttl = extra.get("g4_ttl_s")
         redis = _redis(ctx, str(ctx.remote_url), str(extra.get("g4_prefix", "kvtier")),
                        None if ttl is None else float(ttl), float(extra.get("g4_timeout_s", 0.5)))
-        tiers.append(_batched("G4", redis, int(extra.get("g4_min_uses", 1))))
+        tiers.append(_batched(ctx, "G4", redis, int(extra.get("g4_min_uses", 1))))
     return g2, tiers
 
 
@@ -179,7 +179,7 @@ def _explicit_stack(ctx: ConnectorContext) -> tuple[Any, list[Any]]:
         else:
             backend = stack.build_plugin(st.tier, opts, ctx.fingerprint, ctx.kv_secret)
             log.info("%s: storage backend %r (%s)", st.name, st.tier.backend, type(backend.inner).__name__)
-        tiers.append(_batched(st.name, backend, int(st.mode_options["min_uses"])) if st.batched
+        tiers.append(_batched(ctx, st.name, backend, int(st.mode_options["min_uses"])) if st.batched
                      else _parallel(ctx, st.name, backend, st.mode_options))
     if g2 is None and not tiers:
         raise ValueError("\"tiers\" names no tier")
@@ -190,17 +190,16 @@ def _parallel(ctx: ConnectorContext, name: str, backend: Any, opts: dict[str, An
     from connectors.storage_tier import StorageTier
 
     return StorageTier.parallel(name, backend, read_threads=int(opts["read_threads"]),
-                                read_timeout_s=float(opts["read_timeout_s"]), events=ctx.events,
-                                block_tokens=ctx.layout.tokens)
+                                read_timeout_s=float(opts["read_timeout_s"]), events=ctx.events)
 
 
-def _batched(name: str, backend: Any, min_uses: int) -> Any:
+def _batched(ctx: ConnectorContext, name: str, backend: Any, min_uses: int) -> Any:
     """A batched tier: reuse-gated batched writes and batched reads around `backend`."""
     from connectors.remote_tier import RemoteTier
     from connectors.storage_tier import StorageTier
 
     log.info("%s: written after %d use(s)", name, min_uses)
-    return StorageTier.batched(name, RemoteTier(backend, name=name, min_uses=min_uses))
+    return StorageTier.batched(name, RemoteTier(backend, name=name, min_uses=min_uses, events=ctx.events))
 
 
 def _host(ctx: ConnectorContext, size_gib: float, policy: PolicySpecLike | None) -> Any:
@@ -212,7 +211,7 @@ def _host(ctx: ConnectorContext, size_gib: float, policy: PolicySpecLike | None)
         raise ValueError(f"kv_offloading_size={size_gib} GiB holds no offload block of "
                          f"{ctx.layout.encoded_bytes / 2**20:.1f} MiB; raise it or lower the offload block size")
     g2 = HostTier(slots, ctx.layout.encoded_bytes, make_policy(policy or ctx.eviction_policy, slots), pin_memory=_cuda())
-    g2.events, g2.block_tokens = ctx.events, ctx.layout.tokens
+    g2.events = ctx.events
     log.info("G2: %d blocks of %d tokens (%.2f GiB)", slots, ctx.layout.tokens, slots * ctx.layout.encoded_bytes / 2**30)
     return g2
 

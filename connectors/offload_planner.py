@@ -11,6 +11,10 @@ entry of its own (keyed `group_key(key, g)`; group 0 keeps the plain key). A hit
 needs every full-attention group's entries up to N but a sliding group's only for its window
 before N, so a load moves the full layers' history and the sliding layers' last window; a store
 copies what each group still holds (a sliding group's blocks that left its window are gone).
+
+KV events: while they are on (the pool has an event sink), group 0's store jobs and found
+chunks carry the G1 blocks they hold (`ChunkBlocks`: G1 keys, parent, tokens), read off the
+request here, so each tier that takes the block announces it in G1 terms.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from connectors.offload_plans import Chunk, LoadDone, LoadJob, StoreJob
 from connectors.offload_transfer import HOST
 from connectors.storage_tier import StorageTier
 from connectors.writeback import WriteBackTracker
+from kvstore.events import ChunkBlocks
 from kvstore.g1 import BlockId, BlockPool
 from kvstore.host import HostTier
 from kvstore.keys import BlockKey, extend_keys, group_key, token_digest
@@ -79,6 +84,20 @@ class OffloadPlanner:
         return [(j, keys[(j + 1) * k - 1], token_digest(request.all_token_ids[j * t:(j + 1) * t]),
                  keys[j * k - 1] if j else None) for j in range(start, end)]
 
+    def prompt_chunk_keys(self, request: RequestView) -> list[BlockKey]:
+        """The keys of the offload blocks wholly inside the request's prompt, in order."""
+        return [c[1] for c in self._chunk_keys(request, 0, request.num_prompt_tokens // self.layout.tokens)]
+
+    def _blocks(self, request: RequestView, j: int) -> ChunkBlocks | None:
+        """Offload block j's G1 blocks as KV events name them; None while events are off.
+        Needs the request's keys extended past it (`_chunk_keys` does)."""
+        if self.pool.events is None:
+            return None
+        k, t = self.g1_per_chunk, self.layout.tokens
+        keys = request.block_keys
+        return ChunkBlocks(tuple(keys[j * k:(j + 1) * k]), keys[j * k - 1] if j else None,
+                           tuple(request.all_token_ids[j * t:(j + 1) * t]), self.layout.block_size)
+
     def _run(self, cands: list[Cand], count: bool) -> list[Chunk]:
         """The leading run of `cands` found below G1: in G2, then each tier for what the ones above
         lack. `count`: add the misses to the per-tier counters."""
@@ -129,6 +148,8 @@ class OffloadPlanner:
         n = min(end * t, request.num_tokens - 1) - num_computed_tokens
         if n <= 0:
             return 0
+        if self.pool.events is not None:  # a chunk promoted into G2 (or written on) on the load is announced
+            runs[0] = [replace(c, blocks=self._blocks(request, c.index)) for c in runs[0] if c.index < end]
         self._plans[request.request_id] = (num_computed_tokens, {g: [c for c in run if c.index < end]
                                                                  for g, run in runs.items()})
         return n
@@ -222,22 +243,24 @@ class OffloadPlanner:
                     j, key, dig, parent = _gcand(c, g)
                     src = tuple(BlockId(b) for b in tab[j * k:(j + 1) * k])
                     if min(src) >= 0:  # a sliding group may have released them
-                        self._store(meta, req, key, dig, src, replace(use, depth=j, parent=parent))
+                        # Events describe token blocks: group 0's entries stand for them.
+                        self._store(meta, req, key, dig, src, replace(use, depth=j, parent=parent), g == 0)
             self._stored_upto[req.request_id] = max(start, done_chunks)
         return meta
 
     def _store(self, meta: ConnectorMeta, req: RequestView, key: BlockKey, dig: bytes, src: tuple[BlockId, ...],
-               info: BlockInfo) -> None:
+               info: BlockInfo, announce: bool) -> None:
         if key in self._inflight or (self.g2 is not None and self.g2.contains(key)):
             return
         if self.write_back is not None:
+            # WriteBackTracker builds its StoreJob without `blocks`: write-back stores go unannounced.
             k, j = self.g1_per_chunk, info.depth
             self.write_back.mark_dirty(key, dig, info, tuple(req.block_keys[j * k:(j + 1) * k]))
             return
         self.pool.acquire(list(src))  # keep them from being evicted or reused until copied
         self._held[key] = src
         self._inflight.add(key)
-        meta.stores.append(StoreJob(key, dig, src, info))
+        meta.stores.append(StoreJob(key, dig, src, info, self._blocks(req, info.depth) if announce else None))
 
     def store_done(self, key: BlockKey) -> None:
         """The transfer engine copied the block out of G1: drop the held refs."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from kvstore.events import ChunkBlocks
 from kvstore.g1 import NO_INFO, BlockId
 from kvstore.keys import BlockKey
 from policies import BlockInfo
@@ -28,6 +29,9 @@ class Chunk:
     digest: bytes
     tier: str  # the name of the tier that holds it
     parent: BlockKey | None = None  # the key of the request's offload block before it (same KV group)
+    # Its G1 blocks, for the KV events of a tier it is promoted or written to on the way
+    # (group 0's chunks while KV events are on; else None, and those writes are not announced).
+    blocks: ChunkBlocks | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,9 @@ class StoreJob:
     digest: bytes
     src: tuple[BlockId, ...]
     info: BlockInfo  # the offload block's index and parent in the request, and the request's use
+    # The G1 blocks it holds, named in each tier's BlockStored for it (None: KV events are off,
+    # or a KV group's other than the first: events describe token blocks, not groups).
+    blocks: ChunkBlocks | None = None
 
 
 @dataclass(frozen=True)

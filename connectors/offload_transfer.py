@@ -9,6 +9,9 @@ A load walks the job's chunks in lookup order (G2, then the storage tiers top-do
 the first chunk that is missing, damaged or late, and reports the G1 blocks it did not fill. A
 storage-tier hit is promoted into G2 on the way, and from there written to the parallel tiers
 above the one that served it. A failing tier is a miss and a log line.
+
+KV events: a block written or promoted into a tier is announced by that tier with the G1 blocks
+the planner attached to the job or chunk (`blocks`); this engine only carries them along.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from connectors.codec import HEADER_BYTES, BlockLayout, check_header, hidden_pay
 from connectors.copy_stream import CopyStream
 from connectors.offload_plans import Chunk, LoadDone, LoadJob, StoreDone, StoreJob
 from connectors.storage_tier import StorageTier, TierMode
+from kvstore.events import ChunkBlocks
 from kvstore.g1 import BlockId
 from kvstore.host import HostTier
 from kvstore.keys import BlockKey
@@ -110,7 +114,8 @@ class TransferEngine:
                     run.append((c, job.g2_slots[c.key]))
                 landed = landed_g2 = self._scatter_g2(run, job)
                 for c, slot in run:  # a reuse: counts towards the batched tiers' min_uses
-                    self._note_use(self.tiers, c.key, lambda slot=slot: bytes(self.g2.slot_view(slot).numpy()))  # type: ignore[union-attr]
+                    self._note_use(self.tiers, c.key, lambda slot=slot: bytes(self.g2.slot_view(slot).numpy()),  # type: ignore[union-attr]
+                                   c.blocks)
                 complete = len(run) == len(g2_chunks)
                 for i, tier in enumerate(self.tiers):
                     chunks = [c for c in job.chunks if c.tier == tier.name]
@@ -223,7 +228,7 @@ class TransferEngine:
                 reason = "error"
             if reason not in (None, "miss", "error"):
                 log.warning("%s entry rejected: %s", tier.name, reason)
-            self._promote(i, c.key, slot, buf, reason is None, job.chunk_info(c))
+            self._promote(i, c, slot, buf, reason is None, job.chunk_info(c))
             if ok and reason is None:
                 landed += self._land(i, c, buf, job)
             else:
@@ -259,7 +264,7 @@ class TransferEngine:
                 reason = reason or check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
                 if reason not in (None, "miss"):
                     log.warning("%s entry rejected: %s", tier.name, reason)
-                self._promote(i, c.key, slot, buf, reason is None, job.chunk_info(c))
+                self._promote(i, c, slot, buf, reason is None, job.chunk_info(c))
                 if ok and reason is None:
                     landed += self._land(i, c, buf, job)
                 else:
@@ -273,34 +278,36 @@ class TransferEngine:
         n = self._scatter(buf, c.index, job)
         self.tier_hits[tier.name] += n * self.layout.block_size * (job.group == 0)
         tier.touch([c.key], [job.chunk_info(c)])
-        self._note_use(self.tiers[i + 1:], c.key, lambda: bytes(buf.numpy()))
+        self._note_use(self.tiers[i + 1:], c.key, lambda: bytes(buf.numpy()), c.blocks)
         return n
 
-    def _promote(self, i: int, key: BlockKey, slot: int | None, buf: torch.Tensor, good: bool, info: BlockInfo) -> None:
-        """A read from tier i that landed in G2 slot `slot`: publish it in G2 (or free the slot)
-        and, when good, write it to every parallel tier above i. The rule for every tier."""
+    def _promote(self, i: int, c: Chunk, slot: int | None, buf: torch.Tensor, good: bool, info: BlockInfo) -> None:
+        """A read of chunk `c` from tier i that landed in G2 slot `slot`: publish it in G2 (or free
+        the slot) and, when good, write it to every parallel tier above i. The rule for every tier."""
         if slot is None:
             return
         assert self.g2 is not None
-        self.g2.complete_store(key, good, info)
+        self.g2.complete_store(c.key, good, info, c.blocks)
         if good:
             for up in self.tiers[:i]:
                 if up.mode is TierMode.PARALLEL:
-                    self._write_from_g2(up, key, buf, wait=False, info=info)
+                    self._write_from_g2(up, c.key, buf, wait=False, info=info, blocks=c.blocks)
 
-    def _note_use(self, tiers: list[StorageTier], key: BlockKey, data) -> None:
-        """A store or reuse of `key`: the batched tiers among `tiers` count it towards min_uses."""
+    def _note_use(self, tiers: list[StorageTier], key: BlockKey, data, blocks: ChunkBlocks | None) -> None:
+        """A store or reuse of `key` (`blocks`: its G1 blocks, for the KV event of a write): the
+        batched tiers among `tiers` count it towards min_uses."""
         for t in tiers:
             if t.remote is not None:
-                t.remote.note_use(key, data)
+                t.remote.note_use(key, data, blocks)
 
-    def _write_from_g2(self, tier: StorageTier, key: BlockKey, buf: torch.Tensor, wait: bool, info: BlockInfo) -> bool:
+    def _write_from_g2(self, tier: StorageTier, key: BlockKey, buf: torch.Tensor, wait: bool, info: BlockInfo,
+                       blocks: ChunkBlocks | None) -> bool:
         """Queue a parallel tier's write of the G2 slot `buf`, pinned until written (a copy, not
         a use of it in G2)."""
         assert self.g2 is not None and tier.writer is not None
         if self.g2.prepare_load([key]) is None:
             return False
-        return tier.writer.submit(key, buf, lambda: self.g2.complete_load([key]), wait, info)  # type: ignore[union-attr]
+        return tier.writer.submit(key, buf, lambda: self.g2.complete_load([key]), wait, info, blocks)  # type: ignore[union-attr]
 
     def _bounce_buffer(self, i: int) -> torch.Tensor:
         buf = self._bounce[i]
@@ -378,20 +385,21 @@ class TransferEngine:
             buf = self.g2.slot_view(slot)
             with self._copies.scope():  # on CUDA: after the forward that wrote src, synced here
                 self._gather(job.src, buf, job)
-            self.g2.complete_store(job.key, True, job.info)
+            self.g2.complete_store(job.key, True, job.info, job.blocks)
             for tier in self.tiers:
                 if tier.writer is not None:
-                    self._write_from_g2(tier, job.key, buf, wait_for_write_slot, job.info)
-            self._note_use(self.tiers, job.key, lambda: bytes(buf.numpy()))
+                    self._write_from_g2(tier, job.key, buf, wait_for_write_slot, job.info, job.blocks)
+            self._note_use(self.tiers, job.key, lambda: bytes(buf.numpy()), job.blocks)
             return True
         buf = torch.empty(self.layout.encoded_bytes, dtype=torch.uint8)
         with self._copies.scope():
             self._gather(job.src, buf, job)
-        self._note_use(self.tiers, job.key, lambda: bytes(buf.numpy()))
+        self._note_use(self.tiers, job.key, lambda: bytes(buf.numpy()), job.blocks)
         taken = any(t.remote is not None for t in self.tiers)
         for tier in self.tiers:
             if tier.writer is not None:
-                taken = tier.writer.submit(job.key, buf, lambda: None, wait_for_write_slot, job.info) or taken
+                taken = tier.writer.submit(job.key, buf, lambda: None, wait_for_write_slot, job.info,
+                                           job.blocks) or taken
         return taken
 
     def flush(self) -> None:

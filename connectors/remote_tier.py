@@ -6,6 +6,10 @@ block; the block is queued for the tier once it has been used `min_uses` times (
 first store). A writer thread drains the queue in batches, one pipelined round trip each. The
 queue is bounded in bytes (MAX_PENDING_BYTES): when the remote is slower than the engine, writes
 are dropped and counted, never waited for. Reads are one round trip per batch of blocks.
+
+KV events: each block this engine writes is announced as a BlockStored on remote storage (G4),
+named by the G1 blocks it holds. Removals are never announced: Redis drops entries itself (TTL,
+maxmemory eviction) without telling its clients, and this tier never deletes.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from connectors.backend import BackendError, StorageBackend
+from kvstore.events import BlockStored, ChunkBlocks, EventBuffer, TierKind
 from kvstore.threads import one_torch_thread
 from kvstore.keys import BlockKey
 
@@ -44,8 +49,10 @@ def leading_hits(backend: StorageBackend, keys: Sequence[BlockKey], name: str) -
 
 
 class RemoteTier:
+    kind = TierKind.REMOTE_STORAGE  # what its KV events call it
+
     def __init__(self, backend: StorageBackend, *, name: str = "remote", min_uses: int = 1, batch: int = 16,
-                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+                 max_pending_bytes: int = MAX_PENDING_BYTES, events: EventBuffer | None = None) -> None:
         if min_uses < 1:
             raise ValueError(f"{name}: min_uses must be >= 1; got {min_uses}")
         if batch < 1 or max_pending_bytes < 1:
@@ -56,7 +63,9 @@ class RemoteTier:
         # Bounded in bytes, not entries: with KV groups an offload block is several smaller
         # entries, and a count bound sized for whole blocks dropped most of a long prompt's.
         self.max_pending_bytes, self._pending_bytes = max_pending_bytes, 0
-        self._q: queue.Queue[tuple[BlockKey, bytes] | None] = queue.Queue()
+        self.events = events  # KV events sink (None: off)
+        # (key, value, the G1 blocks it holds for its BlockStored, None: not announced)
+        self._q: queue.Queue[tuple[BlockKey, bytes, ChunkBlocks | None] | None] = queue.Queue()
         self.hit_tokens = 0
         self.miss_tokens = 0
         self.written_blocks = 0
@@ -82,8 +91,9 @@ class RemoteTier:
         return got
 
     # -- writes --------------------------------------------------------------------------------
-    def note_use(self, key: BlockKey, data: Callable[[], bytes]) -> None:
-        """Counts a use of `key`; queues `data()` for the tier when the count reaches min_uses."""
+    def note_use(self, key: BlockKey, data: Callable[[], bytes], blocks: ChunkBlocks | None = None) -> None:
+        """Counts a use of `key`; queues `data()` for the tier when the count reaches min_uses.
+        `blocks`: the G1 blocks it holds, announced once written (None: not announced)."""
         with self._lock:
             n = self._uses.get(key, 0)
             if n == WRITTEN:
@@ -97,7 +107,7 @@ class RemoteTier:
                 room = self._pending_bytes + len(value) <= self.max_pending_bytes
                 self._pending_bytes += len(value) if room else 0
             if room:
-                self._q.put_nowait((key, value))
+                self._q.put_nowait((key, value, blocks))
             else:
                 self.dropped_writes += 1
                 self._set(key, 0)
@@ -130,19 +140,21 @@ class RemoteTier:
                     break
                 items.append(nxt)
             try:
-                stored = self.backend.put([k for k, _ in items], [v for _, v in items])
+                stored = self.backend.put([k for k, _, _ in items], [v for _, v, _ in items])
             except (BackendError, OSError, ValueError) as e:
                 log.warning("%s write of %d blocks failed: %s", self.name, len(items), e)
                 stored = [False] * len(items)
-            for (k, _), ok in zip(items, stored):
+            for (k, _, blocks), ok in zip(items, stored):
                 if ok:
                     self.written_blocks += 1
+                    if self.events is not None and blocks is not None:
+                        self.events.append(BlockStored.of(blocks, self.kind))
                 else:
                     self.failed_writes += 1
                     self._set(k, 0)  # may be offered again later
                 self._q.task_done()
             with self._lock:
-                self._pending_bytes -= sum(len(v) for _, v in items)
+                self._pending_bytes -= sum(len(v) for _, v, _ in items)
 
     def _set(self, key: BlockKey, n: int) -> None:
         with self._lock:

@@ -13,6 +13,11 @@ Two read/write modes, one per kind of store:
 - `BATCHED` (a remote store: one round trip per batch): reads of up to `RemoteTier.batch` keys
   per round trip with the next batch in flight; writes batched on their own thread, queued only
   after `min_uses` uses and dropped when the queue is full (`connectors.remote_tier`).
+
+KV events name a parallel tier local storage (G3) and a batched one remote storage (G4)
+(`kvstore.events.TierKind`); each announces a block once it has written it. Neither announces
+removals: the disk's own evictions are internal to the backend (not reported yet), and Redis
+drops entries itself (TTL, maxmemory) where this engine cannot see it.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ import torch
 from connectors.backend import BackendError, StorageBackend
 from connectors.remote_tier import RemoteTier, leading_hits
 from kvstore.threads import one_torch_thread
-from kvstore.events import BlockStored, EventBuffer
+from kvstore.events import BlockStored, ChunkBlocks, EventBuffer, TierKind
 from kvstore.keys import BlockKey
 from policies import BlockInfo
 
@@ -44,29 +49,31 @@ class TierMode(Enum):
 class OrderedWriter:
     """A parallel tier's writes: one thread, in order, bounded."""
 
-    def __init__(self, name: str, backend: StorageBackend, max_pending: int, events: EventBuffer | None,
-                 block_tokens: int) -> None:
-        self.name, self.backend, self.events, self.block_tokens = name, backend, events, block_tokens
+    kind = TierKind.LOCAL_STORAGE  # what its KV events call it
+
+    def __init__(self, name: str, backend: StorageBackend, max_pending: int, events: EventBuffer | None) -> None:
+        self.name, self.backend, self.events = name, backend, events
         self._io = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{name.lower()}-write", initializer=one_torch_thread)
         self._slots = threading.BoundedSemaphore(max_pending)
 
     def submit(self, key: BlockKey, buf: torch.Tensor, done: Callable[[], None], wait: bool,
-               info: BlockInfo) -> bool:
-        """Queue `buf` (valid until `done()` is called) for `key`, the block `info` describes.
-        False, with `done()` already called, when `wait` is False and the queue is full."""
+               info: BlockInfo, blocks: ChunkBlocks | None = None) -> bool:
+        """Queue `buf` (valid until `done()` is called) for `key`, the block `info` describes and
+        `blocks` names to KV events (None: not announced). False, with `done()` already called,
+        when `wait` is False and the queue is full."""
         if not self._slots.acquire(blocking=wait):
             done()
             return False
-        self._io.submit(self._write, key, buf, done, info)
+        self._io.submit(self._write, key, buf, done, info, blocks)
         return True
 
-    def _write(self, key: BlockKey, buf: torch.Tensor, done: Callable[[], None], info: BlockInfo) -> None:
+    def _write(self, key: BlockKey, buf: torch.Tensor, done: Callable[[], None], info: BlockInfo,
+               blocks: ChunkBlocks | None) -> None:
         try:
             # With its BlockInfo: the storing request's priority (and the rest) reaches the tier's policy.
             stored = self.backend.put_blocks([key], [memoryview(buf.numpy())], [info])[0]
-            if stored and self.events is not None:
-                # The tier's own evictions are internal to the backend and not reported (yet).
-                self.events.append(BlockStored([key], None, [], self.block_tokens, "DISK"))
+            if stored and self.events is not None and blocks is not None:
+                self.events.append(BlockStored.of(blocks, self.kind))
         except (BackendError, OSError) as e:
             log.warning("%s write failed (block stays in the tiers above): %s", self.name, e)
         finally:
@@ -101,8 +108,8 @@ class StorageTier:
 
     @classmethod
     def parallel(cls, name: str, backend: StorageBackend, *, read_threads: int = 4, read_timeout_s: float = 10.0,
-                 max_pending_writes: int = 64, events: EventBuffer | None = None, block_tokens: int = 0) -> StorageTier:
-        writer = OrderedWriter(name, backend, max_pending_writes, events, block_tokens)
+                 max_pending_writes: int = 64, events: EventBuffer | None = None) -> StorageTier:
+        writer = OrderedWriter(name, backend, max_pending_writes, events)
         return cls(name, backend, TierMode.PARALLEL, read_threads, read_timeout_s, writer=writer)
 
     @classmethod

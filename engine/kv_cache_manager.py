@@ -8,7 +8,7 @@ entries are released blocks or, after a prefix hit, placeholders that attention 
 """
 from __future__ import annotations
 
-from kvstore.events import BlockStored
+from kvstore.events import BlockStored, TierKind
 from kvstore.g1 import BlockId, BlockPool
 from kvstore.keys import BlockKey, extend_keys, group_key
 from engine.kv_groups import KVLayout
@@ -178,7 +178,8 @@ class KVCacheManager:
                 # Events describe token blocks (KV-aware routing): group 0's stand for them.
                 if group == 0 and self.pool.events is not None and block.key is not None:
                     self.pool.events.append(BlockStored([block.key], keys[i - 1] if i else None,
-                                                        req.all_token_ids[i * bs:(i + 1) * bs], bs, "GPU"))
+                                                        req.all_token_ids[i * bs:(i + 1) * bs], bs,
+                                                        TierKind.DEVICE))
 
     def free(self, req: Request) -> None:
         tables = self._tables.pop(req.request_id, ())

@@ -1,10 +1,25 @@
 """Publishes KV cache events on a ZMQ PUB socket as msgpack, once per engine step.
 
 Opt in with `kv_events_config`, vLLM's keys: {"enable_kv_cache_events": true, "publisher":
-"zmq", "endpoint": "tcp://127.0.0.1:5557", "topic": "kv-events"}. Each message is three
-frames: topic, an 8-byte big-endian sequence number (so subscribers detect drops), and
-msgpack `[timestamp, [event, ...]]`, an event being `["BlockStored", hashes, parent,
-token_ids, block_size, medium]` or `["BlockRemoved", hashes, medium]`.
+"zmq", "endpoint": "tcp://127.0.0.1:5557", "topic": ""} (vLLM's default topic). Each message is three
+frames: topic, an 8-byte big-endian sequence number (so subscribers detect drops), and the
+payload.
+
+The payload is byte for byte what vLLM 0.32 sends (vllm/distributed/kv_events.py, msgspec
+structs): `EventBatch` is `array_like`, so `[ts, [event, ...], data_parallel_rank]`, the rank
+0 here as from a vLLM engine without data parallelism (its publisher fills in its rank before
+encoding); each event is `tag=True, omit_defaults=True` and not array_like, so a map
+whose first key "type" is the class name, then the fields in declaration order, required ones
+always (None as nil) and defaulted ones only when set:
+
+    {"type": "BlockStored", "block_hashes": [h, ...], "parent_block_hash": h | nil,
+     "token_ids": [...], "block_size": n, "lora_id": nil, "medium": m, "lora_name": nil,
+     "locality": l}                         # "locality" only where the tier has one
+    {"type": "BlockRemoved", "block_hashes": [h, ...], "medium": m, "locality": l}
+
+Hashes are the 16-byte G1 block keys as msgpack bin (vLLM's ExternalBlockHash is bytes or int).
+`medium` / `locality` come from the tier (`kvstore.events.TierKind`): G1 "GPU"; G2 "CPU",
+"LOCAL"; G3 "STORAGE", "LOCAL"; G4 "STORAGE", "REMOTE".
 """
 from __future__ import annotations
 
@@ -22,7 +37,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class KVEventsConfig:
     endpoint: str
-    topic: str = "kv-events"
+    topic: str = ""  # vLLM's default; vllm-router's kv_aware subscriber receives nothing under another
     hwm: int = 100_000  # ZMQ's send high-water mark: messages a slow subscriber may fall behind
 
     @classmethod
@@ -43,7 +58,7 @@ class KVEventsConfig:
         hwm = d.get("hwm", cls.hwm)
         if type(hwm) is not int or hwm < 0:
             raise ValueError(f"kv_events_config.hwm must be an integer >= 0; got {hwm!r}")
-        return cls(str(d["endpoint"]), str(d.get("topic", "kv-events")), hwm)
+        return cls(str(d["endpoint"]), str(d.get("topic", cls.topic)), hwm)
 
 
 def is_loopback(endpoint: str) -> bool:
@@ -61,12 +76,30 @@ def is_loopback(endpoint: str) -> bool:
         return False
 
 
-def encode(event: KVEvent) -> list[Any]:
+def encode(event: KVEvent) -> dict[str, Any]:
+    """The event as msgspec encodes vLLM's struct of the same name (see the module docstring):
+    keys in vLLM's declaration order, since that is the order msgspec writes them in."""
+    out: dict[str, Any]
     if isinstance(event, BlockStored):
-        return ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
-                event.medium]
-    assert isinstance(event, BlockRemoved)
-    return ["BlockRemoved", event.block_hashes, event.medium]
+        out = {"type": "BlockStored", "block_hashes": list(event.block_hashes),
+               "parent_block_hash": event.parent_block_hash, "token_ids": list(event.token_ids),
+               "block_size": event.block_size, "lora_id": None, "medium": event.tier.medium, "lora_name": None}
+    else:
+        assert isinstance(event, BlockRemoved)
+        out = {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": event.tier.medium}
+    if event.tier.locality is not None:  # a defaulted field: omitted when None (omit_defaults)
+        out["locality"] = event.tier.locality
+    return out
+
+
+DATA_PARALLEL_RANK = 0  # one engine: vLLM's publisher sends its rank, 0, in every batch
+
+
+def encode_batch(events: list[KVEvent], ts: float) -> bytes:
+    """vLLM's `KVEventBatch` payload: `[ts, [event, ...], data_parallel_rank]`."""
+    import msgpack
+
+    return msgpack.packb([float(ts), [encode(e) for e in events], DATA_PARALLEL_RANK], use_bin_type=True)
 
 
 class ZmqEventPublisher:
@@ -91,11 +124,9 @@ class ZmqEventPublisher:
         self._seq = 0
 
     def publish(self, events: list[KVEvent]) -> None:
-        import msgpack
-
         if not events:
             return
-        payload = msgpack.packb([time.time(), [encode(e) for e in events]], use_bin_type=True)
+        payload = encode_batch(events, time.time())
         self._sock.send_multipart([self._topic, self._seq.to_bytes(8, "big"), payload])
         self._seq += 1
 

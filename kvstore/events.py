@@ -1,35 +1,78 @@
 """KV cache events: which tier holds which block, for cache-aware routers.
 
 Tiers append events to one `EventBuffer`; the engine drains it once per step and publishes
-the batch (engine/kv_events.py). Event fields follow vLLM's KV events (BlockStored /
-BlockRemoved with a `medium`), with kvtier's tier names as the medium.
+the batch in vLLM's wire format (engine/kv_events.py). Each event names the tier that changed
+as a `TierKind`, which maps to vLLM's `medium` and `locality` here and nowhere else.
+
+Every event describes G1 token blocks, named by their G1 block keys (`kvstore.keys`), so a
+router chains all tiers' events alike. An offload block (a "chunk" of several G1 blocks) is
+announced with the keys, parent and tokens of the G1 blocks it holds (`ChunkBlocks`), as vLLM's
+offloading connector does with `self_describing_kv_events`.
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from enum import Enum
+
+from kvstore.keys import BlockKey
+
+
+class TierKind(Enum):
+    """Where a block lives, as (vLLM medium, locality). Mediums and localities are vLLM's
+    (vllm/distributed/kv_events.py MEDIUM_*, vllm/v1/kv_offload/base.py Medium and Locality).
+    The default stack's G1..G4 are one each; in an explicit stack a parallel storage tier
+    (the disk, most plugins) is local storage and a batched one (Redis/Valkey) remote."""
+
+    DEVICE = ("GPU", None)  # G1: the paged blocks on the accelerator (vLLM sends no locality)
+    HOST = ("CPU", "LOCAL")  # G2: host memory
+    LOCAL_STORAGE = ("STORAGE", "LOCAL")  # G3: this machine's disk
+    REMOTE_STORAGE = ("STORAGE", "REMOTE")  # G4: Redis/Valkey, shared by engines
+
+    @property
+    def medium(self) -> str:
+        return self.value[0]
+
+    @property
+    def locality(self) -> str | None:
+        return self.value[1]
+
+
+@dataclass(frozen=True)
+class ChunkBlocks:
+    """The G1 blocks one offload block holds, as its events describe them: scheduler-side
+    metadata that travels with a store or load plan to the tier that announces the block."""
+
+    block_hashes: tuple[BlockKey, ...]  # the G1 keys of its blocks, in order (the last is the chunk's key)
+    parent_block_hash: BlockKey | None  # the G1 key of the block before it; None at a prompt's start
+    token_ids: tuple[int, ...]
+    block_size: int  # G1's, so a router splits token_ids into the same blocks as the G1 events
 
 
 @dataclass(frozen=True)
 class BlockStored:
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
+    block_hashes: list[BlockKey]
+    parent_block_hash: BlockKey | None
     token_ids: list[int]
     block_size: int
-    medium: str  # "GPU" (G1), "CPU" (G2), "DISK" (G3)
+    tier: TierKind
+
+    @classmethod
+    def of(cls, blocks: ChunkBlocks, tier: TierKind) -> BlockStored:
+        return cls(list(blocks.block_hashes), blocks.parent_block_hash, list(blocks.token_ids), blocks.block_size, tier)
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    block_hashes: list[bytes]
-    medium: str
+    block_hashes: list[BlockKey]
+    tier: TierKind
 
 
 KVEvent = BlockStored | BlockRemoved
 
 
 class EventBuffer:
-    """Thread-safe append-only buffer (transfer threads report G2/G3 changes)."""
+    """Thread-safe append-only buffer (transfer threads report G2/G3/G4 changes)."""
 
     def __init__(self) -> None:
         self._events: list[KVEvent] = []

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import NewType
 
-from kvstore.events import BlockRemoved, EventBuffer
+from kvstore.events import BlockRemoved, EventBuffer, TierKind
 from kvstore.keys import BlockKey
 from policies import BlockInfo, EvictionPolicy
 
@@ -164,7 +164,7 @@ class BlockPool:
         assert block.key is not None
         del self._cached[block.key]
         if self.events is not None and block.announced:
-            self.events.append(BlockRemoved([block.key], "GPU"))
+            self.events.append(BlockRemoved([block.key], TierKind.DEVICE))
         block.key, block.info = None, NO_INFO
 
     def check_integrity(self) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.events import BlockRemoved, BlockStored, EventBuffer
+from kvstore.events import BlockRemoved, BlockStored, ChunkBlocks, EventBuffer, TierKind
 from kvstore.keys import BlockKey
 from kvstore.pinned import HostSlab
 from policies import BlockInfo, EvictionPolicy, check_candidates
@@ -50,7 +50,9 @@ class HostTier:
         self._free = list(range(num_slots - 1, -1, -1))
         self.stats = TierStats()
         self.events: EventBuffer | None = None
-        self.block_tokens = 0  # tokens per slot, for events
+        # Readable entries announced by a BlockStored, with the G1 keys it named: their eviction
+        # announces the removal of the same keys (an entry stored without them never is).
+        self._announced: dict[BlockKey, tuple[BlockKey, ...]] = {}
 
     @property
     def num_slots(self) -> int:
@@ -110,17 +112,20 @@ class HostTier:
                 for v in victims:
                     self._free.append(self._slot.pop(v))
                     del self._digest[v]
-                if self.events is not None:
-                    self.events.append(BlockRemoved(list(victims), "CPU"))
+                removed = [h for v in victims for h in self._announced.pop(v, ())]
+                if self.events is not None and removed:
+                    self.events.append(BlockRemoved(removed, TierKind.HOST))
                 self.stats.evictions += len(victims)
             slot = self._free.pop()
             self._pending[key] = slot
             self._digest[key] = digest
             return slot
 
-    def complete_store(self, key: BlockKey, success: bool, info: BlockInfo | None = None) -> None:
+    def complete_store(self, key: BlockKey, success: bool, info: BlockInfo | None = None,
+                       blocks: ChunkBlocks | None = None) -> None:
         """Publish (or, failed, free) the slot `prepare_store` reserved; `info`: the block as the
-        storing request knows it, for the policy (None: unknown)."""
+        storing request knows it, for the policy (None: unknown); `blocks`: the G1 blocks it
+        holds, for KV events (None: not announced, e.g. a KV group's other than the first)."""
         with self._lock:
             slot = self._pending.pop(key)
             if success:
@@ -130,8 +135,9 @@ class HostTier:
                 else:
                     self.policy.insert_block(key, info)
                 self.stats.bytes_in += self.slot_bytes
-                if self.events is not None:
-                    self.events.append(BlockStored([key], None, [], self.block_tokens, "CPU"))
+                if self.events is not None and blocks is not None:
+                    self.events.append(BlockStored.of(blocks, TierKind.HOST))
+                    self._announced[key] = blocks.block_hashes
             else:
                 del self._digest[key]
                 self._free.append(slot)
@@ -153,4 +159,6 @@ class HostTier:
                 raise RuntimeError("G2 leaked slots")
             if set(self._digest) != set(self._slot) | set(self._pending):
                 raise RuntimeError("G2 digests out of sync")
+            if not self._announced.keys() <= self._slot.keys():
+                raise RuntimeError("G2 announced entries that are not readable")
             check_candidates(self.policy, self._slot.keys(), "G2")
