@@ -5,7 +5,8 @@ Subcommands:
   generate    answer prompts or chat messages offline with the engine
   extract     export hidden states (EAGLE-3 training data) for a JSONL of prompts
   demo-model  convert the embedded demo model into a Hugging Face checkpoint
-  kv          inspect, verify or clear a G3 directory or G4 Redis (safe on a live server's tier)
+  kv          inspect, verify or clear a G3 directory or G4 Redis (safe on a live server's tier), or
+              watch replicas' KV events (which blocks each holds, per tier)
 
 Bad input exits with code 2 and a one-line message, never a traceback.
 """
@@ -87,7 +88,8 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "generate": (_generate, "answer prompts or chat messages offline"),
     "extract": (_extract, "export hidden states (EAGLE-3 training data) for a JSONL of prompts"),
     "demo-model": (_demo_model, "convert the embedded demo model (SmolLM2-135M-Instruct) into an HF checkpoint"),
-    "kv": (_kv, "inspect, verify or clear a G3 directory or G4 Redis: kvtier kv {inspect,verify,clear} DIR|URL"),
+    "kv": (_kv, ("inspect, verify or clear a G3 dir or G4 Redis, or watch replicas' KV events: "
+                 "kvtier kv {inspect,verify,clear} DIR|URL, kvtier kv events ENDPOINT...")),
 }
 
 

@@ -3,6 +3,9 @@
     kvtier kv inspect DIR|URL [--namespace NS] [--json]
     kvtier kv verify  DIR|URL [--remove] [--kv-offload-secret-file PATH] [--namespace NS] [--json]
     kvtier kv clear   DIR|URL [--namespace NS] [--json]
+    kvtier kv events  ENDPOINT... [--topic T] [--interval S] [--duration S] [--json] [--stats-url NAME=URL]
+
+`events` is server/kv_events_cli.py's: it watches replicas' KV events rather than a stored tier.
 
 The reading and removing is kvstore's (`inspect_disk.py`, `inspect_redis.py`, reports in
 `inspect_report.py`); this module parses flags and prints. Safe on a live server's tier: only
@@ -12,6 +15,7 @@ temp file (see those modules).
 Exit codes: 0 done and (verify) every entry good; 1 verify found bad entries, or clear could not
 remove some; 2 bad input or an unreachable tier (a one-line message on stderr, never a
 traceback); 3 verify found no bad entry but could not check some keyed ones (no secret given).
+`events` exits 0 when stopped (--duration, Ctrl-C) and 2 on bad input.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from typing import Any
 from kvstore.entry import ENV_SECRET, EntryCodec, load_secret
 from kvstore.inspect_report import (AGE_BUCKETS, EXIT_BAD, EXIT_CLEAN, EXIT_UNVERIFIED, UNKNOWN_AGE, ClearReport,
                                     DirTarget, Summary, TierUnavailable, VerifyReport, parse_namespace, parse_target)
+from server import kv_events_cli
 
 REDIS_TIMEOUT_S = 5.0  # G4: each command's socket timeout, unless --timeout-s
 
@@ -41,11 +46,12 @@ def _namespace(text: str) -> bytes:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG, description="Inspect, verify or clear a persistent KV tier: a G3 directory (--kv-offload-disk) or "
-                               "a G4 Redis/Valkey URL (--kv-offload-remote). Safe on a live server's tier.",
+                               "a G4 Redis/Valkey URL (--kv-offload-remote). Safe on a live server's tier. Or watch "
+                               "replicas' KV events: which blocks each holds in which tier (events).",
         epilog=f"exit codes: {EXIT_CLEAN} ok, {EXIT_BAD} bad entries found (verify) or not all removed (clear), "
                f"{USAGE_ERROR} bad input or unreachable tier, {EXIT_UNVERIFIED} keyed entries left unverified (verify "
-               "without the secret)")
-    sub = p.add_subparsers(dest="command", metavar="{inspect,verify,clear}", required=True)
+               "without the secret); events: 0 when stopped, 2 on bad input")
+    sub = p.add_subparsers(dest="command", metavar="{inspect,verify,clear,events}", required=True)
     inspect = sub.add_parser("inspect", help="entries, bytes, namespaces (with their model) and ages",
                              description="Count entries and bytes per namespace, name the model each belongs to "
                                          "(from the record the tier writes when it opens) and bucket their ages: "
@@ -78,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--kv-offload-secret-file", default=None, metavar="PATH",
                         help="the KV secret file the tier uses, so keyed (MAC'd) entries can be verified; default: "
                              f"${ENV_SECRET} if set. With a secret, unkeyed entries are bad (the tier rejects them)")
+    kv_events_cli.add_parser(sub)
     return p
 
 
@@ -94,6 +101,8 @@ def main(argv: list[str]) -> int:
 
 
 def _run(ns: argparse.Namespace) -> int:
+    if ns.command == "events":
+        return kv_events_cli.run(ns)
     target = parse_target(ns.target)
     if isinstance(target, DirTarget):
         for flag, value in (("--prefix", ns.prefix), ("--timeout-s", ns.timeout_s)):
