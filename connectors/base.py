@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from connectors.pd import PDRequest
     from kvstore.keys import BlockKey
 
 
@@ -48,6 +49,7 @@ class RequestView(Protocol):
     arrival_time: float  # time.monotonic() when the engine took it (tiers' eviction policies see it)
     session: str | None  # the client's conversation hint (prompt_cache_key or user), for eviction policies
     error: str | None  # set when the request failed
+    pd: PDRequest | None  # prefill/decode disaggregation role (connectors/pd.py), from kv_transfer_params
 
 
 
@@ -115,6 +117,12 @@ class KVConnector(ABC):
     def request_finished(self, request: RequestView, block_ids: list[int]) -> dict[str, Any] | None:
         """The request ended (its blocks are freed right after): returns its kv_transfer_params."""
         return None
+
+    def check_pd(self, pd: PDRequest) -> None:
+        """ValueError unless this connector can play `pd.role` for a request (called before the
+        request is accepted, so a request it cannot honour is a 400, not a silent recompute)."""
+        raise ValueError("kv_transfer_params (prefill/decode disaggregation) need a shared tier below G1 to "
+                         "move KV through: start the server with --kv-offload-remote URL")
 
     # ---- worker side -------------------------------------------------------------------
     def register_kv_caches(self, kv_cache: torch.Tensor) -> None:

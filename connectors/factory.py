@@ -118,7 +118,8 @@ def build_tiered(ctx: ConnectorContext) -> KVConnector:
         write_policy = WritePolicy(policy)
     except ValueError:
         raise ValueError(f"write_policy {policy!r} is not one of {[p.value for p in WritePolicy]}") from None
-    connector = TieredOffloadConnector(ctx.layout, ctx.pool, g2, tiers, write_policy=write_policy)
+    connector = TieredOffloadConnector(ctx.layout, ctx.pool, g2, tiers, write_policy=write_policy,
+                                       namespace=ctx.fingerprint.hex())
     log.info("offload write policy: %s", write_policy.value)
     return connector
 

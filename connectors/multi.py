@@ -48,6 +48,15 @@ class MultiConnector(KVConnector):
     def build_connector_meta(self, scheduled):
         return MultiMeta(parts=[c.build_connector_meta(scheduled) for c in self.connectors])
 
+    def check_pd(self, pd):
+        errors = []
+        for c in self.connectors:  # one connector that can play the role is enough
+            try:
+                return c.check_pd(pd)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(errors[0] if errors else "no connector supports kv_transfer_params")
+
     def request_finished(self, request, block_ids):
         self._loader.pop(request.request_id, None)
         params = None

@@ -25,6 +25,7 @@ reports the blocks it did not fill: the engine recomputes those tokens or fails 
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from connectors.base import ConnectorMeta, FinishedTransfers, KVConnector
@@ -32,17 +33,19 @@ from connectors.codec import BlockLayout
 from connectors.offload_plans import LoadDone, StoreDone, WritePolicy
 from connectors.offload_planner import OffloadPlanner
 from connectors.offload_transfer import HOST, TransferEngine
-from connectors.storage_tier import StorageTier
+from connectors.pd import PDRequest, PDRole, prefill_response
+from connectors.storage_tier import StorageTier, TierMode
 from connectors.writeback import WriteBackTracker
 from kvstore.g1 import BlockPool
 from kvstore.host import HostTier
 
 __all__ = ["TieredOffloadConnector", "WritePolicy"]
+log = logging.getLogger(__name__)
 
 
 class TieredOffloadConnector(KVConnector):
     def __init__(self, layout: BlockLayout, pool: BlockPool, g2: HostTier | None, tiers: list[StorageTier],
-                 *, write_policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> None:
+                 *, write_policy: WritePolicy = WritePolicy.WRITE_THROUGH, namespace: str | None = None) -> None:
         if g2 is None and not tiers:
             raise ValueError("the tiered offload connector needs at least one tier (host memory or storage)")
         names = [t.name for t in tiers]
@@ -60,6 +63,9 @@ class TieredOffloadConnector(KVConnector):
         self.planner = OffloadPlanner(layout, pool, g2, tiers, self.write_back)
         self._failed_blocks: set[int] = set()
         self.load_failures = 0
+        self.namespace = namespace  # the model's KV namespace (hex): what a decode's kv_transfer_params must name
+        self._promised = False  # a prefill answered since the last wait_for_outputs: its blocks must reach G4
+        self._short: set[str] = set()  # decode requests already logged as finding less than promised
 
     def tier(self, name: str) -> StorageTier:
         """The storage tier called `name` (KeyError naming the ones there are)."""
@@ -78,6 +84,12 @@ class TieredOffloadConnector(KVConnector):
     # ---- scheduler side ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         n = self.planner.match(request, num_computed_tokens)
+        pd = request.pd
+        short = pd is not None and pd.role is PDRole.DECODE and num_computed_tokens + n < min(pd.tokens, request.num_tokens - 1)
+        if short and request.request_id not in self._short:
+            self._short.add(request.request_id)
+            log.warning("request %s: its prefill published %d prompt tokens, the tiers hold %d of them; "
+                        "recomputing the rest", request.request_id, pd.tokens, num_computed_tokens + n)
         return n, n > 0
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
@@ -91,7 +103,29 @@ class TieredOffloadConnector(KVConnector):
 
     def request_finished(self, request, block_ids):
         self.planner.finished(request.request_id)
-        return None
+        self._short.discard(request.request_id)
+        pd = request.pd
+        if pd is None or pd.role is not PDRole.PREFILL or request.error is not None:
+            return None
+        keys = self.planner.prompt_chunk_keys(request)
+        self._promised = True
+        return prefill_response(self.namespace or "", len(keys) * self.layout.tokens, keys)
+
+    def check_pd(self, pd: PDRequest) -> None:
+        if not any(t.mode is TierMode.BATCHED for t in self.tiers):
+            raise ValueError("kv_transfer_params (prefill/decode disaggregation) move KV through a shared tier: "
+                             "start the server with --kv-offload-remote URL")
+        if pd.role is PDRole.DECODE and pd.namespace != self.namespace:
+            raise ValueError(f"kv_transfer_params name KV of another model (namespace {pd.namespace}, here "
+                             f"{self.namespace}): the prefill and decode replicas must serve the same weights")
+
+    def wait_for_outputs(self) -> None:
+        # A prefill's response names blocks the decode replica will look for in G4: they are
+        # written before it is sent. This waits for every queued write, not only that request's
+        # (simple, and a prefill replica's queue holds little else).
+        if self._promised:
+            self.flush()
+            self._promised = False
 
     def get_finished(self) -> FinishedTransfers:
         received: set[str] = set()

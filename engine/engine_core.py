@@ -7,6 +7,7 @@ server's engine-core process both drive it.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from connectors.base import KVConnector, NullConnector
+from connectors.pd import parse as parse_pd
 from connectors.factory import supports_kv_groups
 from engine.connector_setup import make_connector
 from engine.async_pipeline import PlannedStep, RanStep, mark_in_flight
@@ -188,11 +190,16 @@ class EngineCore:
     # -- requests --------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                      prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
-                     session: str | None = None) -> Request:
+                     session: str | None = None, kv_transfer_params: dict[str, Any] | None = None) -> Request:
         """Validates and builds a request without touching engine state. `session`: the client's
-        conversation hint (OpenAI's `prompt_cache_key`, else `user`), which eviction policies see."""
+        conversation hint (OpenAI's `prompt_cache_key`, else `user`), which eviction policies see.
+        `kv_transfer_params`: prefill/decode disaggregation (connectors/pd.py), which the
+        connector must support."""
+        pd = parse_pd(kv_transfer_params)
+        if pd is not None:
+            self.connector.check_pd(pd)
         return self.requests.make(request_id, prompt_token_ids, params, self.max_model_len, prompt=prompt,
-                                  priority=priority, cache_salt=cache_salt, session=session)
+                                  priority=priority, cache_salt=cache_salt, session=session, pd=pd)
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add_request(req)

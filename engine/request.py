@@ -7,6 +7,7 @@ from typing import NewType
 
 import torch
 
+from connectors.pd import PDRequest
 from engine.sampling_params import SamplingParams
 from engine.prompt_logprobs import PromptLogprob
 from engine.structured import GrammarState
@@ -55,6 +56,7 @@ class Request:
         bad_word_ids: tuple[tuple[int, ...], ...] = (),
         grammar: GrammarState | None = None,
         thinking: ThinkingTracker | None = None,
+        pd: PDRequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -68,6 +70,7 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.session = session  # the client's conversation hint (prompt_cache_key or user), for eviction policies
+        self.pd = pd  # prefill/decode disaggregation: this request's role (connectors/pd.py)
         self.arrival_time = time.monotonic()
         # For the per-phase latencies (queue, prefill) the server exports: set once, on this clock.
         self.first_scheduled_time: float | None = None

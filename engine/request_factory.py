@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from connectors.pd import PDRequest
 from engine.logit_controls import checked_controls
 from engine.request import Request, RequestId
 from engine.sampling_params import SamplingParams
@@ -25,7 +26,7 @@ class RequestFactory:
 
     def make(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, *,
              prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
-             session: str | None = None) -> Request:
+             session: str | None = None, pd: PDRequest | None = None) -> Request:
         """ValueError naming what is wrong with the request."""
         n = len(prompt_token_ids)
         if n == 0:
@@ -41,4 +42,4 @@ class RequestFactory:
         thinking = tracker_for(self._markers, default_budget, params.thinking_token_budget, prompt_token_ids)
         return Request(RequestId(request_id), prompt_token_ids, params, prompt=prompt, priority=priority,
                        cache_salt=cache_salt, session=session, eos_token_ids=self.eos_token_ids, max_total_tokens=max_model_len,
-                       bad_word_ids=bad, grammar=grammar, thinking=thinking)
+                       bad_word_ids=bad, grammar=grammar, thinking=thinking, pd=pd)

@@ -5,7 +5,7 @@ below (so the schema is this file). Two sockets, one direction each; `decode_to_
 `decode_from_core` refuse a kind that does not belong to their direction.
 
 API -> core:
-  Add       ["add", {request_id, prompt_token_ids, params, priority, cache_salt, session}]
+  Add       ["add", {request_id, prompt_token_ids, params, priority, cache_salt, session, kv_transfer_params}]
   Abort     ["abort", [request_id, ...]]
   StatsQuery ["stats", nonce]
   Shutdown  ["shutdown", grace_s]   finish running requests for up to grace_s, abort the rest,
@@ -35,7 +35,7 @@ import msgpack
 @dataclass(frozen=True)
 class Add:
     KIND: ClassVar[str] = "add"
-    request: dict[str, Any]  # request_id, prompt_token_ids, params (SamplingParams fields), priority, cache_salt, session
+    request: dict[str, Any]  # request_id, prompt_token_ids, params (SamplingParams fields), priority, cache_salt, session, kv_transfer_params
 
 
 @dataclass(frozen=True)

@@ -118,8 +118,8 @@ class EngineClient:
 
     # -- requests ------------------------------------------------------------------------
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                  priority: int = 0, cache_salt: str | None = None,
-                  session: str | None = None) -> asyncio.Queue[dict[str, Any] | BaseException]:
+                  priority: int = 0, cache_salt: str | None = None, session: str | None = None,
+                  kv_transfer_params: dict[str, Any] | None = None) -> asyncio.Queue[dict[str, Any] | BaseException]:
         """Queues a request; its deltas (dicts, see server.core) arrive on the returned queue,
         the last one with a finish_reason, or an exception if the core dies."""
         self._check_alive()
@@ -128,7 +128,7 @@ class EngineClient:
         try:  # packed before the queue exists: a value msgpack cannot carry must not leak a pending slot
             msg = ch.encode(ch.Add({"request_id": request_id, "prompt_token_ids": prompt_token_ids,
                                     "params": params_to_wire(params), "priority": priority, "cache_salt": cache_salt,
-                                    "session": session}))
+                                    "session": session, "kv_transfer_params": kv_transfer_params}))
         except (OverflowError, UnicodeEncodeError, TypeError, ValueError) as e:
             raise ValueError(f"request {request_id!r} cannot be sent to the engine: {e}") from None
         self._send(msg)

@@ -69,7 +69,7 @@ class CoreLoop:
                 params = SamplingParams(**a["params"])
                 req = self.engine.make_request(a["request_id"], a["prompt_token_ids"], params,
                                                priority=a.get("priority", 0), cache_salt=a.get("cache_salt"),
-                                               session=a.get("session"))
+                                               session=a.get("session"), kv_transfer_params=a.get("kv_transfer_params"))
             except (ValueError, TypeError, KeyError) as e:
                 self.push.send(ch.encode(ch.AddError(a.get("request_id"), str(e))))
                 return True

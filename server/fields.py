@@ -21,13 +21,11 @@ WHY: dict[str, str] = {
     "guided_decoding_backend": "the grammar backend is xgrammar; guided_decoding_backend cannot choose another",
     "guided_whitespace_pattern": "guided_whitespace_pattern is not supported",
     "tools": _TOOLS, "tool_choice": _TOOLS, "functions": _TOOLS, "function_call": _TOOLS,
-    "kv_transfer_params": "request-side kv_transfer_params are not supported: no connector here reads them",
     "chat_template": "a request-supplied chat_template needs the server's --trust-request-chat-template",
 }
 # The value of a field that means "off": sending it changes nothing.
 _OFF: dict[str, tuple[Any, ...]] = {
     "tools": ([],), "functions": ([],), "tool_choice": ("none",),
-    "kv_transfer_params": ({},),
     # SGLang's, at their defaults: vllm-router adds both to the /v1/completions/render call it makes
     # for kv_aware routing (stop strings are trimmed here, hidden states not returned: the same).
     "no_stop_trim": (False,), "return_hidden_states": (False,),

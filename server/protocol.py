@@ -90,6 +90,8 @@ class _Sampling(BaseModel):
     # vLLM's: names the request (and its hidden-state file); sequences get "-k" suffixes when
     # a request has several (n > 1 or several prompts). Default: a random id.
     request_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]{1,128}$")
+    # vLLM's prefill/decode disaggregation (connectors/pd.py): checked there, honoured through G4
+    kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> _Sampling:
