@@ -138,7 +138,8 @@ class StorageTier:
         occ = getattr(self.backend, "occupancy", None)  # a plugin written before the method may lack it
         used = occ() if occ is not None else None
         size = {} if used is None else {"used_bytes": used[0], "capacity_bytes": used[1]}
-        return {"backend": name, **(vars(s) if s is not None else {}), **size}
+        count = {"entries": len(self.backend)} if hasattr(self.backend, "__len__") else {}
+        return {"backend": name, **(vars(s) if s is not None else {}), **size, **count}
 
     def flush(self) -> None:
         if self.writer is not None:

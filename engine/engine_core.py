@@ -478,6 +478,7 @@ class EngineCore:
             kv_cache_usage=self.pool.usage(),
             num_gpu_blocks=self.pool.num_blocks,
             num_evictions=self.pool.num_evictions,
+            num_cached_blocks=self.pool.num_cached_blocks(),
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             tiers=self.connector.stats(),

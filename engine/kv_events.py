@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.events import BlockRemoved, BlockStored, KVEvent
+from kvstore.events import DEFAULT_TOPIC, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class KVEventsConfig:
     endpoint: str
-    topic: str = ""  # vLLM's default; vllm-router's kv_aware subscriber receives nothing under another
+    topic: str = DEFAULT_TOPIC
     hwm: int = 100_000  # ZMQ's send high-water mark: messages a slow subscriber may fall behind
 
     @classmethod

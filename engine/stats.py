@@ -15,6 +15,7 @@ class EngineStats:
     kv_cache_usage: float  # fraction of G1 blocks in use (0..1)
     num_gpu_blocks: int
     num_evictions: int  # cached G1 blocks evicted to make room
+    num_cached_blocks: int  # G1 blocks in the prefix cache now
     prompt_tokens: int
     generation_tokens: int
     tiers: dict[str, Any] = field(default_factory=dict)  # per offload tier: hits, bytes, evictions, ...

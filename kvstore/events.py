@@ -17,6 +17,10 @@ from enum import Enum
 
 from kvstore.keys import BlockKey
 
+# The ZMQ topic events go out under unless kv_events_config names one: vLLM's default, the only one
+# vllm-router's kv_aware subscriber receives.
+DEFAULT_TOPIC = ""
+
 
 class TierKind(Enum):
     """Where a block lives, as (vLLM medium, locality). Mediums and localities are vLLM's

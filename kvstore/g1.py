@@ -62,6 +62,10 @@ class BlockPool:
         """Blocks an allocation could get: free plus evictable."""
         return len(self._free) + self._num_evictable()
 
+    def num_cached_blocks(self) -> int:
+        """Blocks in the prefix cache (those KV events announced as G1 and have not removed)."""
+        return len(self._cached)
+
     def _num_evictable(self) -> int:
         return len(self.policy) - len(self._pinned)
 

@@ -16,12 +16,13 @@ array form names an offload block by one hash (its last G1 block's) with block_s
 block's tokens; both count k G1 blocks per offload block. `prefix_depth` handles both.
 
 Lining up with `GET /v1/kv/stats` (`compare_with_stats`, server/routes.py):
-- G1: the server counts capacity (`num_blocks`) and free-or-evictable blocks, not cached ones, so
-  the check is a bound: cached blocks <= num_blocks.
+- G1: `tiers.G1.cached_blocks` (the prefix cache's blocks) must equal the resident G1 blocks (a
+  server without that count: only cached blocks <= num_blocks).
 - G2: `tiers.G2.blocks` counts offload blocks; times k (an offload block's tokens, learned as the
   smallest span one G2 store event covered, // block size) it must equal the resident G2 blocks.
-- G3 (local storage: the disk, parallel plugin tiers): the server reports bytes, no entry count:
-  shown, not compared.
+- G3 (local storage: the disk, parallel plugin tiers): `entries` times k must equal the resident G3
+  blocks while the disk has evicted nothing (its evictions are not announced) and the view started
+  at sequence 0; a backend without an entry count is shown, not compared.
 - G4 (remote storage: Redis, batched tiers): `written_blocks` (offload blocks this replica wrote)
   times k against the G1 blocks this replica's G4 store events named.
 kvtier announces no G3 or G4 removals (the disk's evictions are internal to it; Redis evicts on
@@ -416,7 +417,10 @@ def compare_with_stats(index: ResidencyIndex, stats: Mapping[str, Any]) -> list[
     counts, bs = index.counts(), index.block_size
     tiers = {n: e for n, e in (stats.get("tiers") or {}).items() if isinstance(e, Mapping)}
     out = []
-    if "num_blocks" in tiers.get("G1", {}):
+    if "cached_blocks" in tiers.get("G1", {}):
+        server_g1, c = int(tiers["G1"]["cached_blocks"]), counts[Tier.G1]
+        out.append(StatsCheck(Tier.G1, "cached blocks", c.blocks, server_g1, None if c.stale else c.blocks == server_g1))
+    elif "num_blocks" in tiers.get("G1", {}):  # a server from before cached_blocks: a bound only
         cap, c = int(tiers["G1"]["num_blocks"]), counts[Tier.G1]
         out.append(StatsCheck(Tier.G1, "cached blocks <= capacity", c.blocks, cap,
                               None if c.stale else c.blocks <= cap))
@@ -442,7 +446,16 @@ def compare_with_stats(index: ResidencyIndex, stats: Mapping[str, Any]) -> list[
                               None if server is None or not index.complete else stored == server,
                               note or ("" if server is not None else unknown_size)))
     if local := [e for e in storage if "written_blocks" not in e]:
-        used = sum(int(e.get("used_bytes") or 0) for e in local)
-        out.append(StatsCheck(Tier.G3, "resident blocks", counts[Tier.G3].blocks, None, None,
-                              f"the server reports bytes ({used}), no entry count"))
+        c = counts[Tier.G3]
+        if all("entries" in e for e in local):
+            # G3 removals are not announced: the counts agree only while the disk evicted nothing.
+            server = per_chunk(Tier.G3, sum(int(e["entries"]) for e in local))
+            evicted = sum(int(e.get("evictions") or 0) for e in local)
+            note = f"not compared: the disk evicted {evicted} entries, which events do not announce" if evicted else ""
+            ok = None if c.stale or evicted or server is None or not index.complete else c.blocks == server
+            out.append(StatsCheck(Tier.G3, "resident blocks", c.blocks, server, ok, note))
+        else:
+            used = sum(int(e.get("used_bytes") or 0) for e in local)
+            out.append(StatsCheck(Tier.G3, "resident blocks", c.blocks, None, None,
+                                  f"the server reports bytes ({used}), no entry count"))
     return out

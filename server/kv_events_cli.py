@@ -28,10 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.kv_events import KVEventsConfig
+from kvstore.events import DEFAULT_TOPIC
 from kvstore.residency import FleetView, StatsCheck, Tier, compare_with_stats
 
-DEFAULT_TOPIC = KVEventsConfig.topic  # what replicas publish under unless configured
 DEFAULT_INTERVAL_S = 2.0
 STATS_TIMEOUT_S = 2.0
 POLL_SLICE_S = 0.1  # longest wait between looks at the stop flag (Ctrl-C, SIGTERM)

@@ -143,7 +143,8 @@ def build_app(api: API) -> FastAPI:
         tiers = dict(st.get("tiers") or {})
         g1 = {"num_blocks": st["num_gpu_blocks"], "usage": st["kv_cache_usage"], "free_blocks": st["num_free_blocks"],
               "prefix_cache_queries": st["prefix_cache_queries"], "prefix_cache_hits": st["prefix_cache_hits"],
-              "evictions": st["num_evictions"], "groups": st.get("kv_groups", [])}
+              "evictions": st["num_evictions"], "cached_blocks": st["num_cached_blocks"],
+              "groups": st.get("kv_groups", [])}
         tier_view = {"G1": g1, **{t: tiers.pop(t) for t in tier_entries(tiers)}}
         return {"model": model_name, "tiers": tier_view, "offload": tiers,
                 "requests": {"running": st["num_running"], "waiting": st["num_waiting"],
