@@ -113,3 +113,9 @@ def start_router(replicas: list[Replica], policy: str, served_model: str, *extra
         time.sleep(0.2)
     router.stop()
     raise RuntimeError(f"vllm-router did not answer /health in {timeout:.0f}s:\n{router.log()[-3000:]}")
+
+
+def stop_all(*procs) -> None:
+    """Stops routers first, then replicas and Redis (anything with `stop()`; None skipped)."""
+    for p in sorted((p for p in procs if p is not None), key=lambda p: not isinstance(p, Router)):
+        p.stop()

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from redis_procs import SERVER, RedisProc, free_port
-from router_procs import ROUTER, start_replica, start_router
+from router_procs import ROUTER, start_replica, start_router, stop_all
 
 pytestmark = pytest.mark.skipif(SERVER is None, reason="redis-server not installed")
 WORDS = "the cat sat on a mat and then ran far away from home into an old dark wood".split()
@@ -45,11 +45,7 @@ def fleet(ckpt_dir, tmp_path_factory):
         router = start_router(replicas, "kv_aware", "tiny")
         yield model, redis, replicas, router
     finally:
-        if router is not None:
-            router.stop()
-        for r in replicas:
-            r.stop()
-        redis.stop()
+        stop_all(router, *replicas, redis)
 
 
 def served_by(replicas, before: list[int]) -> list[int]:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from redis_procs import SERVER, RedisProc, free_port
-from router_procs import ROUTER, start_replica, start_router
+from router_procs import ROUTER, start_replica, start_router, stop_all
 from test_router_fleet import complete, text
 
 pytestmark = pytest.mark.skipif(SERVER is None, reason="redis-server not installed")
@@ -37,11 +37,7 @@ def pd_fleet(ckpt_dir, tmp_path_factory):
                               "--decode", decode.url)
         yield prefill, decode, single, router
     finally:
-        if router is not None:
-            router.stop()
-        for p in procs:
-            p.stop()
-        redis.stop()
+        stop_all(router, *procs, redis)
 
 
 def test_disaggregated_outputs_equal_a_single_engine_and_the_prompt_comes_from_g4(pd_fleet):
