@@ -50,7 +50,8 @@ class Replica:
 def start_replica(model: Path | str, *args: str, env: dict[str, str] | None = None) -> Replica:
     """`kvtier serve MODEL ARGS` publishing KV events on a loopback port the OS picks."""
     cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*"}
-    srv = launch([str(model), *args, "--kv-events-config", json.dumps(cfg)],
+    # vLLM's metric names too: the router scrapes workers' /metrics for load (seen in its PD mode).
+    srv = launch([str(model), *args, "--kv-events-config", json.dumps(cfg), "--metrics-compat", "vllm"],
                  {"OMP_NUM_THREADS": "1", **(env or {})}, new_session=True)
     m = next((EVENTS_LINE.search(line) for line in srv.lines if EVENTS_LINE.search(line)), None)
     if m is None:
