@@ -3,6 +3,7 @@
 replica's greedy answers; each replica's own request counters and /v1/kv/stats."""
 from __future__ import annotations
 
+import json
 import random
 import signal
 import threading
@@ -87,6 +88,20 @@ def test_the_other_replica_serves_a_prefix_from_g4(fleet):
     second = complete(replicas[1].url, prompt)
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     assert replicas[1].kv_stats()["tiers"]["G4"]["hit_tokens"] - g4_before >= 192  # 12 full blocks of 16
+
+
+def test_streaming_through_the_router_equals_a_single_replica(fleet):
+    _, _, replicas, router = fleet
+    prompt = text(50, 4242)
+    want = complete(replicas[1].url, prompt, 12)["choices"][0]["text"]
+    pieces = []
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                pieces += [c["text"] for c in json.loads(line[6:])["choices"]]
+    assert "".join(pieces) == want
 
 
 def test_killing_a_replica_mid_run_loses_no_request(fleet):
