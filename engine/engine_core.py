@@ -160,7 +160,8 @@ class EngineCore:
         buf = EventBuffer()
         self.pool.events = buf
         publisher = ZmqEventPublisher(cfg)
-        log.info("KV events published on %s (topic %r)", publisher.endpoint, cfg.topic)
+        log.info("KV events published on %s (topic %r)%s", publisher.endpoint, cfg.topic,
+                 f", replay on {publisher.replay.endpoint} (last {cfg.buffer_steps} batches)" if publisher.replay else "")
         return buf, publisher
 
     def _publish_events(self) -> None:

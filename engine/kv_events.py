@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from engine.kv_events_replay import ReplayServer
 from kvstore.events import DEFAULT_TOPIC, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
@@ -39,11 +40,13 @@ class KVEventsConfig:
     endpoint: str
     topic: str = DEFAULT_TOPIC
     hwm: int = 100_000  # ZMQ's send high-water mark: messages a slow subscriber may fall behind
+    replay_endpoint: str | None = None  # vLLM's: a ROUTER answering subscribers that missed batches
+    buffer_steps: int = 10_000  # vLLM's default: batches kept for replay
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVEventsConfig | None:
-        known = {"enable_kv_cache_events", "publisher", "endpoint", "topic", "hwm"}
-        later = {"replay_endpoint", "buffer_steps", "max_queue_size"}  # vLLM's; not implemented here yet
+        known = {"enable_kv_cache_events", "publisher", "endpoint", "topic", "hwm", "replay_endpoint", "buffer_steps"}
+        later = {"max_queue_size"}  # vLLM's publisher-thread queue; events are published on the step here
         if set(d) & later:
             raise ValueError(f"kv_events_config keys {sorted(set(d) & later)} are not supported yet; "
                              f"supported: {sorted(known)}")
@@ -58,7 +61,13 @@ class KVEventsConfig:
         hwm = d.get("hwm", cls.hwm)
         if type(hwm) is not int or hwm < 0:
             raise ValueError(f"kv_events_config.hwm must be an integer >= 0; got {hwm!r}")
-        return cls(str(d["endpoint"]), str(d.get("topic", cls.topic)), hwm)
+        steps = d.get("buffer_steps", cls.buffer_steps)
+        if type(steps) is not int or steps < 1:
+            raise ValueError(f"kv_events_config.buffer_steps must be an integer >= 1; got {steps!r}")
+        replay = d.get("replay_endpoint")
+        if replay is not None and not isinstance(replay, str):
+            raise ValueError(f"kv_events_config.replay_endpoint must be a ZMQ endpoint string; got {replay!r}")
+        return cls(str(d["endpoint"]), str(d.get("topic", cls.topic)), hwm, replay, steps)
 
 
 def is_loopback(endpoint: str) -> bool:
@@ -122,13 +131,24 @@ class ZmqEventPublisher:
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._topic = config.topic.encode()
         self._seq = 0
+        self.replay: ReplayServer | None = None
+        if config.replay_endpoint is not None:
+            try:
+                self.replay = ReplayServer(self._ctx, config.replay_endpoint, self._topic, config.buffer_steps)
+            except ValueError:
+                self._sock.close()
+                raise
 
     def publish(self, events: list[KVEvent]) -> None:
         if not events:
             return
         payload = encode_batch(events, time.time())
         self._sock.send_multipart([self._topic, self._seq.to_bytes(8, "big"), payload])
+        if self.replay is not None:
+            self.replay.record(self._seq, payload)
         self._seq += 1
 
     def close(self) -> None:
+        if self.replay is not None:
+            self.replay.close()
         self._sock.close()

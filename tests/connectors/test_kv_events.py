@@ -218,10 +218,58 @@ def test_events_off_the_loopback_warn_that_they_reveal_prompts(caplog):
 def test_unimplemented_event_keys_are_refused():
     from engine.kv_events import KVEventsConfig
 
-    with pytest.raises(ValueError, match="replay_endpoint"):
+    with pytest.raises(ValueError, match="max_queue_size"):
         KVEventsConfig.from_dict({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:1",
-                                  "replay_endpoint": "tcp://127.0.0.1:2"})
+                                  "max_queue_size": 10})
+    with pytest.raises(ValueError, match="buffer_steps"):
+        KVEventsConfig.from_dict({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:1", "buffer_steps": 0})
     assert KVEventsConfig.from_dict({"enable_kv_cache_events": True, "endpoint": "tcp://x:1", "hwm": 10}).hwm == 10
+
+
+def test_replay_answers_missed_batches_as_vllm_router_asks():
+    """vLLM's replay protocol: a DEALER sends [b"", start_seq]; the ROUTER answers [b"", topic, seq,
+    payload] for each kept batch from start_seq on, then [b"", b"", -1, b""]. Oracle: the batches
+    the PUB socket sent, byte for byte; only the last buffer_steps are kept."""
+    from engine.kv_events import KVEventsConfig, ZmqEventPublisher
+    from engine.kv_events_replay import END_SEQ
+    from kvstore.events import BlockRemoved, TierKind
+
+    cfg = KVEventsConfig.from_dict({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*", "topic": "t",
+                                    "replay_endpoint": "tcp://127.0.0.1:*", "buffer_steps": 4})
+    pub = ZmqEventPublisher(cfg)
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(pub.endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    time.sleep(0.3)
+    try:
+        for i in range(6):
+            pub.publish([BlockRemoved([bytes([i]) * 16], TierKind.DEVICE)])
+        live = [sub.recv_multipart() for _ in range(6)]
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(pub.replay.endpoint)
+        dealer.send_multipart([b"", (3).to_bytes(8, "big")])
+        got = []
+        while True:
+            assert dealer.poll(5000), "no replay answer"
+            frames = dealer.recv_multipart()
+            if frames[-2] == END_SEQ:
+                break
+            got.append(frames[1:])
+        assert got == live[3:]  # seqs 3, 4, 5: all kept (4 kept: 2..5)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        again = []
+        while True:
+            assert dealer.poll(5000)
+            frames = dealer.recv_multipart()
+            if frames[-2] == END_SEQ:
+                break
+            again.append(frames[1:])
+        assert again == live[2:]  # seqs 0 and 1 fell out of the 4-batch buffer
+        dealer.close()
+    finally:
+        sub.close()
+        pub.close()
 
 
 def test_kv_groups_publish_one_event_per_token_block(ckpt_dir):

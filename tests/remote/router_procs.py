@@ -19,7 +19,7 @@ from redis_procs import free_port
 from server.launch import launch
 
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
-EVENTS_LINE = re.compile(r"KV events published on (\S+)")
+EVENTS_LINE = re.compile(r"KV events published on (\S+) \(topic .*\), replay on (\S+) ")
 
 
 @dataclass
@@ -27,6 +27,7 @@ class Replica:
     proc: subprocess.Popen
     url: str
     events: str  # the ZMQ endpoint its KV events go to
+    replay: str  # where a subscriber that missed batches asks for them again
     lines: list[str] = field(default_factory=list)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> None:
@@ -49,7 +50,8 @@ class Replica:
 
 def start_replica(model: Path | str, *args: str, env: dict[str, str] | None = None) -> Replica:
     """`kvtier serve MODEL ARGS` publishing KV events on a loopback port the OS picks."""
-    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*"}
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
+           "replay_endpoint": "tcp://127.0.0.1:*"}
     # vLLM's metric names too: the router scrapes workers' /metrics for load (seen in its PD mode).
     srv = launch([str(model), *args, "--kv-events-config", json.dumps(cfg), "--metrics-compat", "vllm"],
                  {"OMP_NUM_THREADS": "1", **(env or {})}, new_session=True)
@@ -57,7 +59,7 @@ def start_replica(model: Path | str, *args: str, env: dict[str, str] | None = No
     if m is None:
         srv.proc.kill()
         raise RuntimeError("the replica did not log its KV events endpoint:\n" + "".join(srv.lines)[-3000:])
-    return Replica(srv.proc, srv.url, m.group(1), srv.lines)
+    return Replica(srv.proc, srv.url, m.group(1), m.group(2), srv.lines)
 
 
 @dataclass
@@ -90,7 +92,7 @@ def start_router(replicas: list[Replica], policy: str, served_model: str, *extra
            "--health-check-interval-secs", "1", "--health-failure-threshold", "1", *extra]
     if policy == "kv_aware":
         for r in replicas:
-            cmd += ["--kv-event-source", f"{r.url}={r.events}"]
+            cmd += ["--kv-event-source", f"{r.url}={r.events}", "--kv-event-replay-source", f"{r.url}={r.replay}"]
         cmd += ["--kv-event-model", served_model]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     lines: list[str] = []
