@@ -5,7 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: speculators-venv setup serve demo test test-all bench-setup bench-throughput bench-policies bench-offload bench-serve bench-serve-policies bench-hidden-states soak gpu-wheels gpu-check
+.PHONY: speculators-venv setup serve demo test test-all bench-setup bench-throughput bench-policies bench-offload bench-serve bench-serve-policies bench-fleet bench-hidden-states soak gpu-wheels gpu-check
 
 setup:
 	@PYTHON=$(PY) VENV=$(VENV) bash scripts/setup.sh
@@ -66,6 +66,12 @@ bench-serve: bench-setup
 bench-serve-policies: bench-setup
 	$(BIN)/python benchmarks/serve_policies.py
 	$(call publish_plot,serve_policies)
+
+# Routing a fleet: two `kvtier serve` replicas behind vllm-router, a 3-node Redis Cluster as G4;
+# round_robin without and with G4, cache_aware, kv_aware (KV events) and prefill/decode split (~11 min).
+bench-fleet: bench-setup
+	$(BIN)/python benchmarks/fleet.py
+	$(call publish_plot,fleet)
 
 bench-hidden-states: setup
 	$(BIN)/python benchmarks/hidden_states.py

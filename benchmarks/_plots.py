@@ -227,6 +227,35 @@ def plot_serve_policies(plt: Any, doc: Doc, out: Path) -> Path:
     return _finish(plt, fig, doc, "serve_policies", title, out)
 
 
+def plot_fleet(plt: Any, doc: Doc, out: Path) -> Path:
+    """Per routing mode: every request's TTFT as a CDF, the TTFT p50 (median bar, runs as dots) and
+    the prompt tokens each tier served, summed over the replicas."""
+    med = doc["median"]
+    fig, (ax_cdf, ax50, ax_hits) = plt.subplots(1, 3, figsize=(15, 4.6))
+    for mode, runs in doc["runs"].items():
+        ttft = sorted(r["ttft_s"] for run in runs for r in run.get("requests", []))
+        if ttft:
+            ax_cdf.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", label=mode)
+    ax_cdf.set_xscale("log")
+    ax_cdf.set_xlabel("TTFT (s)")
+    ax_cdf.set_ylabel("share of requests")
+    ax_cdf.grid(alpha=0.3, which="both")
+    ax_cdf.legend(fontsize=8)
+    ax_cdf.set_title("TTFT of every request, every run", fontsize=9)
+    _median_bars(ax50, med, doc["runs"], "ttft_p50_s", "TTFT p50")
+    ax50.tick_params(axis="x", labelsize=7)
+    _stacked_hits(ax_hits, med)
+    ax_hits.tick_params(axis="x", labelsize=7)
+    target = doc.get("target") or {}
+    vs_rr = target.get("ttft_p50_rr_over_kv_aware")
+    wl = doc.get("workload") or {}
+    title = (f"Routing a 2-replica kvtier fleet (vllm-router, Redis Cluster G4): {wl.get('requests', '?')} requests "
+             f"of {wl.get('conversations', '?')} conversations")
+    if vs_rr:
+        title += f"; TTFT p50 rr / kv_aware_g4 {vs_rr:.2f}×"
+    return _finish(plt, fig, doc, "fleet", title, out)
+
+
 def plot_spec_decode(plt: Any, doc: Doc, out: Path) -> Path:
     """Output tok/s relative to no speculation, per workload and batch size, one bar per engine;
     a bar whose tokens differed from `off`'s is hatched (speculation must not change greedy output)."""
@@ -265,6 +294,7 @@ PLOTS: dict[str, Callable[[Any, Doc, Path], Path]] = {
     "serve": plot_serve,
     "serve_policies": plot_serve_policies,
     "spec_decode": plot_spec_decode,
+    "fleet": plot_fleet,
 }
 
 

@@ -193,11 +193,13 @@ def start_server(args: list[str], threads: int, timeout: float) -> Server:
 
 
 # -- client --------------------------------------------------------------------------------------
-async def one_request(client: Any, req: Req, salt: str, model: str,
+async def one_request(client: Any, req: Req, salt: str | None, model: str,
                       extra: dict[str, Any] | None = None) -> dict[str, Any]:
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "cache_salt": salt,
-            **(extra or {})}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if salt is not None:  # None: no cache_salt key at all (vllm-router's kv_aware credits no salted request)
+        body["cache_salt"] = salt
+    body.update(extra or {})
     first = last = None
     usage: dict[str, Any] = {}
     sent = time.perf_counter()
@@ -230,10 +232,13 @@ async def one_request(client: Any, req: Req, salt: str, model: str,
             "latency_s": last - sent}
 
 
-async def replay(url: str, reqs: list[Req], concurrency: int, salt: str, model: str, timeout: float,
-                 extras: dict[int, dict[str, Any]] | None = None) -> tuple[list[dict[str, Any]], float]:
-    """Sends `reqs` in order, at most `concurrency` in flight; returns per-request results and wall
-    time. `extras`: more body fields per request index."""
+async def replay(url: str, reqs: list[Req], concurrency: int, salt: str | None, model: str, timeout: float,
+                 extras: dict[int, dict[str, Any]] | None = None,
+                 after: dict[int, int] | None = None) -> tuple[list[dict[str, Any]], float]:
+    """Sends `reqs` in order, at most `concurrency` in flight; returns per-request results (in the
+    order of `reqs`) and wall time. `extras`: more body fields per request index. `after`: request
+    index -> the index of an earlier request that must have finished before it is sent (a
+    conversation's next turn waits for the answer to its last one; later requests wait behind it)."""
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
@@ -247,10 +252,17 @@ async def replay(url: str, reqs: list[Req], concurrency: int, salt: str, model: 
                 sem.release()
 
         tasks = []
+        by_index: dict[int, asyncio.Task[dict[str, Any]]] = {}
         start = time.perf_counter()
         for r in reqs:
+            dep = (after or {}).get(r.index)
+            prev = by_index.get(dep) if dep is not None else None
+            if prev is not None:
+                await asyncio.wait([prev])  # its failure, if any, is raised by gather below
             await sem.acquire()
-            tasks.append(asyncio.create_task(guarded(r)))
+            task = asyncio.create_task(guarded(r))
+            tasks.append(task)
+            by_index[r.index] = task
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - start
 

@@ -107,8 +107,24 @@ def spec_decode_doc() -> dict[str, Any]:
     return {"benchmark": "spec_decode", "specs": {"off": None, "ngram": {"method": "ngram"}}, "results": results}
 
 
+def fleet_doc() -> dict[str, Any]:
+    def run(p50: float) -> dict[str, Any]:
+        reqs = [{"index": i, "prompt_tokens": 200 + 10 * i, "output_tokens": 4, "ttft_s": p50 * (0.5 + i / 10),
+                 "replica": i % 2, "cached_by_tier": {"G1": 96}} for i in range(12)]
+        return {"ttft_p50_s": p50, "ttft_p99_s": 4 * p50, "requests": reqs}
+
+    modes = {"rr": (2.0, 0.0), "rr_g4": (0.9, 900.0), "cache_aware_g4": (0.8, 300.0), "kv_aware_g4": (0.6, 100.0),
+             "pd_g4": (1.5, 3000.0)}
+    med = {m: {"ttft_p50_s": t, "ttft_p99_s": 4 * t, "req_per_s": 0.5, "out_tok_per_s": 2.0, "hit_rate": 0.5,
+               "g4_bytes_read": g4 * 46080, "prompt_tokens": 9000.0, "G1_hit_tokens": 4000.0, "G2_hit_tokens": 50.0,
+               "G4_hit_tokens": g4, "same_replica": None if m == "pd_g4" else 0.5} for m, (t, g4) in modes.items()}
+    return {"benchmark": "fleet", "argv": ["benchmarks/fleet.py"], "machine": _machine(),
+            "workload": {"requests": 12, "conversations": 4}, "runs": {m: [run(t)] for m, (t, _) in modes.items()},
+            "median": med, "target": {"ttft_p50_rr_over_kv_aware": 3.3, "ttft_p50_cache_aware_over_kv_aware": 1.3}}
+
+
 DOCS = {"policies": policies_doc, "throughput": throughput_doc, "offload": offload_doc, "serve": serve_doc,
-        "serve_policies": serve_policies_doc, "spec_decode": spec_decode_doc}
+        "serve_policies": serve_policies_doc, "spec_decode": spec_decode_doc, "fleet": fleet_doc}
 
 
 def _png_size(path: Path) -> tuple[int, int]:

@@ -90,17 +90,23 @@ class RedisProc:
 
 def start_cluster(workdir: Path, n: int = 3) -> list[RedisProc]:
     """n masters, no replicas, every slot assigned (redis-cli --cluster create)."""
-    nodes = []
-    for i in range(n):
-        r = RedisProc(workdir / f"node{i}", free_port(bus=True), ("--cluster-enabled", "yes", "--cluster-config-file",
-                                                          "nodes.conf", "--cluster-node-timeout", "2000"))
-        nodes.append(r.start())
-    addrs = [f"127.0.0.1:{r.port}" for r in nodes]
-    subprocess.run([CLI, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
-                   capture_output=True, text=True, timeout=60, check=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if all("cluster_state:ok" in r.cli("cluster", "info") for r in nodes):
-            return nodes
-        time.sleep(0.2)
-    raise RuntimeError("cluster did not reach cluster_state:ok")
+    nodes: list[RedisProc] = []
+    try:
+        for i in range(n):
+            r = RedisProc(workdir / f"node{i}", free_port(bus=True),
+                          ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                           "--cluster-node-timeout", "2000"))
+            nodes.append(r.start())
+        addrs = [f"127.0.0.1:{r.port}" for r in nodes]
+        subprocess.run([CLI, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+                       capture_output=True, text=True, timeout=60, check=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if all("cluster_state:ok" in r.cli("cluster", "info") for r in nodes):
+                return nodes
+            time.sleep(0.2)
+        raise RuntimeError("cluster did not reach cluster_state:ok")
+    except BaseException:
+        for r in nodes:  # the caller gets no handle on them: stop them here
+            r.stop()
+        raise
