@@ -53,33 +53,33 @@ def parse(params: dict[str, Any] | None) -> PDRequest | None:
     if not params:
         return None
     if not isinstance(params, dict):
-        raise ValueError("kv_transfer_params must be an object")
+        raise ValueError("'kv_transfer_params' must be an object")
     unknown = set(params) - _VLLM_KEYS - {"kvtier"}
     if unknown:
-        raise ValueError(f"unsupported kv_transfer_params keys {sorted(unknown)}; kvtier reads do_remote_decode, "
+        raise ValueError(f"unsupported 'kv_transfer_params' keys {sorted(unknown)}; kvtier reads do_remote_decode, "
                          "do_remote_prefill and its own 'kvtier' entry (vLLM's other keys may be null)")
     decode, prefill = bool(params.get("do_remote_decode")), bool(params.get("do_remote_prefill"))
     if decode and prefill:
-        raise ValueError("kv_transfer_params cannot set both do_remote_decode and do_remote_prefill")
+        raise ValueError("'kv_transfer_params' cannot set both do_remote_decode and do_remote_prefill")
     if decode:
         return PDRequest(PDRole.PREFILL)
     if not prefill:
         if params.get("kvtier") is not None:
-            raise ValueError("kv_transfer_params.kvtier is only read with do_remote_prefill: true")
+            raise ValueError("'kv_transfer_params'.kvtier is only read with do_remote_prefill: true")
         return None
     ours = params.get("kvtier")
     if not isinstance(ours, dict):
-        raise ValueError("kv_transfer_params with do_remote_prefill need the 'kvtier' entry a kvtier prefill "
+        raise ValueError("'kv_transfer_params' with do_remote_prefill need the 'kvtier' entry a kvtier prefill "
                          "replica returns: kvtier moves KV through its shared tier (G4), not NIXL or Mooncake")
     if ours.get("transport") != TRANSPORT:
-        raise ValueError(f"kv_transfer_params.kvtier.transport must be {TRANSPORT!r}; got {ours.get('transport')!r}")
+        raise ValueError(f"'kv_transfer_params'.kvtier.transport must be {TRANSPORT!r}; got {ours.get('transport')!r}")
     ns, tokens, keys = ours.get("namespace"), ours.get("tokens"), ours.get("keys")
     if not isinstance(ns, str) or type(tokens) is not int or not isinstance(keys, list):
-        raise ValueError("kv_transfer_params.kvtier needs 'namespace' (hex), 'tokens' (int) and 'keys' (list)")
+        raise ValueError("'kv_transfer_params'.kvtier needs 'namespace' (hex), 'tokens' (int) and 'keys' (list)")
     try:
         parsed = tuple(BlockKey(bytes.fromhex(k)) for k in keys)
     except (TypeError, ValueError):
-        raise ValueError("kv_transfer_params.kvtier.keys must be hex strings") from None
+        raise ValueError("'kv_transfer_params'.kvtier.keys must be hex strings") from None
     return PDRequest(PDRole.DECODE, ns, tokens, parsed)
 
 

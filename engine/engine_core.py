@@ -168,6 +168,12 @@ class EngineCore:
         if self.publisher is not None and self.events is not None:
             self.publisher.publish(self.events.drain())
 
+    def publish_pending_events(self) -> None:
+        """Publishes what the tiers reported since the last step (their writes finish on their
+        own threads, after it): the server's loop calls this while idle, or a subscriber would
+        not hear of them until the next request."""
+        self._publish_events()
+
     def flush_offload(self) -> None:
         """Wait for queued offload stores and writes, then release the G1 blocks they held."""
         self.connector.flush()

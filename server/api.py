@@ -17,7 +17,6 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from connectors.pd import parse as parse_pd
 from engine.prompt_logprobs import with_ranks
 from engine.structured import GrammarCompiler
 from engine.token_ids import check_token_ids
@@ -236,10 +235,6 @@ class API:
                 check_token_ids(ids or (), info.vocab_size, f"{name} entry")
             except ValueError as e:
                 raise APIError(400, str(e), param=name) from None
-        try:
-            parse_pd(req.kv_transfer_params)  # the shape here; whether the engine can play the role, there
-        except ValueError as e:
-            raise APIError(400, f"'kv_transfer_params': {e}", param="kv_transfer_params") from None
         if req.kv_transfer_params and (req.n > 1 or len(prompts) > 1):
             raise APIError(400, "kv_transfer_params name one sequence's KV: use n=1 and one prompt",
                            param="kv_transfer_params")

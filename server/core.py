@@ -170,7 +170,9 @@ def run_core(llm_kwargs: dict[str, Any], to_core: str, from_core: str, logs: Log
                 break
             if eng.has_unfinished():
                 loop.step()
-            elif os.getppid() != parent:  # the API process died without telling us
+            else:
+                eng.publish_pending_events()
+            if not eng.has_unfinished() and os.getppid() != parent:  # the API process died without telling us
                 log.error("API process is gone; exiting")
                 status = 0
                 break

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from connectors.pd import parse as parse_pd
 from engine.prompt_logprobs import MAX_PROMPT_LOGPROBS
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutputsParams
@@ -90,8 +91,15 @@ class _Sampling(BaseModel):
     # vLLM's: names the request (and its hidden-state file); sequences get "-k" suffixes when
     # a request has several (n > 1 or several prompts). Default: a random id.
     request_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]{1,128}$")
-    # vLLM's prefill/decode disaggregation (connectors/pd.py): checked there, honoured through G4
+    # vLLM's prefill/decode disaggregation (connectors/pd.py): its shape checked here (so render
+    # refuses what generation refuses), whether this engine can play the role in the engine
     kv_transfer_params: dict[str, Any] | None = None
+
+    @field_validator("kv_transfer_params")
+    @classmethod
+    def _pd_shape(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        parse_pd(v)
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> _Sampling:
