@@ -58,6 +58,10 @@ def parse(params: dict[str, Any] | None) -> PDRequest | None:
     if unknown:
         raise ValueError(f"unsupported 'kv_transfer_params' keys {sorted(unknown)}; kvtier reads do_remote_decode, "
                          "do_remote_prefill and its own 'kvtier' entry (vLLM's other keys may be null)")
+    addressed = sorted(k for k in _VLLM_KEYS - {"do_remote_decode", "do_remote_prefill"} if params.get(k) is not None)
+    if addressed:  # accepted only as null: a value would be ignored
+        raise ValueError(f"'kv_transfer_params' {addressed} must be null: kvtier moves KV through its shared tier (G4) "
+                         "and has no NIXL or Mooncake transport to address")
     decode, prefill = bool(params.get("do_remote_decode")), bool(params.get("do_remote_prefill"))
     if decode and prefill:
         raise ValueError("'kv_transfer_params' cannot set both do_remote_decode and do_remote_prefill")

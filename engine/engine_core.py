@@ -24,7 +24,7 @@ from engine.isolation import FORWARD_ERRORS, execute_isolating
 from engine import cpu_runtime, gpu_memory
 from engine.setup import attention_backend, eos_ids, kv_layout, step_token_budget
 from engine.config import CPU_KV_CACHE_GIB, EngineConfig, LoadFailurePolicy, load_model_config
-from engine.kv_events import KVEventsConfig, ZmqEventPublisher
+from engine.kv_events import ZmqEventPublisher, open_events
 from kvstore.events import EventBuffer
 from kvstore.threads import one_torch_thread
 from engine.kv_cache_manager import KVCacheManager
@@ -154,14 +154,8 @@ class EngineCore:
                  num_blocks, bs, num_blocks * per_block / 2**30, max_len, self.max_num_batched_tokens)
 
     def _build_events(self) -> tuple[EventBuffer | None, ZmqEventPublisher | None]:
-        cfg = KVEventsConfig.from_dict(self.config.kv_events_config or {})
-        if cfg is None:
-            return None, None
-        buf = EventBuffer()
+        buf, publisher = open_events(self.config.kv_events_config)
         self.pool.events = buf
-        publisher = ZmqEventPublisher(cfg)
-        log.info("KV events published on %s (topic %r)%s", publisher.endpoint, cfg.topic,
-                 f", replay on {publisher.replay.endpoint} (last {cfg.buffer_steps} batches)" if publisher.replay else "")
         return buf, publisher
 
     def _publish_events(self) -> None:
@@ -169,9 +163,7 @@ class EngineCore:
             self.publisher.publish(self.events.drain())
 
     def publish_pending_events(self) -> None:
-        """Publishes what the tiers reported since the last step (their writes finish on their
-        own threads, after it): the server's loop calls this while idle, or a subscriber would
-        not hear of them until the next request."""
+        """Tier writes finish after their step: the server calls this while idle, so subscribers hear of them."""
         self._publish_events()
 
     def flush_offload(self) -> None:

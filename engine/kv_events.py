@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.kv_events_replay import ReplayServer
-from kvstore.events import DEFAULT_TOPIC, BlockRemoved, BlockStored, KVEvent
+from kvstore.events import DEFAULT_TOPIC, BlockRemoved, BlockStored, EventBuffer, KVEvent
 
 log = logging.getLogger(__name__)
 
@@ -152,3 +152,14 @@ class ZmqEventPublisher:
         if self.replay is not None:
             self.replay.close()
         self._sock.close()
+
+
+def open_events(config: dict[str, Any] | None) -> tuple[EventBuffer | None, ZmqEventPublisher | None]:
+    """The engine's event buffer and publisher for `kv_events_config` (both None when it is off)."""
+    cfg = KVEventsConfig.from_dict(config or {})
+    if cfg is None:
+        return None, None
+    publisher = ZmqEventPublisher(cfg)
+    log.info("KV events published on %s (topic %r)%s", publisher.endpoint, cfg.topic,
+             f", replay on {publisher.replay.endpoint} (last {cfg.buffer_steps} batches)" if publisher.replay else "")
+    return EventBuffer(), publisher

@@ -235,9 +235,8 @@ class API:
                 check_token_ids(ids or (), info.vocab_size, f"{name} entry")
             except ValueError as e:
                 raise APIError(400, str(e), param=name) from None
-        if req.kv_transfer_params and (req.n > 1 or len(prompts) > 1):
-            raise APIError(400, "kv_transfer_params name one sequence's KV: use n=1 and one prompt",
-                           param="kv_transfer_params")
+        if req.kv_transfer_params and len(prompts) * req.n > 1:
+            raise APIError(400, "kv_transfer_params name one sequence: use n=1, one prompt", param="kv_transfer_params")
         total = len(prompts) * req.n
         base = req.request_id or uuid.uuid4().hex
         choices: list[Choice] = []

@@ -30,6 +30,7 @@ def test_the_routers_prefill_params_and_our_answer_round_trip():
     ({"do_remote_prefill": True, "kvtier": {"transport": "G4", "namespace": "00", "tokens": 16, "keys": ["zz"]}}, "hex"),
     ({"do_remote_prefill": True, "kvtier": {"transport": "G4", "tokens": 16, "keys": []}}, "namespace"),
     ({"do_remote_decode": True, "bootstrap_room": 7}, "bootstrap_room"),
+    ({"do_remote_decode": True, "remote_engine_id": "e"}, "remote_engine_id"),
     ({"kvtier": {"transport": "G4"}}, "only read with do_remote_prefill"),
     ("yes", "object"),
 ])
