@@ -167,7 +167,8 @@ class TransferEngine:
             d0 = c0.index * k - job.first_g1  # < 0: the chunk is partly in G1 already
             j = i + 1
             if d0 >= 0 and follows(d0, 0):
-                while j < len(run) and j - i < cap and run[j][1] == s0 + j - i and follows(d0, j - i):
+                while (j < len(run) and j - i < cap and run[j][1] == s0 + j - i and follows(d0, j - i)
+                       and self.g2.same_span(s0, run[j][1])):  # type: ignore[union-attr]
                     j += 1
             if j - i == 1:
                 n = self._scatter(self.g2.slot_view(s0), c0.index, job)  # type: ignore[union-attr]

@@ -54,6 +54,10 @@ class HostTier:
         # announces the removal of the same keys (an entry stored without them never is).
         self._announced: dict[BlockKey, tuple[BlockKey, ...]] = {}
 
+    def same_span(self, a: int, b: int) -> bool:
+        """Whether slots a and b may be moved in one copy (`HostSlab.span_of`)."""
+        return self._memory.span_of(a) == self._memory.span_of(b)
+
     @property
     def num_slots(self) -> int:
         return self.slab.shape[0]

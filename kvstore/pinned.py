@@ -5,6 +5,9 @@ page inside the driver (slow: minutes at 100+ GiB) and, like any single cudaHost
 or more, fails outright on current drivers. Here the pages are faulted in by torch's threads
 (`zero_`), then registered in spans of at most `MAX_REGISTER_BYTES`. Spans start on page boundaries
 and end on slot boundaries, so no page is registered twice and no slot straddles two spans.
+One copy must not cross from one span into the next: CUDA refuses an async copy whose host range
+spans two registrations ("invalid argument", seen on an H200), so callers batch rows within a span
+(`span_of`).
 """
 from __future__ import annotations
 
@@ -44,20 +47,27 @@ class HostSlab:
     The registration is undone when this object is collected. `tensor.is_pinned()` says False all
     the same: torch asks about its storage's first byte, which lies before the first page."""
 
-    def __init__(self, num_rows: int, row_bytes: int, pin: bool, max_register_bytes: int = MAX_REGISTER_BYTES):
+    def __init__(self, num_rows: int, row_bytes: int, pin: bool, max_register_bytes: int | None = None):
         total = num_rows * row_bytes
+        # Spans are laid out even when nothing is pinned, so a CPU run batches copies as a GPU one does.
+        self._spans = register_spans(num_rows, row_bytes, MAX_REGISTER_BYTES if max_register_bytes is None
+                                     else max_register_bytes)
         raw = torch.empty(total + PAGE, dtype=torch.uint8)
         offset = -raw.data_ptr() % PAGE
         self.tensor = raw[offset:offset + total].view(num_rows, row_bytes)
         self._registered: list[tuple[int, int]] = []  # (address, bytes), in order
         if pin:
-            self._pin(row_bytes, max_register_bytes)
+            self._pin(row_bytes)
             weakref.finalize(self, _unregister, self._registered)
 
-    def _pin(self, row_bytes: int, max_bytes: int) -> None:
+    def span_of(self, row: int) -> int:
+        """Which registration span holds `row`: rows copied together must share one."""
+        return row // self._spans[0][1]
+
+    def _pin(self, row_bytes: int) -> None:
         self.tensor.zero_()  # fault the pages in on torch's threads, not inside the driver
         cudart = torch.cuda.cudart()
-        spans = register_spans(self.tensor.shape[0], row_bytes, max_bytes)
+        spans = self._spans
         for i, (row, rows) in enumerate(spans):
             ptr, nbytes = self.tensor[row].data_ptr(), rows * row_bytes
             err = cudart.cudaHostRegister(ptr, nbytes, 0)

@@ -289,3 +289,32 @@ def test_loads_staged_on_the_device_as_on_a_gpu(model_dir, ref, tmp_path, monkey
         check_integrity(llm)
     finally:
         llm.close()
+
+
+def test_g2_loads_split_at_registration_spans(model_dir, ref, monkeypatch):
+    """G2 page-locked in spans of three slots (spans end on pages, so real ones hold hundreds;
+    past 64 GiB on a GPU there are several): no copy a load makes covers slots of two spans (CUDA
+    refuses it), some still cover several, and the tokens are offload off's."""
+    import kvstore.pinned
+
+    monkeypatch.setattr(kvstore.pinned, "register_spans", lambda n, _b, _m: [(r, min(3, n - r)) for r in range(0, n, 3)])
+    llm = offload_llm(model_dir, kv_offloading_size=g2_gib(model_dir, 128))
+    try:
+        engine, g2 = llm.engine.connector.transfer, llm.engine.connector.transfer.g2
+        engine.stage_on_device = True
+        copies: list[tuple[int, int]] = []  # (first slot, slots) of each multi-slot copy
+        staged = engine._staged
+
+        def spy(rows: torch.Tensor) -> torch.Tensor:
+            if rows.dim() == 2:
+                copies.append(((rows.data_ptr() - g2.slab.data_ptr()) // g2.slot_bytes, rows.shape[0]))
+            return staged(rows)
+
+        monkeypatch.setattr(engine, "_staged", spy)
+        assert tokens(_two_pass(llm, ref)) == ref
+        assert copies and max(n for _, n in copies) > 1
+        assert all(g2.same_span(first, first + n - 1) for first, n in copies)
+        assert [g2.same_span(s, s + 1) for s in range(5)] == [True, True, False, True, True]
+        check_integrity(llm)
+    finally:
+        llm.close()

@@ -50,3 +50,9 @@ def test_unpinned_slab_is_page_aligned_and_writable():
     assert slab.tensor.shape == (7, 12_345) and slab.tensor.data_ptr() % PAGE == 0
     slab.tensor[6].fill_(3)
     assert int(slab.tensor[6].sum()) == 3 * 12_345 and slab.pinned_spans == []
+
+
+def test_span_of_follows_the_spans_even_unpinned():
+    slab = HostSlab(40, 3 * 4096, pin=False, max_register_bytes=100_000)  # 8 rows a span
+    spans = register_spans(40, 3 * 4096, 100_000)
+    assert [slab.span_of(r) for r in range(40)] == [i for i, (_, n) in enumerate(spans) for _ in range(n)]
