@@ -167,7 +167,8 @@ def _tier_runs(model: Path, tier: str, engine_kw: dict[str, Any], prompts: dict[
         llm.close()
 
 
-def ttft_section(model: Path, lengths: list[int], runs: int, device: str, work: Path) -> dict[str, Any]:
+def ttft_section(model: Path, lengths: list[int], runs: int, device: str, work: Path,
+                 offload_block: int | None = None) -> dict[str, Any]:
     import random
 
     from checkpoints import FIRST_WORD_ID
@@ -176,7 +177,8 @@ def ttft_section(model: Path, lengths: list[int], runs: int, device: str, work: 
     rng = random.Random(0)
     prompts = {n: [[rng.randrange(FIRST_WORD_ID, 90) for _ in range(n)] for _ in range(runs + 1)] for n in lengths}
     longest = max(lengths)
-    common = dict(dtype="bfloat16", device=device, max_model_len=longest + 8, max_num_batched_tokens=8192)
+    common = dict(dtype="bfloat16", device=device, max_model_len=longest + 8, max_num_batched_tokens=8192,
+                  kv_offload_block_size=offload_block)
     mc = load_model_config(model, "bfloat16", device)
     per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2
     gib = max(1.0, 2.5 * longest * per_token / 2**30)  # room for every run's prompt of the longest length
@@ -261,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,16,64,256", help="decode batch sizes (default %(default)s)")
     ap.add_argument("--decode-prompt", type=int, default=128, help="decode prompts' tokens (default 128)")
     ap.add_argument("--decode-output", type=int, default=128, help="decode output tokens (default 128)")
+    ap.add_argument("--offload-block-size", type=int, help="tokens per G2/G3 entry (default: the engine's, "
+                    "one KV block)")
     ap.add_argument("--sections", default="kernels,ttft,decode", help="which sections run (default: all)")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "gpu.json", help="JSON results (default %(default)s)")
     args = ap.parse_args(argv)
@@ -290,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         if "kernels" in sections:
             results["kernels"] = kernels_section(args.smoke, work)
         if "ttft" in sections:
-            results["ttft"] = ttft_section(model, lengths, 1 if args.smoke else args.runs, device, work)
+            results["ttft"] = ttft_section(model, lengths, 1 if args.smoke else args.runs, device, work,
+                                           args.offload_block_size)
         if "decode" in sections:
             results["decode"] = decode_section(model, batches, prompt_len, output_len, device)
     path = write_json(args.out, results)
