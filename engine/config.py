@@ -225,6 +225,9 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    # vLLM's flag: a prompt chunk of one request in one step is at most this many tokens (0: no
+    # cap), so a long prefill leaves room in every step's budget for other requests' prompts.
+    long_prefill_token_threshold: int = 0
     # vLLM's -O / --optimization-level: 0 runs the model eagerly; 1-3 compile it with torch.compile
     # (engine/compiled.py; kvtier has no CUDA graphs yet, so 2 and 3 are 1). None: $OPT_LEVEL_ENV
     # when set (the test suite sets 0), else 1 on CPU (vLLM's behaviour; as fast as eager here,
@@ -293,6 +296,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0; got {self.long_prefill_token_threshold}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold chunks prompts: it needs enable_chunked_prefill")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))

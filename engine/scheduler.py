@@ -1,7 +1,9 @@
 """Continuous batching with chunked prefill, prefix caching and preemption by recompute.
 
 Every step has one token budget (`max_num_batched_tokens`). Running requests go first (their
-decodes and the rest of their prompt chunks), then waiting ones in FCFS or priority order.
+decodes and the rest of their prompt chunks), then waiting ones in FCFS or priority order. With
+`long_prefill_token_threshold`, no request's prompt chunk in a step is longer than that, so a long
+prompt leaves budget for the prompts queued behind it.
 When G1 runs out, the least urgent running request is preempted: its blocks are released
 (they stay in the prefix cache, so a resume is usually a cache hit) and it waits again.
 """
@@ -94,7 +96,8 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, policy: SchedulingPolicy, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
                  connector: KVConnector | None = None,  # None: a NullConnector
-                 num_lookahead_tokens: int = 0, num_spec_placeholders: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, num_spec_placeholders: int = 0,
+                 long_prefill_token_threshold: int = 0) -> None:
         self.kv = kv
         self.policy = policy
         self.max_num_seqs = max_num_seqs
@@ -112,6 +115,7 @@ class Scheduler:
         # Async scheduling with speculation: proposal slots reserved for a request whose last
         # token a launched step is still sampling (its proposals come after that).
         self.num_spec_placeholders = num_spec_placeholders
+        self.long_prefill_token_threshold = long_prefill_token_threshold
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -133,7 +137,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens, budget)
+            n = min(self._chunk(req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens), budget)
             # Proposals ride on a decode, within the budget (one token of it is the decode's).
             spec = tuple(req.spec_token_ids[: budget - 1]) if n == 1 else ()
             if n == 1 and req.num_output_placeholders and self.num_spec_placeholders:
@@ -186,7 +190,7 @@ class Scheduler:
                     self.loading[req.request_id] = req
                     continue
             remaining = req.num_tokens - num_cached
-            n = min(remaining, budget)
+            n = min(self._chunk(remaining), budget)
             if n < remaining and not self.enable_chunked_prefill:
                 break
             if not self._allocate(req, n, hits):
@@ -203,6 +207,11 @@ class Scheduler:
             scheduled.add(req.request_id)
             budget -= n
         return out
+
+    def _chunk(self, remaining: int) -> int:
+        """Tokens a request may compute this step, budget aside (a decode's one is never capped)."""
+        cap = self.long_prefill_token_threshold
+        return cap if 0 < cap < remaining else remaining
 
     def _allocate(self, req: Request, n: int, hits: list = ()) -> bool:
         """Slots for n tokens, with the lookahead when there is room for it (never past the
@@ -251,8 +260,6 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.add(req, front=True)
         return loaded == ext
-        req.status = RequestStatus.WAITING
-        self.waiting.add(req, front=True)
 
     def _pick_victim(self, scheduled: set[RequestId]) -> Request | None:
         # Never a request already given work this step, nor one in a launched step (async

@@ -41,6 +41,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step; long prompts are chunked to fit (default: 2048 for serve, "
                         "4096 for offline commands, vLLM's CPU defaults)")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="TOKENS",
+                   help="most prompt tokens one request computes in one step (0: no cap, the default); a long "
+                        "prompt then leaves room in each step for other requests' prompts, which lowers their "
+                        "time to first token (vLLM's flag)")
     g.add_argument("-O", "--optimization-level", type=int, default=None, choices=[0, 1, 2, 3], metavar="{0,1,2,3}",
                    help="vLLM's levels: 0 runs the model eagerly; 1-3 compile it with torch.compile (inductor; "
                         "no CUDA graphs yet, so 2 and 3 equal 1) at start-up: ~25 s for the demo model the first "
@@ -154,6 +158,7 @@ def llm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": ns.max_model_len,
         "max_num_seqs": ns.max_num_seqs,
         "max_num_batched_tokens": ns.max_num_batched_tokens,
+        "long_prefill_token_threshold": ns.long_prefill_token_threshold,
         "optimization_level": ns.optimization_level,
         "enforce_eager": ns.enforce_eager,
         "async_scheduling": ns.async_scheduling,
