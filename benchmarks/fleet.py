@@ -9,9 +9,14 @@ turn has nothing to route by): at the defaults 68 requests of 20 conversations, 
 follow-up turns. Prompts are built from the trace's block ids as in benchmarks/serve.py
 (`build_workload`: a 512-token trace block becomes B = round(512 * --scale) tokens, the same ids the
 same tokens; a turn's prompt extends the previous turn's), sent as token ids to the router's
-/v1/completions in the trace's order, streamed, greedy with ignore_eos, at most --concurrency in
-flight (closed loop), and a turn only once its conversation's previous turn has answered (a user
-reads the answer first; later requests wait behind it).
+/v1/completions, streamed, greedy with ignore_eos, and a turn only once its conversation's previous
+turn has answered (a user reads the answer first). Two ways to send them:
+  closed loop (default)  in the trace's order, at most --concurrency in flight; later requests wait
+                         behind a turn whose previous turn has not answered yet
+  --speedup X            open loop: each request at its trace time divided by X (or when its
+                         previous turn answers, if later), however many are in flight. X sets the
+                         load: the same arrivals cost round robin more work than a prefix-aware
+                         policy, so its queues grow first
 
 Modes, each with fresh replicas, a fresh router and an emptied G4 per run (cold caches), interleaved:
   rr              --policy round_robin; replicas with G1 + G2 only: a turn that lands on the other
@@ -66,7 +71,8 @@ sys.path.append(str(_HERE.parent / "tests" / "remote"))  # redis_procs, router_p
 import _fleet_procs as fp  # noqa: E402
 from _common import RESULTS_DIR, log, median, print_table, ratio, run_interleaved, write_json  # noqa: E402
 from _plots import plot_file  # noqa: E402
-from serve import MIN_TOKEN_ID, Req, Workload, build_workload, hit_tokens, kv_stats, percentile, replay  # noqa: E402
+from serve import (MIN_TOKEN_ID, Req, Workload, build_workload, hit_tokens, kv_stats, one_request,  # noqa: E402
+                   percentile, replay)
 from traces import TraceSpec, generate  # noqa: E402
 
 SERVED_MODEL = "fleet"  # --served-model-name of every replica, and the router's --kv-event-model
@@ -100,7 +106,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="requests replayed, from the trace's start (default: all of them)")
     ap.add_argument("--scale", type=float, default=1 / 32, help="trace block -> tokens factor (default 1/32)")
     ap.add_argument("--output-tokens", type=int, default=4, help="tokens each request generates (default %(default)s)")
-    ap.add_argument("--concurrency", type=int, default=4, help="requests in flight at most (default %(default)s)")
+    ap.add_argument("--concurrency", type=int, default=4,
+                    help="closed loop: requests in flight at most (default %(default)s)")
+    ap.add_argument("--speedup", type=float, default=None,
+                    help="open loop instead: send each request at its trace time divided by this (see above)")
     ap.add_argument("--runs", type=int, default=1, help="runs per mode, interleaved (default %(default)s)")
     ap.add_argument("--num-gpu-blocks", type=int, default=None, help="G1 blocks per replica (default: see above)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per G1 block (default %(default)s)")
@@ -126,6 +135,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--sessions, --num-requests, --concurrency and --runs must be >= 1, --output-tokens >= 2")
     if not 0 < args.g2_fraction <= 1 or args.scale <= 0 or args.turns < 1:
         ap.error("--g2-fraction must be in (0, 1], --scale > 0 and --turns >= 1")
+    if args.speedup is not None and args.speedup <= 0:
+        ap.error("--speedup must be > 0")
     if args.out is None:
         args.out = RESULTS_DIR / ("fleet-smoke.json" if args.smoke else "fleet.json")
     return args
@@ -150,13 +161,37 @@ def kv_bytes_per_token(cfg: dict[str, Any]) -> int:
     return cfg["num_hidden_layers"] * 2 * kv_heads * head_dim * 4  # float32
 
 
-def workload(args: argparse.Namespace, vocab: int) -> tuple[Workload, list[str], TraceSpec]:
-    """The trace slice as requests, and each request's conversation."""
+def workload(args: argparse.Namespace, vocab: int) -> tuple[Workload, list[str], list[float], TraceSpec]:
+    """The trace slice as requests, each request's conversation and its trace time (s, from the first)."""
     spec = TraceSpec(sessions=args.sessions, duration_s=args.duration, think_s=args.think, turns_alpha=0.0,
                      turns=args.turns, seed=args.trace_seed)
     trace = generate(spec)[: args.num_requests]
     wl = build_workload(list(enumerate(trace)), args.scale, 0.0, args.output_tokens, args.output_tokens, vocab, 0)
-    return wl, [str(row["session"]) for row in trace], spec
+    t0 = trace[0]["timestamp"]
+    return wl, [str(row["session"]) for row in trace], [(row["timestamp"] - t0) / 1000 for row in trace], spec
+
+
+async def replay_timed(url: str, reqs: list[Req], starts: list[float], after: dict[int, int], timeout: float,
+                       ) -> tuple[list[dict[str, Any]], float]:
+    """Open loop: request i is sent `starts[i]` seconds in (or once request `after[i]` has answered,
+    if later), whatever else is in flight; results in the order of `reqs`, and the wall time."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
+        start = time.perf_counter()
+        tasks: dict[int, asyncio.Task[dict[str, Any]]] = {}
+
+        async def send(r: Req, at: float) -> dict[str, Any]:
+            dep = tasks.get(after[r.index]) if r.index in after else None
+            if dep is not None:
+                await asyncio.wait([dep])  # its failure, if any, is raised by gather below
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            return await one_request(client, r, None, SERVED_MODEL)
+
+        for r, at in zip(reqs, starts):  # in trace order, so a turn's previous turn has its task already
+            tasks[r.index] = asyncio.create_task(send(r, at))
+        results = await asyncio.gather(*tasks.values())
+        return list(results), time.perf_counter() - start
 
 
 def previous_turns(reqs: list[Req], sessions: list[str]) -> dict[int, int]:
@@ -205,7 +240,7 @@ def warm_up(replicas: list[fp.Replica], timeout: float) -> None:
 
 
 def measure(name: str, args: argparse.Namespace, model: Path, flags: list[str], cluster: fp.Cluster,
-            wl: Workload, sessions: list[str]) -> dict[str, Any]:
+            wl: Workload, sessions: list[str], starts: list[float]) -> dict[str, Any]:
     mode = MODES[name]
     cluster.flush()  # what an earlier run wrote to G4 must not be this run's hits
     replica_flags = [*flags, "--kv-offload-remote", cluster.url] if mode.g4 else flags
@@ -216,8 +251,13 @@ def measure(name: str, args: argparse.Namespace, model: Path, flags: list[str], 
         router = start_router(mode, replicas, args.router_arg)
         before = [kv_stats(r.url) for r in replicas]
         marks = [len(r.lines) for r in replicas]
-        results, wall = asyncio.run(replay(router.url, wl.reqs, args.concurrency, None, SERVED_MODEL,
-                                           args.request_timeout, after=previous_turns(wl.reqs, sessions)))
+        prev = previous_turns(wl.reqs, sessions)
+        if args.speedup is None:
+            results, wall = asyncio.run(replay(router.url, wl.reqs, args.concurrency, None, SERVED_MODEL,
+                                               args.request_timeout, after=prev))
+        else:
+            results, wall = asyncio.run(replay_timed(router.url, wl.reqs, [t / args.speedup for t in starts], prev,
+                                                     args.request_timeout))
         served = fp.wait_finished(replicas, marks, len(wl.reqs) * (2 if mode.pd else 1))
         after = [kv_stats(r.url) for r in replicas]
         routing = fp.decisions(router) if mode.policy == "kv_aware" else None
@@ -342,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvtier-fleet-bench-") as tmp:
         model = model_dir(args, Path(tmp))
         cfg = json.loads((model / "config.json").read_text())
-        wl, sessions, spec = workload(args, cfg["vocab_size"])
+        wl, sessions, starts, spec = workload(args, cfg["vocab_size"])
         flags, g1_blocks, g2_gib = replica_args(args, wl, kv_bytes_per_token(cfg))
         summary = wl.summary()
         log(f"workload: {summary['requests']} requests of {len(set(sessions))} conversations "
@@ -352,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             f"blocks, G2 {g2_gib:.3f} GiB; modes {', '.join(args.modes)}, {args.runs} run(s) each")
         cluster = fp.start_fleet_cluster()
         try:
-            runs = run_interleaved(args.runs, {m: (lambda r, m=m: measure(m, args, model, flags, cluster, wl, sessions))
+            runs = run_interleaved(args.runs, {m: (lambda r, m=m: measure(m, args, model, flags, cluster, wl, sessions, starts))
                                                for m in args.modes}, progress)
         finally:
             cluster.stop()
@@ -361,7 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     verdict = target(med)
     path = write_json(args.out, {
         "benchmark": "fleet", "workload": {**summary, "conversations": len(set(sessions)), "trace_spec": asdict(spec),
-                                           "concurrency": args.concurrency, "scale": args.scale},
+                                           "concurrency": None if args.speedup else args.concurrency,
+                                           "speedup": args.speedup, "scale": args.scale,
+                                           "trace_span_s": starts[-1] / (args.speedup or 1)},
         "modes": {m: asdict(MODES[m]) for m in args.modes}, "replica_args": flags, "g1_blocks": g1_blocks,
         "g2_gib": g2_gib, "router_args": args.router_arg, "runs": runs, "median": med, "target": verdict,
         "smoke": args.smoke})
