@@ -186,7 +186,9 @@ async def replay_timed(url: str, reqs: list[Req], starts: list[float], after: di
             if dep is not None:
                 await asyncio.wait([dep])  # its failure, if any, is raised by gather below
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            return await one_request(client, r, None, SERVED_MODEL)
+            sent = time.perf_counter() - start
+            out = await one_request(client, r, None, SERVED_MODEL)
+            return {**out, "due_s": at, "sent_s": sent, "done_s": time.perf_counter() - start}
 
         for r, at in zip(reqs, starts):  # in trace order, so a turn's previous turn has its task already
             tasks[r.index] = asyncio.create_task(send(r, at))
@@ -402,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_json(args.out, {
         "benchmark": "fleet", "workload": {**summary, "conversations": len(set(sessions)), "trace_spec": asdict(spec),
                                            "concurrency": None if args.speedup else args.concurrency,
-                                           "speedup": args.speedup, "scale": args.scale,
+                                           "speedup": args.speedup, "scale": args.scale, "sessions": sessions,
                                            "trace_span_s": starts[-1] / (args.speedup or 1)},
         "modes": {m: asdict(MODES[m]) for m in args.modes}, "replica_args": flags, "g1_blocks": g1_blocks,
         "g2_gib": g2_gib, "router_args": args.router_arg, "runs": runs, "median": med, "target": verdict,

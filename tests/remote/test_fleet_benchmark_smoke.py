@@ -40,3 +40,30 @@ def test_fleet_benchmark_runs_in_smoke_mode(tmp_path):
     assert decisions["decisions"] == doc["workload"]["requests"]
     assert decisions["credited"] > 0, decisions  # the router saw the replicas' KV events and matched prompts
     assert "kv_aware_g4" in proc.stdout and "target:" in proc.stdout
+
+
+def test_open_loop_replay_keeps_the_trace_times_and_the_turn_order(tmp_path):
+    """--speedup (here so high that every request is due at once): each request goes at its trace
+    time / speedup, or once its conversation's last turn has answered if that is later; never
+    before either, and others go meanwhile."""
+    if not os.path.exists(ROUTER):
+        pytest.skip("vllm-router is not installed (pip install -e .[test])")
+    out = tmp_path / "fleet.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fleet.py"), "--smoke", "--speedup", "1000",
+                           "--modes", "rr,kv_aware_g4", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["workload"]["speedup"] == 1000 and doc["workload"]["concurrency"] is None
+    for mode, (run,) in doc["runs"].items():
+        reqs = run["requests"]
+        assert len(reqs) == doc["workload"]["requests"], mode
+        last: dict[str, dict] = {}
+        overlapped = False
+        for r, s in zip(reqs, doc["workload"]["sessions"]):
+            assert r["sent_s"] >= r["due_s"] - 0.05, (mode, r)
+            if s in last:
+                assert r["sent_s"] >= last[s]["done_s"] - 0.05, (mode, r, last[s])
+            overlapped |= any(o["done_s"] > r["sent_s"] for o in last.values())
+            last[s] = r
+        assert overlapped, mode  # open loop: some request went out while another was in flight
