@@ -39,6 +39,8 @@ class LoadFailurePolicy(str, enum.Enum):
 class SchedulingPolicy(str, enum.Enum):
     FCFS = "fcfs"
     PRIORITY = "priority"
+    # kvtier's: the prompt with the fewest tokens left to compute first (engine/scheduler.py)
+    SHORTEST_PREFILL = "shortest_prefill"
 
 
 # Token budget of one step when max_num_batched_tokens is not given: vLLM's CPU defaults. An

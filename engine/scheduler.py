@@ -4,6 +4,13 @@ Every step has one token budget (`max_num_batched_tokens`). Running requests go 
 decodes and the rest of their prompt chunks), then waiting ones in FCFS or priority order. With
 `long_prefill_token_threshold`, no request's prompt chunk in a step is longer than that, so a long
 prompt leaves budget for the prompts queued behind it.
+
+`shortest_prefill` (shortest remaining prefill first): waiting requests are admitted in order of
+the prompt tokens they have left after their G1 prefix hits; a running prompt with more tokens left
+than the shortest waiting one sits out the step, and a step that finishes a prompt carries no
+chunk of a longer one (the step's time is what the short prompt waits for). Decodes always run. A
+prompt passed over `MAX_PASSED_OVER` steps in a row runs regardless, so a stream of short prompts
+slows a long one down but cannot stop it.
 When G1 runs out, the least urgent running request is preempted: its blocks are released
 (they stay in the prefix cache, so a resume is usually a cache hit) and it waits again.
 """
@@ -19,6 +26,8 @@ from connectors.base import KVConnector, NullConnector
 from engine.config import SchedulingPolicy
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestId, RequestStatus
+
+MAX_PASSED_OVER = 8  # shortest_prefill: steps a running prompt may sit out in a row
 
 
 @dataclass
@@ -72,6 +81,10 @@ class WaitingQueue:
     def peek(self) -> Request:
         return self._heap[0][2] if self.policy is SchedulingPolicy.PRIORITY else self._fifo[0]
 
+    def sort(self, key) -> None:
+        """Reorder a FIFO queue by `key` (stable: arrival order among equals)."""
+        self._fifo = deque(sorted(self._fifo, key=key))
+
     def pop(self) -> Request:
         return heapq.heappop(self._heap)[2] if self.policy is SchedulingPolicy.PRIORITY else self._fifo.popleft()
 
@@ -116,6 +129,7 @@ class Scheduler:
         # token a launched step is still sampling (its proposals come after that).
         self.num_spec_placeholders = num_spec_placeholders
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self._passed_over: dict[RequestId, int] = {}  # shortest_prefill: steps each running prompt sat out
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -134,10 +148,23 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[RequestId] = set()
+        srpt = self.policy is SchedulingPolicy.SHORTEST_PREFILL
+        shortest = None  # shortest_prefill: prompt tokens the first waiting request has left
+        if srpt and len(self.waiting):
+            self.waiting.sort(self._prompt_left)
+            shortest = self._prompt_left(self.waiting.peek())
+        deferred: list[Request] = []  # running prompts that sit out this step unless nothing shorter runs
+        finishes_prompt = False  # a prompt completes in this step
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(self._chunk(req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens), budget)
+            left = req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens
+            if (srpt and left > 1 and shortest is not None and shortest < left
+                    and self._passed_over.get(req.request_id, 0) < MAX_PASSED_OVER):
+                deferred.append(req)
+                i += 1
+                continue
+            n = min(self._chunk(left), budget)
             # Proposals ride on a decode, within the budget (one token of it is the decode's).
             spec = tuple(req.spec_token_ids[: budget - 1]) if n == 1 else ()
             if n == 1 and req.num_output_placeholders and self.num_spec_placeholders:
@@ -163,6 +190,9 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest.after(req, n, spec))
                 scheduled.add(req.request_id)
                 budget -= n
+                finishes_prompt |= 1 < left == n
+                if srpt:
+                    self._passed_over.pop(req.request_id, None)  # counts steps sat out in a row
                 i += 1
         # A step that had to preempt admits nobody new: memory is already short.
         while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -193,6 +223,8 @@ class Scheduler:
             n = min(self._chunk(remaining), budget)
             if n < remaining and not self.enable_chunked_prefill:
                 break
+            if srpt and n < remaining and finishes_prompt:  # leave the step to the prompts it finishes
+                break
             if not self._allocate(req, n, hits):
                 break
             self.waiting.pop()
@@ -206,7 +238,38 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest.after(req, n))
             scheduled.add(req.request_id)
             budget -= n
+            finishes_prompt |= n == remaining
+        if deferred:
+            self._run_deferred(out, deferred, budget, scheduled, finishes_prompt)
         return out
+
+    def _prompt_left(self, req: Request) -> int:
+        """Prompt tokens a waiting request has left to compute (after its G1 prefix hits, if fresh)."""
+        if self.kv.block_table(req) or req.wants_prompt_logprobs:
+            return req.num_tokens - req.num_computed_tokens
+        return req.num_tokens - len(self.kv.get_computed_blocks(req)) * self.kv.block_size
+
+    def _run_deferred(self, out: SchedulerOutput, deferred: list[Request], budget: int,
+                      scheduled: set[RequestId], finishes_prompt: bool) -> None:
+        """shortest_prefill: the running prompts that sat out get what budget is left, shortest
+        first, unless a prompt finishes in this step (then they wait: no preemption for them)."""
+        def left(r: Request) -> int:
+            return r.num_tokens + r.num_output_placeholders - r.num_scheduled_tokens
+
+        for req in sorted(deferred, key=left):
+            if req.status is not RequestStatus.RUNNING:  # preempted later in this step
+                continue
+            if finishes_prompt or budget <= 0:
+                self._passed_over[req.request_id] = self._passed_over.get(req.request_id, 0) + 1
+                continue
+            n = min(self._chunk(left(req)), budget)
+            if not self._allocate(req, n):
+                self._passed_over[req.request_id] = self._passed_over.get(req.request_id, 0) + 1
+                continue
+            out.scheduled.append(ScheduledRequest.after(req, n))
+            scheduled.add(req.request_id)
+            budget -= n
+            self._passed_over.pop(req.request_id, None)
 
     def _chunk(self, remaining: int) -> int:
         """Tokens a request may compute this step, budget aside (a decode's one is never capped)."""
@@ -272,6 +335,7 @@ class Scheduler:
         return candidates[-1]
 
     def _preempt(self, req: Request) -> None:
+        self._passed_over.pop(req.request_id, None)
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -285,6 +349,7 @@ class Scheduler:
         """Mark finished and release its blocks (running or waiting). `free_blocks=False`: the
         caller frees them later (a launched step still writes them)."""
         req.status = status
+        self._passed_over.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
         elif self.loading.pop(req.request_id, None) is None:

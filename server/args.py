@@ -69,8 +69,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "or float16 halve G1 (and the offload tiers' entries) for float32 weights, attention "
                         "reading them back in the weights' dtype. Offload tiers keep each dtype's KV apart. "
                         "fp8/int8 are not supported (default: %(default)s)")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                   help="admission order: first come first served, or by request priority (lower first)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "shortest_prefill"],
+                   help="admission order: first come first served, by request priority (lower first), or "
+                        "shortest_prefill (kvtier's): the prompt with the fewest tokens left to compute after its "
+                        "cached prefix goes first, and a step that finishes a prompt carries no chunk of a longer "
+                        "one, so a request whose prefix is cached is not stuck behind a long prefill")
     g.add_argument("--kv-eviction-policy", default="lru", metavar="NAME|JSON",
                    help="G1 eviction policy: a built-in (" + ", ".join(available_policies()) + "), a "
                         'kvtier.policies entry point or module:Class, or JSON with options: \'{"name": NAME, '
