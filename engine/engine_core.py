@@ -128,10 +128,7 @@ class EngineCore:
             log.info("speculative decoding: %s, %d tokens per step", plan.spec.method.value,
                      plan.spec.num_speculative_tokens)
         lookahead = self.spec.k if self.spec is not None and self.spec.proposer.needs_lookahead else 0
-        self.scheduler = Scheduler(self.kv, config.scheduling_policy, config.max_num_seqs,
-                                   self.max_num_batched_tokens, config.enable_chunked_prefill, self.connector,
-                                   num_lookahead_tokens=lookahead,
-                                   long_prefill_token_threshold=config.long_prefill_token_threshold,
+        self.scheduler = Scheduler(self.kv, config, self.max_num_batched_tokens, self.connector, num_lookahead_tokens=lookahead,
                                    num_spec_placeholders=self.spec.k if self.spec and config.async_scheduling else 0)
         # Async scheduling: the bookkeeping thread, the step planned to run next and the one that
         # ran but is not applied yet, and finished requests whose blocks those steps still write.

@@ -23,11 +23,16 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from connectors.base import KVConnector, NullConnector
-from engine.config import SchedulingPolicy
+from engine.config import EngineConfig, SchedulingPolicy
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestId, RequestStatus
 
 MAX_PASSED_OVER = 8  # shortest_prefill: steps a running prompt may sit out in a row
+
+
+def _tokens_left(req: Request) -> int:
+    """Tokens a running request has still to schedule (1 for a decode)."""
+    return req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens
 
 
 @dataclass
@@ -81,9 +86,12 @@ class WaitingQueue:
     def peek(self) -> Request:
         return self._heap[0][2] if self.policy is SchedulingPolicy.PRIORITY else self._fifo[0]
 
-    def sort(self, key) -> None:
-        """Reorder a FIFO queue by `key` (stable: arrival order among equals)."""
-        self._fifo = deque(sorted(self._fifo, key=key))
+    def sort(self, key) -> int:
+        """Reorder a non-empty FIFO queue by `key` (computed once per request; stable: arrival
+        order among equals); returns the first request's key."""
+        keyed = sorted(((key(r), i, r) for i, r in enumerate(self._fifo)), key=lambda t: t[:2])
+        self._fifo = deque(r for _, _, r in keyed)
+        return keyed[0][0]
 
     def pop(self) -> Request:
         return heapq.heappop(self._heap)[2] if self.policy is SchedulingPolicy.PRIORITY else self._fifo.popleft()
@@ -106,16 +114,17 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, policy: SchedulingPolicy, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
+    def __init__(self, kv: KVCacheManager, config: EngineConfig, max_num_batched_tokens: int,
                  connector: KVConnector | None = None,  # None: a NullConnector
-                 num_lookahead_tokens: int = 0, num_spec_placeholders: int = 0,
-                 long_prefill_token_threshold: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, num_spec_placeholders: int = 0) -> None:
+        """Policy, max_num_seqs, chunked prefill and the prompt-chunk cap come from `config`;
+        `max_num_batched_tokens` is the step budget the engine resolved from it."""
         self.kv = kv
-        self.policy = policy
-        self.max_num_seqs = max_num_seqs
+        self.policy = policy = config.scheduling_policy
+        self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.enable_chunked_prefill = enable_chunked_prefill
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
@@ -128,7 +137,6 @@ class Scheduler:
         # Async scheduling with speculation: proposal slots reserved for a request whose last
         # token a launched step is still sampling (its proposals come after that).
         self.num_spec_placeholders = num_spec_placeholders
-        self.long_prefill_token_threshold = long_prefill_token_threshold
         self._passed_over: dict[RequestId, int] = {}  # shortest_prefill: steps each running prompt sat out
 
     def add_request(self, req: Request) -> None:
@@ -151,14 +159,13 @@ class Scheduler:
         srpt = self.policy is SchedulingPolicy.SHORTEST_PREFILL
         shortest = None  # shortest_prefill: prompt tokens the first waiting request has left
         if srpt and len(self.waiting):
-            self.waiting.sort(self._prompt_left)
-            shortest = self._prompt_left(self.waiting.peek())
+            shortest = self.waiting.sort(self._prompt_left)
         deferred: list[Request] = []  # running prompts that sit out this step unless nothing shorter runs
         finishes_prompt = False  # a prompt completes in this step
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            left = req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens
+            left = _tokens_left(req)
             if (srpt and left > 1 and shortest is not None and shortest < left
                     and self._passed_over.get(req.request_id, 0) < MAX_PASSED_OVER):
                 deferred.append(req)
@@ -253,16 +260,13 @@ class Scheduler:
                       scheduled: set[RequestId], finishes_prompt: bool) -> None:
         """shortest_prefill: the running prompts that sat out get what budget is left, shortest
         first, unless a prompt finishes in this step (then they wait: no preemption for them)."""
-        def left(r: Request) -> int:
-            return r.num_tokens + r.num_output_placeholders - r.num_scheduled_tokens
-
-        for req in sorted(deferred, key=left):
+        for req in sorted(deferred, key=_tokens_left):
             if req.status is not RequestStatus.RUNNING:  # preempted later in this step
                 continue
             if finishes_prompt or budget <= 0:
                 self._passed_over[req.request_id] = self._passed_over.get(req.request_id, 0) + 1
                 continue
-            n = min(self._chunk(left(req)), budget)
+            n = min(self._chunk(_tokens_left(req)), budget)
             if not self._allocate(req, n):
                 self._passed_over[req.request_id] = self._passed_over.get(req.request_id, 0) + 1
                 continue
