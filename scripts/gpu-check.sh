@@ -14,6 +14,11 @@
 # e.g. "kernel-tests parity-cuda"; a skipped step is -1 in gpu-check.json and does not fail the run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+for s in ${SKIP:-}; do  # a misspelt step would otherwise run after all
+  case $s in kernel-tests|gpu-tests|parity-cuda|benchmark) ;; *)
+    echo "gpu-check: SKIP names an unknown step '$s' (steps: kernel-tests gpu-tests parity-cuda benchmark)"; exit 2;;
+  esac
+done
 PY=${PYTHON:-python3}
 OUT_DIR=${OUT:-benchmarks/results/gpu-check}
 WHEELS=${WHEELS:-.whl}

@@ -4,6 +4,7 @@ is benchmarks/kernels.py, smoke-tested in tests/kernels."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,3 +31,10 @@ def test_gpu_benchmark_refuses_cpu_without_smoke():
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--device", "cpu"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "needs one" in proc.stderr
+
+
+def test_gpu_check_refuses_an_unknown_step_to_skip():
+    script = REPO / "scripts" / "gpu-check.sh"
+    proc = subprocess.run(["bash", str(script)], env={**os.environ, "SKIP": "gpu-tests kernel-test"},
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and "unknown step 'kernel-test'" in proc.stdout, proc.stdout + proc.stderr
