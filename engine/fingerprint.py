@@ -10,8 +10,10 @@ Hashing a large checkpoint takes seconds, so each file's digest is cached in
 `.kvtier-weights-digest.json` beside it or, when the model directory is read-only, in
 `$KVTIER_CACHE_DIR` / `$XDG_CACHE_HOME/kvtier` / `~/.cache/kvtier` under `weights-digests/`,
 keyed by the directory's absolute path. A cached digest is used only while the file's size,
-mtime_ns and inode are unchanged. A cache that cannot be read or written costs a rehash, never a
-failed start.
+device, inode, mtime_ns and ctime_ns are unchanged. ctime is what a copy cannot fool: `cp -p`,
+`rsync -t` or a restored backup can put back a file's size, inode and mtime after rewriting it in
+place, but user space cannot set ctime, and every write, chmod or utime moves it. A cache that
+cannot be read or written costs a rehash, never a failed start.
 """
 from __future__ import annotations
 
@@ -39,10 +41,11 @@ log = logging.getLogger(__name__)
 LAYOUT_VERSION = 1
 ALGORITHM = "xxh3_128" if xxhash is not None else "blake2b_128"
 CACHE_NAME = ".kvtier-weights-digest.json"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: entries keyed by ctime_ns and st_dev too (version 1's are rehashed once)
 CHUNK_BYTES = 16 << 20  # large reads into one reused buffer: hashing, not syscalls, is the cost
-# A file modified this recently may be modified again within one mtime tick (coarse timestamps
-# on some file systems) without its size, mtime or inode changing, so its digest is not cached.
+# A file changed this recently may change again within one timestamp tick (the kernel stamps
+# with a coarse clock) without its stat changing, so its digest is not cached. Measured on
+# ctime: it moves with every change, while mtime can be set back.
 RACY_NS = 2_000_000_000
 _DIGEST_RE = re.compile(r"[0-9a-f]{32}")
 
@@ -58,7 +61,8 @@ def hash_file(path: Path, buf: bytearray) -> str:
 
 
 def _stat_key(st: os.stat_result) -> dict[str, int]:
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino,
+            "dev": st.st_dev}
 
 
 def fallback_cache_path(model_dir: Path) -> Path:
@@ -127,7 +131,7 @@ def weights_identity(model_dir: Path) -> str:
         hashed_files += 1
         hashed_bytes += key["size"]
         after = _stat_key(os.stat(path))
-        if after == key and began_ns - key["mtime_ns"] >= RACY_NS:
+        if after == key and began_ns - max(key["mtime_ns"], key["ctime_ns"]) >= RACY_NS:
             entries[name] = {**key, "digest": digest}
             fresh += 1
         else:  # changed while hashing, or too recently: use the digest now, never cache it

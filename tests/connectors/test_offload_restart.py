@@ -119,3 +119,44 @@ def test_g3_survives_restart_and_is_namespaced_by_model(ckpt_dir, tmp_path):
     files = entry_files(disk)
     assert len(files) == 3 and ns_a in files
     assert set(written) <= set(files[ns_a])
+
+
+def test_checkpoint_rewritten_in_place_with_its_stat_restored_gets_a_new_namespace(ckpt_dir, tmp_path):
+    """Issue 38, acceptance 3: other weights written over the checkpoint's file in place (same
+    inode, same size, mtime put back, as `cp -p` over it or a restored backup leave it) must
+    not be served the old weights' G3 KV. Process A hashes the weights (the digest cache is
+    then valid: the files are older than its racy window) and fills G3; process B runs on the
+    rewritten checkpoint and must get zero hits and its own model's tokens."""
+    import time
+
+    from engine.fingerprint import CACHE_NAME, RACY_NS
+
+    model = tmp_path / "model"
+    shutil.copytree(ckpt_dir(KIND), model, ignore=shutil.ignore_patterns(CACHE_NAME))
+    copied = time.time()
+    other = build_checkpoint(KIND, tmp_path / "other_weights", seed=1)
+    ref = reference(model, PROMPTS, check_hf=False)
+    ref_other = reference(other, PROMPTS, check_hf=False)
+    assert ref_other != ref
+    time.sleep(max(0.0, copied + RACY_NS / 1e9 + 0.2 - time.time()))  # settled: its digest is cached
+    disk = tmp_path / "g3"
+    a = run_process(tmp_path, disk, [{"model": str(model), "dtype": "float32"}])["results"][0]
+    assert a["tokens"] == ref and a["tiers"]["G3"]["bytes_written"] > 0
+    cache = json.loads((model / CACHE_NAME).read_text())
+    assert "model.safetensors" in cache["files"]  # B would find a cached digest
+
+    f = model / "model.safetensors"
+    before = f.stat()
+    new = (other / "model.safetensors").read_bytes()
+    assert len(new) == before.st_size
+    with open(f, "r+b") as out:  # in place: the same inode
+        out.write(new)
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = f.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+
+    b = run_process(tmp_path, disk, [{"model": str(model), "dtype": "float32"}])["results"][0]
+    assert b["tokens"] == ref_other
+    assert b["by_tier"] == [{}, {}, {}]
+    assert b["tiers"]["G3"]["hit_tokens"] == 0 and b["tiers"]["G3"]["hits"] == 0
+    assert len(entry_files(disk)) == 2  # a second namespace beside the old weights'

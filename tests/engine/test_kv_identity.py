@@ -18,13 +18,16 @@ import pytest
 import engine.fingerprint as fp
 from engine.config import EngineConfig, load_model_config
 
-OLD_NS = 10**10  # 10 s in the past: older than fingerprint.RACY_NS, so digests are cached
+OLD_NS = 10**10  # 10 s in the past
 
 
 @pytest.fixture(autouse=True)
 def _user_cache(tmp_path, monkeypatch):
-    """The per-user digest cache goes to a temp dir, never to ~/.cache."""
+    """The per-user digest cache goes to a temp dir, never to ~/.cache; files count as settled
+    at once (their ctime is always "just now" here: a copy cannot set it back), except where a
+    test restores the racy window."""
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "user-cache"))
+    monkeypatch.setattr(fp, "RACY_NS", 0)
 
 
 def _copy(src: Path, dst: Path, age_ns: int = OLD_NS) -> Path:
@@ -49,7 +52,7 @@ def _data_section(path: Path) -> tuple[int, dict]:
 
 def _flip(path: Path, at: int) -> None:
     """Flip one byte in place (same file, same size), then restore an old mtime, as a copy tool
-    preserving timestamps would: only the inode-independent content changes."""
+    preserving timestamps would: size, inode and mtime are as before; only ctime moved."""
     st = os.stat(path)
     with open(path, "r+b") as f:
         f.seek(at)
@@ -142,7 +145,7 @@ def test_digest_cache_is_used_and_invalidated(base, tmp_path, monkeypatch, caplo
     assert fp.weights_identity(model) == changed and len(calls) == 2
 
 
-@pytest.mark.parametrize("field", ["size", "mtime_ns", "inode"])
+@pytest.mark.parametrize("field", ["size", "mtime_ns", "ctime_ns", "inode", "dev"])
 def test_cache_entry_whose_stat_differs_is_never_trusted(base, tmp_path, monkeypatch, field) -> None:
     model = _copy(base, tmp_path / "m")
     first = fp.weights_identity(model)
@@ -154,6 +157,22 @@ def test_cache_entry_whose_stat_differs_is_never_trusted(base, tmp_path, monkeyp
     cache.write_text(json.dumps(data))
     calls = _count_hashes(monkeypatch)
     assert fp.weights_identity(model) == first and len(calls) == 1
+
+
+def test_file_rewritten_in_place_with_size_inode_and_mtime_restored_is_rehashed(base, tmp_path, monkeypatch) -> None:
+    """Issue 38, finding 4: rewritten in place (same inode), size and mtime put back, as `cp -p`
+    over the old file, `rsync -t --inplace` or a restored backup leave it. The digest cache was
+    keyed by size, mtime and inode only, so the old model's G3 KV was served to the new weights."""
+    model = _copy(base, tmp_path / "m")
+    f = model / "model.safetensors"
+    first = fp.weights_identity(model)
+    before = f.stat()
+    time.sleep(0.01)  # past the coarse clock's tick, so the kernel's ctime moves
+    _flip(f, FLIPS["layer1-down_proj"](f))
+    after = f.stat()
+    assert (after.st_size, after.st_ino, after.st_mtime_ns) == (before.st_size, before.st_ino, before.st_mtime_ns)
+    calls = _count_hashes(monkeypatch)
+    assert fp.weights_identity(model) != first and len(calls) == 1
 
 
 def test_replaced_file_with_the_same_size_and_mtime_is_rehashed(base, tmp_path, monkeypatch) -> None:
@@ -174,8 +193,10 @@ def test_replaced_file_with_the_same_size_and_mtime_is_rehashed(base, tmp_path, 
 
 
 def test_recently_modified_file_is_not_cached(base, tmp_path, monkeypatch) -> None:
-    """With coarse timestamps a second write within the same tick keeps size, mtime and inode."""
-    model = _copy(base, tmp_path / "m", age_ns=0)  # modified "now"
+    """With coarse timestamps a second write within the same tick keeps size, mtimes and inode.
+    An mtime set into the past does not make a file settled: its ctime says it just changed."""
+    model = _copy(base, tmp_path / "m")  # mtime 10 s old, ctime now
+    monkeypatch.setattr(fp, "RACY_NS", 2_000_000_000)
     calls = _count_hashes(monkeypatch)
     fp.weights_identity(model)
     fp.weights_identity(model)
