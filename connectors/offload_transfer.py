@@ -33,13 +33,14 @@ from kvstore.events import ChunkBlocks
 from kvstore.g1 import BlockId
 from kvstore.host import HostTier
 from kvstore.keys import BlockKey
-from kvstore.threads import CopyPool, one_torch_thread
+from kvstore.threads import CopyPool, DaemonPool, one_torch_thread
 from policies import BlockInfo
 
 log = logging.getLogger(__name__)
 
 
 HOST = "G2"  # the host-memory tier's name
+READS_SHUTDOWN_S = 5.0  # the most shutdown waits for tier reads still in flight
 STAGING_BYTES = 256 * 2**20  # on a GPU, the most G2 bytes one scatter stages on the device at once
 
 
@@ -55,7 +56,8 @@ class TransferEngine:
         self._xfer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-xfer",  # FIFO: loads and G2 stores
                                         initializer=one_torch_thread)
         read_threads = max((t.read_threads for t in tiers), default=1)
-        self._reads = ThreadPoolExecutor(read_threads, thread_name_prefix="kvtier-read", initializer=one_torch_thread)
+        # Daemon workers: a read stuck in the kernel never holds shutdown (see DaemonPool).
+        self._reads = DaemonPool(read_threads, "kvtier-read", initializer=one_torch_thread)
         # G1 loads copy with as many threads as the forward uses (this, the constructing thread's, count).
         self._copy_pool = CopyPool(torch.get_num_threads())
         # Read targets when there is no G2: a parallel tier has 2 * read_threads reads in flight,
@@ -224,6 +226,8 @@ class TransferEngine:
                 # After one timeout the rest of the window is not waited for.
                 if not timed_out:
                     log.warning("%s read timed out after %.1fs; treating it as a miss", tier.name, tier.read_timeout_s)
+                if not fut.done():  # its worker may never come back: keep the pool's width
+                    self._reads.replace_stuck()
                 self._bounce = [None] * len(self._bounce)
                 ok, timed_out = False, True
                 continue
@@ -419,7 +423,9 @@ class TransferEngine:
     def close(self) -> None:
         self.flush()
         self._xfer.shutdown(wait=True)
-        self._reads.shutdown(wait=True)
+        if not self._reads.shutdown(READS_SHUTDOWN_S):
+            log.warning("offload read threads still busy after %.0fs at shutdown (a read stuck in the kernel); "
+                        "not waiting for them", READS_SHUTDOWN_S)
         self._copy_pool.close()
         for tier in self.tiers:
             tier.close()

@@ -19,6 +19,10 @@ Guarantees:
   and logged. Entries re-enter the LRU order oldest write first.
 - Every read verifies the payload checksum (or MAC); a mismatch, truncation or IO error is counted,
   removed, logged and reported as a miss. Bytes that failed verification are never served.
+- Entries are opened without following links and without blocking (`disk_layout.open_regular`):
+  a FIFO, device node, directory, socket or symlink at an entry's path is a miss, logged once and
+  removed (at start-up too), never a read that blocks a tier thread. One planted where a write
+  lands is removed and the write goes on; it does not disable writes.
 - Any OSError on write (ENOSPC, EROFS, EACCES, ...) abandons that write and disables writes
   for `retry_after_s` (30 s by default); reads keep working. A read-only directory at
   start-up gives a read-only tier, not a crash.
@@ -39,8 +43,8 @@ from typing import Any
 
 from kvstore.backend import (BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_infos, check_keys,
                              check_outs)
-from kvstore.disk_layout import (entry_key, entry_path, fsync_dir, list_files, pid_alive, temp_path, temp_writer,
-                                 unlink_quietly, write_all)
+from kvstore.disk_layout import (entry_key, entry_path, fsync_dir, list_files, open_regular, pid_alive,
+                                 remove_entry_path, temp_path, temp_writer, unlink_quietly, write_all)
 # MAGIC, HEADER_SIZE and encode_header are also imported from here (the format's old home).
 from kvstore.entry import HEADER_SIZE, MAGIC, CorruptEntry, EntryCodec, EntryHeader, check_secret, encode_header  # noqa: F401
 from kvstore.keys import KEY_BYTES, BlockKey
@@ -207,7 +211,7 @@ class DiskBackend(StorageBackend):
 
     def _scan(self) -> None:
         found: list[tuple[int, BlockKey, int]] = []  # (mtime, key, size)
-        for shard, name in self._listing():
+        for shard, name in self._listing(regular_only=False):  # strangers at entry names are removed
             path = os.path.join(shard, name)
             if (key := entry_key(name)) is not None:
                 try:
@@ -238,16 +242,15 @@ class DiskBackend(StorageBackend):
             "; entries MAC'd with the KV secret" if self._codec.keyed else "",
         )
 
-    def _listing(self) -> list[tuple[str, str]]:
+    def _listing(self, regular_only: bool = True) -> list[tuple[str, str]]:
         """(shard directory, file name) of every file under the namespace directory."""
-        out = list_files(self._dir, lambda path, e: logger.warning("G3 cannot list %s: %s", path, e))
+        out = list_files(self._dir, lambda path, e: logger.warning("G3 cannot list %s: %s", path, e), regular_only)
         self._shards.update(shard for shard, _ in out)
         return out
 
     def _check_header_file(self, path: str, key: BlockKey) -> tuple[int, int]:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd, st = open_regular(path)
         try:
-            st = os.fstat(fd)
             head = self._validate(os.read(fd, HEADER_SIZE), key, st.st_size)
         finally:
             os.close(fd)
@@ -276,8 +279,8 @@ class DiskBackend(StorageBackend):
         path = self._path(key)
         ident = None
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
+            fd, st = open_regular(path)
+            with open(fd, "rb") as f:
                 ident = (st.st_dev, st.st_ino)
                 head = self._validate(f.read(HEADER_SIZE), key, st.st_size)
                 n = head.payload_len
@@ -337,7 +340,7 @@ class DiskBackend(StorageBackend):
             self.stats.misses += 1
             self.stats.corrupt += 1
             try:
-                st = os.stat(path)
+                st = os.lstat(path)
                 same = ident is None or (st.st_dev, st.st_ino) == ident
             except OSError:
                 same = True
@@ -369,7 +372,7 @@ class DiskBackend(StorageBackend):
             self._reserved -= size
             try:
                 # Published under the lock so that the index and the files always agree.
-                os.replace(tmp, path)
+                self._publish(tmp, path)
             except OSError as e:
                 self._write_failed(e, "publish")
                 unlink_quietly(tmp)
@@ -389,6 +392,19 @@ class DiskBackend(StorageBackend):
         if self.config.fsync:
             fsync_dir(os.path.dirname(path))
         return True
+
+    def _publish(self, tmp: str, path: str) -> None:
+        try:
+            os.replace(tmp, path)
+        except OSError as e:
+            # A directory planted at the entry's path (rename cannot replace it): remove it and
+            # publish, rather than count it as a failing disk and stop every write.
+            if not os.path.isdir(path) or os.path.islink(path):
+                raise
+            self.stats.corrupt += 1
+            logger.warning("G3 removing a directory at entry path %s (%s)", path, e.strerror or e)
+            remove_entry_path(path)
+            os.replace(tmp, path)
 
     def _write_temp(self, key: BlockKey, header: bytes, view: memoryview) -> str:
         tmp = temp_path(self._dir, key)
@@ -460,16 +476,17 @@ class DiskBackend(StorageBackend):
             self._policy.remove(key)
         if unlink:
             try:
-                os.unlink(self._path(key))
-            except FileNotFoundError:
-                pass
+                remove_entry_path(self._path(key))
             except OSError as e:  # e.g. a read-only file system: the file outlives its entry
                 logger.debug("G3 cannot remove %s: %s", self._path(key), e)
 
     def _remove_bad(self, path: str, reason: str) -> None:
         self.stats.corrupt += 1
         logger.warning("G3 removing bad file %s: %s", path, reason)
-        unlink_quietly(path)
+        try:
+            remove_entry_path(path)
+        except OSError as e:
+            logger.debug("G3 cannot remove %s: %s", path, e)
 
     def _path(self, key: BlockKey) -> str:
         return entry_path(self._dir, key)

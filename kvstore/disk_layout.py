@@ -10,10 +10,13 @@ Directories are 0700 and files 0600. Any other name is not kvtier's and is left 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
 import secrets
+import shutil
+import stat
 from collections.abc import Callable
 
 from kvstore.keys import BlockKey
@@ -49,9 +52,62 @@ def temp_writer(name: str) -> int | None:
     return int(m[1]) if m else None
 
 
-def list_files(ns_dir: str, on_error: Callable[[str, OSError], None]) -> list[tuple[str, str]]:
-    """(shard directory, file name) of every file in a namespace directory's shards; a
-    directory that cannot be listed is reported to `on_error` and skipped (missing: empty)."""
+class NotRegularFile(OSError):
+    """Something other than a regular file (a FIFO, device node, directory, socket or symlink)
+    where an entry should be."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "non-regular file"
+
+
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """(read-only fd, its stat) of the regular file at `path`; NotRegularFile for anything else.
+
+    A plain open() of a FIFO blocks until a writer comes (forever, for a planted one), and a read
+    of a device node may block or never end; a symlink could point anywhere. So the path is
+    lstat'ed first (a device is never opened), then opened without following a link and without
+    blocking, and the fd's own stat is checked again (the path may have been swapped in between).
+    O_NONBLOCK changes nothing for a regular file's reads."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFile(errno.EINVAL, f"a {_kind(st.st_mode)}, not a regular file", path)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(errno.EINVAL, f"a {_kind(st.st_mode)}, not a regular file", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def remove_entry_path(path: str) -> None:
+    """Removes whatever is at an entry's path: a file, a link, a FIFO, or a directory planted
+    there (with its contents: `shutil.rmtree` never follows links out of it). Raises OSError
+    when it cannot; FileNotFoundError is not an error."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:
+        shutil.rmtree(path)
+    except PermissionError:  # some systems refuse unlink(dir) with EPERM
+        if not os.path.isdir(path) or os.path.islink(path):
+            raise
+        shutil.rmtree(path)
+
+
+def list_files(ns_dir: str, on_error: Callable[[str, OSError], None],
+               regular_only: bool = True) -> list[tuple[str, str]]:
+    """(shard directory, name) of every file in a namespace directory's shards (with
+    `regular_only=False`, of everything in them: FIFOs, links, directories too); a directory
+    that cannot be listed is reported to `on_error` and skipped (missing: empty)."""
     out: list[tuple[str, str]] = []
     try:
         shards = [e.path for e in os.scandir(ns_dir) if _SHARD_RE.fullmatch(e.name) and e.is_dir()]
@@ -62,7 +118,7 @@ def list_files(ns_dir: str, on_error: Callable[[str, OSError], None]) -> list[tu
         return out
     for shard in shards:
         try:
-            out.extend((shard, e.name) for e in os.scandir(shard) if e.is_file(follow_symlinks=False))
+            out.extend((shard, e.name) for e in os.scandir(shard) if not regular_only or e.is_file(follow_symlinks=False))
         except OSError as e:
             on_error(shard, e)
     return out

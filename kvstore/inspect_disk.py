@@ -20,11 +20,12 @@ Entries written while a clear runs may outlive it. Writers on other hosts sharin
 from __future__ import annotations
 
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.disk_layout import NAMESPACE_RE, entry_key, list_files, pid_alive, temp_writer
+from kvstore.disk_layout import NAMESPACE_RE, entry_key, list_files, open_regular, pid_alive, remove_entry_path, temp_writer
 from kvstore.entry import HEADER_SIZE, CorruptEntry, EntryCodec
 from kvstore.inspect_report import (ClearReport, NamespaceUsage, Problem, Summary, TierUnavailable, Unverifiable,
                                     VerifyReport, check_entry)
@@ -67,7 +68,8 @@ class _Walk:
             self.errors.append(Problem(path, f"cannot list: {e.strerror or e}"))
 
         out = []
-        for shard, name in sorted(list_files(ns_dir, on_error)):
+        # Not regular files only: a FIFO or link at an entry's name is a problem verify reports.
+        for shard, name in sorted(list_files(ns_dir, on_error, regular_only=False)):
             key = entry_key(name)
             writer = None if key is not None else temp_writer(name)
             if key is None and writer is None:
@@ -113,6 +115,9 @@ def inspect_dir(root: Path, namespace: bytes | None = None, now: float | None = 
             except OSError:
                 walk.foreign += 1  # cannot even stat it: not counted as an entry
                 continue
+            if not stat.S_ISREG(st.st_mode):  # a FIFO, link or directory at an entry's name
+                walk.foreign += 1
+                continue
             usage.add(st.st_size, now - st.st_mtime)
         usages.append(usage)
     notes = tuple(f"{p.where}: {p.reason}" for p in walk.errors)
@@ -129,13 +134,12 @@ def _read_check(codec: EntryCodec, ns: bytes, f: _File) -> tuple[str | None, Ide
         return "file in the wrong shard directory", None
     assert f.key is not None
     try:
-        fd = os.open(f.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd, st = open_regular(f.path)  # never blocks on a FIFO, never follows a link
     except FileNotFoundError:
         raise
     except OSError as e:
         return f"cannot open: {e.strerror or e}", None
     with open(fd, "rb") as fh:
-        st = os.fstat(fd)
         ident = (st.st_dev, st.st_ino)
         try:
             head = check_entry(codec, fh.read(HEADER_SIZE), ns, f.key, st.st_size)
@@ -157,7 +161,7 @@ def _remove(path: str, ident: Ident | None) -> str | None:
             st = os.stat(path, follow_symlinks=False)
             if (st.st_dev, st.st_ino) != ident:
                 return "replaced by a new file since it was read; left alone"
-        os.unlink(path)
+        remove_entry_path(path)
     except FileNotFoundError:  # gone already (the tier removed or evicted it)
         return None
     except OSError as e:

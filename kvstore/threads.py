@@ -1,9 +1,16 @@
 """Threads that run torch ops beside the engine's forward."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def one_torch_thread() -> None:
@@ -48,3 +55,72 @@ class CopyPool:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
+
+
+class DaemonPool:
+    """A fixed pool of daemon worker threads for work that may block in the kernel (a tier's
+    reads: a hung file system, a FIFO planted where a file was).
+
+    `ThreadPoolExecutor` joins its workers at interpreter exit, so one read stuck forever held
+    the engine core's shutdown (and SIGTERM) forever. These workers are daemons and `shutdown`
+    waits for them at most `wait_s`. A caller that gave up on a stuck task calls `replace_stuck`,
+    which starts one more worker (at most `threads` extra over the pool's life) so the pool keeps
+    its width."""
+
+    def __init__(self, threads: int, name: str, initializer: Callable[[], None] | None = None) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1; got {threads}")
+        self.threads, self.name, self._init = threads, name, initializer
+        self._q: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
+        self._spares = threads
+        self._closed = False
+        self._lock = threading.Lock()
+        for _ in range(threads):
+            self._start()
+
+    def _start(self) -> None:
+        t = threading.Thread(target=self._run, name=f"{self.name}-{len(self._workers)}", daemon=True)
+        self._workers.append(t)
+        t.start()
+
+    def _run(self) -> None:
+        if self._init is not None:
+            self._init()
+        while (item := self._q.get()) is not None:
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                fut.set_exception(e)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name} pool is shut down")
+            fut: Future[T] = Future()
+            self._q.put((fut, fn, args))
+            return fut
+
+    def replace_stuck(self) -> bool:
+        """One more worker in place of one stuck in a task; False once the spares are spent."""
+        with self._lock:
+            if self._closed or self._spares == 0:
+                return False
+            self._spares -= 1
+            self._start()
+            return True
+
+    def shutdown(self, wait_s: float) -> bool:
+        """Queued tasks still run; waits at most `wait_s` for the workers. True when all ended."""
+        with self._lock:
+            self._closed = True
+            workers = list(self._workers)
+        for _ in workers:
+            self._q.put(None)
+        deadline = time.monotonic() + wait_s
+        for t in workers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in workers)

@@ -192,7 +192,7 @@ def test_hanging_get_times_out_into_a_miss(model_dir, refs, tmp_path, caplog, wo
         with deadline(DEADLINE_S):
             outs = run(llm, prompts)
         assert tokens(outs) == refs[workload_kind]
-        llm.engine.connector.transfer._reads.shutdown(wait=True)  # noqa: SLF001 - the hung reads end too
+        assert llm.engine.connector.transfer._reads.shutdown(HANG_S * 10)  # noqa: SLF001 - the hung reads end too
         assert_read_once(seen, prompts)
         expect_recomputed(outs, workload_kind)
         after = llm.get_stats().tiers

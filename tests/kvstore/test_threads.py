@@ -33,3 +33,37 @@ def test_split_copies_equal_a_plain_copy(threads, shape):
         assert torch.equal(big[:, 1:1 + shape[1]], src) and not big[:, 0].any() and not big[:, -1].any()
     finally:
         pool.close()
+
+
+def test_daemon_pool_runs_tasks_and_never_waits_forever_on_a_stuck_one():
+    """Issue 38: a tier read stuck in the kernel held the engine core's shutdown (and its exit:
+    ThreadPoolExecutor joins its workers at interpreter exit). A DaemonPool's shutdown waits a
+    bounded time, its workers are daemons, and a stuck worker can be replaced."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from kvstore.threads import DaemonPool
+
+    pool = DaemonPool(2, "test-pool", initializer=one_torch_thread)
+    assert pool.submit(torch.get_num_threads).result(5) == 1
+    with pytest.raises(ZeroDivisionError):
+        pool.submit(lambda: 1 / 0).result(5)
+    release = threading.Event()
+    stuck = [pool.submit(release.wait) for _ in range(2)]  # both workers busy
+    assert pool.replace_stuck() and pool.replace_stuck()
+    assert pool.submit(lambda: 7).result(5) == 7  # served by a replacement
+    assert not pool.replace_stuck()  # the spares are spent
+    t0 = time.monotonic()
+    assert pool.shutdown(0.2) is False  # two workers still stuck
+    assert time.monotonic() - t0 < 2
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(lambda: 0)
+    release.set()
+    assert all(f.result(5) for f in stuck)
+    # a process whose pool worker never returns still exits
+    code = ("import threading; from kvstore.threads import DaemonPool; p = DaemonPool(1, 'x'); "
+            "p.submit(threading.Event().wait); print(p.shutdown(0.1))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
