@@ -55,6 +55,11 @@ logger = logging.getLogger(__name__)
 
 
 
+def _why(e: Exception) -> str:
+    """A log line's reason: an OSError's text without the path the line already names."""
+    return e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+
+
 @dataclass(frozen=True)
 class DiskConfig:
     root: Path
@@ -221,7 +226,7 @@ class DiskBackend(StorageBackend):
                 except FileNotFoundError:
                     continue
                 except (CorruptEntry, OSError) as e:
-                    self._remove_bad(path, str(e))
+                    self._remove_bad(path, _why(e))
                     continue
                 found.append((mtime, key, size))
             elif (pid := temp_writer(name)) is not None:
@@ -301,7 +306,7 @@ class DiskBackend(StorageBackend):
             self._vanished(key, path)
             return None
         except (CorruptEntry, OSError) as e:
-            self._corrupt(key, path, ident, str(e))
+            self._corrupt(key, path, ident, _why(e))
             return None
         with self._lock:
             self.stats.hits += 1
