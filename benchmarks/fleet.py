@@ -245,7 +245,7 @@ def measure(name: str, args: argparse.Namespace, model: Path, flags: list[str], 
             wl: Workload, sessions: list[str], starts: list[float]) -> dict[str, Any]:
     mode = MODES[name]
     cluster.flush()  # what an earlier run wrote to G4 must not be this run's hits
-    replica_flags = [*flags, "--kv-offload-remote", cluster.url] if mode.g4 else flags
+    replica_flags = [*flags, "--kv-offload-remote", cluster.url, "--kv-offload-remote-trusted"] if mode.g4 else flags
     replicas = fp.start_replicas(model, 2, replica_flags)
     router = None
     try:

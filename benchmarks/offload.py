@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         "G3": LLM(model, kv_offload_disk=str(work / "g3"), kv_offload_disk_size=4.0, **common),
     }
     if g4_url:
-        engines["G4"] = LLM(model, kv_offload_remote=g4_url, **common)
+        engines["G4"] = LLM(model, kv_offload_remote=g4_url, kv_offload_remote_trusted=True, **common)
     else:
         log("no redis-server/valkey-server and no --redis-url: the G4 mode is skipped")
     lower = [t for t in ("G2", "G3", "G4") if t in engines]

@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         f"running as uid {os.geteuid()}")
     redis = RedisProc(work / "redis", free_port(), ("--maxmemory", f"{args.redis_mib}mb"))
     soak_args = [*common, "--kv-offloading-size", f"{args.g2_gib:g}", "--kv-offload-disk", str(g3_root),
-                 "--kv-offload-disk-size", f"{args.g3_gib:g}", "--kv-offload-remote", redis.url]
+                 "--kv-offload-disk-size", f"{args.g3_gib:g}", "--kv-offload-remote", redis.url,
+                 "--kv-offload-remote-trusted"]
     soak: Soak | None = None
     interrupted = False
     try:

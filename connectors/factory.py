@@ -45,6 +45,7 @@ class ConnectorContext:
     model_name: str = ""
     remote_url: str | None = None  # G4: redis://, rediss://, redis+cluster://
     kv_secret: bytes | None = field(default=None, repr=False)  # MACs G3/G4 entries (kvstore.entry)
+    remote_trusted: bool = False  # a shared tier may run without kv_secret (check_shared_tiers)
     # What the namespace is (model, dtype, fingerprint inputs): G3/G4 record it for `kvtier kv`
     # (kvstore.namespace_info); informational only
     namespace_info: dict[str, Any] | None = field(default=None, repr=False)
@@ -81,6 +82,57 @@ def check_transfer_config(tc: dict[str, Any] | None, flag_tiers: set[str]) -> No
             stack.check_stack(stack.parse_stack(extra[stack.TIERS_KEY]))
     else:
         load_connector_class(name, tc.get("kv_connector_module_path"))
+
+
+def shared_tiers(tc: dict[str, Any] | None, remote_url: str | None) -> list[str]:
+    """The shared tiers (stores other processes or machines can write to) a config sets up: G4
+    from the flags, and each `redis` tier or plugin backend whose class says `shared` in an
+    explicit stack, inside a MultiConnector too."""
+    from connectors import stack
+
+    names = [f"G4 ({'redis' if remote_url.startswith('redis') else 'remote'}, --kv-offload-remote)"] if remote_url else []
+
+    def walk(tc: dict[str, Any]) -> None:
+        name, extra = tc.get("kv_connector"), tc.get("kv_connector_extra_config") or {}
+        if name == "MultiConnector":
+            for sub in extra.get("connectors") or []:
+                if isinstance(sub, dict):
+                    walk(sub)
+        elif (name is None or name in TIERED_NAMES) and isinstance(extra, dict) and stack.TIERS_KEY in extra:
+            spec = stack.parse_stack(extra[stack.TIERS_KEY])
+            stack.check_stack(spec)  # a bad stack fails with its own error first
+            for st in spec.storage:
+                backend = st.tier.backend
+                if backend == "redis" or (backend != "disk" and
+                                          getattr(stack.plugin_class(st.tier, st.backend_options), "shared", False)):
+                    names.append(f"{st.name} ({backend})")
+
+    walk(tc or {})
+    return names
+
+
+def check_shared_tiers(tc: dict[str, Any] | None, remote_url: str | None, has_secret: bool, trusted: bool) -> None:
+    """ValueError when a shared tier would run without a KV secret and the operator has not said
+    the store is trusted: its entries would carry only an unkeyed checksum, so whoever can write to
+    the store could plant KV this engine serves. Checked by EngineConfig (before weights load)
+    and again when the tiers are built."""
+    shared = shared_tiers(tc, remote_url)
+    if shared and not has_secret and not trusted:
+        raise ValueError(f"{', '.join(shared)} is a shared store and no KV secret is set: whoever can write to it "
+                         "could plant KV this engine would serve. Set --kv-offload-secret-file (or "
+                         "$KVTIER_KV_SECRET; kv_offload_secret_file offline), shared by every engine on the store, or "
+                         "declare the store trusted with --kv-offload-remote-trusted (kv_offload_remote_trusted)")
+
+
+def _shared_mode(ctx: ConnectorContext, name: str) -> None:
+    """Logs which protection a shared tier runs with (check_shared_tiers allowed it)."""
+    if ctx.kv_secret is not None:
+        log.info("%s: entries MAC'd with the KV secret: values without a valid MAC are refused", name)
+    elif ctx.remote_trusted:
+        log.warning("%s: TRUSTED store without a KV secret (--kv-offload-remote-trusted): entries carry an unkeyed "
+                    "checksum, which catches damage but not forgery", name)
+    else:
+        raise ValueError(f"{name} is a shared store and no KV secret is set (see --kv-offload-remote-trusted)")
 
 
 def _check_keys(extra: dict[str, Any], known: set[str], connector: str) -> None:
@@ -153,6 +205,7 @@ def _flag_stack(ctx: ConnectorContext) -> tuple[Any, list[Any]]:
             "read_timeout_s": extra.get("g3_timeout_s", PARALLEL_OPTIONS["read_timeout_s"])}))
     if ctx.remote_url:
         ttl = extra.get("g4_ttl_s")
+        _shared_mode(ctx, "G4")
         redis = _redis(ctx, str(ctx.remote_url), str(extra.get("g4_prefix", "kvtier")),
                        None if ttl is None else float(ttl), float(extra.get("g4_timeout_s", 0.5)))
         tiers.append(_batched(ctx, "G4", redis, int(extra.get("g4_min_uses", 1))))
@@ -175,9 +228,12 @@ def _explicit_stack(ctx: ConnectorContext) -> tuple[Any, list[Any]]:
             backend = _disk(ctx, stack.disk_path(opts), float(opts.get("size_gib", 10.0)), opts.get("eviction_policy"))
         elif st.tier.backend == "redis":
             ttl = opts.get("ttl_s")
+            _shared_mode(ctx, st.name)
             backend = _redis(ctx, str(opts["url"]), str(opts.get("prefix", "kvtier")),
                              None if ttl is None else float(ttl), float(opts.get("timeout_s", 0.5)))
         else:
+            if getattr(stack.plugin_class(st.tier, opts), "shared", False):
+                _shared_mode(ctx, f"{st.name} ({st.tier.backend})")  # before the backend connects anywhere
             backend = stack.build_plugin(st.tier, opts, ctx.fingerprint, ctx.kv_secret)
             log.info("%s: storage backend %r (%s)", st.name, st.tier.backend, type(backend.inner).__name__)
         tiers.append(_batched(ctx, st.name, backend, int(st.mode_options["min_uses"])) if st.batched

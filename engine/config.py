@@ -277,6 +277,10 @@ class EngineConfig:
     kv_namespace: str | None = None
     # File holding the secret that MACs G3/G4 entries; None: $KVTIER_KV_SECRET if set, else none.
     kv_offload_secret_file: str | None = None
+    # A shared tier (G4, a plugin backend marked `shared`) without a KV secret is refused unless
+    # this says its store is trusted (nobody else can write to it): then entries carry only the
+    # unkeyed checksum, which catches damage, not forgery.
+    kv_offload_remote_trusted: bool = False
     # The secret itself, read in __post_init__: never in repr, never compared.
     kv_offload_secret: bytes | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -327,6 +331,10 @@ class EngineConfig:
         from kvstore.entry import load_secret
 
         object.__setattr__(self, "kv_offload_secret", load_secret(self.kv_offload_secret_file))
+        from connectors.factory import check_shared_tiers
+
+        check_shared_tiers(self.kv_transfer_config if isinstance(self.kv_transfer_config, dict) else None,
+                           self.kv_offload_remote, self.kv_offload_secret is not None, self.kv_offload_remote_trusted)
         # vLLM puts it in kv_transfer_config; there it wins over the flag (normalized here, once).
         tc = self.kv_transfer_config if isinstance(self.kv_transfer_config, dict) else {}
         policy = tc.get("kv_load_failure_policy", self.kv_load_failure_policy)

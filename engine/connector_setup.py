@@ -54,7 +54,8 @@ def make_connector(cfg: EngineConfig, mc: ModelConfig, model_dir: Path, hidden_s
     ctx = ConnectorContext(layout, pool, fp, cfg.kv_eviction_policy, cfg.kv_offloading_size,
                            cfg.kv_offload_disk, cfg.kv_offload_disk_size, extra, events,
                            hidden_spec=hs, model_name=model_dir.name, remote_url=cfg.kv_offload_remote,
-                           kv_secret=cfg.kv_offload_secret, namespace_info=info)
+                           kv_secret=cfg.kv_offload_secret, remote_trusted=cfg.kv_offload_remote_trusted,
+                           namespace_info=info)
     connector = build_connector(ctx, tc)
     if connector is not None and grouped:
         connector.set_kv_groups(tuple(g.window for g in groups))

@@ -59,6 +59,7 @@ class LLM:
         disable_hybrid_kv_cache_manager: bool = False,
         kv_namespace: str | None = None,
         kv_offload_secret_file: str | None = None,
+        kv_offload_remote_trusted: bool = False,
     ) -> None:
         if model is None:
             from engine.demo_model import ensure_demo_model
@@ -84,6 +85,7 @@ class LLM:
             reasoning_config=_parse_json(reasoning_config, "reasoning_config"),
             async_scheduling=async_scheduling, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
             kv_namespace=kv_namespace, kv_offload_secret_file=kv_offload_secret_file,
+            kv_offload_remote_trusted=kv_offload_remote_trusted,
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()

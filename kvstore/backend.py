@@ -69,7 +69,14 @@ class StorageBackend(ABC):
 
     `close()` is idempotent, flushes pending writes and releases resources; every other
     method raises BackendError afterwards.
+
+    `shared`: True for a store other processes or machines can write to (Redis, an object
+    store). kvtier then refuses to use it as a tier without a KV secret (entries MAC'd, so a
+    writer without the secret cannot plant KV), unless the operator declares the store trusted
+    (`--kv-offload-remote-trusted`).
     """
+
+    shared: bool = False
 
     @abstractmethod
     def exists(self, keys: Sequence[BlockKey]) -> list[bool]:

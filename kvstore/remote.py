@@ -178,6 +178,7 @@ class RedisBackend(StorageBackend):
     """Blocks in Redis/Valkey (see the module docstring). `client` is for tests."""
 
     name = "redis"  # its name in a tier stack (connectors.stack) and in /v1/kv/stats
+    shared = True  # anyone who can write to the server can write entries
 
     def __init__(self, cfg: RemoteConfig, client: Any = None) -> None:
         import redis

@@ -104,6 +104,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "an entry that fails it, or has no MAC, is a miss and is deleted, so whoever can write to "
                         "the G3 directory or the Redis cannot plant KV. All engines sharing a tier need the same "
                         "secret. Default: $KVTIER_KV_SECRET (the secret itself) if set; this flag wins over it")
+    o.add_argument("--kv-offload-remote-trusted", action="store_true",
+                   help="use a shared tier (G4, or a plugin backend marked shared) without a KV secret: its "
+                        "entries then carry an unkeyed checksum that catches damage but not forgery, so whoever "
+                        "can write to the store can plant KV this engine serves. Without this flag such a tier "
+                        "needs --kv-offload-secret-file (or $KVTIER_KV_SECRET), and the engine refuses to start")
     o.add_argument("--kv-offload-block-size", type=int, default=None, metavar="TOKENS",
                    help="tokens per offload block, a multiple of --block-size (default: --block-size; a hit "
                         "recomputes the prompt tail that does not fill a block)")
@@ -183,4 +188,5 @@ def llm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         "reasoning_config": ns.reasoning_config,
         "kv_namespace": ns.kv_namespace,
         "kv_offload_secret_file": ns.kv_offload_secret_file,
+        "kv_offload_remote_trusted": ns.kv_offload_remote_trusted,
     }

@@ -209,10 +209,13 @@ def main(argv: list[str]) -> int:
         from policies import check_policy
 
         check_policy(kwargs["kv_eviction_policy"], "--kv-eviction-policy")
-        from connectors.factory import check_transfer_config, flag_tiers
+        from connectors.factory import check_shared_tiers, check_transfer_config, flag_tiers
+        from kvstore.entry import load_secret
 
         check_transfer_config(kwargs["kv_transfer_config"], flag_tiers(
             kwargs.get("kv_offloading_size"), kwargs.get("kv_offload_disk"), kwargs.get("kv_offload_remote")))
+        check_shared_tiers(kwargs["kv_transfer_config"], kwargs["kv_offload_remote"],
+                           load_secret(kwargs["kv_offload_secret_file"]) is not None, kwargs["kv_offload_remote_trusted"])
         from engine.loader import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)

@@ -146,7 +146,8 @@ def test_engine_keeps_serving_through_a_redis_outage(ckpt_dir, tmp_path, caplog,
         return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], sp,
                                                              use_tqdm=False)]
 
-    a = LLM(model, dtype="float32", num_gpu_blocks=96, kv_offload_remote=r.url, kv_transfer_config=extra)
+    a = LLM(model, dtype="float32", num_gpu_blocks=96, kv_offload_remote=r.url, kv_offload_remote_trusted=True,
+            kv_transfer_config=extra)
     try:
         assert run(a, prompts[:2]) == ref[:2]
         r.kill() if outage == "kill" else r.pause()
@@ -166,7 +167,7 @@ def test_engine_keeps_serving_through_a_redis_outage(ckpt_dir, tmp_path, caplog,
     finally:
         r.resume()
         a.close()
-    b = LLM(model, dtype="float32", num_gpu_blocks=96, kv_offload_remote=r.url)
+    b = LLM(model, dtype="float32", num_gpu_blocks=96, kv_offload_remote=r.url, kv_offload_remote_trusted=True)
     try:
         outs = b.generate([{"prompt_token_ids": p} for p in prompts[6:]], sp, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == ref[6:]
@@ -182,14 +183,14 @@ def test_a_missing_block_mid_prompt_stops_the_g4_load_there(ckpt_dir, redis_proc
     model = str(ckpt_dir("llama"))
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompt = random_prompt(600, 6400)  # 37 full blocks: three G4 batches of 16
-    a = LLM(model, dtype="float32", num_gpu_blocks=96, kv_offload_remote=redis_proc.url)
+    a = LLM(model, dtype="float32", num_gpu_blocks=96, kv_offload_remote=redis_proc.url, kv_offload_remote_trusted=True)
     ref = a.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0].token_ids
     a.engine.flush_offload()
     a.close()
     client = redis.Redis(port=redis_proc.port)
     names = sorted(k for k in client.keys("kvtier:*") if not k.endswith(b":" + REDIS_SUFFIX.encode()))
     assert len(names) == 37  # block entries; the namespace's record key aside
-    b = LLM(model, dtype="float32", num_gpu_blocks=96, kv_offload_remote=redis_proc.url)
+    b = LLM(model, dtype="float32", num_gpu_blocks=96, kv_offload_remote=redis_proc.url, kv_offload_remote_trusted=True)
     try:
         keys: list = []
         extend_keys(keys, prompt, 16, None)  # the offload block keys (offload block = G1 block here)

@@ -23,7 +23,7 @@ PROMPTS = [random_prompt(300, 6101), random_prompt(200, 6102)]
 def engine(model: Path, url: str | None, *, salt: str | None = None, **llm) -> dict:
     args = {"prompts": PROMPTS, "salt": salt, "llm": {"num_gpu_blocks": 128, **llm}}
     if url:
-        args["llm"]["kv_offload_remote"] = url
+        args["llm"].update(kv_offload_remote=url, kv_offload_remote_trusted=True)
     r = subprocess.run([sys.executable, str(HERE / "engine_proc.py"), str(model), json.dumps(args)],
                        capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-3000:]

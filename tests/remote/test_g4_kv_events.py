@@ -44,7 +44,7 @@ def _chunks(events: list[dict], medium: str, locality: str) -> list[dict]:
 def test_g4_writes_are_announced_as_remote_storage(ckpt_dir, redis_proc):
     model, prompt = str(ckpt_dir("qwen3")), random_prompt(100, 9)
     kw = {"dtype": "float32", "kv_offload_block_size": 32, "kv_offload_remote": redis_proc.url,
-          "kv_events_config": EVENTS}
+          "kv_offload_remote_trusted": True, "kv_events_config": EVENTS}
     a = LLM(model, **kw)  # G4 alone: stores go straight from G1 to Redis
     events, _ = _run(a, prompt)
     a.close()

@@ -115,3 +115,52 @@ def test_engine_outputs_stay_identical_with_planted_g4_values(ckpt_dir, redis_pr
     for name, (_, value) in bad.items():  # deleted; or rewritten by B from the recomputed KV, keyed
         now = client.get(name)
         assert now != value and (now is None or now[8] == ALG_HMAC_SHA256)
+
+
+# -- issue 38, finding 5: a shared tier is safe by default -----------------------------------------
+def test_serve_with_g4_and_no_secret_refuses_to_start(ckpt_dir, redis_proc, monkeypatch):
+    """Without a secret and without --kv-offload-remote-trusted, `kvtier serve` exits 2 before
+    it spawns the engine, naming both ways out; an explicit stack's redis tier and the offline
+    API are refused the same way."""
+    import os
+    import subprocess
+    import sys
+
+    from server.launch import REPO_ROOT
+
+    monkeypatch.delenv("KVTIER_KV_SECRET", raising=False)
+    model = str(ckpt_dir("llama"))
+    stack = '{"kv_connector_extra_config": {"tiers": [{"backend": "redis", "url": "%s"}]}}' % redis_proc.url
+    for flags, what in (([model, "--kv-offload-remote", redis_proc.url], "G4"),
+                        ([model, "--kv-transfer-config", stack], "G3 (redis)")):
+        r = subprocess.run([sys.executable, "-m", "server.cli", "serve", *flags], cwd=REPO_ROOT, capture_output=True,
+                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+        rc, err = r.returncode, r.stderr
+        assert rc == 2, err[-2000:]
+        assert f"{what}" in err and "shared store" in err and "--kv-offload-remote-trusted" in err, err[-2000:]
+        assert "--kv-offload-secret-file" in err and "Traceback" not in err
+    with pytest.raises(ValueError, match="--kv-offload-remote-trusted"):
+        LLM(model, kv_offload_remote=redis_proc.url)
+
+
+@pytest.mark.parametrize("mode", ["secret", "trusted"])
+def test_serve_with_g4_says_which_mode_it_runs(ckpt_dir, redis_proc, tmp_path, monkeypatch, mode):
+    from server.launch import launch
+
+    monkeypatch.delenv("KVTIER_KV_SECRET", raising=False)
+    secret = tmp_path / "kv.secret"
+    secret.write_bytes(SECRET)
+    secret.chmod(0o600)
+    flags = ["--kv-offload-secret-file", str(secret)] if mode == "secret" else ["--kv-offload-remote-trusted"]
+    import httpx
+
+    srv = launch([str(ckpt_dir("llama")), "--num-gpu-blocks", "64", "--kv-offload-remote", redis_proc.url, *flags],
+                 {"OMP_NUM_THREADS": "1"})
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": random_prompt(40, 3), "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        srv.proc.terminate()
+        assert srv.proc.wait(60) == 0
+    said = "entries MAC'd with the KV secret" if mode == "secret" else "TRUSTED store without a KV secret"
+    assert f"G4: {said}" in "".join(srv.lines), "".join(srv.lines)[-3000:]

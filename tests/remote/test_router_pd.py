@@ -28,7 +28,8 @@ def pd_fleet(ckpt_dir, tmp_path_factory):
     redis = RedisProc(tmp_path_factory.mktemp("redis"), free_port()).start()
     procs, router = [], None
     try:
-        common = ("--served-model-name", "tiny", "--num-gpu-blocks", "256", "--kv-offload-remote", redis.url)
+        common = ("--served-model-name", "tiny", "--num-gpu-blocks", "256", "--kv-offload-remote", redis.url,
+                  "--kv-offload-remote-trusted")
         prefill = start_replica(model, *common)
         procs.append(prefill)
         decode = start_replica(model, *common, "--enable-log-requests")  # what it served, per request

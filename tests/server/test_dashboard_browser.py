@@ -57,7 +57,7 @@ def redis(tmp_path_factory):
 def srv(ckpt_dir, redis, tmp_path_factory):
     g3 = tmp_path_factory.mktemp("g3")
     s = start_server(str(ckpt_dir("llama")), "--api-key", KEY, "--num-gpu-blocks", "64", "--kv-offloading-size", "0.002",
-                     "--kv-offload-disk", str(g3), "--kv-offload-disk-size", "0.01", "--kv-offload-remote", redis.url,
+                     "--kv-offload-disk", str(g3), "--kv-offload-disk-size", "0.01", "--kv-offload-remote", redis.url, "--kv-offload-remote-trusted",
                      "--disable-log-stats")
     yield s
     assert s.stop() == 0
