@@ -10,6 +10,7 @@ Log-probs stay those of the raw logits (vLLM's default `logprobs_mode`).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -17,7 +18,43 @@ import torch
 from engine.sampling_params import SamplingParams
 from engine.token_ids import check_token_ids
 
-BadWords = tuple[tuple[int, ...], ...]
+
+class BadWords:
+    """A request's bad words as token sequences, indexed so a sampled row costs one lookup per
+    distinct word length, not one comparison per word (a list of 50k words made every step of the
+    request, and building it, that much slower).
+
+    `singles`: tokens banned everywhere; `by_prefix[n]`: for words of n + 1 tokens, the tokens
+    banned after each n-token prefix."""
+
+    def __init__(self, sequences: Iterable[tuple[int, ...]] = ()) -> None:
+        self.sequences = tuple(dict.fromkeys(s for s in sequences if s))  # ordered, deduplicated: linear
+        singles = sorted({s[0] for s in self.sequences if len(s) == 1})
+        self.singles = torch.tensor(singles, dtype=torch.long) if singles else None
+        self.by_prefix: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        for s in self.sequences:
+            if len(s) > 1:
+                self.by_prefix.setdefault(len(s) - 1, {}).setdefault(s[:-1], []).append(s[-1])
+
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
+        return iter(self.sequences)
+
+    def __contains__(self, seq: object) -> bool:
+        return seq in self.sequences
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def banned_after(self, output: list[int]) -> list[int]:
+        """Tokens that would complete a multi-token word after `output`."""
+        out: list[int] = []
+        for n, table in self.by_prefix.items():
+            if len(output) >= n:
+                out += table.get(tuple(output[len(output) - n:]), ())
+        return out
+
+
+NO_BAD_WORDS = BadWords()
 
 
 def has_controls(params: SamplingParams) -> bool:
@@ -27,19 +64,20 @@ def has_controls(params: SamplingParams) -> bool:
 def bad_word_ids(words: list[str] | None, tokenizer: Any) -> BadWords:
     """Each word's token sequences: as written and, where it tokenizes differently, after a
     space (the word in the middle of a text); no special tokens."""
-    out: list[tuple[int, ...]] = []
-    for word in words or ():
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
-            if ids and ids not in out:
-                out.append(ids)
-    return tuple(out)
+    return BadWords(tuple(tokenizer.encode(text, add_special_tokens=False))
+                    for word in words or () for text in (word.lstrip(), " " + word.lstrip()))
 
 
-def checked_controls(params: SamplingParams, tokenizer: Any, vocab_size: int) -> BadWords:
-    """ValueError for a control's token id outside the vocabulary; the bad words' token ids."""
+def check_controls(params: SamplingParams, vocab_size: int) -> None:
+    """ValueError for a logit_bias or allowed_token_ids id outside the vocabulary (cheap)."""
     check_token_ids(params.logit_bias or (), vocab_size, "logit_bias token id")
     check_token_ids(params.allowed_token_ids or (), vocab_size, "allowed_token_ids entry")
+
+
+def checked_bad_words(params: SamplingParams, tokenizer: Any, vocab_size: int) -> BadWords:
+    """The bad words' token ids (linear in their number); ValueError for one outside the vocabulary."""
+    if not params.bad_words:
+        return NO_BAD_WORDS
     bad = bad_word_ids(params.bad_words, tokenizer)
     check_token_ids((t for seq in bad for t in seq), vocab_size, "bad_words token")
     return bad
@@ -52,9 +90,10 @@ def apply_controls(row: torch.Tensor, params: SamplingParams, bad_words: BadWord
         masked = torch.full_like(row, float("-inf"))
         masked[keep] = row[keep]
         row.copy_(masked)
-    for seq in bad_words:
-        if len(seq) == 1 or (len(output) >= len(seq) - 1 and tuple(output[len(output) - len(seq) + 1:]) == seq[:-1]):
-            row[seq[-1]] = float("-inf")
+    if bad_words.singles is not None:
+        row[bad_words.singles] = float("-inf")
+    if bad_words.by_prefix and (after := bad_words.banned_after(output)):
+        row[after] = float("-inf")
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
         row.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=row.dtype))

@@ -8,6 +8,7 @@ from typing import NewType
 import torch
 
 from connectors.pd import PDRequest
+from engine.logit_controls import NO_BAD_WORDS, BadWords
 from engine.sampling_params import SamplingParams
 from engine.prompt_logprobs import PromptLogprob
 from engine.structured import GrammarState
@@ -53,7 +54,7 @@ class Request:
         session: str | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
         max_total_tokens: int,
-        bad_word_ids: tuple[tuple[int, ...], ...] = (),
+        bad_word_ids: BadWords = NO_BAD_WORDS,
         grammar: GrammarState | None = None,
         thinking: ThinkingTracker | None = None,
         pd: PDRequest | None = None,

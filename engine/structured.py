@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -23,6 +24,10 @@ import torch
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_WHITESPACE = 16  # characters of whitespace a JSON schema's grammar allows between two tokens
+# xgrammar caches compiled grammars by content; unbounded, a client sending distinct constraints
+# would grow the process without end. A simple JSON schema's grammar is about 3 MB here.
+CACHE_LIMIT_BYTES = 256 * 2**20
+CHECKED_KEYS = 1024  # constraints known to have a token that can start them (LRU)
 
 
 @dataclass(frozen=True)
@@ -86,8 +91,9 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids) or None)
-        c = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        c = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True, cache_limit_bytes=CACHE_LIMIT_BYTES)
         self._lock = threading.Lock()
+        self._startable: OrderedDict[tuple[str, str], None] = OrderedDict()
         # kind -> how its canonical text (StructuredOutputsParams.key) compiles
         self._build = {
             # whitespace between JSON tokens bounded, so a sampled output cannot pad forever
@@ -108,13 +114,32 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar reports bad input as these
             raise ValueError(f"structured outputs {kind} could not be compiled: {e}") from None
 
-    def matcher(self, params: StructuredOutputsParams) -> GrammarState:
-        """A fresh matcher; ValueError when the constraint does not compile, or when no token of
-        the vocabulary can start it (a JSON grammar over a vocabulary without "{")."""
-        state = GrammarState(self._xgr, self.compile(params), self.vocab_size)
+    def checked(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar; ValueError when the constraint does not compile, or when no token
+        of the vocabulary can start it (a JSON grammar over a vocabulary without "{"). The slow
+        part (compiling) is cached by content: call it off the step loop the first time."""
+        compiled = self.compile(params)
+        key = params.key()
+        with self._lock:
+            if key in self._startable:
+                self._startable.move_to_end(key)
+                return compiled
+        state = GrammarState(self._xgr, compiled, self.vocab_size)
         if not bool(torch.isfinite(state.mask(torch.zeros(self.vocab_size))).any()):
-            raise ValueError(f"structured outputs {params.key()[0]}: no token of this model's vocabulary can start it")
-        return state
+            raise ValueError(f"structured outputs {key[0]}: no token of this model's vocabulary can start it")
+        with self._lock:
+            self._startable[key] = None
+            while len(self._startable) > CHECKED_KEYS:
+                self._startable.popitem(last=False)
+        return compiled
+
+    def state(self, compiled: Any) -> GrammarState:
+        """A fresh matcher over a grammar `checked` returned (cheap)."""
+        return GrammarState(self._xgr, compiled, self.vocab_size)
+
+    def matcher(self, params: StructuredOutputsParams) -> GrammarState:
+        """`state(checked(params))`: compiles (or finds it cached) on the calling thread."""
+        return self.state(self.checked(params))
 
 
 class GrammarState:
@@ -192,8 +217,10 @@ class LazyGrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
         self._args = (tokenizer, vocab_size, stop_token_ids)
         self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
 
-    def matcher(self, params: StructuredOutputsParams) -> GrammarState:
-        if self._compiler is None:
-            self._compiler = GrammarCompiler(*self._args)
-        return self._compiler.matcher(params)
+    def get(self) -> GrammarCompiler:
+        with self._lock:  # the preparation thread and the offline caller may both get here first
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(*self._args)
+            return self._compiler

@@ -3,6 +3,7 @@ the engine-core process does the rest. Every error is OpenAI's JSON error object
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import re
@@ -17,13 +18,14 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from engine.prompt_logprobs import with_ranks
-from engine.structured import GrammarCompiler
+from engine.request_factory import needs_preparation
 from engine.token_ids import check_token_ids
+from server.api_output import OutputFormats
 from server.client import CoreState, EngineClient, EngineDeadError
 from server.defaults import SamplingDefaults
 from server.detok import IncrementalDetokenizer
 from server.fields import unsupported
+from server.limits import LimitExceeded, RequestLimits, check_constraint, check_lists
 from server.metrics import Metrics
 from server.request_log import RequestLogger
 from server.reasoning import PARSERS as REASONING_PARSERS
@@ -72,6 +74,7 @@ class ServerSettings:
     request_logger: RequestLogger | None = None  # --enable-log-requests
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser (server/reasoning.py)
     system_fingerprint: str = ""  # OpenAI's: names the backend configuration answers come from
+    limits: RequestLimits = RequestLimits()  # --request-limits: what one request may make the server do
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -104,15 +107,17 @@ class Choice:
     queue: Any = None  # asyncio.Queue of core deltas, set by submit()
     thinking_opened: bool | None = None  # with a reasoning parser: the prompt opened a thinking section
     prompt_logprobs: list[Any] | None = None  # from the core's first delta: [rank, {token id: logprob}] each
+    # With prompt_logprobs and n > 1: the prompt's first sequence, which alone computes them
+    # (protocol.sampling_params); this choice's deltas wait until they are in.
+    leader: Choice | None = None
 
 
-class API:
+class API(OutputFormats):
     def __init__(self, client: EngineClient, tokenizer: Any, settings: ServerSettings) -> None:
         self.client, self.tok, self.s = client, tokenizer, settings
         self.metrics = Metrics(settings.served_model_names[0])
         self.created = int(time.time())
         self.tokenizing = Tokenizing(tokenizer, settings.tokenizer_threads, settings.chat_template_timeout_s)
-        self._grammars: GrammarCompiler | None = None  # checks structured outputs before they are queued
         self.reasoning = REASONING_PARSERS[settings.reasoning_parser] if settings.reasoning_parser else None
         self._markers = ([tokenizer.encode(m, add_special_tokens=False) for m in (self.reasoning.start, self.reasoning.end)]
                          if self.reasoning is not None else None)
@@ -161,8 +166,9 @@ class API:
             raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
         return parsed
 
-    async def chat_ids(self, convs: list[list[Any]], req: _Chat | TokenizeRequest) -> list[list[int]]:
-        """Token ids of each conversation through the chat template, rendered off the event loop."""
+    async def chat_ids(self, convs: list[list[Any]], req: _Chat | TokenizeRequest, bound: bool = True) -> list[list[int]]:
+        """Token ids of each conversation through the chat template, rendered off the event loop.
+        `bound`: a conversation whose text alone cannot fit max_model_len is a 400 first."""
         kwargs = dict(req.chat_template_kwargs or {})
         template = req.chat_template
         if "chat_template" in kwargs:
@@ -178,20 +184,42 @@ class API:
             kwargs["tools"] = req.tools
         if getattr(req, "reasoning_effort", None) is not None:  # a template variable, as in vLLM
             kwargs["reasoning_effort"] = req.reasoning_effort
+        msgs = [[m.as_dict() for m in conv] for conv in convs]
+        chars = [sum(len(m["content"]) for m in conv) for conv in msgs]
+        if bound:
+            for n in chars:
+                self._bound(n, "messages")
         try:
-            msgs = [[m.as_dict() for m in conv] for conv in convs]
             return await self.tokenizing.chat(msgs, req.add_generation_prompt, kwargs, template,
-                                              req.continue_final_message)
+                                              req.continue_final_message, sum(chars))
         except TimeoutError as e:
             raise APIError(400, f"chat_template: {e}", param="chat_template") from None
         except Exception as e:  # noqa: BLE001 - the user's messages, template kwargs or template failed
             raise APIError(400, f"messages: {type(e).__name__}: {e}", param="messages") from None
 
-    async def text_ids(self, prompts: list[str | list[int]], add_special_tokens: bool = True) -> list[list[int]]:
+    async def text_ids(self, prompts: list[str | list[int]], add_special_tokens: bool = True,
+                       bound: bool = True) -> list[list[int]]:
+        """Token ids of each prompt; `bound`: as chat_ids'."""
+        if bound:
+            for p in prompts:
+                if isinstance(p, str):
+                    self._bound(len(p), "prompt")
         return await self.tokenizing.encode(prompts, add_special_tokens)
 
+    def _bound(self, chars: int, param: str) -> None:
+        """400 for a text that has too many tokens for max_model_len by its length alone
+        (server/tokenizing.py's bound): refused without tokenizing it."""
+        info = self.client.info
+        at_least = self.tokenizing.min_tokens(chars)
+        if info is not None and at_least >= info.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {info.max_model_len} tokens. However, the "
+                                f"{param} has {chars} characters, so at least {at_least} tokens. Reduce the prompt.",
+                           param=param)
+
     def admit(self, num_prompts: int, req: _Sampling) -> None:
-        """The checks that need no tokens, made before tokenizing: a full server answers at once."""
+        """The checks that need no tokens, made before tokenizing: a full server answers at once,
+        and a request over a limit (server/limits.py) before it costs anything."""
+        self.check_limits(req)
         if self.client.state is not CoreState.READY:
             raise APIError(503, f"the engine is {self.client.state.value}", "ServiceUnavailableError",
                            headers={"Retry-After": str(self.s.retry_after_s)})
@@ -204,6 +232,18 @@ class API:
             raise APIError(503, f"the server has {self.client.num_pending} requests in flight (limit "
                                 f"{self.s.max_pending_requests}); retry later", "ServiceUnavailableError",
                            headers={"Retry-After": str(self.s.retry_after_s)})
+
+    def check_limits(self, req: _Sampling) -> None:
+        """400 for a request over one of --request-limits (server/limits.py)."""
+        try:
+            check_lists(req, self.s.limits)
+            so = req.structured()
+            if so is not None:
+                check_constraint(so[0], so[1], self.s.limits)
+        except LimitExceeded as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except ValueError as e:  # a malformed structured_outputs
+            raise APIError(400, str(e), param=(req._structured_sources() or [None])[0]) from None
 
     def _check_prompt(self, ids: list[int], req: _Sampling) -> None:
         info = self.client.info
@@ -246,24 +286,27 @@ class API:
                 params = [self.s.sampling_defaults.apply(req, p) for p in params]
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        await self._check_structured(req, info.vocab_size)
         stops = params[0].stop
         for i, ids in enumerate(prompts):
             for j in range(req.n):
                 k = i * req.n + j
                 rid = base if total == 1 and req.request_id else f"{base}-{k}"
                 choices.append(Choice(k, rid, ids, IncrementalDetokenizer(
-                    self.tok, req.skip_special_tokens, stops)))
+                    self.tok, req.skip_special_tokens, stops),
+                    leader=choices[i * req.n] if j and req.prompt_logprobs is not None else None))
         if self.s.request_logger is not None:
             for c, p in zip(choices, params):
                 self.s.request_logger.received(c.request_id, c.prompt_ids, p)
         queues = []
+        # Bad words and grammars are prepared off the core's step loop (server/core_prep.py): wait
+        # until the core has them, so a constraint that does not compile is a 400, streamed or not.
+        prepared = needs_preparation(params[0])
         try:
             for c, p in zip(choices, params):
                 queues.append(await self.client.add(c.request_id, c.prompt_ids, p, priority=req.priority,
                                                     cache_salt=req.cache_salt,
                                                     session=req.prompt_cache_key or req.user,
-                                                    kv_transfer_params=req.kv_transfer_params))
+                                                    kv_transfer_params=req.kv_transfer_params, ack=prepared))
         except EngineDeadError as e:
             await self.client.abort([c.request_id for c in choices])
             raise APIError(503, str(e), "ServiceUnavailableError") from None
@@ -272,6 +315,15 @@ class API:
             raise APIError(400, str(e), param="request_id") from None
         for c, q in zip(choices, queues):
             c.queue = q
+        if prepared:
+            try:
+                await self.client.accepted([c.request_id for c in choices])
+            except EngineDeadError as e:
+                raise APIError(503, str(e), "ServiceUnavailableError") from None
+            except ValueError as e:
+                await self.client.abort([c.request_id for c in choices])
+                so = req.structured()
+                raise APIError(400, str(e), param=so[0] if so else "bad_words") from None
         return choices
 
     def follow_reasoning(self, choices: list[Choice]) -> None:
@@ -294,24 +346,15 @@ class API:
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice" if req.tools else "tools") from None
         if tp is not None and tp.constraint is not None:
+            try:
+                check_constraint("tools", tp.constraint, self.s.limits)
+            except LimitExceeded as e:
+                raise APIError(400, str(e), param=e.param) from None
             req._tool_constraint = tp.constraint
             if len(req._structured_sources()) > 1:
                 raise APIError(400, f"tool_choice {tp.mode!r} constrains the output itself: drop "
                                     f"{req._structured_sources()[0]}", param="tool_choice")
         return tp
-
-    async def _check_structured(self, req: _Sampling, vocab_size: int) -> None:
-        """A constraint that does not compile is a 400 naming its field (compiled off the event
-        loop; the core compiles it again from its own cache)."""
-        so = req.structured()
-        if so is None:
-            return
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tok, vocab_size, frozenset())
-        try:
-            await asyncio.get_running_loop().run_in_executor(None, self._grammars.matcher, so[1])
-        except ValueError as e:
-            raise APIError(400, str(e), param=so[0]) from None
 
     async def events(self, choices: list[Choice], arrival: float) -> AsyncIterator[tuple[Choice, str]]:
         """Yields (choice, new text) as deltas arrive, until every choice has finished. Aborts
@@ -327,15 +370,22 @@ class API:
 
         tasks = [asyncio.create_task(pump(c)) for c in choices]
         left = len(choices)
+        ready: collections.deque[tuple[Choice, Any]] = collections.deque()  # deltas let through again
+        held: dict[int, list[tuple[Choice, Any]]] = {}  # leader index -> its followers' deltas
         try:
             while left:
-                c, d = await merged.get()
+                c, d = ready.popleft() if ready else await merged.get()
                 if isinstance(d, EngineDeadError):
                     raise APIError(503, f"engine failed: {d}", "ServiceUnavailableError")
                 if isinstance(d, ValueError):
                     raise APIError(400, str(d))
                 if isinstance(d, BaseException):
                     raise d
+                if c.leader is not None and c.prompt_logprobs is None:
+                    if c.leader.prompt_logprobs is None and c.leader.finish is None:
+                        held.setdefault(c.leader.index, []).append((c, d))  # the leader's come first
+                        continue
+                    c.prompt_logprobs = c.leader.prompt_logprobs
                 now = time.monotonic()
                 if d["token_ids"]:
                     if c.first_token_at is None:
@@ -347,6 +397,8 @@ class API:
                 c.logprobs += d.get("logprobs") or []
                 if "prompt_logprobs" in d:
                     c.prompt_logprobs = d["prompt_logprobs"]
+                if c.index in held and (c.prompt_logprobs is not None or d.get("finish_reason") is not None):
+                    ready.extend(held.pop(c.index))
                 if d.get("finish_reason") is None:
                     text = c.detok.add(d["token_ids"])
                 else:  # the last tokens may hold the stop string: take the engine's cut text
@@ -414,81 +466,6 @@ class API:
         if task.cancelled():
             raise APIError(499, "client disconnected")
         task.result()
-
-    # -- output ----------------------------------------------------------------------------
-    @staticmethod
-    def usage(choices: list[Choice], n: int) -> dict[str, Any]:
-        firsts = choices[::n]  # one choice per prompt: a prompt is counted once, whatever n is
-        prompt = sum(len(c.prompt_ids) for c in firsts)
-        out = sum(len(c.token_ids) for c in choices)
-        cached = sum((c.finish or {}).get("num_cached_tokens", 0) for c in firsts)
-        thinking = sum((c.finish or {}).get("thinking_tokens", 0) for c in choices)
-        return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
-                "prompt_tokens_details": {"cached_tokens": cached},
-                "completion_tokens_details": {"reasoning_tokens": thinking}}
-
-    def completion_logprobs(self, c: Choice, start: int = 0, text_offset: int = 0) -> dict[str, Any] | None:
-        if c.finish is None and not c.logprobs:
-            return None
-        toks, lps, tops, offs = [], [], [], []
-        off = text_offset
-        for t, entry in zip(c.token_ids[start:], c.logprobs[start:]):
-            s = self.tok.decode([t])
-            toks.append(s)
-            lps.append(entry.get(t))
-            tops.append({self.tok.decode([k]): v for k, v in sorted(entry.items(), key=lambda kv: -kv[1])})
-            offs.append(off)
-            off += len(s)
-        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
-
-    def prompt_logprobs(self, c: Choice) -> list[dict[str, Any] | None] | None:
-        """vLLM's format: None for the first token, then {token id: {logprob, rank, decoded_token}}."""
-        if c.prompt_logprobs is None:
-            return None
-        out: list[dict[str, Any] | None] = [None]
-        for rank, lps in c.prompt_logprobs:
-            entry = with_ranks((rank, {int(t): v for t, v in lps.items()}))
-            out.append({str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self.tok.decode([t])}
-                        for t, lp in entry.items()})
-        return out
-
-    def chat_logprobs(self, c: Choice, top: int, start: int = 0) -> dict[str, Any]:
-        content = []
-        for t, entry in zip(c.token_ids[start:], c.logprobs[start:]):
-            best = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
-
-            def item(tid: int, lp: float) -> dict[str, Any]:
-                s = self.tok.decode([tid])
-                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-
-            content.append({**item(t, entry.get(t, float("-inf"))), "top_logprobs": [item(k, v) for k, v in best]})
-        return {"content": content}
-
-    def extras(self, c: Choice, req: _Sampling) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if req.return_token_ids:
-            out["token_ids"] = list(c.token_ids)
-            out["prompt_token_ids"] = list(c.prompt_ids)
-        if c.finish is not None and c.finish.get("stop_reason") is not None:
-            out["stop_reason"] = c.finish["stop_reason"]
-        if c.finish is not None and c.finish.get("thinking_forced_tokens"):  # a spent thinking_token_budget
-            out["thinking_forced_tokens"] = c.finish["thinking_forced_tokens"]
-        return out
-
-    @staticmethod
-    def finish_reason(c: Choice) -> str | None:
-        if c.finish is None:
-            return None
-        r = c.finish["finish_reason"]
-        return {"abort": "abort", "error": "error"}.get(r, r)
-
-    @staticmethod
-    def transfer_params(choices: list[Choice]) -> dict[str, Any] | None:
-        params = [c.finish.get("kv_transfer_params") for c in choices if c.finish and c.finish.get("kv_transfer_params")]
-        if not params:
-            return None
-        return params[0] if len(params) == 1 else {"choices": params}
-
 
 def _check_error(choices: list[Choice]) -> None:
     for c in choices:

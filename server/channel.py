@@ -18,6 +18,8 @@ Core -> API:
                                             and transfer params (see `server.core.CoreLoop._delta`)
   StatsReply   ["stats", nonce, {...}]
   AddError     ["add_error", request_id, message]
+  Accepted     ["accepted", request_id]         a request that needed preparation (bad words, a grammar:
+                                            server/core_prep.py) is built and scheduled
   Heartbeat    ["heartbeat", loop_age_s]    every HEARTBEAT_INTERVAL_S from a thread of its own:
                                             seconds since the step loop last went round
   Stopped      ["stopped"]                  after a requested shutdown only
@@ -89,6 +91,12 @@ class AddError:
 
 
 @dataclass(frozen=True)
+class Accepted:
+    KIND: ClassVar[str] = "accepted"
+    request_id: str
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     KIND: ClassVar[str] = "heartbeat"
     loop_age_s: float
@@ -106,9 +114,10 @@ class Fatal:
 
 
 ToCore = Add | Abort | StatsQuery | Shutdown
-FromCore = Ready | StartupError | Outputs | StatsReply | AddError | Heartbeat | Stopped | Fatal
+FromCore = Ready | StartupError | Outputs | StatsReply | AddError | Accepted | Heartbeat | Stopped | Fatal
 _TO_CORE = {c.KIND: c for c in (Add, Abort, StatsQuery, Shutdown)}
-_FROM_CORE = {c.KIND: c for c in (Ready, StartupError, Outputs, StatsReply, AddError, Heartbeat, Stopped, Fatal)}
+_FROM_CORE = {c.KIND: c for c in (Ready, StartupError, Outputs, StatsReply, AddError, Accepted, Heartbeat, Stopped,
+                                   Fatal)}
 
 
 def encode(msg: ToCore | FromCore) -> bytes:

@@ -20,6 +20,7 @@ import zmq.asyncio
 from engine.sampling_params import SamplingParams
 from server import channel as ch
 from server.core import core_main, params_to_wire
+from server.limits import RequestLimits
 from server.logs import LogSettings
 
 log = logging.getLogger(__name__)
@@ -54,10 +55,12 @@ class CoreInfo:
 
 class EngineClient:
     def __init__(self, llm_kwargs: dict[str, Any], logs: LogSettings = LogSettings(),
-                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> None:
+                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+                 prep_timeout_s: float = RequestLimits.compile_timeout_s) -> None:
         if heartbeat_timeout_s <= 0:
             raise ValueError(f"heartbeat timeout must be > 0 seconds; got {heartbeat_timeout_s}")
         self.llm_kwargs, self.logs, self.heartbeat_timeout_s = llm_kwargs, logs, heartbeat_timeout_s
+        self.prep_timeout_s = prep_timeout_s  # a request's preparation in the core (server/core_prep.py)
         self.state = CoreState.STARTING
         self.died = False  # the core ended without being asked to (or hung): serve exits 1
         self.dead = asyncio.Event()  # set with `died`
@@ -65,6 +68,7 @@ class EngineClient:
         self._loop_age = 0.0  # seconds since the core's step loop last went round, as it last said
         self.info: CoreInfo | None = None
         self._queues: dict[str, asyncio.Queue[dict[str, Any] | BaseException]] = {}
+        self._acks: dict[str, asyncio.Future[None]] = {}  # requests whose preparation the API waits for
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._nonce = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
@@ -89,7 +93,7 @@ class EngineClient:
         ctx = mp.get_context("spawn")  # never fork a process that may hold torch threads
         self.proc = ctx.Process(target=core_main, name="kvtier-engine-core", daemon=True,
                                 args=(self.llm_kwargs, f"ipc://{self._ipc_dir}/to_core",
-                                      f"ipc://{self._ipc_dir}/from_core", self.logs))
+                                      f"ipc://{self._ipc_dir}/from_core", self.logs, self.prep_timeout_s))
         self.proc.start()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -119,9 +123,11 @@ class EngineClient:
     # -- requests ------------------------------------------------------------------------
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                   priority: int = 0, cache_salt: str | None = None, session: str | None = None,
-                  kv_transfer_params: dict[str, Any] | None = None) -> asyncio.Queue[dict[str, Any] | BaseException]:
+                  kv_transfer_params: dict[str, Any] | None = None,
+                  ack: bool = False) -> asyncio.Queue[dict[str, Any] | BaseException]:
         """Queues a request; its deltas (dicts, see server.core) arrive on the returned queue,
-        the last one with a finish_reason, or an exception if the core dies."""
+        the last one with a finish_reason, or an exception if the core dies. `ack`: the core
+        prepares it first (engine.request_factory.needs_preparation); `accepted` waits for that."""
         self._check_alive()
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
@@ -134,7 +140,21 @@ class EngineClient:
         self._send(msg)
         q: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
         self._queues[request_id] = q
+        if ack:
+            self._acks[request_id] = asyncio.get_running_loop().create_future()
         return q
+
+    async def accepted(self, request_ids: list[str]) -> None:
+        """Until the core has prepared and scheduled each of these requests (added with `ack`).
+        Raises ValueError with the core's reason when it refused one, EngineDeadError if it died."""
+        try:
+            for rid in request_ids:
+                fut = self._acks.get(rid)
+                if fut is not None:
+                    await fut
+        finally:
+            for rid in request_ids:
+                self._acks.pop(rid, None)
 
     def _send(self, msg: bytes) -> None:
         """Never blocks: with no high-water mark, the only refusal is a core that is not there."""
@@ -146,6 +166,9 @@ class EngineClient:
             raise err
 
     async def abort(self, request_ids: list[str]) -> None:
+        for r in request_ids:
+            if (fut := self._acks.pop(r, None)) is not None:
+                fut.cancel()
         live = [r for r in request_ids if self._queues.pop(r, None) is not None]
         if live and self.state in (CoreState.READY, CoreState.DRAINING):
             self._send_quietly(ch.encode(ch.Abort(live)))
@@ -202,6 +225,9 @@ class EngineClient:
                 q = self._queues.pop(msg.request_id, None)
                 if q is not None:
                     q.put_nowait(ValueError(msg.message))
+                self._settle(msg.request_id, ValueError(msg.message))
+            elif isinstance(msg, ch.Accepted):
+                self._settle(msg.request_id, None)
             elif isinstance(msg, ch.Heartbeat):
                 self._last_beat, self._loop_age = asyncio.get_running_loop().time(), float(msg.loop_age_s)
             elif isinstance(msg, ch.Fatal):
@@ -243,10 +269,21 @@ class EngineClient:
         self._fail_all(EngineDeadError(why))
         self.dead.set()
 
+    def _settle(self, request_id: str | None, err: BaseException | None) -> None:
+        fut = self._acks.get(request_id) if request_id is not None else None
+        if fut is None or fut.done():
+            return
+        if err is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(err)
+
     def _fail_all(self, err: BaseException) -> None:
         for q in self._queues.values():
             q.put_nowait(err)
         self._queues.clear()
+        for rid in list(self._acks):
+            self._settle(rid, err)
         for fut in self._stats_waiters.values():
             if not fut.done():
                 fut.set_exception(err)

@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from engine.request import FINISH_REASONS, Request
+from engine.request_factory import Prepared, needs_preparation
 from engine.sampling_params import SamplingParams
 from server import channel as ch
+from server.core_prep import PrepQueue
 from server.logs import LogSettings
 
 if TYPE_CHECKING:
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100  # how long an idle core blocks on its socket before checking its parent
+PREP_POLL_MS = 5  # how long it blocks while requests are being prepared and none runs
 HEARTBEAT_INTERVAL_S = 0.25
 
 
@@ -56,8 +59,8 @@ def stats_snapshot(llm: LLM) -> dict[str, Any]:
 class CoreLoop:
     """Steps the engine and streams per-request deltas. Bookkeeping only; `run_core` owns the sockets."""
 
-    def __init__(self, llm: LLM, push: zmq.Socket) -> None:
-        self.llm, self.engine, self.push = llm, llm.engine, push
+    def __init__(self, llm: LLM, push: zmq.Socket, prep: PrepQueue) -> None:
+        self.llm, self.engine, self.push, self.prep = llm, llm.engine, push, prep
         self.sent: dict[str, int] = {}  # request id -> output tokens already sent
         self.draining_until: float | None = None
 
@@ -67,18 +70,18 @@ class CoreLoop:
             a = msg.request
             try:
                 params = SamplingParams(**a["params"])
-                req = self.engine.make_request(a["request_id"], a["prompt_token_ids"], params,
-                                               priority=a.get("priority", 0), cache_salt=a.get("cache_salt"),
-                                               session=a.get("session"), kv_transfer_params=a.get("kv_transfer_params"))
+                if needs_preparation(params):  # slow work: off the step loop, then `admit_prepared`
+                    refused = self.prep.submit(a["request_id"], a, params)
+                    if refused is not None:
+                        self.push.send(ch.encode(ch.AddError(a["request_id"], refused)))
+                    return True
+                self._add(a, params, None)
             except (ValueError, TypeError, KeyError) as e:
                 self.push.send(ch.encode(ch.AddError(a.get("request_id"), str(e))))
-                return True
-            self.engine.add_request(req)
-            self.sent[req.request_id] = 0
         elif isinstance(msg, ch.Abort):
             for rid in msg.request_ids:
                 self.sent.pop(rid, None)  # the API side has stopped listening
-                if self.engine.abort_request(rid):
+                if self.prep.abort(rid) or self.engine.abort_request(rid):
                     log.info("request %s aborted", rid)
         elif isinstance(msg, ch.StatsQuery):
             self.push.send(ch.encode(ch.StatsReply(msg.nonce, stats_snapshot(self.llm))))
@@ -86,6 +89,27 @@ class CoreLoop:
             self.draining_until = time.monotonic() + float(msg.grace_s)
             log.info("shutdown: draining %d request(s) for up to %.1fs", len(self.sent), float(msg.grace_s))
         return True
+
+    def _add(self, a: dict[str, Any], params: SamplingParams, prepared: Prepared | None) -> None:
+        req = self.engine.make_request(a["request_id"], a["prompt_token_ids"], params,
+                                       priority=a.get("priority", 0), cache_salt=a.get("cache_salt"),
+                                       session=a.get("session"), kv_transfer_params=a.get("kv_transfer_params"),
+                                       prepared=prepared)
+        self.engine.add_request(req)
+        self.sent[req.request_id] = 0
+
+    def admit_prepared(self) -> None:
+        """Schedules the requests whose preparation ended; refuses those it failed or timed out."""
+        for a, params, result in self.prep.ready():
+            rid = a["request_id"]
+            try:
+                if isinstance(result, str):
+                    raise ValueError(result)
+                self._add(a, params, result)
+            except (ValueError, TypeError, KeyError) as e:
+                self.push.send(ch.encode(ch.AddError(rid, str(e))))
+                continue
+            self.push.send(ch.encode(ch.Accepted(rid)))
 
     def step(self) -> None:
         updated = self.engine.step()
@@ -126,8 +150,10 @@ class CoreLoop:
             self.sent.clear()
 
 
-def run_core(llm_kwargs: dict[str, Any], to_core: str, from_core: str, logs: LogSettings = LogSettings()) -> int:
-    """Entry point of the engine-core process (spawned by the API process)."""
+def run_core(llm_kwargs: dict[str, Any], to_core: str, from_core: str, logs: LogSettings,
+             prep_timeout_s: float) -> int:
+    """Entry point of the engine-core process (spawned by the API process). `prep_timeout_s`:
+    how long a request's preparation (a grammar's compile) may take (server/core_prep.py)."""
     logs.configure("core")
     # The API process decides when to stop: it catches SIGINT/SIGTERM and sends "shutdown".
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -151,19 +177,22 @@ def run_core(llm_kwargs: dict[str, Any], to_core: str, from_core: str, logs: Log
     eng = llm.engine
     push.send(ch.encode(ch.Ready({"max_model_len": eng.max_model_len, "vocab_size": eng.model_config.vocab_size,
                                   "num_gpu_blocks": eng.pool.num_blocks, "eos_token_ids": sorted(eng.eos_token_ids)})))
-    loop = CoreLoop(llm, push)
+    prep = PrepQueue(eng.requests.prepare, prep_timeout_s)
+    loop = CoreLoop(llm, push, prep)
     beat = Heartbeat(ctx, from_core)
     status = 1
     try:
         while True:
             beat.tick()
             busy = eng.has_unfinished()
-            if pull.poll(0 if busy else IDLE_POLL_MS):
+            if pull.poll(0 if busy else PREP_POLL_MS if len(prep) else IDLE_POLL_MS):
                 while True:
                     try:
                         loop.handle(ch.decode_to_core(pull.recv(zmq.NOBLOCK)))
                     except zmq.Again:
                         break
+            if len(prep):
+                loop.admit_prepared()
             if loop.draining_until is not None and (not eng.has_unfinished() or time.monotonic() > loop.draining_until):
                 loop.abort_all()
                 status = 0
@@ -181,6 +210,7 @@ def run_core(llm_kwargs: dict[str, Any], to_core: str, from_core: str, logs: Log
         push.send(ch.encode(ch.Fatal(f"{type(e).__name__}: {e}")))
     finally:
         beat.stop()
+        prep.close()
         llm.close()  # flushes pending G3 writes
         if status == 0:
             log.info("engine core stopped")
@@ -221,6 +251,7 @@ class Heartbeat:
         self._sock.close()
 
 
-def core_main(llm_kwargs: dict[str, Any], to_core: str, from_core: str, logs: LogSettings) -> None:
+def core_main(llm_kwargs: dict[str, Any], to_core: str, from_core: str, logs: LogSettings,
+              prep_timeout_s: float) -> None:
     """multiprocessing target: the exit code tells the API process how the core ended."""
-    raise SystemExit(run_core(llm_kwargs, to_core, from_core, logs))
+    raise SystemExit(run_core(llm_kwargs, to_core, from_core, logs, prep_timeout_s))

@@ -48,6 +48,7 @@ def add_render_routes(app: FastAPI, api: API) -> None:
     @app.post("/v1/chat/completions/render")
     async def render_chat(request: Request) -> dict[str, Any]:
         req: ChatRenderRequest = await api.parse(request, ChatRenderRequest)
+        api.check_limits(req)  # what generation refuses unseen, this refuses too
         api.tool_plan(req)  # a bad tools/tool_choice is a 400 here too; a forced call constrains the params
         (ids,) = await api.chat_ids([req.messages], req)
         return _generate_request(api, req, ids, f"chatcmpl-{uuid.uuid4().hex}", model_name)
@@ -55,6 +56,7 @@ def add_render_routes(app: FastAPI, api: API) -> None:
     @app.post("/v1/completions/render")
     async def render_completion(request: Request) -> list[dict[str, Any]]:
         req: CompletionRenderRequest = await api.parse(request, CompletionRenderRequest)
+        api.check_limits(req)
         prompts = await api.text_ids(req.prompts())
         return [_generate_request(api, req, ids, f"cmpl-{uuid.uuid4().hex}", model_name) for ids in prompts]
 

@@ -107,9 +107,9 @@ def build_app(api: API) -> FastAPI:
     async def tokenize(request: Request) -> dict[str, Any]:
         req: TokenizeRequest = await api.parse(request, TokenizeRequest)
         if req.messages is not None:
-            (ids,) = await api.chat_ids([req.messages], req)
+            (ids,) = await api.chat_ids([req.messages], req, bound=False)  # counting is what it is for
         else:
-            (ids,) = await api.text_ids([req.prompt], req.add_special_tokens)
+            (ids,) = await api.text_ids([req.prompt], req.add_special_tokens, bound=False)
         info = api.client.info
         return {"count": len(ids), "max_model_len": info.max_model_len if info else None, "tokens": ids}
 

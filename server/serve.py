@@ -27,6 +27,7 @@ from server.tools import PARSERS
 from server.args import add_engine_args, llm_kwargs
 from server.client import DEFAULT_HEARTBEAT_TIMEOUT_S
 from server.flags import HttpSettings, add_http_args, http_settings, load_chat_template
+from server.limits import RequestLimits
 from server.metrics_compat import DEFAULT_METRICS_COMPAT, METRICS_COMPAT_CHOICES
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokenizer-threads", type=int, default=2,
                    help="threads that tokenize and apply chat templates, off the HTTP event loop; at most this "
                         "many requests tokenize at once (default: %(default)s)")
+    s.add_argument("--request-limits", default=None, metavar="JSON",
+                   help="bounds on what one request may make the server do, as a JSON object of those to change, "
+                        "e.g. '{\"bad_words\": 4096}'; a request over one gets 400 naming it (docs/HARDENING.md). "
+                        "List sizes, constraint sizes (schema_bytes, schema_depth, schema_enum, pattern_chars, "
+                        "grammar_chars, choice_chars) and the seconds a grammar may take to compile. Defaults: "
+                        + RequestLimits.describe())
     s.add_argument("--metrics-no-auth", action="store_true",
                    help="with --api-key, leave /metrics open to scrapers without the key (by default every "
                         "route but /health and /version needs it, /metrics and /tokenize included)")
@@ -197,7 +204,8 @@ def main(argv: list[str]) -> int:
                                   enable_auto_tool_choice=ns.enable_auto_tool_choice,
                                   tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
                                   system_fingerprint=system_fingerprint(kwargs), sampling_defaults=defaults,
-                                  request_logger=request_log if ns.enable_log_requests else None)
+                                  request_logger=request_log if ns.enable_log_requests else None,
+                                  limits=RequestLimits.from_json(ns.request_limits))
         if ns.engine_heartbeat_timeout <= 0:
             raise ValueError(f"--engine-heartbeat-timeout must be > 0; got {ns.engine_heartbeat_timeout}")
         # Probe the config in this process (cheap: no weights) so flag errors exit 2 before a spawn.
@@ -247,7 +255,7 @@ async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, 
     _Server = _uvicorn_server()
     from server.routes import build_app
 
-    client = EngineClient(kwargs, logs, ns.engine_heartbeat_timeout)
+    client = EngineClient(kwargs, logs, ns.engine_heartbeat_timeout, settings.limits.compile_timeout_s)
     log.info("starting the engine core for %s", settings.model_path)
     try:
         info = await client.start(ns.engine_start_timeout)

@@ -6,6 +6,14 @@ bounds how many requests tokenize at once; the rest wait their turn without bloc
 A chat template that came with the request (only with --trust-request-chat-template) renders
 under a deadline: a trace function stops its Python frames once the time is up, so a template
 with nested loops fails that request instead of holding a thread for minutes.
+
+Prompt text costs time to tokenize (about 2 MB/s here), so two multi-megabyte prompts took both
+threads for seconds while short requests waited behind them (issue 38). Two defences:
+- `min_tokens`: a lower bound on a text's tokens from its length alone (no token is longer than
+  the vocabulary's longest string, and normalization composes at most COMPOSE characters into
+  one), so a prompt that cannot fit max_model_len is refused before it is tokenized;
+- a request with more than LARGE_CHARS of text tokenizes on a lane of its own (one thread), so
+  large requests queue behind each other, never in front of the small ones.
 """
 from __future__ import annotations
 
@@ -21,6 +29,8 @@ from engine.llm import as_token_ids
 
 T = TypeVar("T")
 _CHECK_EVERY = 256  # trace events between clock reads: the clock costs more than the check
+LARGE_CHARS = 1 << 18  # characters of text above which a request tokenizes on the large lane
+COMPOSE = 4  # most characters normalization (NFC, Hangul jamo) composes into one
 
 
 class Tokenizing:
@@ -28,26 +38,34 @@ class Tokenizing:
         self.tok = tokenizer
         self.template_timeout_s = template_timeout_s
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtier-tokenize")
+        self._large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-tokenize-large")
+        self.max_token_chars = max(1, max(map(len, tokenizer.get_vocab()), default=1))
         # apply_chat_template's own parameters: in chat_template_kwargs they would change what it
         # returns (tokenize=False, return_tensors, truncation, ...) rather than feed the template.
         self.reserved_kwargs = frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) - {
             "conversation", "kwargs", "chat_template"}
 
-    async def _run(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+    def min_tokens(self, chars: int) -> int:
+        """At least this many tokens are in any text of `chars` characters."""
+        return chars // (self.max_token_chars * COMPOSE)
+
+    async def _run(self, fn: Callable[[], T], chars: int) -> T:
+        pool = self._large if chars > LARGE_CHARS else self._pool
+        return await asyncio.get_running_loop().run_in_executor(pool, fn)
 
     async def encode(self, prompts: list[str | list[int]], add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each prompt (a list of ids is taken as it is)."""
         def work() -> list[list[int]]:
             return [list(p) if isinstance(p, list) else list(self.tok.encode(p, add_special_tokens=add_special_tokens))
                     for p in prompts]
-        return await self._run(work)
+        return await self._run(work, sum(len(p) for p in prompts if isinstance(p, str)))
 
     async def chat(self, convs: list[list[dict[str, Any]]], add_generation_prompt: bool, kwargs: dict[str, Any],
-                   template: str | None, continue_final_message: bool = False) -> list[list[int]]:
+                   template: str | None, continue_final_message: bool = False, chars: int = 0) -> list[list[int]]:
         """Token ids of each conversation. Raises ValueError/TypeError/jinja errors for bad input,
         TimeoutError when a request-supplied `template` renders for longer than the bound.
-        `kwargs` must not hold `reserved_kwargs` (the caller refuses those by name)."""
+        `kwargs` must not hold `reserved_kwargs` (the caller refuses those by name). `chars`: the
+        conversations' text, which picks the lane."""
         def render(conv: list[dict[str, Any]]) -> list[int]:
             out = self.tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True,
                                                chat_template=template,
@@ -61,10 +79,11 @@ class Tokenizing:
             if template is None:  # the operator's template: trusted, no tracing overhead
                 return [render(c) for c in convs]
             return _with_deadline(lambda: [render(c) for c in convs], self.template_timeout_s)
-        return await self._run(work)
+        return await self._run(work, chars)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._large.shutdown(wait=False, cancel_futures=True)
 
 
 def _with_deadline(fn: Callable[[], T], timeout_s: float) -> T:

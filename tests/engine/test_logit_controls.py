@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from checkpoints import hf_greedy, load_hf, random_prompt
-from engine.logit_controls import apply_controls, bad_word_ids
+from engine.logit_controls import BadWords, apply_controls, bad_word_ids
 from engine.sampling_params import SamplingParams
 
 
@@ -27,22 +27,22 @@ def _reference(row: list[float], params: SamplingParams, bad: tuple, output: lis
     return out
 
 
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", range(60))
 def test_controls_match_a_plain_reference(seed):
     rng = random.Random(seed)
     vocab = 12
     row = [rng.uniform(-5, 5) for _ in range(vocab)]
     output = [rng.randrange(vocab) for _ in range(rng.randrange(0, 4))]
-    bad = tuple(tuple(rng.randrange(vocab) for _ in range(rng.randrange(1, 3))) for _ in range(rng.randrange(0, 3)))
+    bad = tuple(tuple(rng.randrange(vocab) for _ in range(rng.randrange(1, 4))) for _ in range(rng.randrange(0, 6)))
     bias = {rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(rng.randrange(0, 3))} or None
     allowed = rng.sample(range(vocab), rng.randrange(3, vocab)) if rng.random() < 0.5 else None
     params = SamplingParams(logit_bias=bias, allowed_token_ids=allowed, bad_words=["x"] if bad else None)
     want = _reference(row, params, bad, output)
     if all(v == -math.inf for v in want):
         with pytest.raises(ValueError, match="no token is left"):
-            apply_controls(torch.tensor(row), params, bad, output)
+            apply_controls(torch.tensor(row), params, BadWords(bad), output)
         return
-    got = apply_controls(torch.tensor(row), params, bad, output)
+    got = apply_controls(torch.tensor(row), params, BadWords(bad), output)
     assert got.tolist() == pytest.approx(want)
 
 

@@ -1,0 +1,126 @@
+"""The engine core's preparation queue: requests whose building is slow are built off the step loop.
+
+A request with bad words or a structured-output constraint has work whose cost its client
+controls (`RequestFactory.prepare`: tokenizing the words, compiling the grammar; a large
+constraint compiles for seconds). Done in the step loop, it stalled every other request for that
+long (issue 38). Here it runs on one daemon thread at low CPU priority (nice 10, so it yields to
+the forward's threads on a busy machine), the step loop keeps stepping the others, and the
+request joins the scheduler once its preparation is done (`ready`). Compiled grammars are cached
+by content (engine/structured.py), so n sequences of one request compile once.
+
+A preparation that takes longer than `timeout_s` is refused (its client gets a 400), and every
+later request with the same constraint is refused at once: it would take as long again. The
+thread cannot stop a compile it started; it finishes it and goes on with the queue.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from engine.request_factory import Prepared
+from engine.sampling_params import SamplingParams
+from kvstore.threads import DaemonPool, one_torch_thread
+
+log = logging.getLogger(__name__)
+
+PREP_NICE = 10
+SLOW_KEYS = 4096  # constraints remembered as too slow to compile (LRU)
+
+
+def _low_priority_thread() -> None:
+    one_torch_thread()
+    try:  # Linux: a thread's own nice value; raising it needs no privilege
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREP_NICE)
+    except (OSError, AttributeError) as e:
+        log.debug("preparation thread keeps its priority: %s", e)
+
+
+@dataclass
+class _Pending:
+    add: dict[str, Any]  # the Add message's request
+    params: SamplingParams
+    future: Future[Prepared]
+    deadline: float
+
+
+# (the Add message's request, its params, what preparing it gave: Prepared, or why it is refused)
+Outcome = tuple[dict[str, Any], SamplingParams, Prepared | str]
+
+
+class PrepQueue:
+    """Requests being prepared, by request id. Owned by the core loop's thread."""
+
+    def __init__(self, prepare: Callable[[SamplingParams], Prepared], timeout_s: float) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"the preparation timeout must be > 0 seconds; got {timeout_s}")
+        self.timeout_s = timeout_s
+        self._prepare = prepare
+        self._pool = DaemonPool(1, "kvtier-prep", initializer=_low_priority_thread)
+        self._pending: dict[str, _Pending] = {}
+        self._slow: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def submit(self, request_id: str, add: dict[str, Any], params: SamplingParams) -> str | None:
+        """Queues the request's preparation; or why it is refused at once (its constraint timed
+        out before)."""
+        if request_id in self._pending:
+            return f"request id {request_id!r} is already being prepared"
+        so = params.structured_outputs
+        if so is not None and so.key() in self._slow:
+            return self._too_slow(so.key()[0])
+        self._pending[request_id] = _Pending(add, params, self._pool.submit(self._prepare, params),
+                                             time.monotonic() + self.timeout_s)
+        return None
+
+    def abort(self, request_id: str) -> bool:
+        p = self._pending.pop(request_id, None)
+        if p is not None:
+            p.future.cancel()  # if it has not started yet
+        return p is not None
+
+    def ready(self) -> list[Outcome]:
+        """Requests whose preparation ended (Prepared, or the ValueError's text) or ran out of time."""
+        out: list[Outcome] = []
+        now = time.monotonic()
+        for rid, p in list(self._pending.items()):
+            if p.future.done():
+                del self._pending[rid]
+                try:
+                    out.append((p.add, p.params, p.future.result()))
+                except (ValueError, TypeError) as e:
+                    out.append((p.add, p.params, str(e)))
+                except Exception as e:  # noqa: BLE001 - one request's input must not end the engine
+                    log.exception("request %s: preparing it failed", rid)
+                    out.append((p.add, p.params, f"preparing the request failed: {type(e).__name__}: {e}"))
+            elif now > p.deadline:
+                del self._pending[rid]
+                p.future.cancel()
+                so = p.params.structured_outputs
+                if so is not None:
+                    self._slow[so.key()] = None
+                    while len(self._slow) > SLOW_KEYS:
+                        self._slow.popitem(last=False)
+                    log.warning("request %s: its structured outputs %s constraint did not compile within %gs; "
+                                "refusing it (and it from now on)", rid, so.key()[0], self.timeout_s)
+                out.append((p.add, p.params, self._too_slow(so.key()[0]) if so is not None else
+                            f"the request's bad_words took longer than {self.timeout_s:g}s to prepare"))
+        return out
+
+    def _too_slow(self, kind: str) -> str:
+        return (f"structured outputs {kind} did not compile within {self.timeout_s:g}s "
+                "(--request-limits compile_timeout_s): simplify the constraint")
+
+    def close(self) -> None:
+        for p in self._pending.values():
+            p.future.cancel()
+        self._pending.clear()
+        self._pool.shutdown(0.0)

@@ -1,0 +1,101 @@
+"""server/core_prep.py: requests are prepared off the core's step loop, within a time budget
+(issue 38). The oracle is a prepare function the test controls (an Event it blocks on), so
+the queue's own behaviour is what is checked: ready when done, refused when late, refused at
+once when the same constraint was late before, abort drops it."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from engine.request_factory import Prepared
+from engine.sampling_params import SamplingParams
+from server.core_prep import PrepQueue
+
+
+def _wait(q: PrepQueue, timeout: float = 5.0) -> list:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        out = q.ready()
+        if out:
+            return out
+        time.sleep(0.01)
+    raise AssertionError("nothing became ready")
+
+
+def test_prepared_off_the_calling_thread_and_handed_back():
+    seen: list[str] = []
+
+    def prepare(p: SamplingParams) -> Prepared:
+        seen.append(threading.current_thread().name)
+        if p.bad_words == ["bad"]:
+            raise ValueError("no good")
+        return Prepared()
+
+    q = PrepQueue(prepare, 5.0)
+    try:
+        assert q.submit("a", {"request_id": "a"}, SamplingParams(bad_words=["x"])) is None
+        assert q.submit("a", {"request_id": "a"}, SamplingParams(bad_words=["x"])) is not None  # a duplicate id
+        (add, params, result), = _wait(q)
+        assert add["request_id"] == "a" and isinstance(result, Prepared) and params.bad_words == ["x"]
+        assert seen and seen[0].startswith("kvtier-prep")
+        q.submit("b", {"request_id": "b"}, SamplingParams(bad_words=["bad"]))
+        (_, _, why), = _wait(q)
+        assert why == "no good"
+        assert len(q) == 0
+    finally:
+        q.close()
+
+
+def test_a_late_preparation_is_refused_and_so_is_its_constraint_afterwards():
+    release = threading.Event()
+    q = PrepQueue(lambda p: (release.wait(), Prepared())[1], 0.2)
+    try:
+        slow = SamplingParams(structured_outputs={"regex": "[a-z]+"})
+        t0 = time.monotonic()
+        q.submit("a", {"request_id": "a"}, slow)
+        (_, _, why), = _wait(q)
+        assert 0.2 <= time.monotonic() - t0 < 2 and "did not compile within 0.2s" in why
+        assert "compile_timeout_s" in why
+        again = q.submit("b", {"request_id": "b"}, SamplingParams(structured_outputs={"regex": "[a-z]+"}))
+        assert again is not None and "did not compile" in again  # refused at once
+        assert q.submit("c", {"request_id": "c"}, SamplingParams(structured_outputs={"regex": "[0-9]+"})) is None
+        release.set()
+        (add, _, result), = _wait(q)
+        assert add["request_id"] == "c" and isinstance(result, Prepared)
+    finally:
+        release.set()
+        q.close()
+
+
+def test_abort_drops_a_request_being_prepared():
+    release = threading.Event()
+    q = PrepQueue(lambda p: (release.wait(), Prepared())[1], 5.0)
+    try:
+        q.submit("a", {"request_id": "a"}, SamplingParams(bad_words=["x"]))
+        assert q.abort("a") and not q.abort("a") and len(q) == 0
+        release.set()
+        time.sleep(0.1)
+        assert q.ready() == []
+    finally:
+        release.set()
+        q.close()
+
+
+def test_an_unexpected_error_in_preparation_is_a_refusal_not_a_crash():
+    def prepare(p: SamplingParams) -> Prepared:
+        raise RuntimeError("xgrammar said no")
+
+    q = PrepQueue(prepare, 5.0)
+    try:
+        q.submit("a", {"request_id": "a"}, SamplingParams(bad_words=["x"]))
+        (_, _, why), = _wait(q)
+        assert "RuntimeError: xgrammar said no" in why
+    finally:
+        q.close()
+
+
+def test_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="timeout"):
+        PrepQueue(lambda p: Prepared(), 0)
