@@ -54,6 +54,10 @@ class KVCacheManager:
         keys += [group_key(k, group) for k in req.block_keys[len(keys):]]
         return keys
 
+    def prompt_keys(self, req: Request) -> list[BlockKey]:
+        """Group 0's keys of the request's full blocks (computed or not)."""
+        return self._keys(req, 0)
+
     def _first_needed(self, group: int, num_tokens: int) -> int:
         """The first block of `group` a query at position >= num_tokens can see."""
         w = self.windows[group]

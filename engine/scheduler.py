@@ -13,6 +13,17 @@ prompt passed over `MAX_PASSED_OVER` steps in a row runs regardless, so a stream
 slows a long one down but cannot stop it.
 When G1 runs out, the least urgent running request is preempted: its blocks are released
 (they stay in the prefix cache, so a resume is usually a cache hit) and it waits again.
+
+Two rules keep one request's expensive prompt from taking the engine (issue 38):
+- **A prefix being computed is computed once.** A waiting request whose next uncached prompt block
+  a running request is computing right now sits out (it is not admitted, nor does it hold up the
+  queue) until that block is cached, then reads it: n sequences of one prompt, or many clients
+  sending one document at once, prefill it once instead of n times.
+- **Prompt log-probs get a share of the step, not the step.** Such a request recomputes its whole
+  prompt and scores every position against the vocabulary. While other requests have work, the
+  prompt tokens of log-prob requests in a step (all together) are capped at what costs
+  PROMPT_LOGPROBS_SHARE of the rest of the step, from the step cost fitted online
+  (engine/step_cost.py); alone, they run at the full budget.
 """
 from __future__ import annotations
 
@@ -26,8 +37,14 @@ from connectors.base import KVConnector, NullConnector
 from engine.config import EngineConfig, SchedulingPolicy
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestId, RequestStatus
+from engine.step_cost import StepCost
+from kvstore.keys import BlockKey
 
 MAX_PASSED_OVER = 8  # shortest_prefill: steps a running prompt may sit out in a row
+# Prompt log-prob tokens in a step with other work cost at most this share of that work's time
+# (so the others' steps take at most 1.5x as long); until the step cost is fitted, this many.
+PROMPT_LOGPROBS_SHARE = 0.5
+PROMPT_LOGPROBS_UNFITTED = 32
 
 
 def _tokens_left(req: Request) -> int:
@@ -96,6 +113,9 @@ class WaitingQueue:
     def pop(self) -> Request:
         return heapq.heappop(self._heap)[2] if self.policy is SchedulingPolicy.PRIORITY else self._fifo.popleft()
 
+    def __iter__(self):
+        return (e[2] for e in self._heap) if self.policy is SchedulingPolicy.PRIORITY else iter(self._fifo)
+
     def remove(self, req: Request) -> bool:
         if self.policy is SchedulingPolicy.PRIORITY:
             kept = [e for e in self._heap if e[2] is not req]
@@ -116,9 +136,12 @@ class WaitingQueue:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, config: EngineConfig, max_num_batched_tokens: int,
                  connector: KVConnector | None = None,  # None: a NullConnector
-                 num_lookahead_tokens: int = 0, num_spec_placeholders: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, num_spec_placeholders: int = 0,
+                 step_cost: StepCost | None = None) -> None:
         """Policy, max_num_seqs, chunked prefill and the prompt-chunk cap come from `config`;
-        `max_num_batched_tokens` is the step budget the engine resolved from it."""
+        `max_num_batched_tokens` is the step budget the engine resolved from it. `step_cost`:
+        the engine's fit of step time (read only); None caps prompt log-prob work at
+        PROMPT_LOGPROBS_UNFITTED tokens a step."""
         self.kv = kv
         self.policy = policy = config.scheduling_policy
         self.max_num_seqs = config.max_num_seqs
@@ -138,6 +161,7 @@ class Scheduler:
         # token a launched step is still sampling (its proposals come after that).
         self.num_spec_placeholders = num_spec_placeholders
         self._passed_over: dict[RequestId, int] = {}  # shortest_prefill: steps each running prompt sat out
+        self.step_cost = step_cost
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -162,6 +186,9 @@ class Scheduler:
             shortest = self.waiting.sort(self._prompt_left)
         deferred: list[Request] = []  # running prompts that sit out this step unless nothing shorter runs
         finishes_prompt = False  # a prompt completes in this step
+        inflight = self._inflight_keys()
+        held: list[Request] = []  # waiting requests that sit this step out (see the module docstring)
+        plp = [self._prompt_logprobs_allowance(inflight)]  # prompt log-prob tokens this step may still take
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -171,7 +198,10 @@ class Scheduler:
                 deferred.append(req)
                 i += 1
                 continue
-            n = min(self._chunk(left), budget)
+            n = self._share(req, min(self._chunk(left), budget), plp)
+            if n == 0:  # its prompt log-probs' share of this step is spent
+                i += 1
+                continue
             # Proposals ride on a decode, within the budget (one token of it is the decode's).
             spec = tuple(req.spec_token_ids[: budget - 1]) if n == 1 else ()
             if n == 1 and req.num_output_placeholders and self.num_spec_placeholders:
@@ -197,6 +227,7 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest.after(req, n, spec))
                 scheduled.add(req.request_id)
                 budget -= n
+                self._spend(req, n, plp)
                 finishes_prompt |= 1 < left == n
                 if srpt:
                     self._passed_over.pop(req.request_id, None)  # counts steps sat out in a row
@@ -207,6 +238,9 @@ class Scheduler:
             fresh = not self.kv.block_table(req)  # else resuming after an async load
             lookup = fresh and not req.wants_prompt_logprobs  # those need every prompt position's logits
             hits = self.kv.get_computed_blocks(req) if lookup else []
+            if lookup and self._being_computed(req, len(hits), inflight):
+                held.append(self.waiting.pop())  # reads that block once it is cached
+                continue
             num_cached = len(hits) * self.kv.block_size if fresh else req.num_computed_tokens
             if lookup and not req.load_failed:
                 ext, is_async = self.connector.get_num_new_matched_tokens(req, num_cached)
@@ -227,7 +261,10 @@ class Scheduler:
                     self.loading[req.request_id] = req
                     continue
             remaining = req.num_tokens - num_cached
-            n = min(self._chunk(remaining), budget)
+            n = self._share(req, min(self._chunk(remaining), budget), plp)
+            if n == 0:
+                held.append(self.waiting.pop())
+                continue
             if n < remaining and not self.enable_chunked_prefill:
                 break
             if srpt and n < remaining and finishes_prompt:  # leave the step to the prompts it finishes
@@ -245,10 +282,59 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest.after(req, n))
             scheduled.add(req.request_id)
             budget -= n
+            self._spend(req, n, plp)
             finishes_prompt |= n == remaining
+            if lookup and self.kv.pool.enable_caching and len(self.waiting):  # admitted now: computing from here
+                bs = self.kv.block_size
+                inflight.update(self.kv.prompt_keys(req)[num_cached // bs:req.num_prompt_tokens // bs])
+        for req in reversed(held):  # back in their places, for the next step
+            self.waiting.add(req, front=True)
         if deferred:
-            self._run_deferred(out, deferred, budget, scheduled, finishes_prompt)
+            self._run_deferred(out, deferred, budget, scheduled, finishes_prompt, plp)
         return out
+
+    def _inflight_keys(self) -> set[BlockKey]:
+        """Keys of the full prompt blocks running requests have still to compute (empty without
+        prefix caching, or with nobody waiting to share them)."""
+        if not self.kv.pool.enable_caching or not len(self.waiting):
+            return set()
+        bs, keys = self.kv.block_size, set()
+        for r in self.running:
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                keys.update(self.kv.prompt_keys(r)[r.num_computed_tokens // bs:r.num_prompt_tokens // bs])
+        return keys
+
+    def _being_computed(self, req: Request, num_hit_blocks: int, inflight: set[BlockKey]) -> bool:
+        """The request's next block after its hits is one a running prompt is computing."""
+        if not inflight:
+            return False
+        keys = self.kv.prompt_keys(req)
+        return num_hit_blocks < min(len(keys), (req.num_tokens - 1) // self.kv.block_size) \
+            and keys[num_hit_blocks] in inflight
+
+    def _prompt_logprobs_allowance(self, inflight: set[BlockKey]) -> int | None:
+        """Prompt tokens of log-prob requests this step may take, all together: None (no cap)
+        when nothing else has work; else what costs PROMPT_LOGPROBS_SHARE of the others' step."""
+        if not any(r.wants_prompt_logprobs for r in self.running) and \
+                not any(r.wants_prompt_logprobs for r in self.waiting):
+            return None
+        others = sum(1 for r in self.running if not r.wants_prompt_logprobs)
+        others += sum(1 for r in self.waiting if not r.wants_prompt_logprobs  # those held for a shared prefix: not yet
+                      and not (inflight and not inflight.isdisjoint(self.kv.prompt_keys(r))))
+        if not others:
+            return None
+        fitted = self.step_cost.tokens_for(others, PROMPT_LOGPROBS_SHARE) if self.step_cost is not None else None
+        return PROMPT_LOGPROBS_UNFITTED if fitted is None else fitted
+
+    @staticmethod
+    def _share(req: Request, n: int, plp: list[int | None]) -> int:
+        """`n` new tokens, cut to the prompt log-prob allowance for a request that wants them."""
+        return n if plp[0] is None or not req.wants_prompt_logprobs or n <= 1 else min(n, plp[0])
+
+    @staticmethod
+    def _spend(req: Request, n: int, plp: list[int | None]) -> None:
+        if plp[0] is not None and req.wants_prompt_logprobs and n > 1:
+            plp[0] -= n
 
     def _prompt_left(self, req: Request) -> int:
         """Prompt tokens a waiting request has left to compute (after its G1 prefix hits, if fresh)."""
@@ -257,7 +343,7 @@ class Scheduler:
         return req.num_tokens - len(self.kv.get_computed_blocks(req)) * self.kv.block_size
 
     def _run_deferred(self, out: SchedulerOutput, deferred: list[Request], budget: int,
-                      scheduled: set[RequestId], finishes_prompt: bool) -> None:
+                      scheduled: set[RequestId], finishes_prompt: bool, plp: list[int | None]) -> None:
         """shortest_prefill: the running prompts that sat out get what budget is left, shortest
         first, unless a prompt finishes in this step (then they wait: no preemption for them)."""
         for req in sorted(deferred, key=_tokens_left):
@@ -266,13 +352,14 @@ class Scheduler:
             if finishes_prompt or budget <= 0:
                 self._passed_over[req.request_id] = self._passed_over.get(req.request_id, 0) + 1
                 continue
-            n = min(self._chunk(_tokens_left(req)), budget)
-            if not self._allocate(req, n):
+            n = self._share(req, min(self._chunk(_tokens_left(req)), budget), plp)
+            if n == 0 or not self._allocate(req, n):
                 self._passed_over[req.request_id] = self._passed_over.get(req.request_id, 0) + 1
                 continue
             out.scheduled.append(ScheduledRequest.after(req, n))
             scheduled.add(req.request_id)
             budget -= n
+            self._spend(req, n, plp)
             self._passed_over.pop(req.request_id, None)
 
     def _chunk(self, remaining: int) -> int:

@@ -21,8 +21,8 @@ proposal, so that acceptance is re-measured when the text turns repetitive again
 from __future__ import annotations
 
 from engine.request import RequestId
+from engine.step_cost import DECAY, LinearFit
 
-DECAY = 0.98  # per observation: about the last 50 steps / verifications count
 REQUEST_DECAY = 0.9  # per verification of the request: its last ~10 count
 PRIOR_WEIGHT = 3.0  # the engine-wide rate counts as this many of the request's own verifications
 EXPLORE_EVERY = 8
@@ -40,16 +40,13 @@ class SpecBudget:
         self.k = k
         self._reached = [1.0] * k  # decayed counts: proposals that reached position i
         self._accepted = [PRIOR_ACCEPT] * k  # ... and had it accepted
-        self._fit = [0.0] * 5  # decayed n, sum x, sum y, sum xx, sum xy (x: tokens, y: seconds)
+        self._fit = LinearFit()  # decode-only steps' forward time against their query tokens
         self._steps = 0
         self._own: dict[RequestId, tuple[list[float], list[float]]] = {}  # per request: reached, accepted
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A decode-only step's forward: `num_tokens` query tokens in `seconds`."""
-        f = self._fit
-        x, y = float(num_tokens), seconds
-        for i, v in enumerate((1.0, x, y, x * x, x * y)):
-            f[i] = f[i] * DECAY + v
+        self._fit.observe(num_tokens, seconds)
 
     def observe_verify(self, req_id: RequestId, num_proposed: int, num_accepted: int) -> None:
         own = self._own.setdefault(req_id, ([0.0] * self.k, [0.0] * self.k))
@@ -76,14 +73,10 @@ class SpecBudget:
 
     def cost_per_token(self, batch: int) -> float:
         """c1 / (T(batch) / batch): 0 until the fit has seen different step sizes."""
-        n, sx, sy, sxx, sxy = self._fit
-        if n < 4:
+        c = self._fit.coefficients()
+        if c is None:
             return 0.0
-        var = sxx / n - (sx / n) ** 2
-        if var < 1.0:  # every step the same size: no slope to read
-            return 0.0
-        c1 = max(0.0, (sxy / n - sx * sy / n / n) / var)
-        c0 = sy / n - c1 * sx / n
+        c0, c1 = c
         t = c0 + c1 * batch
         return c1 * batch / t if t > 0 else 0.0
 

@@ -154,7 +154,9 @@ class _Sampling(BaseModel):
 
     def sampling_params(self, room: int, index: int = 0) -> SamplingParams:
         """Raises ValueError for values the engine rejects. `room` is what the context has left
-        after the prompt; `index` offsets the seed for n > 1."""
+        after the prompt; `index` offsets the seed for n > 1, and only the first sequence of a
+        prompt computes its prompt log-probs (they are the prompt's: the API copies them to the
+        others, which then read the prompt's KV from the prefix cache instead of recomputing it)."""
         default = room if self.default_max_tokens is None else min(self.default_max_tokens, room)
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         return SamplingParams(
@@ -178,7 +180,7 @@ class _Sampling(BaseModel):
             bad_words=self.bad_words or None,
             structured_outputs=so[1] if (so := self.structured()) else None,
             thinking_token_budget=self.thinking_token_budget,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self.prompt_logprobs if index == 0 else None,
         )
 
 
