@@ -281,6 +281,11 @@ class EngineConfig:
     # this says its store is trusted (nobody else can write to it): then entries carry only the
     # unkeyed checksum, which catches damage, not forgery.
     kv_offload_remote_trusted: bool = False
+    # CPU: threads the forward runs (None: OMP_NUM_THREADS if set, else the CPUs this process may
+    # use, its affinity and cgroup quota), and whether it runs fewer while other processes load
+    # those CPUs (engine/cpu_threads.py).
+    cpu_threads: int | None = None
+    adaptive_cpu_threads: bool = True
     # The secret itself, read in __post_init__: never in repr, never compared.
     kv_offload_secret: bytes | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -298,6 +303,8 @@ class EngineConfig:
                                                                                  self.enforce_eager))
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1; got {self.cpu_threads}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

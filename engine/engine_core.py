@@ -21,18 +21,17 @@ from connectors.factory import supports_kv_groups
 from engine.connector_setup import make_connector
 from engine.async_pipeline import PlannedStep, RanStep, mark_in_flight
 from engine.isolation import FORWARD_ERRORS, execute_isolating
-from engine import cpu_runtime, gpu_memory
-from engine.setup import attention_backend, eos_ids, kv_layout, step_token_budget
+from engine import cpu_runtime, cpu_threads, gpu_memory
+from engine.setup import attention_backend, eos_ids, kv_layout, step_token_budget, warn_unused_gpu_memory_utilization
 from engine.config import CPU_KV_CACHE_GIB, EngineConfig, LoadFailurePolicy, load_model_config
-from engine.kv_events import ZmqEventPublisher, open_events
-from kvstore.events import EventBuffer
+from engine.kv_events import open_events
 from kvstore.threads import one_torch_thread
 from engine.kv_cache_manager import KVCacheManager
 from engine.compiled import COMPILE_ERRORS, CompiledForward
 from engine.loader import load_model, load_tokenizer
 from engine.model_runner import ModelOutput, ModelRunner, kv_cache_bytes_per_block
 from engine.request import Request, RequestId, RequestStatus
-from engine.request_factory import RequestFactory
+from engine.request_factory import Prepared, RequestFactory
 from engine.stop import check_stop
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -40,6 +39,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.proposers import DraftPlan
 from engine.spec_decode import SpecDecoder, sample_outputs
 from engine.stats import EngineStats
+from engine.step_cost import StepCost
 from kvstore.g1 import BlockPool
 from policies import make_policy
 
@@ -117,7 +117,8 @@ class EngineCore:
                 self.runner.use_eager()
                 log.warning("torch.compile failed, the model runs eagerly (with torch ops, not the fused C++ "
                             "ones; -O0 or --enforce-eager avoid this): %s", str(e).strip().splitlines()[0][:300])
-        self.events, self.publisher = self._build_events()
+        self.events, self.publisher = open_events(config.kv_events_config)
+        self.pool.events = self.events
         self.connector: KVConnector = make_connector(config, mc, model_dir, self.hidden_spec, self.pool, self.events,
                                                      self.runner) or NullConnector()
         self.sampler = Sampler(config.seed)
@@ -128,8 +129,10 @@ class EngineCore:
             log.info("speculative decoding: %s, %d tokens per step", plan.spec.method.value,
                      plan.spec.num_speculative_tokens)
         lookahead = self.spec.k if self.spec is not None and self.spec.proposer.needs_lookahead else 0
+        self.step_cost = StepCost()  # every forward's time, fitted: the scheduler shares steps by it
         self.scheduler = Scheduler(self.kv, config, self.max_num_batched_tokens, self.connector, num_lookahead_tokens=lookahead,
-                                   num_spec_placeholders=self.spec.k if self.spec and config.async_scheduling else 0)
+                                   num_spec_placeholders=self.spec.k if self.spec and config.async_scheduling else 0,
+                                   step_cost=self.step_cost)
         # Async scheduling: the bookkeeping thread, the step planned to run next and the one that
         # ran but is not applied yet, and finished requests whose blocks those steps still write.
         self._helper = ThreadPoolExecutor(1, "kvtier-bookkeeping", initializer=one_torch_thread
@@ -141,20 +144,12 @@ class EngineCore:
         self.generation_tokens = 0
         self.busy_seconds = 0.0  # steps that ran a forward, and the forwards in them (EngineStats)
         self.forward_seconds = 0.0
-        if config.device == "cpu":
-            log.info("CPU: %d torch threads; %s", torch.get_num_threads(), cpu_runtime.describe())
-        if not profiled and config.gpu_memory_utilization != EngineConfig.gpu_memory_utilization:
-            # Accepted for vLLM command lines (vLLM's CPU build does too), but said aloud.
-            why = "on CPU" if config.device == "cpu" else "with kv_cache_memory_gib / num_gpu_blocks set"
-            log.warning("gpu_memory_utilization=%s does not apply %s: G1 comes from kv_cache_memory_gib "
-                        "(or num_gpu_blocks)", config.gpu_memory_utilization, why)
+        self.threads = cpu_threads.start(config.cpu_threads, config.adaptive_cpu_threads, cpu_runtime.describe()
+                                         ) if config.device == "cpu" else None
+        if not profiled:
+            warn_unused_gpu_memory_utilization(config)
         log.info("G1: %d blocks of %d tokens (%.2f GiB), max_model_len=%d, max_num_batched_tokens=%d",
                  num_blocks, bs, num_blocks * per_block / 2**30, max_len, self.max_num_batched_tokens)
-
-    def _build_events(self) -> tuple[EventBuffer | None, ZmqEventPublisher | None]:
-        buf, publisher = open_events(self.config.kv_events_config)
-        self.pool.events = buf
-        return buf, publisher
 
     def _publish_events(self) -> None:
         if self.publisher is not None and self.events is not None:
@@ -187,16 +182,18 @@ class EngineCore:
     # -- requests --------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                      prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
-                     session: str | None = None, kv_transfer_params: dict[str, Any] | None = None) -> Request:
+                     session: str | None = None, kv_transfer_params: dict[str, Any] | None = None,
+                     prepared: Prepared | None = None) -> Request:
         """Validates and builds a request without touching engine state. `session`: the client's
         conversation hint (OpenAI's `prompt_cache_key`, else `user`), which eviction policies see.
         `kv_transfer_params`: prefill/decode disaggregation (connectors/pd.py), which the
-        connector must support."""
+        connector must support. `prepared`: `self.requests.prepare(params)`, done off the step loop
+        (None: done here)."""
         pd = parse_pd(kv_transfer_params)
         if pd is not None:
             self.connector.check_pd(pd)
         return self.requests.make(request_id, prompt_token_ids, params, self.max_model_len, prompt=prompt,
-                                  priority=priority, cache_salt=cache_salt, session=session, pd=pd)
+                                  priority=priority, cache_salt=cache_salt, session=session, pd=pd, prepared=prepared)
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add_request(req)
@@ -220,6 +217,8 @@ class EngineCore:
         """One iteration. Returns the requests that got a new token this step (finished ones
         included, with a finished status). With async scheduling they are those of the step that
         ran in the previous call, applied while this call's forward runs."""
+        if self.threads is not None:
+            self.threads.tick()
         if self._helper is not None:
             return self._step_async()
         start = time.perf_counter()
@@ -231,14 +230,19 @@ class EngineCore:
         self.sampler.prefetch([s.req for s in sched.scheduled if s.samples])
         forward_start = time.perf_counter()
         out, failed = execute_isolating(self.runner, sched, tables)
-        forward = time.perf_counter() - forward_start
-        self.forward_seconds += forward
-        if self.spec is not None and all(s.num_committed_tokens == 1 for s in sched.scheduled):
-            # A proposal costs its verify tokens and the proposer's time (a draft model's forwards).
-            self.spec.budget.observe_step(sched.num_tokens, forward + self.spec.last_propose_seconds)
+        self._timed(sched, time.perf_counter() - forward_start, not failed)
         updated += self._apply(sched, meta, out, failed)
         self.busy_seconds += time.perf_counter() - start
         return updated
+
+    def _timed(self, sched: SchedulerOutput, forward: float, ok: bool) -> None:
+        """A forward's time: the stats, and (when it ran through) the step-cost fits the scheduler
+        and speculation read; a proposal costs its verify tokens and the proposer's time."""
+        self.forward_seconds += forward
+        if ok:
+            self.step_cost.observe(sched.num_tokens, forward)
+        if ok and self.spec is not None and all(s.num_committed_tokens == 1 for s in sched.scheduled):
+            self.spec.budget.observe_step(sched.num_tokens, forward + self.spec.last_propose_seconds)
 
     def _plan(self) -> tuple[SchedulerOutput, list[tuple[list[int], ...]], object]:
         """Schedule -> block tables -> connector metadata, with this step's loads started."""
@@ -345,10 +349,7 @@ class EngineCore:
                 out = self.runner.run(cur.inputs)
             except FORWARD_ERRORS:
                 pass  # rerun below through execute_isolating, which finds the request(s) to blame
-            forward = time.perf_counter() - forward_start
-            self.forward_seconds += forward
-            if out is not None and self.spec is not None and all(s.num_committed_tokens == 1 for s in cur.sched.scheduled):
-                self.spec.budget.observe_step(cur.sched.num_tokens, forward + self.spec.last_propose_seconds)
+            self._timed(cur.sched, time.perf_counter() - forward_start, out is not None)
         more, self._planned = pending.result()
         updated += more
         if out is None:

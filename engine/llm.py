@@ -60,6 +60,8 @@ class LLM:
         kv_namespace: str | None = None,
         kv_offload_secret_file: str | None = None,
         kv_offload_remote_trusted: bool = False,
+        cpu_threads: int | None = None,
+        adaptive_cpu_threads: bool = True,
     ) -> None:
         if model is None:
             from engine.demo_model import ensure_demo_model
@@ -85,7 +87,8 @@ class LLM:
             reasoning_config=_parse_json(reasoning_config, "reasoning_config"),
             async_scheduling=async_scheduling, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
             kv_namespace=kv_namespace, kv_offload_secret_file=kv_offload_secret_file,
-            kv_offload_remote_trusted=kv_offload_remote_trusted,
+            kv_offload_remote_trusted=kv_offload_remote_trusted, cpu_threads=cpu_threads,
+            adaptive_cpu_threads=adaptive_cpu_threads,
         )
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()

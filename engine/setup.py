@@ -69,3 +69,12 @@ def kv_layout(mc: ModelConfig, one_group: str | None) -> KVLayout:
                                           for g in layout.groups),
              f"; {len(layout.aliases)} layers reuse an earlier layer's KV" if layout.aliases else "")
     return layout
+
+
+def warn_unused_gpu_memory_utilization(config: EngineConfig) -> None:
+    """gpu_memory_utilization is accepted where it does not apply (vLLM command lines; vLLM's CPU
+    build does too), but said aloud."""
+    if config.gpu_memory_utilization != EngineConfig.gpu_memory_utilization:
+        why = "on CPU" if config.device == "cpu" else "with kv_cache_memory_gib / num_gpu_blocks set"
+        log.warning("gpu_memory_utilization=%s does not apply %s: G1 comes from kv_cache_memory_gib "
+                    "(or num_gpu_blocks)", config.gpu_memory_utilization, why)

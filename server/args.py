@@ -80,6 +80,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '"options": {...}}\'. G2 and G3 use it too unless kv_connector_extra_config sets '
                         "g2_eviction_policy / g3_eviction_policy (or a tier's eviction_policy) (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: %(default)s)")
+    g.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="CPU: threads the forward runs (default: $OMP_NUM_THREADS if set, else the CPUs this "
+                        "process may use: its affinity mask, lowered to its cgroup's CPU quota)")
+    g.add_argument("--adaptive-cpu-threads", default=True, action=argparse.BooleanOptionalAction,
+                   help="CPU: run fewer forward threads while other processes load the same CPUs, and go back "
+                        "when they stop (an OpenMP team sharing a core with a busy process waits for it at every "
+                        "barrier: 3-12x slower steps); each change is logged (default: on)")
     o = p.add_argument_group("KV offload (G2 host memory, G3 disk, G4 Redis/Valkey)")
     o.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
                    help="G2 host-memory tier size in GiB (vLLM's flag); off when not given")
@@ -189,4 +196,6 @@ def llm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         "kv_namespace": ns.kv_namespace,
         "kv_offload_secret_file": ns.kv_offload_secret_file,
         "kv_offload_remote_trusted": ns.kv_offload_remote_trusted,
+        "cpu_threads": ns.cpu_threads,
+        "adaptive_cpu_threads": ns.adaptive_cpu_threads,
     }

@@ -1,0 +1,183 @@
+"""How many threads the CPU forward runs: the CPUs this process may use, and fewer while another
+process is using them (issue 38).
+
+**At start-up** the count is the CPUs this process may run on: its affinity mask, lowered to its
+cgroup's CPU quota (a container given 2 CPUs on a 64-core host would otherwise run 64 threads
+that take turns). OMP_NUM_THREADS, or `cpu_threads`, sets it instead.
+
+**While it runs** a forward's OpenMP team waits at a barrier after every parallel region for
+its slowest thread. When another process is runnable on one of the team's cores, that thread
+runs only every other time slice, and the whole team waits for it, dozens of times a step:
+measured here, one busy neighbour made the default two threads 2.9x slower (AMD EPYC) to 12x
+(an Intel Xeon), where one thread was 1.5x slower than two on a quiet machine. So a governor
+reads, every INTERVAL_S, how much of the usable CPUs other processes used (the machine's busy
+time in /proc/stat minus this process's own in /proc/self/stat): when what is left for this
+process is below the threads it runs by more than half a core, it drops to what is left (at
+least one); when what is left has room for one more thread for RAISE_AFTER intervals in a row,
+it adds one back, up to the start-up count. Each change is logged.
+
+Passive waiting (OMP_WAIT_POLICY=PASSIVE) was the other candidate: under the same neighbour it
+was as good as one thread, but on a quiet machine it made decode 35-50% slower (threads sleep
+and wake at every barrier), so the engine keeps spinning and sheds threads instead.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+INTERVAL_S = 0.5  # how often the governor measures
+DROP_MARGIN = 0.5  # drop when the CPUs left are this much below the threads running
+RAISE_ROOM = 0.8  # add a thread when this much of a CPU beyond the running threads is left ...
+RAISE_AFTER = 2  # ... for this many intervals in a row
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (guest time is inside user)
+
+
+@dataclass(frozen=True)
+class UsableCpus:
+    cpus: tuple[int, ...]  # the affinity mask
+    quota: float | None  # the cgroup's CPU quota in CPUs, None when unlimited
+
+    @property
+    def count(self) -> int:
+        n = len(self.cpus) or (os.cpu_count() or 1)
+        return max(1, min(n, math.ceil(self.quota))) if self.quota is not None else n
+
+    def describe(self) -> str:
+        q = f"cgroup quota {self.quota:g} CPUs" if self.quota is not None else "no cgroup CPU quota"
+        return f"{self.count} usable CPUs (affinity {len(self.cpus)}, {q})"
+
+
+def cgroup_quota(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """This process's cgroup CPU quota in CPUs (v2 cpu.max, or v1 cfs_quota_us / cfs_period_us);
+    None when unlimited or unreadable."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    paths = {}
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        for c in controllers.split(",") if controllers else [""]:
+            paths[c] = path.lstrip("/")
+    candidates: list[tuple[Path, Path | None]] = [(root / paths.get("", "") / "cpu.max", None), (root / "cpu.max", None)]
+    for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):  # v1 mounts the controller under one of these
+        for sub in ((paths["cpu"], "") if "cpu" in paths else ("",)):
+            d = root / mount / sub
+            candidates.append((d / "cpu.cfs_quota_us", d / "cpu.cfs_period_us"))
+    for quota_file, period_file in candidates:
+        try:
+            if period_file is None:
+                quota, period = quota_file.read_text().split()[:2]
+            else:
+                quota, period = quota_file.read_text().strip(), period_file.read_text().strip()
+        except (OSError, ValueError):
+            continue
+        if quota in ("max", "-1"):
+            return None
+        try:
+            q, p = int(quota), int(period)
+        except ValueError:
+            continue
+        return q / p if q > 0 and p > 0 else None
+    return None
+
+
+def usable_cpus() -> UsableCpus:
+    cpus = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
+    return UsableCpus(cpus, cgroup_quota())
+
+
+def read_busy(cpus: tuple[int, ...], stat_text: str) -> tuple[float, float]:
+    """(busy, total) clock ticks of `cpus` (all when empty) from /proc/stat's text."""
+    busy = total = 0.0
+    want = {f"cpu{c}" for c in cpus}
+    for line in stat_text.splitlines():
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or name == "cpu" or (want and name not in want):
+            continue
+        vals = [float(v) for v in rest.split()[:8]]
+        busy += sum(vals[i] for i in _BUSY_FIELDS if i < len(vals))
+        total += sum(vals)
+    return busy, total
+
+
+def own_ticks(stat_text: str) -> float:
+    """utime + stime of /proc/self/stat's text, in clock ticks."""
+    fields = stat_text.rpartition(")")[2].split()
+    return float(fields[11]) + float(fields[12])
+
+
+class ThreadGovernor:
+    """Owns the forward's thread count (see the module docstring). `tick()` from the thread that
+    runs the forward, once a step: torch's thread count is per calling thread."""
+
+    def __init__(self, usable: UsableCpus, threads: int, set_threads: Callable[[int], None],
+                 read: Callable[[str], str] = lambda p: Path(p).read_text(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.usable, self.max_threads, self.threads = usable, max(1, threads), max(1, threads)
+        self._set, self._read, self._clock = set_threads, read, clock
+        self._room_streak = 0
+        self._last: tuple[float, float, float] | None = None  # (time, others' busy ticks, total ticks)
+        self._next = 0.0
+        self.changes = 0
+
+    def tick(self) -> None:
+        now = self._clock()
+        if now < self._next:
+            return
+        self._next = now + INTERVAL_S
+        try:
+            busy, total = read_busy(self.usable.cpus, self._read("/proc/stat"))
+            own = own_ticks(self._read("/proc/self/stat"))
+        except (OSError, ValueError, IndexError) as e:  # not Linux, or no /proc: stay as we are
+            log.debug("thread governor cannot read CPU times: %s", e)
+            self._next = now + 60.0
+            return
+        last, self._last = self._last, (now, busy - own, total)
+        if last is None or total <= last[2]:
+            return
+        n = len(self.usable.cpus) or (os.cpu_count() or 1)  # the CPUs /proc/stat was summed over
+        others = max(0.0, (busy - own - last[1]) / (total - last[2]) * n)
+        self.observe(min(n, self.usable.count) - others)
+
+    def observe(self, left: float) -> None:
+        """`left`: the CPUs other processes left this process over the last interval."""
+        if left < self.threads - DROP_MARGIN and self.threads > 1:
+            self._change(max(1, int(left + 0.5)), f"other processes left {left:.1f} CPUs")
+        elif left >= self.threads + RAISE_ROOM and self.threads < self.max_threads:
+            self._room_streak += 1
+            if self._room_streak >= RAISE_AFTER:
+                self._change(self.threads + 1, f"{left:.1f} CPUs free again")
+        else:
+            self._room_streak = 0
+
+    def _change(self, threads: int, why: str) -> None:
+        self._room_streak = 0
+        if threads == self.threads:
+            return
+        log.info("CPU forward threads %d -> %d: %s", self.threads, threads, why)
+        self.threads = threads
+        self.changes += 1
+        self._set(threads)
+
+
+def start(cpu_threads: int | None, adaptive: bool, runtime: str) -> ThreadGovernor | None:
+    """Sets the forward's thread count (module docstring) on the calling thread, logs it with
+    `runtime` (the allocator and binding line) and returns the governor, if one runs."""
+    import torch
+
+    usable = usable_cpus()
+    env = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    threads = cpu_threads or (int(env) if env.isdigit() and int(env) > 0 else usable.count)
+    torch.set_num_threads(threads)
+    governed = adaptive and threads > 1
+    log.info("CPU: %d forward threads, %s%s; %s", threads, usable.describe(),
+             "; fewer while other processes load those CPUs" if governed else "", runtime)
+    return ThreadGovernor(usable, threads, torch.set_num_threads) if governed else None

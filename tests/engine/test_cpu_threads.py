@@ -1,0 +1,180 @@
+"""engine/cpu_threads.py (issue 38, finding 6): the forward's thread count from the CPUs this
+process may use, and the governor that drops threads while other processes load those CPUs.
+
+Oracles: cgroup files and /proc texts written by hand (what the kernel prints), a fake clock,
+and, once, a real CPU-bound neighbour process on this machine."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import cpu_threads as ct
+from engine.cpu_threads import ThreadGovernor, UsableCpus, cgroup_quota, own_ticks, read_busy
+
+
+def _files(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return tmp_path
+
+
+@pytest.mark.parametrize("proc,files,want", [
+    ("0::/\n", {"cpu.max": "max 100000\n"}, None),
+    ("0::/\n", {"cpu.max": "150000 100000\n"}, 1.5),
+    ("0::/kubepods/pod1\n", {"kubepods/pod1/cpu.max": "200000 100000\n", "cpu.max": "max 100000"}, 2.0),
+    ("1:cpu,cpuacct:/docker/abc\n", {"cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "300000\n",
+                                      "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n"}, 3.0),
+    ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ("0::/\n", {}, None),  # no controller files: unlimited
+])
+def test_cgroup_quota_v1_and_v2(tmp_path, proc, files, want):
+    root = _files(tmp_path / "cg", files)
+    (tmp_path / "cgroup").write_text(proc)
+    assert cgroup_quota(root, tmp_path / "cgroup") == want
+
+
+def test_usable_count_is_affinity_lowered_to_the_quota():
+    assert UsableCpus((0, 1, 2, 3), None).count == 4
+    assert UsableCpus((0, 1, 2, 3), 1.5).count == 2
+    assert UsableCpus((0, 1), 8.0).count == 2
+    assert "cgroup quota 1.5 CPUs" in UsableCpus((0, 1, 2, 3), 1.5).describe()
+
+
+STAT = """cpu  300 0 100 500 0 0 0 0 0 0
+cpu0 100 0 50 250 10 0 0 5 0 0
+cpu1 200 0 50 250 0 0 0 0 0 0
+intr 12345
+"""
+
+
+def test_proc_parsing():
+    assert read_busy((0,), STAT) == (155.0, 415.0)  # user+system+steal; iowait is idle
+    assert read_busy((0, 1), STAT) == (405.0, 915.0)
+    assert read_busy((), STAT) == (405.0, 915.0)
+    assert own_ticks("1234 (kv tier) (x) R 1 2 3 4 5 6 7 8 9 10 70 30 0 0") == 100.0
+
+
+class FakeProc:
+    """/proc/stat and /proc/self/stat for two CPUs: every `advance`, this process and the others
+    use the given CPU seconds (100 ticks a second)."""
+
+    def __init__(self) -> None:
+        self.busy = [0.0, 0.0]
+        self.idle = [0.0, 0.0]
+        self.own = 0.0
+        self.now = 0.0
+
+    def advance(self, seconds: float, own_cpus: float, other_cpus: float) -> None:
+        self.now += seconds
+        used = (own_cpus + other_cpus) * seconds * 100
+        for c in range(2):
+            self.busy[c] += used / 2
+            self.idle[c] += 2 * seconds * 100 / 2 - used / 2
+        self.own += own_cpus * seconds * 100
+
+    def read(self, path: str) -> str:
+        if path == "/proc/stat":
+            return "".join(f"cpu{c} {self.busy[c]:.0f} 0 0 {self.idle[c]:.0f} 0 0 0 0 0 0\n" for c in range(2))
+        return f"1 (py) S 1 1 1 1 1 1 1 1 1 1 {self.own:.0f} 0 0 0"
+
+
+def _governor(proc: FakeProc, changes: list[int]) -> ThreadGovernor:
+    return ThreadGovernor(UsableCpus((0, 1), None), 2, changes.append, read=proc.read, clock=lambda: proc.now)
+
+
+def test_governor_drops_a_thread_under_a_neighbour_and_adds_it_back_when_it_leaves(caplog):
+    proc, changes = FakeProc(), []
+    gov = _governor(proc, changes)
+    caplog.set_level(logging.INFO, logger="engine.cpu_threads")
+    gov.tick()  # the first reading: nothing to compare yet
+    for _ in range(4):  # quiet: both CPUs ours
+        proc.advance(ct.INTERVAL_S, own_cpus=1.9, other_cpus=0.05)
+        gov.tick()
+    assert changes == [] and gov.threads == 2
+    proc.advance(ct.INTERVAL_S, own_cpus=1.33, other_cpus=0.67)  # a busy neighbour takes its share
+    gov.tick()
+    assert changes == [1] and gov.threads == 1
+    for _ in range(3):  # one thread beside the neighbour: 1 CPU left, it stays
+        proc.advance(ct.INTERVAL_S, own_cpus=1.0, other_cpus=1.0)
+        gov.tick()
+    assert changes == [1]
+    proc.advance(ct.INTERVAL_S, own_cpus=1.0, other_cpus=0.0)  # gone: one quiet interval is not enough
+    gov.tick()
+    assert changes == [1]
+    proc.advance(ct.INTERVAL_S, own_cpus=1.0, other_cpus=0.0)
+    gov.tick()
+    assert changes == [1, 2] and gov.threads == 2
+    assert "2 -> 1: other processes left 1.3 CPUs" in caplog.text and "1 -> 2" in caplog.text
+
+
+def test_governor_ignores_light_load_and_reads_at_most_every_interval():
+    proc, changes, reads = FakeProc(), [], []
+    real = proc.read
+    proc.read = lambda p: (reads.append(p), real(p))[1]  # type: ignore[method-assign]
+    gov = _governor(proc, changes)
+    gov.tick()
+    for _ in range(10):  # the API process tokenizing beside us: 0.3 CPU is not a reason to drop
+        proc.advance(ct.INTERVAL_S / 5, own_cpus=1.7, other_cpus=0.3)
+        gov.tick()
+    assert changes == [] and 2 * 2 <= len(reads) <= 2 * 3  # the first reading and one per interval (two files)
+
+
+def test_governor_never_goes_below_one_or_above_the_start_count():
+    proc, changes = FakeProc(), []
+    gov = _governor(proc, changes)
+    gov.observe(-3.0)
+    assert gov.threads == 1
+    for _ in range(10):
+        gov.observe(8.0)
+    assert gov.threads == 2 and changes == [1, 2]
+
+
+def test_start_takes_omp_num_threads_or_the_flag(monkeypatch):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert ct.start(None, True, "x") is None and torch.get_num_threads() == 1  # one thread: nothing to govern
+        gov = ct.start(2, True, "x")
+        assert gov is not None and gov.max_threads == 2 and torch.get_num_threads() == 2
+        assert ct.start(2, False, "x") is None
+    finally:
+        torch.set_num_threads(before)
+
+
+NEIGHBOUR_CHILD = r"""
+import logging, sys, time
+import torch
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+from engine import cpu_threads
+gov = cpu_threads.start(2, True, "test")
+x = torch.randn(256, 256)
+end = time.monotonic() + 6
+while time.monotonic() < end and gov.threads > 1:
+    x = torch.tanh(x @ x / 256)
+    gov.tick()
+print("THREADS", gov.threads, torch.get_num_threads(), flush=True)
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable CPUs")
+def test_a_real_busy_neighbour_makes_the_governor_drop_a_thread(tmp_path):
+    """On this machine, with a real `while True: pass` beside it (and whatever else CI runs)."""
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        out = subprocess.run([sys.executable, "-c", NEIGHBOUR_CHILD], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    finally:
+        hog.kill()
+    assert "THREADS 1 1" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "CPU forward threads 2 -> 1" in out.stdout
