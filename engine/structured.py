@@ -17,7 +17,7 @@ import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -67,7 +67,8 @@ class StructuredOutputsParams:
         return StructuredOutputsParams(**value)
 
     def to_wire(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v not in (None, False)}
+        # Shallow: asdict() copies recursively, and a schema nested hundreds deep ran out of stack.
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) not in (None, False)}
 
     def key(self) -> tuple[str, str]:
         """(kind, canonical text): what the compiled grammar depends on."""

@@ -64,16 +64,17 @@ class DaemonPool:
     `ThreadPoolExecutor` joins its workers at interpreter exit, so one read stuck forever held
     the engine core's shutdown (and SIGTERM) forever. These workers are daemons and `shutdown`
     waits for them at most `wait_s`. A caller that gave up on a stuck task calls `replace_stuck`,
-    which starts one more worker (at most `threads` extra over the pool's life) so the pool keeps
-    its width."""
+    which starts one more worker (at most `spares` extra over the pool's life; default `threads`)
+    so the pool keeps its width."""
 
-    def __init__(self, threads: int, name: str, initializer: Callable[[], None] | None = None) -> None:
+    def __init__(self, threads: int, name: str, initializer: Callable[[], None] | None = None,
+                 spares: int | None = None) -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1; got {threads}")
         self.threads, self.name, self._init = threads, name, initializer
         self._q: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
-        self._spares = threads
+        self._spares = threads if spares is None else spares
         self._closed = False
         self._lock = threading.Lock()
         for _ in range(threads):

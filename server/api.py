@@ -110,6 +110,7 @@ class Choice:
     # With prompt_logprobs and n > 1: the prompt's first sequence, which alone computes them
     # (protocol.sampling_params); this choice's deltas wait until they are in.
     leader: Choice | None = None
+    formatted_prompt_logprobs: list[Any] | None = None  # server/api_output.py's, once
 
 
 class API(OutputFormats):
@@ -118,6 +119,7 @@ class API(OutputFormats):
         self.metrics = Metrics(settings.served_model_names[0])
         self.created = int(time.time())
         self.tokenizing = Tokenizing(tokenizer, settings.tokenizer_threads, settings.chat_template_timeout_s)
+        self._pieces: dict[int, str] = {}
         self.reasoning = REASONING_PARSERS[settings.reasoning_parser] if settings.reasoning_parser else None
         self._markers = ([tokenizer.encode(m, add_special_tokens=False) for m in (self.reasoning.start, self.reasoning.end)]
                          if self.reasoning is not None else None)

@@ -2,7 +2,11 @@
 of `server.api.API`, which mixes this in (its tokenizer is `self.tok`)."""
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import Response
 
 from engine.prompt_logprobs import with_ranks
 
@@ -13,6 +17,15 @@ if TYPE_CHECKING:
 
 class OutputFormats:
     tok: Any
+    _pieces: dict[int, str]  # token id -> its text alone (at most one entry per vocabulary token)
+
+    def piece(self, token: int) -> str:
+        """`tok.decode([token])`, remembered: a response with prompt log-probs decodes each of its
+        top-k alternatives at every prompt position, mostly the same few thousand tokens."""
+        text = self._pieces.get(token)
+        if text is None:
+            text = self._pieces[token] = self.tok.decode([token])
+        return text
 
     @staticmethod
     def usage(choices: list[Choice], n: int) -> dict[str, Any]:
@@ -31,22 +44,29 @@ class OutputFormats:
         toks, lps, tops, offs = [], [], [], []
         off = text_offset
         for t, entry in zip(c.token_ids[start:], c.logprobs[start:]):
-            s = self.tok.decode([t])
+            s = self.piece(t)
             toks.append(s)
             lps.append(entry.get(t))
-            tops.append({self.tok.decode([k]): v for k, v in sorted(entry.items(), key=lambda kv: -kv[1])})
+            tops.append({self.piece(k): v for k, v in sorted(entry.items(), key=lambda kv: -kv[1])})
             offs.append(off)
             off += len(s)
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
     def prompt_logprobs(self, c: Choice) -> list[dict[str, Any] | None] | None:
-        """vLLM's format: None for the first token, then {token id: {logprob, rank, decoded_token}}."""
-        if c.prompt_logprobs is None:
+        """vLLM's format: None for the first token, then {token id: {logprob, rank, decoded_token}}.
+        Formatted once per prompt: the sequences of one prompt share their leader's (the same list)."""
+        src = c.leader or c
+        if src.prompt_logprobs is None:
             return None
+        if src.formatted_prompt_logprobs is None:
+            src.formatted_prompt_logprobs = self._format_prompt_logprobs(src.prompt_logprobs)
+        return src.formatted_prompt_logprobs
+
+    def _format_prompt_logprobs(self, raw: list[Any]) -> list[dict[str, Any] | None]:
         out: list[dict[str, Any] | None] = [None]
-        for rank, lps in c.prompt_logprobs:
+        for rank, lps in raw:
             entry = with_ranks((rank, {int(t): v for t, v in lps.items()}))
-            out.append({str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self.tok.decode([t])}
+            out.append({str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self.piece(t)}
                         for t, lp in entry.items()})
         return out
 
@@ -56,7 +76,7 @@ class OutputFormats:
             best = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
 
             def item(tid: int, lp: float) -> dict[str, Any]:
-                s = self.tok.decode([tid])
+                s = self.piece(tid)
                 return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
             content.append({**item(t, entry.get(t, float("-inf"))), "top_logprobs": [item(k, v) for k, v in best]})
@@ -86,3 +106,36 @@ class OutputFormats:
         if not params:
             return None
         return params[0] if len(params) == 1 else {"choices": params}
+
+
+def _dumps(value: Any) -> bytes:
+    # JSONResponse's own settings
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
+
+
+CHUNK = 64  # list items per json.dumps call in a large list
+SPLIT_DEPTH = 4  # body (0) -> choices (1) -> a choice (2) -> its prompt_logprobs (3): deeper, one call per value
+
+
+def encode_body(body: dict[str, Any], memo: dict[int, bytes] | None = None, depth: int = 0) -> bytes:
+    """`body` as JSONResponse would render it, in pieces: each json.dumps call holds the GIL for
+    its whole length, so a 35 MB body in one call froze the event loop for its whole length; a
+    large list is encoded CHUNK items at a time, and once (the n sequences of one prompt share
+    their prompt log-probs: the same list object)."""
+    memo = {} if memo is None else memo
+    if depth >= SPLIT_DEPTH or not isinstance(body, (dict, list)):
+        return _dumps(body)
+    if isinstance(body, dict):
+        return b"{" + b",".join(_dumps(k) + b":" + encode_body(v, memo, depth + 1) for k, v in body.items()) + b"}"
+    if len(body) <= CHUNK:
+        return b"[" + b",".join(encode_body(v, memo, depth + 1) for v in body) + b"]"
+    if id(body) not in memo:
+        memo[id(body)] = b"[" + b",".join(_dumps(body[i:i + CHUNK])[1:-1] for i in range(0, len(body), CHUNK)) + b"]"
+    return memo[id(body)]
+
+
+async def json_response(body: dict[str, Any]) -> Response:
+    """A generation response, encoded on a worker thread: n choices with prompt log-probs make tens
+    of MB of JSON (seconds on the event loop, where every other request waited, issue 38)."""
+    content = await asyncio.get_running_loop().run_in_executor(None, encode_body, body)
+    return Response(content, media_type="application/json")

@@ -9,8 +9,11 @@ request joins the scheduler once its preparation is done (`ready`). Compiled gra
 by content (engine/structured.py), so n sequences of one request compile once.
 
 A preparation that takes longer than `timeout_s` is refused (its client gets a 400), and every
-later request with the same constraint is refused at once: it would take as long again. The
-thread cannot stop a compile it started; it finishes it and goes on with the queue.
+later request with the same constraint is refused at once: it would take as long again. A thread
+cannot stop a compile it started: it finishes it in the background while a spare thread (at most
+PREP_SPARES over the process's life) takes over the queue, so the requests behind a slow compile
+wait at most one budget. With the default limits (server/limits.py) no constraint compiles for
+anywhere near that long; raising them is what makes this path matter.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ from kvstore.threads import DaemonPool, one_torch_thread
 log = logging.getLogger(__name__)
 
 PREP_NICE = 10
+PREP_SPARES = 3  # threads that may replace ones stuck in an overlong compile
+QUEUE_BUDGETS = 3  # a request waiting this many budgets for a preparation thread is refused
 SLOW_KEYS = 4096  # constraints remembered as too slow to compile (LRU)
 
 
@@ -46,8 +51,9 @@ def _low_priority_thread() -> None:
 class _Pending:
     add: dict[str, Any]  # the Add message's request
     params: SamplingParams
-    future: Future[Prepared]
-    deadline: float
+    queued: float
+    started: float | None = None  # set by the preparation thread when it takes the request
+    future: Future[Prepared] | None = None
 
 
 # (the Add message's request, its params, what preparing it gave: Prepared, or why it is refused)
@@ -62,7 +68,7 @@ class PrepQueue:
             raise ValueError(f"the preparation timeout must be > 0 seconds; got {timeout_s}")
         self.timeout_s = timeout_s
         self._prepare = prepare
-        self._pool = DaemonPool(1, "kvtier-prep", initializer=_low_priority_thread)
+        self._pool = DaemonPool(1, "kvtier-prep", initializer=_low_priority_thread, spares=PREP_SPARES)
         self._pending: dict[str, _Pending] = {}
         self._slow: OrderedDict[tuple[str, str], None] = OrderedDict()
 
@@ -77,13 +83,18 @@ class PrepQueue:
         so = params.structured_outputs
         if so is not None and so.key() in self._slow:
             return self._too_slow(so.key()[0])
-        self._pending[request_id] = _Pending(add, params, self._pool.submit(self._prepare, params),
-                                             time.monotonic() + self.timeout_s)
+        p = _Pending(add, params, time.monotonic())
+        p.future = self._pool.submit(self._run, p)
+        self._pending[request_id] = p
         return None
+
+    def _run(self, p: _Pending) -> Prepared:
+        p.started = time.monotonic()  # the budget is the preparation's own, not its wait in the queue
+        return self._prepare(p.params)
 
     def abort(self, request_id: str) -> bool:
         p = self._pending.pop(request_id, None)
-        if p is not None:
+        if p is not None and p.future is not None:
             p.future.cancel()  # if it has not started yet
         return p is not None
 
@@ -92,6 +103,7 @@ class PrepQueue:
         out: list[Outcome] = []
         now = time.monotonic()
         for rid, p in list(self._pending.items()):
+            assert p.future is not None
             if p.future.done():
                 del self._pending[rid]
                 try:
@@ -101,9 +113,15 @@ class PrepQueue:
                 except Exception as e:  # noqa: BLE001 - one request's input must not end the engine
                     log.exception("request %s: preparing it failed", rid)
                     out.append((p.add, p.params, f"preparing the request failed: {type(e).__name__}: {e}"))
-            elif now > p.deadline:
+            elif p.started is None and now > p.queued + QUEUE_BUDGETS * self.timeout_s:
                 del self._pending[rid]
                 p.future.cancel()
+                out.append((p.add, p.params, f"the request waited over {QUEUE_BUDGETS * self.timeout_s:g}s for a "
+                                             "preparation thread (others are compiling); retry later"))
+            elif p.started is not None and now > p.started + self.timeout_s:
+                del self._pending[rid]
+                if self._pool.replace_stuck():  # it keeps its thread: let the queue go on
+                    log.warning("request %s: a preparation thread is busy past its budget; a spare takes the queue", rid)
                 so = p.params.structured_outputs
                 if so is not None:
                     self._slow[so.key()] = None
@@ -121,6 +139,7 @@ class PrepQueue:
 
     def close(self) -> None:
         for p in self._pending.values():
-            p.future.cancel()
+            if p.future is not None:
+                p.future.cancel()
         self._pending.clear()
         self._pool.shutdown(0.0)

@@ -16,7 +16,6 @@ what `/v1/completions` would accept as a prompt.
 """
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from typing import Any, Literal
 
@@ -24,6 +23,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field
 
 from server.api import API, APIError
+from server.core import params_to_wire
 from server.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -71,7 +71,7 @@ def _generate_request(api: API, req: ChatRenderRequest | CompletionRenderRequest
         params = req.sampling_params(room)
     except ValueError as e:
         raise APIError(400, str(e)) from None
-    sampling = {k: v for k, v in dataclasses.asdict(params).items() if k != "return_first_logits"}
+    sampling = params_to_wire(params)  # shallow: a deeply nested schema must not recurse
     return {"request_id": req.request_id or default_id, "token_ids": ids, "features": None,
             "sampling_params": sampling, "model": req.model or model_name, "stream": bool(req.stream),
             "stream_options": req.stream_options.model_dump() if req.stream and req.stream_options else None,

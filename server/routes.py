@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from connectors.base import tier_entries
 from server.api import API, VERSION, APIError, Choice, _check_error, error_response, sse
+from server.api_output import json_response
 from server.client import CoreState, EngineDeadError
 from server.protocol import (
     BatchChatCompletionRequest,
@@ -178,7 +179,7 @@ def build_app(api: API) -> FastAPI:
         kvp = api.transfer_params(choices)
         if kvp is not None:
             body["kv_transfer_params"] = kvp
-        return JSONResponse(body)
+        return await json_response(body)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -195,7 +196,7 @@ def build_app(api: API) -> FastAPI:
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         await api.collect(request, choices, arrival)
         _check_error(choices)
-        return JSONResponse(_chat_body(api, req, choices, head, tools))
+        return await json_response(_chat_body(api, req, choices, head, tools))
 
     @app.post("/v1/chat/completions/batch")
     async def chat_batch(request: Request) -> Response:
@@ -209,7 +210,7 @@ def build_app(api: API) -> FastAPI:
                 "system_fingerprint": s.system_fingerprint}
         await api.collect(request, choices, arrival)
         _check_error(choices)
-        return JSONResponse(_chat_body(api, req, choices, head, tools))
+        return await json_response(_chat_body(api, req, choices, head, tools))
 
     add_render_routes(app, api)  # vLLM's /v1/chat/completions/render and /v1/completions/render
     return app

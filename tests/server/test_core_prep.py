@@ -99,3 +99,29 @@ def test_an_unexpected_error_in_preparation_is_a_refusal_not_a_crash():
 def test_timeout_must_be_positive():
     with pytest.raises(ValueError, match="timeout"):
         PrepQueue(lambda p: Prepared(), 0)
+
+
+def test_a_stuck_compile_does_not_hold_the_requests_behind_it():
+    """The first preparation never returns in time; the second, queued behind it, still runs
+    (a spare thread takes the queue) instead of timing out too."""
+    release = threading.Event()
+
+    def prepare(p: SamplingParams) -> Prepared:
+        if p.structured_outputs is not None and p.structured_outputs.regex == "slow":
+            release.wait()
+        return Prepared()
+
+    q = PrepQueue(prepare, 0.3)
+    try:
+        q.submit("slow", {"request_id": "slow"}, SamplingParams(structured_outputs={"regex": "slow"}))
+        q.submit("next", {"request_id": "next"}, SamplingParams(structured_outputs={"regex": "[0-9]+"}))
+        got: dict = {}
+        end = time.monotonic() + 5
+        while len(got) < 2 and time.monotonic() < end:
+            got.update({a["request_id"]: r for a, _, r in q.ready()})
+            time.sleep(0.01)
+        assert isinstance(got["next"], Prepared), got
+        assert "did not compile" in got["slow"]
+    finally:
+        release.set()
+        q.close()
