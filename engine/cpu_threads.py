@@ -16,6 +16,11 @@ process is below the threads it runs by more than half a core, it drops to what 
 least one); when what is left has room for one more thread for RAISE_AFTER intervals in a row,
 it adds one back, up to the start-up count. Each change is logged.
 
+A compiled model (-O1, the CPU default) has its OpenMP thread count baked into its code, and its
+first run at another count recompiles (5 s on the demo model, inside a request's step). So the
+governor moves between a few `levels` only (every count up to 4 threads, quarters above), and the
+engine's warm-up compiles each of them at start-up (`ThreadGovernor.warm_up`).
+
 Passive waiting (OMP_WAIT_POLICY=PASSIVE) was the other candidate: under the same neighbour it
 was as good as one thread, but on a quiet machine it made decode 35-50% slower (threads sleep
 and wake at every barrier), so the engine keeps spinning and sheds threads instead.
@@ -37,6 +42,13 @@ DROP_MARGIN = 0.5  # drop when the CPUs left are this much below the threads run
 RAISE_ROOM = 0.8  # add a thread when this much of a CPU beyond the running threads is left ...
 RAISE_AFTER = 2  # ... for this many intervals in a row
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (guest time is inside user)
+
+
+def levels(max_threads: int) -> tuple[int, ...]:
+    """The thread counts a governor may use: all up to 4, else quarters of the most (and 1)."""
+    if max_threads <= 4:
+        return tuple(range(1, max_threads + 1))
+    return tuple(sorted({1, *(max(1, max_threads * k // 4) for k in (1, 2, 3, 4))}))
 
 
 @dataclass(frozen=True)
@@ -122,6 +134,7 @@ class ThreadGovernor:
                  read: Callable[[str], str] = lambda p: Path(p).read_text(),
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.usable, self.max_threads, self.threads = usable, max(1, threads), max(1, threads)
+        self.levels = levels(self.max_threads)
         self._set, self._read, self._clock = set_threads, read, clock
         self._room_streak = 0
         self._last: tuple[float, float, float] | None = None  # (time, others' busy ticks, total ticks)
@@ -150,13 +163,23 @@ class ThreadGovernor:
     def observe(self, left: float) -> None:
         """`left`: the CPUs other processes left this process over the last interval."""
         if left < self.threads - DROP_MARGIN and self.threads > 1:
-            self._change(max(1, int(left + 0.5)), f"other processes left {left:.1f} CPUs")
+            fit = max(1, int(left + 0.5))
+            self._change(max(n for n in self.levels if n <= fit), f"other processes left {left:.1f} CPUs")
         elif left >= self.threads + RAISE_ROOM and self.threads < self.max_threads:
             self._room_streak += 1
             if self._room_streak >= RAISE_AFTER:
-                self._change(self.threads + 1, f"{left:.1f} CPUs free again")
+                self._change(min(n for n in self.levels if n > self.threads), f"{left:.1f} CPUs free again")
         else:
             self._room_streak = 0
+
+    def warm_up(self, run: Callable[[], None]) -> None:
+        """`run` (a compiled model's warm-up forward) at every level, the start-up count last."""
+        try:
+            for n in [*(n for n in self.levels if n != self.threads), self.threads]:
+                self._set(n)
+                run()
+        finally:
+            self._set(self.threads)
 
     def _change(self, threads: int, why: str) -> None:
         self._room_streak = 0

@@ -39,7 +39,6 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.proposers import DraftPlan
 from engine.spec_decode import SpecDecoder, sample_outputs
 from engine.stats import EngineStats
-from engine.step_cost import StepCost
 from kvstore.g1 import BlockPool
 from policies import make_policy
 
@@ -110,9 +109,14 @@ class EngineCore:
                                   max_model_len=max_len,
                                   forward=CompiledForward(model, backend) if compiled else None,
                                   aux_layer_ids=plan.aux_layer_ids if plan is not None else (), layout=layout)
+        self.threads = cpu_threads.start(config.cpu_threads, config.adaptive_cpu_threads, cpu_runtime.describe()
+                                         ) if config.device == "cpu" else None
         if compiled:
-            try:
-                self.runner.warm_up()  # compiles now (logged), not in the first request's step
+            try:  # compiles now (logged), not in the first request's step; at each thread count the CPU may use
+                if self.threads is not None:
+                    self.threads.warm_up(self.runner.warm_up)
+                else:
+                    self.runner.warm_up()
             except COMPILE_ERRORS as e:
                 self.runner.use_eager()
                 log.warning("torch.compile failed, the model runs eagerly (with torch ops, not the fused C++ "
@@ -129,10 +133,8 @@ class EngineCore:
             log.info("speculative decoding: %s, %d tokens per step", plan.spec.method.value,
                      plan.spec.num_speculative_tokens)
         lookahead = self.spec.k if self.spec is not None and self.spec.proposer.needs_lookahead else 0
-        self.step_cost = StepCost()  # every forward's time, fitted: the scheduler shares steps by it
         self.scheduler = Scheduler(self.kv, config, self.max_num_batched_tokens, self.connector, num_lookahead_tokens=lookahead,
-                                   num_spec_placeholders=self.spec.k if self.spec and config.async_scheduling else 0,
-                                   step_cost=self.step_cost)
+                                   num_spec_placeholders=self.spec.k if self.spec and config.async_scheduling else 0)
         # Async scheduling: the bookkeeping thread, the step planned to run next and the one that
         # ran but is not applied yet, and finished requests whose blocks those steps still write.
         self._helper = ThreadPoolExecutor(1, "kvtier-bookkeeping", initializer=one_torch_thread
@@ -144,8 +146,6 @@ class EngineCore:
         self.generation_tokens = 0
         self.busy_seconds = 0.0  # steps that ran a forward, and the forwards in them (EngineStats)
         self.forward_seconds = 0.0
-        self.threads = cpu_threads.start(config.cpu_threads, config.adaptive_cpu_threads, cpu_runtime.describe()
-                                         ) if config.device == "cpu" else None
         if not profiled:
             warn_unused_gpu_memory_utilization(config)
         log.info("G1: %d blocks of %d tokens (%.2f GiB), max_model_len=%d, max_num_batched_tokens=%d",
@@ -236,11 +236,11 @@ class EngineCore:
         return updated
 
     def _timed(self, sched: SchedulerOutput, forward: float, ok: bool) -> None:
-        """A forward's time: the stats, and (when it ran through) the step-cost fits the scheduler
-        and speculation read; a proposal costs its verify tokens and the proposer's time."""
+        """A forward's time: the stats, and (when it ran through) the scheduler's and speculation's
+        step-cost fits; a proposal costs its verify tokens and the proposer's time."""
         self.forward_seconds += forward
         if ok:
-            self.step_cost.observe(sched.num_tokens, forward)
+            self.scheduler.step_ran(sched, forward)
         if ok and self.spec is not None and all(s.num_committed_tokens == 1 for s in sched.scheduled):
             self.spec.budget.observe_step(sched.num_tokens, forward + self.spec.last_propose_seconds)
 

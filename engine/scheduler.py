@@ -19,11 +19,14 @@ Two rules keep one request's expensive prompt from taking the engine (issue 38):
   a running request is computing right now sits out (it is not admitted, nor does it hold up the
   queue) until that block is cached, then reads it: n sequences of one prompt, or many clients
   sending one document at once, prefill it once instead of n times.
-- **Prompt log-probs get a share of the step, not the step.** Such a request recomputes its whole
-  prompt and scores every position against the vocabulary. While other requests have work, the
-  prompt tokens of log-prob requests in a step (all together) are capped at what costs
-  PROMPT_LOGPROBS_SHARE of the rest of the step, from the step cost fitted online
-  (engine/step_cost.py); alone, they run at the full budget.
+- **Prompt log-probs get a share of the time, not the steps.** Such a request recomputes its
+  whole prompt and scores every position against the vocabulary. While other requests have work,
+  the prompt tokens of log-prob requests (all together) are paid from a bucket that each step
+  fills with PROMPT_LOGPROBS_SHARE of the others' step time and that each bite empties by what
+  it measured (`engine.step_cost.ShareController`): the others' steps take about that much
+  longer on average. Alone, bites of PROMPT_LOGPROBS_ALONE plain steps' cost: a request that
+  arrives waits for the step in flight, which must stay short (one 2048-token bite with
+  log-probs took 4 s on the demo model, and every request arriving then waited that long).
 """
 from __future__ import annotations
 
@@ -37,14 +40,18 @@ from connectors.base import KVConnector, NullConnector
 from engine.config import EngineConfig, SchedulingPolicy
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestId, RequestStatus
-from engine.step_cost import StepCost
+from engine.step_cost import ShareController
 from kvstore.keys import BlockKey
 
 MAX_PASSED_OVER = 8  # shortest_prefill: steps a running prompt may sit out in a row
-# Prompt log-prob tokens in a step with other work cost at most this share of that work's time
-# (so the others' steps take at most 1.5x as long); until the step cost is fitted, this many.
+# Prompt log-prob work beside others gets this share of their step time (a probe decoding beside
+# it measured 1.5-1.7x its idle latency on the demo model, 2 CPU cores), in bites of at most
+# PROMPT_LOGPROBS_ALONE plain steps' cost, which is also its bite alone (~0.1 s there). Until
+# steps are measured, fixed counts.
 PROMPT_LOGPROBS_SHARE = 0.5
-PROMPT_LOGPROBS_UNFITTED = 32
+PROMPT_LOGPROBS_ALONE = 3.0
+PROMPT_LOGPROBS_UNFITTED = 16
+PROMPT_LOGPROBS_UNFITTED_ALONE = 128
 
 
 def _tokens_left(req: Request) -> int:
@@ -77,6 +84,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    prompt_logprobs_allowance: int | None = None  # the cap this step's prompt log-prob tokens had
 
     @property
     def num_tokens(self) -> int:
@@ -136,12 +144,9 @@ class WaitingQueue:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, config: EngineConfig, max_num_batched_tokens: int,
                  connector: KVConnector | None = None,  # None: a NullConnector
-                 num_lookahead_tokens: int = 0, num_spec_placeholders: int = 0,
-                 step_cost: StepCost | None = None) -> None:
+                 num_lookahead_tokens: int = 0, num_spec_placeholders: int = 0) -> None:
         """Policy, max_num_seqs, chunked prefill and the prompt-chunk cap come from `config`;
-        `max_num_batched_tokens` is the step budget the engine resolved from it. `step_cost`:
-        the engine's fit of step time (read only); None caps prompt log-prob work at
-        PROMPT_LOGPROBS_UNFITTED tokens a step."""
+        `max_num_batched_tokens` is the step budget the engine resolved from it."""
         self.kv = kv
         self.policy = policy = config.scheduling_policy
         self.max_num_seqs = config.max_num_seqs
@@ -161,7 +166,9 @@ class Scheduler:
         # token a launched step is still sampling (its proposals come after that).
         self.num_spec_placeholders = num_spec_placeholders
         self._passed_over: dict[RequestId, int] = {}  # shortest_prefill: steps each running prompt sat out
-        self.step_cost = step_cost
+        # Prompt log-prob work per step, from how long steps ran (step_ran)
+        self.share = ShareController(PROMPT_LOGPROBS_SHARE, PROMPT_LOGPROBS_ALONE, PROMPT_LOGPROBS_UNFITTED,
+                                     PROMPT_LOGPROBS_UNFITTED_ALONE)
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -189,6 +196,7 @@ class Scheduler:
         inflight = self._inflight_keys()
         held: list[Request] = []  # waiting requests that sit this step out (see the module docstring)
         plp = [self._prompt_logprobs_allowance(inflight)]  # prompt log-prob tokens this step may still take
+        out.prompt_logprobs_allowance = plp[0]
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -284,7 +292,7 @@ class Scheduler:
             budget -= n
             self._spend(req, n, plp)
             finishes_prompt |= n == remaining
-            if lookup and self.kv.pool.enable_caching and len(self.waiting):  # admitted now: computing from here
+            if fresh and self.kv.pool.enable_caching and len(self.waiting):  # admitted now: computing from here
                 bs = self.kv.block_size
                 inflight.update(self.kv.prompt_keys(req)[num_cached // bs:req.num_prompt_tokens // bs])
         for req in reversed(held):  # back in their places, for the next step
@@ -313,27 +321,30 @@ class Scheduler:
             and keys[num_hit_blocks] in inflight
 
     def _prompt_logprobs_allowance(self, inflight: set[BlockKey]) -> int | None:
-        """Prompt tokens of log-prob requests this step may take, all together: None (no cap)
-        when nothing else has work; else what costs PROMPT_LOGPROBS_SHARE of the others' step."""
+        """Prompt tokens of log-prob requests this step may take, all together: what costs
+        PROMPT_LOGPROBS_SHARE of the others' step, or alone PROMPT_LOGPROBS_ALONE steps' fixed
+        cost; None (the step's budget) when no request wants prompt log-probs."""
         if not any(r.wants_prompt_logprobs for r in self.running) and \
                 not any(r.wants_prompt_logprobs for r in self.waiting):
             return None
         others = sum(1 for r in self.running if not r.wants_prompt_logprobs)
         others += sum(1 for r in self.waiting if not r.wants_prompt_logprobs  # those held for a shared prefix: not yet
                       and not (inflight and not inflight.isdisjoint(self.kv.prompt_keys(r))))
-        if not others:
-            return None
-        fitted = self.step_cost.tokens_for(others, PROMPT_LOGPROBS_SHARE) if self.step_cost is not None else None
-        return PROMPT_LOGPROBS_UNFITTED if fitted is None else fitted
+        return self.share.allowance(others)
+
+    def step_ran(self, out: SchedulerOutput, seconds: float) -> None:
+        """A scheduled step's forward took `seconds` (the engine's measurement)."""
+        expensive = sum(s.num_new_tokens for s in out.scheduled if s.req.wants_prompt_logprobs)
+        self.share.observe(out.num_tokens, seconds, expensive, out.prompt_logprobs_allowance)
 
     @staticmethod
     def _share(req: Request, n: int, plp: list[int | None]) -> int:
         """`n` new tokens, cut to the prompt log-prob allowance for a request that wants them."""
-        return n if plp[0] is None or not req.wants_prompt_logprobs or n <= 1 else min(n, plp[0])
+        return n if plp[0] is None or not req.wants_prompt_logprobs else min(n, plp[0])
 
     @staticmethod
     def _spend(req: Request, n: int, plp: list[int | None]) -> None:
-        if plp[0] is not None and req.wants_prompt_logprobs and n > 1:
+        if plp[0] is not None and req.wants_prompt_logprobs:
             plp[0] -= n
 
     def _prompt_left(self, req: Request) -> int:

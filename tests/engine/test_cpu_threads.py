@@ -178,3 +178,44 @@ def test_a_real_busy_neighbour_makes_the_governor_drop_a_thread(tmp_path):
         hog.kill()
     assert "THREADS 1 1" in out.stdout, out.stdout + out.stderr[-2000:]
     assert "CPU forward threads 2 -> 1" in out.stdout
+
+
+def test_levels_and_the_warm_up_visit_each_the_start_up_count_last():
+    assert ct.levels(1) == (1,) and ct.levels(2) == (1, 2) and ct.levels(4) == (1, 2, 3, 4)
+    assert ct.levels(16) == (1, 4, 8, 12, 16) and ct.levels(6) == (1, 3, 4, 6)
+    proc, changes = FakeProc(), []
+    gov = ThreadGovernor(UsableCpus(tuple(range(16)), None), 16, changes.append, read=proc.read, clock=lambda: proc.now)
+    ran = []
+    gov.warm_up(lambda: ran.append(changes[-1]))
+    assert ran == [1, 4, 8, 12, 16] and changes[-1] == 16
+    gov.observe(10.4)  # 5.6 CPUs taken: the largest level that fits
+    assert gov.threads == 8
+    for _ in range(2):
+        gov.observe(16.0)
+    assert gov.threads == 12  # one level up at a time
+
+
+def test_a_compiled_engine_switches_thread_count_without_recompiling(ckpt_dir, monkeypatch):
+    """torch.compile's CPU code is specialised to the thread count: the warm-up compiles each
+    level, so a governor's switch costs no compile in a request's step."""
+    import torch
+    import torch._dynamo.utils as dynamo_utils
+
+    from engine import LLM, SamplingParams
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    llm = LLM(str(ckpt_dir("llama")), dtype="float32", num_gpu_blocks=64, optimization_level=1, cpu_threads=2)
+    try:
+        gov = llm.engine.threads
+        assert gov is not None and gov.levels == (1, 2) and torch.get_num_threads() == 2
+        compiles = dict(dynamo_utils.counters["stats"])
+        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        for n in (1, 2, 1):
+            gov._change(n, "test")
+            llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}], sp, use_tqdm=False)
+        assert dict(dynamo_utils.counters["stats"]).get("unique_graphs") == compiles.get("unique_graphs"), \
+            (compiles, dict(dynamo_utils.counters["stats"]))
+    finally:
+        llm.close()
+        torch.set_num_threads(before)

@@ -110,7 +110,7 @@ def test_prompt_logprobs_take_a_share_of_steps_that_carry_other_work(ckpt_dir, h
     llm = LLM(str(ckpt_dir(KIND)), dtype="float32", num_gpu_blocks=256, max_num_batched_tokens=512)
     try:
         core = llm.engine
-        monkeypatch.setattr(core.scheduler, "step_cost", None)  # the unfitted allowance, for a fixed schedule
+        monkeypatch.setattr(core.scheduler.share, "observe", lambda *a: None)  # unfitted: a fixed schedule
         steps = _record(core)
         probe_prompt = random_prompt(10, 4302)
         probe = core.make_request("probe", probe_prompt, _params(4))
@@ -123,7 +123,7 @@ def test_prompt_logprobs_take_a_share_of_steps_that_carry_other_work(ckpt_dir, h
         with_probe = [s["scored"] for s in steps if "scored" in s and "probe" in s]
         alone = [s["scored"] for s in steps if "scored" in s and "probe" not in s]
         assert with_probe and all(n <= cap for n in with_probe), steps
-        assert alone and max(alone) > cap  # once the probe is done, the rest in one step
+        assert alone and max(alone) == sched_mod.PROMPT_LOGPROBS_UNFITTED_ALONE  # bigger bites once it is done
         assert sum(with_probe) + sum(alone) == 200
         assert probe.output_token_ids == hf_greedy(hf_model(KIND), probe_prompt, 4)
         assert len(scored.prompt_logprobs) == 199
@@ -135,12 +135,77 @@ def test_prompt_logprobs_take_a_share_of_steps_that_carry_other_work(ckpt_dir, h
         llm.close()
 
 
-def test_fitted_allowance_is_the_share_of_the_others_step():
-    from engine.step_cost import StepCost
+def _fitted(share: float = 0.5, alone: float = 3.0):
+    """A controller that has seen plain steps of 30 ms + 1 ms a token."""
+    from engine.step_cost import ShareController
 
-    cost = StepCost()
-    assert cost.tokens_for(4, 0.5) is None
-    for tokens in (1, 2, 4, 64, 128, 1, 3):  # 30 ms a step + 1 ms a token
-        cost.observe(tokens, 0.030 + 0.001 * tokens)
-    assert cost.tokens_for(4, 0.5) == 17  # 0.5 * (30 + 4)
-    assert cost.tokens_for(0, 0.5) == 15
+    ctl = ShareController(share, alone, 16, 128)
+    assert ctl.allowance(4) == 16 and ctl.allowance(0) == 128  # nothing measured: fixed counts
+    for tokens in (1, 2, 4, 64, 128, 1, 3):
+        ctl.observe(tokens, 0.030 + 0.001 * tokens, 0, None)
+    return ctl
+
+
+def test_expensive_work_is_paid_from_a_bucket_of_the_others_time():
+    """Bites cost 10 ms fixed + 1 ms a token beyond the others' step. Each step beside others adds
+    share * their step time (0.5 * 34 ms) to the bucket, up to `alone` steps' worth; a bite takes
+    what the bucket covers, and its measured extra time is taken out."""
+    ctl = _fitted()
+    assert ctl.allowance(4) == 16  # no bite measured yet
+    for n in (16, 4, 8, 2, 12):
+        ctl.observe(4 + n, 0.034 + 0.010 + 0.001 * n, n, n)
+    ctl.credit = 0.0
+    assert ctl.allowance(4) == 7  # (17 - 10) / 1
+    assert ctl.allowance(4) == 24  # nothing spent: 34 ms in the bucket
+    for _ in range(10):
+        ctl.allowance(4)
+    assert ctl.allowance(4) == 92  # at most 3 steps' worth: (102 - 10) / 1
+    ctl.observe(4 + 92, 0.034 + 0.010 + 0.092, 92, 92)
+    assert ctl.allowance(4) == 7  # spent: 102 - 102 + 17
+    assert ctl.allowance(0) == 80  # alone: bites of 3 plain steps' cost, (90 - 10) / 1
+
+
+def test_bites_of_one_size_are_priced_by_their_mean_cost():
+    ctl = _fitted()
+    ctl.observe(1 + 16, 0.031 + 0.032, 16, 16)  # 2 ms a token, fixed part included
+    ctl.credit = 0.0
+    assert ctl.allowance(1) == 7  # 15.5 ms / 2 ms
+
+
+def test_the_scheduler_cuts_prompt_logprob_chunks_to_the_allowance(ckpt_dir, monkeypatch):
+    """Alone, the scored request takes the alone allowance; beside the probe (waiting or
+    running), the allowance beside others; everything else is the oracle's schedule."""
+    from engine import LLM
+
+    llm = LLM(str(ckpt_dir(KIND)), dtype="float32", num_gpu_blocks=256, max_num_batched_tokens=512)
+    try:
+        core = llm.engine
+        monkeypatch.setattr(core.scheduler.share, "allowance", lambda others: 7 if others else 90)
+        steps = _record(core)
+        scored = core.make_request("scored", random_prompt(300, 4303), _params(1, prompt_logprobs=1))
+        core.add_request(scored)
+        core.step()
+        probe = core.make_request("probe", random_prompt(10, 4304), _params(3))
+        core.add_request(probe)
+        _drain(core, [scored, probe])
+        assert steps[0] == {"scored": 90}
+        assert steps[1] == {"scored": 7, "probe": 10}  # the probe waiting counts as other work
+        assert all(s["scored"] == 7 for s in steps[2:4])
+        assert sum(s.get("scored", 0) for s in steps) == 300
+    finally:
+        llm.close()
+
+
+def test_the_sequences_of_a_prompt_logprobs_request_wait_for_its_prefill(engine):
+    """The first sequence computes the prompt with its log-probs (no cache reads); the others,
+    without log-probs, wait for its blocks instead of computing the prompt themselves."""
+    core = engine
+    steps = _record(core)
+    first = core.make_request("s0", PROMPT, _params(1, prompt_logprobs=2))
+    rest = [core.make_request(f"s{j}", PROMPT, _params(1)) for j in (1, 2)]
+    for r in (first, *rest):
+        core.add_request(r)
+    _drain(core, [first, *rest])
+    assert sum(s.get("s0", 0) for s in steps) == 200
+    assert all(sum(s.get(r.request_id, 0) for s in steps) == 8 for r in rest), steps
+    assert all(r.output_token_ids == first.output_token_ids for r in rest)
