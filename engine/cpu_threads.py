@@ -13,8 +13,9 @@ measured here, one busy neighbour made the default two threads 2.9x slower (AMD 
 reads, every INTERVAL_S, how much of the usable CPUs other processes used (the machine's busy
 time in /proc/stat minus this process's own in /proc/self/stat): when what is left for this
 process is below the threads it runs by more than half a core, it drops to what is left (at
-least one); when what is left has room for one more thread for RAISE_AFTER intervals in a row,
-it adds one back, up to the start-up count. Each change is logged.
+least one); when what is left has had room for one more thread for RAISE_AFTER_S seconds (an
+idle stretch between requests counts whole), it adds one back, up to the start-up count. Each
+change is logged.
 
 A compiled model (-O1, the CPU default) has its OpenMP thread count baked into its code, and its
 first run at another count recompiles (5 s on the demo model, inside a request's step). So the
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 INTERVAL_S = 0.5  # how often the governor measures
 DROP_MARGIN = 0.5  # drop when the CPUs left are this much below the threads running
 RAISE_ROOM = 0.8  # add a thread when this much of a CPU beyond the running threads is left ...
-RAISE_AFTER = 2  # ... for this many intervals in a row
+RAISE_AFTER_S = 1.0  # ... for this long
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (guest time is inside user)
 
 
@@ -136,7 +137,7 @@ class ThreadGovernor:
         self.usable, self.max_threads, self.threads = usable, max(1, threads), max(1, threads)
         self.levels = levels(self.max_threads)
         self._set, self._read, self._clock = set_threads, read, clock
-        self._room_streak = 0
+        self._room_s = 0.0  # seconds in a row with room for one more thread
         self._last: tuple[float, float, float] | None = None  # (time, others' busy ticks, total ticks)
         self._next = 0.0
         self.changes = 0
@@ -158,19 +159,19 @@ class ThreadGovernor:
             return
         n = len(self.usable.cpus) or (os.cpu_count() or 1)  # the CPUs /proc/stat was summed over
         others = max(0.0, (busy - own - last[1]) / (total - last[2]) * n)
-        self.observe(min(n, self.usable.count) - others)
+        self.observe(min(n, self.usable.count) - others, now - last[0])
 
-    def observe(self, left: float) -> None:
-        """`left`: the CPUs other processes left this process over the last interval."""
+    def observe(self, left: float, seconds: float = INTERVAL_S) -> None:
+        """`left`: the CPUs other processes left this process over the last `seconds`."""
         if left < self.threads - DROP_MARGIN and self.threads > 1:
             fit = max(1, int(left + 0.5))
             self._change(max(n for n in self.levels if n <= fit), f"other processes left {left:.1f} CPUs")
         elif left >= self.threads + RAISE_ROOM and self.threads < self.max_threads:
-            self._room_streak += 1
-            if self._room_streak >= RAISE_AFTER:
+            self._room_s += seconds
+            if self._room_s >= RAISE_AFTER_S - 1e-9:
                 self._change(min(n for n in self.levels if n > self.threads), f"{left:.1f} CPUs free again")
         else:
-            self._room_streak = 0
+            self._room_s = 0.0
 
     def warm_up(self, run: Callable[[], None]) -> None:
         """`run` (a compiled model's warm-up forward) at every level, the start-up count last."""
@@ -182,7 +183,7 @@ class ThreadGovernor:
             self._set(self.threads)
 
     def _change(self, threads: int, why: str) -> None:
-        self._room_streak = 0
+        self._room_s = 0.0
         if threads == self.threads:
             return
         log.info("CPU forward threads %d -> %d: %s", self.threads, threads, why)

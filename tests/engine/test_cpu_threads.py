@@ -219,3 +219,17 @@ def test_a_compiled_engine_switches_thread_count_without_recompiling(ckpt_dir, m
     finally:
         llm.close()
         torch.set_num_threads(before)
+
+
+def test_an_idle_stretch_with_room_counts_whole():
+    """Between requests the governor does not tick: the first tick after a quiet idle minute adds
+    the thread back at once, instead of running a second at one thread first."""
+    proc, changes = FakeProc(), []
+    gov = _governor(proc, changes)
+    gov.tick()
+    proc.advance(ct.INTERVAL_S, own_cpus=1.33, other_cpus=0.67)
+    gov.tick()
+    assert gov.threads == 1
+    proc.advance(60.0, own_cpus=0.0, other_cpus=0.02)  # idle, the neighbour gone
+    gov.tick()
+    assert gov.threads == 2 and changes == [1, 2]
