@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from _soak_run import Soak
     from redis_procs import RedisProc
 
-FAULT_KINDS = ("core_kill", "redis_stop", "redis_kill", "g3_readonly", "g3_full", "g3_flip")
+FAULT_KINDS = ("core_kill", "redis_stop", "redis_kill", "g3_readonly", "g3_full", "g3_flip", "g3_stranger", "hostile")
 try:  # only to tell header flips from payload flips in the report
     from kvstore.disk import HEADER_SIZE
 except ImportError:
@@ -340,5 +340,50 @@ class Chaos:
         f.detail.update(files_flipped=len(flips), g3_files=len(files), flips=flips)
         if HEADER_SIZE is not None:
             f.detail["in_header"] = sum(x["offset"] < HEADER_SIZE for x in flips)
+        f.t_clear = self.soak.now()
+        f.recovery_what = "n/a"
+
+    def fault_g3_stranger(self, f: Fault, rng: random.Random) -> None:
+        """A FIFO, a symlink and a directory planted at live G3 entry paths (issue 38): each must be
+        a miss and removed, and G3 must keep serving."""
+        files = sorted(self.g3_root.rglob("*.kvb"))
+        planted = []
+        for path, kind in zip(rng.sample(files, min(3, len(files))), ("fifo", "symlink", "directory")):
+            try:
+                path.unlink()
+                if kind == "fifo":
+                    os.mkfifo(path, 0o600)
+                elif kind == "symlink":
+                    os.symlink("/etc/hostname", path)
+                else:
+                    path.mkdir()
+                planted.append({"file": path.name, "kind": kind, "path": str(path)})
+            except OSError as e:
+                f.notes.append(f"could not plant {kind}: {e.strerror}")
+        f.method = f"planted {', '.join(p['kind'] for p in planted)} at live G3 entry paths"
+        f.t_clear = self.soak.now()
+        self.wait_recovery(f, "planted -> a G3 hit or write after them", self._g3_ok)
+        f.detail["planted"] = planted
+        f.detail["still_there"] = [p["kind"] for p in planted
+                                   if os.path.lexists(p["path"]) and not Path(p["path"]).is_file()]
+
+    def fault_hostile(self, f: Fault, rng: random.Random) -> None:
+        """One of issue 38's hostile requests, sent beside the workload: it must get an answer or a
+        400 in bounded time, and the workload's requests must not fail or change."""
+        import httpx
+        from _hostile import classes
+
+        name, path, body = classes()[(len([x for x in self.faults if x.kind == "hostile"]) - 1) % len(classes())]
+        t0 = time.monotonic()
+        try:
+            r = httpx.post(self.soak.url + path, json=body, timeout=self.args.request_timeout)
+            status = r.status_code
+        except httpx.HTTPError as e:
+            status = f"{type(e).__name__}"
+        took = time.monotonic() - t0
+        f.method = f"{name}: {status} after {took:.2f} s"
+        f.detail.update({"class": name, "status": status, "seconds": round(took, 3)})
+        if status not in (200, 400):
+            f.notes.append(f"hostile request answered {status}")
         f.t_clear = self.soak.now()
         f.recovery_what = "n/a"

@@ -36,6 +36,11 @@ in shuffled rounds so that each kind occurs once before any occurs twice):
               tmpfs, RLIMIT_FSIZE 0 on the engine core (prlimit; writes fail with EFBIG).
   g3_flip     one random byte XOR a random non-zero value in each of --flip-files random G3
               .kvb files (header or payload, wherever the offset falls).
+  g3_stranger a FIFO, a symlink and a directory in place of three live G3 entries (issue 38):
+              misses, removed; recovery = a G3 hit or write after them.
+  hostile     one of issue 38's hostile requests (benchmarks/_hostile.py, in turn: 50,000
+              bad_words, a 60,000-entry choice, ...) beside the workload: an answer or a 400,
+              and its time; the workload's outputs are checked as always.
 For Redis and G3 faults, recovery = fault cleared -> the tier works again (G4: breaker closed and
 a G4 hit or write; G3: a G3 write), polled every second for at most --recovery-timeout s.
 
