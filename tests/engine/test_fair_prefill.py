@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from checkpoints import hf_greedy, random_prompt
+from schedule_log import drain, record
 from engine import scheduler as sched_mod
 
 KIND = "llama"
@@ -29,37 +30,18 @@ def _params(n: int = MAX_TOKENS, **kw):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
 
 
-def _record(core) -> list[dict[str, int]]:
-    steps: list[dict[str, int]] = []
-    schedule = core.scheduler.schedule
-
-    def spy():
-        out = schedule()
-        steps.append({s.req.request_id: s.num_new_tokens for s in out.scheduled})
-        return out
-
-    core.scheduler.schedule = spy
-    return steps
-
-
-def _drain(core, reqs) -> None:
-    while core.has_unfinished():
-        core.step()
-    assert all(r.status.finished for r in reqs)
-
-
 @pytest.mark.parametrize("budget", [64, 512])  # over several steps, and in one
 def test_n_sequences_of_one_prompt_prefill_it_once(ckpt_dir, hf_model, budget):
     from engine import LLM
 
     llm = LLM(str(ckpt_dir(KIND)), dtype="float32", num_gpu_blocks=256, max_num_batched_tokens=budget, seed=0)
     core = llm.engine
-    steps = _record(core)
+    steps = record(core)
     reqs = [core.make_request(f"s{j}", PROMPT, _params()) for j in range(4)]
     other = core.make_request("other", random_prompt(20, 4301), _params())
     for r in (*reqs, other):
         core.add_request(r)
-    _drain(core, [*reqs, other])
+    drain(core, [*reqs, other])
     prefill = {rid: sum(s.get(rid, 0) for s in steps) - (MAX_TOKENS - 1) for rid in ("s0", "s1", "s2", "s3")}
     assert prefill["s0"] == 200  # the first computes the prompt ...
     assert all(prefill[f"s{j}"] == 200 - 192 for j in (1, 2, 3)), prefill  # ... the rest read its 12 blocks
@@ -81,13 +63,13 @@ def test_without_prefix_caching_nobody_waits(ckpt_dir):
               enable_prefix_caching=False)
     try:
         core = llm.engine
-        steps = _record(core)
+        steps = record(core)
         reqs = [core.make_request(f"s{j}", PROMPT, _params()) for j in range(2)]
         for r in reqs:
             core.add_request(r)
         core.step()
         assert steps[0] == {"s0": 200, "s1": 200}
-        _drain(core, reqs)
+        drain(core, reqs)
     finally:
         llm.close()
 
@@ -111,14 +93,14 @@ def test_prompt_logprobs_take_a_share_of_steps_that_carry_other_work(ckpt_dir, h
     try:
         core = llm.engine
         monkeypatch.setattr(core.scheduler.share, "observe", lambda *a: None)  # unfitted: a fixed schedule
-        steps = _record(core)
+        steps = record(core)
         probe_prompt = random_prompt(10, 4302)
         probe = core.make_request("probe", probe_prompt, _params(4))
         core.add_request(probe)
         core.step()  # the probe is decoding
         scored = core.make_request("scored", PROMPT, _params(1, prompt_logprobs=3))
         core.add_request(scored)
-        _drain(core, [probe, scored])
+        drain(core, [probe, scored])
         cap = sched_mod.PROMPT_LOGPROBS_UNFITTED
         with_probe = [s["scored"] for s in steps if "scored" in s and "probe" in s]
         alone = [s["scored"] for s in steps if "scored" in s and "probe" not in s]
@@ -181,13 +163,13 @@ def test_the_scheduler_cuts_prompt_logprob_chunks_to_the_allowance(ckpt_dir, mon
     try:
         core = llm.engine
         monkeypatch.setattr(core.scheduler.share, "allowance", lambda others: 7 if others else 90)
-        steps = _record(core)
+        steps = record(core)
         scored = core.make_request("scored", random_prompt(300, 4303), _params(1, prompt_logprobs=1))
         core.add_request(scored)
         core.step()
         probe = core.make_request("probe", random_prompt(10, 4304), _params(3))
         core.add_request(probe)
-        _drain(core, [scored, probe])
+        drain(core, [scored, probe])
         assert steps[0] == {"scored": 90}
         assert steps[1] == {"scored": 7, "probe": 10}  # the probe waiting counts as other work
         assert all(s["scored"] == 7 for s in steps[2:4])
@@ -200,12 +182,12 @@ def test_the_sequences_of_a_prompt_logprobs_request_wait_for_its_prefill(engine)
     """The first sequence computes the prompt with its log-probs (no cache reads); the others,
     without log-probs, wait for its blocks instead of computing the prompt themselves."""
     core = engine
-    steps = _record(core)
+    steps = record(core)
     first = core.make_request("s0", PROMPT, _params(1, prompt_logprobs=2))
     rest = [core.make_request(f"s{j}", PROMPT, _params(1)) for j in (1, 2)]
     for r in (first, *rest):
         core.add_request(r)
-    _drain(core, [first, *rest])
+    drain(core, [first, *rest])
     assert sum(s.get("s0", 0) for s in steps) == 200
     assert all(sum(s.get(r.request_id, 0) for s in steps) == 8 for r in rest), steps
     assert all(r.output_token_ids == first.output_token_ids for r in rest)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from checkpoints import hf_greedy, random_prompt
+from schedule_log import drain, record
 
 KIND = "llama"
 LONG, SHORT = random_prompt(300, 4200), random_prompt(10, 4201)
@@ -29,28 +30,9 @@ def _params(n: int = MAX_TOKENS):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-def _record(core) -> list[dict[str, int]]:
-    steps: list[dict[str, int]] = []
-    schedule = core.scheduler.schedule
-
-    def spy():
-        out = schedule()
-        steps.append({s.req.request_id: s.num_new_tokens for s in out.scheduled})
-        return out
-
-    core.scheduler.schedule = spy
-    return steps
-
-
-def _drain(core, reqs) -> None:
-    while core.has_unfinished():
-        core.step()
-    assert all(r.status.finished for r in reqs)
-
-
 def test_short_prompt_goes_first_and_a_running_long_one_sits_out(engine, hf_model):
     core = engine
-    steps = _record(core)
+    steps = record(core)
     # Both waiting: the short one first, alone (its step carries no chunk of the long one).
     long_ = core.make_request("long", LONG, _params())
     short = core.make_request("short", SHORT, _params())
@@ -65,7 +47,7 @@ def test_short_prompt_goes_first_and_a_running_long_one_sits_out(engine, hf_mode
     core.add_request(late)
     core.step()
     assert steps[2] == {"short": 1, "late": 7}
-    _drain(core, [long_, short, late])
+    drain(core, [long_, short, late])
     model = hf_model(KIND)
     for r, p in ((long_, LONG), (short, SHORT), (late, SHORT[:7])):
         assert r.output_token_ids == hf_greedy(model, p, MAX_TOKENS), r.request_id
@@ -75,8 +57,8 @@ def test_cached_prefix_counts_as_done(engine):
     core = engine
     warm = core.make_request("warm", LONG, _params(1))
     core.add_request(warm)
-    _drain(core, [warm])
-    steps = _record(core)
+    drain(core, [warm])
+    steps = record(core)
     fresh = core.make_request("fresh", random_prompt(50, 4202), _params(1))
     hit = core.make_request("hit", LONG + SHORT, _params(1))  # 310 tokens, 288 of them in G1
     core.add_request(fresh)
@@ -89,7 +71,7 @@ def test_a_long_prompt_sits_out_at_most_max_passed_over_steps_in_a_row(engine):
     from engine.scheduler import MAX_PASSED_OVER
 
     core = engine
-    steps = _record(core)
+    steps = record(core)
     long_ = core.make_request("long", LONG, _params(1))
     core.add_request(long_)
     core.step()  # the long prompt starts
@@ -103,7 +85,7 @@ def test_a_long_prompt_sits_out_at_most_max_passed_over_steps_in_a_row(engine):
     runs = [i for i, s in enumerate(steps) if "long" in s]
     gaps = [b - a - 1 for a, b in zip(runs, runs[1:])]
     assert gaps and max(gaps) == MAX_PASSED_OVER, gaps  # it sat out, and never longer than the bound
-    _drain(core, [long_, *shorts])
+    drain(core, [long_, *shorts])
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
