@@ -43,7 +43,7 @@ from typing import Any
 
 from kvstore.backend import (BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_infos, check_keys,
                              check_outs)
-from kvstore.disk_layout import (entry_key, entry_path, fsync_dir, list_files, open_regular, pid_alive,
+from kvstore.disk_layout import (entry_key, entry_path, fsync_dir, list_files, open_regular, pid_alive, reason,
                                  remove_entry_path, temp_path, temp_writer, unlink_quietly, write_all)
 # MAGIC, HEADER_SIZE and encode_header are also imported from here (the format's old home).
 from kvstore.entry import HEADER_SIZE, MAGIC, CorruptEntry, EntryCodec, EntryHeader, check_secret, encode_header  # noqa: F401
@@ -53,11 +53,6 @@ from policies import BlockInfo, PolicySpecLike, check_candidates, make_policy
 
 logger = logging.getLogger(__name__)
 
-
-
-def _why(e: Exception) -> str:
-    """A log line's reason: an OSError's text without the path the line already names."""
-    return e.strerror if isinstance(e, OSError) and e.strerror else str(e)
 
 
 @dataclass(frozen=True)
@@ -226,7 +221,7 @@ class DiskBackend(StorageBackend):
                 except FileNotFoundError:
                     continue
                 except (CorruptEntry, OSError) as e:
-                    self._remove_bad(path, _why(e))
+                    self._remove_bad(path, reason(e))
                     continue
                 found.append((mtime, key, size))
             elif (pid := temp_writer(name)) is not None:
@@ -306,7 +301,7 @@ class DiskBackend(StorageBackend):
             self._vanished(key, path)
             return None
         except (CorruptEntry, OSError) as e:
-            self._corrupt(key, path, ident, _why(e))
+            self._corrupt(key, path, ident, reason(e))
             return None
         with self._lock:
             self.stats.hits += 1

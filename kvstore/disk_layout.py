@@ -87,6 +87,11 @@ def open_regular(path: str) -> tuple[int, os.stat_result]:
     return fd, st
 
 
+def reason(e: Exception) -> str:
+    """A log line's reason: an OSError's text without the path the line already names."""
+    return e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+
+
 def remove_entry_path(path: str) -> None:
     """Removes whatever is at an entry's path: a file, a link, a FIFO, or a directory planted
     there (with its contents: `shutil.rmtree` never follows links out of it). Raises OSError
