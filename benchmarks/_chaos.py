@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from redis_procs import RedisProc
 
 FAULT_KINDS = ("core_kill", "redis_stop", "redis_kill", "g3_readonly", "g3_full", "g3_flip", "g3_stranger", "hostile")
+DAMAGE_KINDS = ("g3_flip", "g3_stranger")  # faults that damage entries: corrupt counts are theirs
 try:  # only to tell header flips from payload flips in the report
     from kvstore.disk import HEADER_SIZE
 except ImportError:

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from _chaos import FAULT_KINDS, Fault
+from _chaos import DAMAGE_KINDS, FAULT_KINDS, Fault
 from _common import format_table
 from _soak_stats import LOWER_TIERS, Counters
 
@@ -26,10 +26,10 @@ def charge_faults(counters: Counters, faults: list[Fault], recs: list[dict[str, 
     # Counter deltas per fault: from its start to the next fault's; a flip's damage is found whenever
     # the entry is read, so its corrupt counts run to the next flip (and no other row shows them).
     ends = [f.t_start for f in faults[1:]] + [duration]
-    flip_starts = [f.t_start for f in faults if f.kind == "g3_flip" and not f.skipped]
+    flip_starts = [f.t_start for f in faults if f.kind in DAMAGE_KINDS and not f.skipped]
     corrupt_keys = (*(f"{t}.corrupt" for t in LOWER_TIERS), "offload.load_failures")
     for f, end in zip(faults, ends):
-        if f.kind == "g3_flip":
+        if f.kind in DAMAGE_KINDS:
             end = next((t for t in flip_starts if t > f.t_start), duration)
             keys: tuple[str, ...] = corrupt_keys
         else:
@@ -110,8 +110,8 @@ def tables(summary: dict[str, Any], faults: list[Fault], minutes: list[dict[str,
     frows = []
     for f in faults:
         eff = ", ".join(f"{k} +{v:.0f}" for k, v in f.effect.items())
-        if f.kind == "g3_flip":
-            eff = f"{eff or 'none'} (until the next flip)"
+        if f.kind in DAMAGE_KINDS:
+            eff = f"{eff or 'none'} (until the next damage)"
         frows.append([f.id, round(f.t_start), f.kind, ("SKIPPED: " if f.skipped else "") + f.method,
                       f.failed_requests, None if f.recovery_s is None else round(f.recovery_s, 1),
                       f.recovery_what if f.recovery_s is not None or f.notes == [] else "; ".join(f.notes),
@@ -140,7 +140,7 @@ def report(soak: Soak, duration: float) -> tuple[dict[str, Any], str]:
     tmp_files = sum("interrupted write" in line for line in log_lines)
     before_flip = soak.counters.at(flip_starts[0] if flip_starts else duration)
     if sum(before_flip[f"{t}.corrupt"] for t in LOWER_TIERS) > tmp_files:
-        soak.finding("corrupt entries detected before any byte was flipped (beyond temp files of killed writes)",
+        soak.finding("corrupt entries detected before any entry was damaged (beyond temp files of killed writes)",
                      **{t: before_flip[f"{t}.corrupt"] for t in LOWER_TIERS}, log=log_lines[:5])
     no_fault = [r for r in recs if not r["ok"] and r["fault"] is None]
     if no_fault:
