@@ -186,7 +186,10 @@ class API(OutputFormats):
             kwargs["tools"] = req.tools
         if getattr(req, "reasoning_effort", None) is not None:  # a template variable, as in vLLM
             kwargs["reasoning_effort"] = req.reasoning_effort
-        msgs = [[m.as_dict() for m in conv] for conv in convs]
+        try:
+            msgs = [[m.as_dict() for m in conv] for conv in convs]
+        except ValueError as e:  # a content part this server does not take (an image)
+            raise APIError(400, f"messages: {e}", param="messages") from None
         chars = [sum(len(m["content"]) for m in conv) for conv in msgs]
         if bound:
             for n in chars:

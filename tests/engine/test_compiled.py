@@ -51,11 +51,15 @@ def test_one_graph_serves_every_step_and_tokens_equal_eager(ckpt_dir, tmp_path, 
     with caplog.at_level(logging.INFO, logger="engine.compiled"):
         llm = _llm(ckpt_dir, max_num_batched_tokens=64, optimization_level=1)
         compiled_at_start = sum("compiled in" in r.getMessage() for r in caplog.records)
+        graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         for round_ in range(2):  # the second round starts from prefix hits
             assert _tokens(llm, PROMPTS, 24) == want, f"round {round_}"
         assert _tokens(llm, PROMPTS[:1], 5) == [want[0][:5]]  # one request alone: 1-token steps
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
-    assert compiled_at_start == 1, "the model should compile at start-up, not in a request's step"
+        # one graph per thread count the CPU governor may switch to (engine/cpu_threads.py)
+        levels = len(llm.engine.threads.levels) if llm.engine.threads is not None else 1
+    assert graphs_at_start - graphs == levels, "the model should compile at start-up, not in a request's step"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_at_start
+    assert compiled_at_start == 1
     assert sum("compiled in" in r.getMessage() for r in caplog.records) == 1
     cached = list((tmp_path / "cache" / "inductor").rglob("*"))
     assert any(p.is_file() for p in cached), "inductor's cache is not under $KVTIER_CACHE_DIR/inductor"
