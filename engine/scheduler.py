@@ -27,6 +27,9 @@ Two rules keep one request's expensive prompt from taking the engine (issue 38):
   longer on average. Alone, bites of PROMPT_LOGPROBS_ALONE plain steps' cost: a request that
   arrives waits for the step in flight, which must stay short (one 2048-token bite with
   log-probs took 4 s on the demo model, and every request arriving then waited that long).
+  The requests that waited for such a request's prefill (its other sequences) are paid from
+  the same bucket for their whole life: 15 sequences reading a 3.6k-token prompt's blocks then
+  computing their tails and decoding at that context are the same request's cost.
 """
 from __future__ import annotations
 
@@ -166,6 +169,7 @@ class Scheduler:
         # token a launched step is still sampling (its proposals come after that).
         self.num_spec_placeholders = num_spec_placeholders
         self._passed_over: dict[RequestId, int] = {}  # shortest_prefill: steps each running prompt sat out
+        self._followers: set[RequestId] = set()  # requests that waited for an expensive one's prefill
         # Prompt log-prob work per step, from how long steps ran (step_ran)
         self.share = ShareController(PROMPT_LOGPROBS_SHARE, PROMPT_LOGPROBS_ALONE, PROMPT_LOGPROBS_UNFITTED,
                                      PROMPT_LOGPROBS_UNFITTED_ALONE)
@@ -246,7 +250,9 @@ class Scheduler:
             fresh = not self.kv.block_table(req)  # else resuming after an async load
             lookup = fresh and not req.wants_prompt_logprobs  # those need every prompt position's logits
             hits = self.kv.get_computed_blocks(req) if lookup else []
-            if lookup and self._being_computed(req, len(hits), inflight):
+            if lookup and (owner := self._being_computed(req, len(hits), inflight)) is not None:
+                if self._expensive(owner):
+                    self._followers.add(req.request_id)
                 held.append(self.waiting.pop())  # reads that block once it is cached
                 continue
             num_cached = len(hits) * self.kv.block_size if fresh else req.num_computed_tokens
@@ -293,58 +299,65 @@ class Scheduler:
             self._spend(req, n, plp)
             finishes_prompt |= n == remaining
             if fresh and self.kv.pool.enable_caching and len(self.waiting):  # admitted now: computing from here
-                bs = self.kv.block_size
-                inflight.update(self.kv.prompt_keys(req)[num_cached // bs:req.num_prompt_tokens // bs])
+                self._add_inflight(inflight, req, num_cached)
         for req in reversed(held):  # back in their places, for the next step
             self.waiting.add(req, front=True)
         if deferred:
             self._run_deferred(out, deferred, budget, scheduled, finishes_prompt, plp)
         return out
 
-    def _inflight_keys(self) -> set[BlockKey]:
-        """Keys of the full prompt blocks running requests have still to compute (empty without
-        prefix caching, or with nobody waiting to share them)."""
+    def _inflight_keys(self) -> dict[BlockKey, Request]:
+        """Keys of the full prompt blocks running requests have still to compute, and who computes
+        them (empty without prefix caching, or with nobody waiting to share them)."""
         if not self.kv.pool.enable_caching or not len(self.waiting):
-            return set()
-        bs, keys = self.kv.block_size, set()
+            return {}
+        inflight: dict[BlockKey, Request] = {}
         for r in self.running:
             if r.num_computed_tokens < r.num_prompt_tokens:
-                keys.update(self.kv.prompt_keys(r)[r.num_computed_tokens // bs:r.num_prompt_tokens // bs])
-        return keys
+                self._add_inflight(inflight, r, r.num_computed_tokens)
+        return inflight
 
-    def _being_computed(self, req: Request, num_hit_blocks: int, inflight: set[BlockKey]) -> bool:
-        """The request's next block after its hits is one a running prompt is computing."""
+    def _add_inflight(self, inflight: dict[BlockKey, Request], req: Request, num_computed: int) -> None:
+        bs = self.kv.block_size
+        inflight.update(dict.fromkeys(self.kv.prompt_keys(req)[num_computed // bs:req.num_prompt_tokens // bs], req))
+
+    def _being_computed(self, req: Request, num_hit_blocks: int, inflight: dict[BlockKey, Request]) -> Request | None:
+        """Who is computing the request's next block after its hits, if a running prompt is."""
         if not inflight:
-            return False
-        keys = self.kv.prompt_keys(req)
-        return num_hit_blocks < min(len(keys), (req.num_tokens - 1) // self.kv.block_size) \
-            and keys[num_hit_blocks] in inflight
-
-    def _prompt_logprobs_allowance(self, inflight: set[BlockKey]) -> int | None:
-        """Prompt tokens of log-prob requests this step may take, all together: what costs
-        PROMPT_LOGPROBS_SHARE of the others' step, or alone PROMPT_LOGPROBS_ALONE steps' fixed
-        cost; None (the step's budget) when no request wants prompt log-probs."""
-        if not any(r.wants_prompt_logprobs for r in self.running) and \
-                not any(r.wants_prompt_logprobs for r in self.waiting):
             return None
-        others = sum(1 for r in self.running if not r.wants_prompt_logprobs)
-        others += sum(1 for r in self.waiting if not r.wants_prompt_logprobs  # those held for a shared prefix: not yet
-                      and not (inflight and not inflight.isdisjoint(self.kv.prompt_keys(r))))
+        keys = self.kv.prompt_keys(req)
+        if num_hit_blocks < min(len(keys), (req.num_tokens - 1) // self.kv.block_size):
+            return inflight.get(keys[num_hit_blocks])
+        return None
+
+    def _expensive(self, req: Request) -> bool:
+        """Its work is paid from the share bucket: it wants prompt log-probs, or it waited for the
+        prefill of one that does (the other sequences of such a request: their prompt tails and
+        decodes at its whole context are its cost too)."""
+        return req.wants_prompt_logprobs or req.request_id in self._followers
+
+    def _prompt_logprobs_allowance(self, inflight: dict[BlockKey, Request]) -> int | None:
+        """Tokens expensive requests (`_expensive`) may take this step, all together: what costs
+        PROMPT_LOGPROBS_SHARE of the others' step, or alone PROMPT_LOGPROBS_ALONE steps' fixed
+        cost; None (the step's budget) when there are none."""
+        if not any(self._expensive(r) for r in self.running) and not any(self._expensive(r) for r in self.waiting):
+            return None
+        others = sum(1 for r in self.running if not self._expensive(r))
+        others += sum(1 for r in self.waiting if not self._expensive(r)  # those held for a shared prefix: not yet
+                      and not (inflight and any(k in inflight for k in self.kv.prompt_keys(r))))
         return self.share.allowance(others)
 
     def step_ran(self, out: SchedulerOutput, seconds: float) -> None:
         """A scheduled step's forward took `seconds` (the engine's measurement)."""
-        expensive = sum(s.num_new_tokens for s in out.scheduled if s.req.wants_prompt_logprobs)
+        expensive = sum(s.num_new_tokens for s in out.scheduled if self._expensive(s.req))
         self.share.observe(out.num_tokens, seconds, expensive, out.prompt_logprobs_allowance)
 
-    @staticmethod
-    def _share(req: Request, n: int, plp: list[int | None]) -> int:
-        """`n` new tokens, cut to the prompt log-prob allowance for a request that wants them."""
-        return n if plp[0] is None or not req.wants_prompt_logprobs else min(n, plp[0])
+    def _share(self, req: Request, n: int, plp: list[int | None]) -> int:
+        """`n` new tokens, cut to the allowance for an expensive request."""
+        return n if plp[0] is None or not self._expensive(req) else min(n, plp[0])
 
-    @staticmethod
-    def _spend(req: Request, n: int, plp: list[int | None]) -> None:
-        if plp[0] is not None and req.wants_prompt_logprobs:
+    def _spend(self, req: Request, n: int, plp: list[int | None]) -> None:
+        if plp[0] is not None and self._expensive(req):
             plp[0] -= n
 
     def _prompt_left(self, req: Request) -> int:
@@ -452,6 +465,7 @@ class Scheduler:
         caller frees them later (a launched step still writes them)."""
         req.status = status
         self._passed_over.pop(req.request_id, None)
+        self._followers.discard(req.request_id)
         if req in self.running:
             self.running.remove(req)
         elif self.loading.pop(req.request_id, None) is None:
