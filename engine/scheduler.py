@@ -48,7 +48,8 @@ from kvstore.keys import BlockKey
 
 MAX_PASSED_OVER = 8  # shortest_prefill: steps a running prompt may sit out in a row
 # Prompt log-prob work beside others gets this share of their step time (a probe decoding beside
-# it measured 1.5-1.7x its idle latency on the demo model, 2 CPU cores), in bites of at most
+# it measured 1.7-1.8x its idle latency on the demo model, 2 CPU cores: a probe that arrives
+# between two of its requests finds an alone bite in flight; 0.35 measured the same), in bites of at most
 # PROMPT_LOGPROBS_ALONE plain steps' cost, which is also its bite alone (~0.1 s there). Until
 # steps are measured, fixed counts.
 PROMPT_LOGPROBS_SHARE = 0.5

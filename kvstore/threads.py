@@ -1,6 +1,8 @@
 """Threads that run torch ops beside the engine's forward."""
 from __future__ import annotations
 
+import logging
+import os
 import queue
 import threading
 import time
@@ -10,6 +12,7 @@ from typing import Any, TypeVar
 
 import torch
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -24,6 +27,15 @@ def one_torch_thread() -> None:
     of its speed from the moment an offload transfer thread or async scheduling's helper had run
     a copy (615 -> 370 tok/s), and at full speed with those threads at one torch thread."""
     torch.set_num_threads(1)
+
+
+def lower_priority(nice: int) -> None:
+    """Give the calling thread this nice value (Linux: a thread's own; raising it needs no
+    privilege), so its CPU work yields to the forward's threads on a busy machine."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (OSError, AttributeError) as e:  # not Linux, or a sandbox that forbids it
+        log.debug("thread keeps its priority: %s", e)
 
 
 class CopyPool:

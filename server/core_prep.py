@@ -18,8 +18,6 @@ anywhere near that long; raising them is what makes this path matter.
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -29,7 +27,7 @@ from typing import Any
 
 from engine.request_factory import Prepared
 from engine.sampling_params import SamplingParams
-from kvstore.threads import DaemonPool, one_torch_thread
+from kvstore.threads import DaemonPool, lower_priority, one_torch_thread
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +39,7 @@ SLOW_KEYS = 4096  # constraints remembered as too slow to compile (LRU)
 
 def _low_priority_thread() -> None:
     one_torch_thread()
-    try:  # Linux: a thread's own nice value; raising it needs no privilege
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREP_NICE)
-    except (OSError, AttributeError) as e:
-        log.debug("preparation thread keeps its priority: %s", e)
+    lower_priority(PREP_NICE)
 
 
 @dataclass

@@ -171,14 +171,17 @@ def build_app(api: API) -> FastAPI:
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         await api.collect(request, choices, arrival)
         _check_error(choices)
-        body = {**head, "choices": [
-            {"index": c.index, "text": api.final_text(c), "finish_reason": api.finish_reason(c),
-             "logprobs": api.completion_logprobs(c) if req.logprobs is not None else None, **api.extras(c, req),
-             **_prompt_logprobs(api, req, c)}
-            for c in choices], "usage": api.usage(choices, req.n)}
-        kvp = api.transfer_params(choices)
-        if kvp is not None:
-            body["kv_transfer_params"] = kvp
+
+        def body() -> dict[str, Any]:
+            out = {**head, "choices": [
+                {"index": c.index, "text": api.final_text(c), "finish_reason": api.finish_reason(c),
+                 "logprobs": api.completion_logprobs(c) if req.logprobs is not None else None, **api.extras(c, req),
+                 **_prompt_logprobs(api, req, c)}
+                for c in choices], "usage": api.usage(choices, req.n)}
+            kvp = api.transfer_params(choices)
+            if kvp is not None:
+                out["kv_transfer_params"] = kvp
+            return out
         return await json_response(body)
 
     @app.post("/v1/chat/completions")
@@ -196,7 +199,7 @@ def build_app(api: API) -> FastAPI:
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         await api.collect(request, choices, arrival)
         _check_error(choices)
-        return await json_response(_chat_body(api, req, choices, head, tools))
+        return await json_response(lambda: _chat_body(api, req, choices, head, tools))
 
     @app.post("/v1/chat/completions/batch")
     async def chat_batch(request: Request) -> Response:
@@ -210,7 +213,7 @@ def build_app(api: API) -> FastAPI:
                 "system_fingerprint": s.system_fingerprint}
         await api.collect(request, choices, arrival)
         _check_error(choices)
-        return await json_response(_chat_body(api, req, choices, head, tools))
+        return await json_response(lambda: _chat_body(api, req, choices, head, tools))
 
     add_render_routes(app, api)  # vLLM's /v1/chat/completions/render and /v1/completions/render
     return app
