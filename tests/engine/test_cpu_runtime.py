@@ -48,6 +48,7 @@ def test_kvtier_generate_logs_its_allocator(ckpt_dir):
     line = next(ln for ln in proc.stderr.splitlines() if "CPU:" in ln and "allocator" in ln)
     lib = cpu_runtime.find_allocator({})
     if lib:
-        assert f"allocator {lib}" in line or f"/{lib}" in line, line
+        assert f"/{lib}" in line or f"({lib})" in line, line
+        assert ("allocator tcmalloc" if "tcmalloc" in lib else "allocator jemalloc") in line, line
     else:
         assert "glibc malloc" in line and "libtcmalloc-minimal4" in line, line
