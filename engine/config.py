@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from connectors.hidden_spec import HiddenStatesSpec
+from engine.cpu_runtime import cpu_isa
 from engine.spec_config import SpeculativeConfig, parse_speculative_config
 from engine.thinking import ReasoningConfig
 from policies import check_policy
@@ -93,17 +94,24 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype | None:
     return _DTYPES[name]
 
 
-def resolve_dtype(name: str, checkpoint_dtype: Any, device: str = "cpu") -> torch.dtype:
+def resolve_dtype(name: str, checkpoint_dtype: Any, device: str = "cpu", native_bf16: bool | None = None) -> torch.dtype:
     """`auto` takes the checkpoint's dtype, except that float32 checkpoints run in bfloat16 on a GPU
-    (vLLM's rule: float32 there halves throughput for no gain in serving)."""
+    (vLLM's rule: float32 there halves throughput for no gain in serving), and that on a CPU
+    half-precision checkpoints run in bfloat16 where the CPU multiplies bf16 natively (AMX or
+    AVX512-BF16; `native_bf16`, from /proc/cpuinfo when None) and in float32 where it does not:
+    there oneDNN emulates bf16 through float32 (slower than float32 itself), and the CPU kernels
+    take no float16."""
     if name == "auto":
         found = torch.float32
         if isinstance(checkpoint_dtype, torch.dtype):
             found = checkpoint_dtype
         elif isinstance(checkpoint_dtype, str) and checkpoint_dtype in _DTYPES:
             found = _DTYPES[checkpoint_dtype]
-        if found == torch.float32 and device != "cpu":
-            return torch.bfloat16
+        if device != "cpu":
+            return torch.bfloat16 if found == torch.float32 else found
+        if found in (torch.bfloat16, torch.float16):
+            native = cpu_isa().native_bf16 if native_bf16 is None else native_bf16
+            return torch.bfloat16 if native else torch.float32
         return found
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
@@ -401,7 +409,11 @@ def load_model_config(model_dir: Path, dtype: str, device: str = "cpu", kv_cache
     # Per-layer head sizes (Gemma 4): the model-wide fields are layer 0's, `layer_kv_shapes` each layer's.
     first = hf.per_layer_config[0] if getattr(hf, "is_heterogeneous", False) else hf
     head_dim = getattr(first, "head_dim", None) or hf.hidden_size // num_heads
-    weights_dtype = resolve_dtype(dtype, getattr(hf, "dtype", None) or raw.get("torch_dtype"), device)
+    checkpoint_dtype = getattr(hf, "dtype", None) or raw.get("torch_dtype")
+    weights_dtype = resolve_dtype(dtype, checkpoint_dtype, device)
+    if dtype == "auto" and device == "cpu" and str(checkpoint_dtype).removeprefix("torch.") != str(weights_dtype)[6:]:
+        log.info("dtype auto: the checkpoint's %s runs in %s on this CPU (%s; --dtype overrides)", checkpoint_dtype,
+                 str(weights_dtype)[6:], cpu_isa().name)
     return ModelConfig(
         architecture=arch,
         vocab_size=hf.vocab_size,

@@ -36,13 +36,28 @@ def test_cuda_without_a_gpu_is_refused(name):
     (torch.float32, "cpu", torch.float32),
     ("float32", "cpu", torch.float32),
     (torch.bfloat16, "cpu", torch.bfloat16),
+    ("float16", "cpu", torch.bfloat16),  # the CPU kernels take no float16
     (torch.float32, "cuda", torch.bfloat16),  # vLLM's rule: float32 checkpoints serve in bf16 on GPU
     (None, "cuda:1", torch.bfloat16),
     (torch.float16, "cuda", torch.float16),
     (torch.bfloat16, "cuda", torch.bfloat16),
 ])
 def test_auto_dtype(ckpt, device, want):
-    assert resolve_dtype("auto", ckpt, device) == want
+    assert resolve_dtype("auto", ckpt, device, native_bf16=True) == want
+
+
+@pytest.mark.parametrize("ckpt", [torch.bfloat16, "float16", torch.float32])
+def test_auto_dtype_on_a_cpu_without_native_bf16_is_float32(ckpt):
+    """AVX2 or AVX-512 without BF16: oneDNN would emulate bf16 through float32."""
+    assert resolve_dtype("auto", ckpt, "cpu", native_bf16=False) == torch.float32
+    assert resolve_dtype("bfloat16", ckpt, "cpu", native_bf16=False) == torch.bfloat16  # asked for: kept
+
+
+def test_auto_reads_the_cpu():
+    from engine.cpu_runtime import cpu_isa
+
+    want = torch.bfloat16 if cpu_isa().native_bf16 else torch.float32
+    assert resolve_dtype("auto", torch.bfloat16, "cpu") == want
 
 
 def test_explicit_dtype_wins_on_gpu():
