@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""The CPU decode-attention kernel (engine/cpu_kernels/paged_attention.cpp) against the memory bound.
+
+A batch of decode rows over random block tables (SmolLM's heads: 9 query, 3 kv, 64 wide; blocks of
+16), in float32 and bfloat16: the kernel's time per layer and the KV bytes it read per second,
+beside a plain streaming read (torch's sum over a 512 MB tensor: what these cores pull from
+memory), shown as the time it takes for the kernel's bytes. `--layers 1` with a short context measures it on cached data
+(its arithmetic alone).
+
+`--against FILE.cpp` builds FILE as a second library and alternates the two in this process, run
+by run (the only way to see a 5% change on a shared machine): the table then has both, their
+ratio, and whether their outputs are the same bits.
+
+    .venv/bin/python benchmarks/kernels_cpu.py
+    .venv/bin/python benchmarks/kernels_cpu.py --against /tmp/paged_attention_old.cpp
+
+Writes benchmarks/results/kernels_cpu.json.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+sys.path.append(str(_HERE))
+
+import torch  # noqa: E402
+
+from _common import RESULTS_DIR, machine_info, print_table, write_json  # noqa: E402
+from engine import cpu_kernels  # noqa: E402
+from engine.cpu_kernels import build  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+STREAM_BYTES = 512 << 20
+
+
+def other_library(src: Path, workdir: Path) -> ctypes.CDLL:
+    so = workdir / "other.so"
+    subprocess.run([build._compiler(), *build._flags(build.MARCH), "-I", str(Path(build.__file__).parent),
+                    "-shared", str(src), "-o", str(so)], check=True)
+    lib = ctypes.CDLL(str(so))
+    ours = cpu_kernels.get()
+    lib.kvt_paged_attention.restype = ours.kvt_paged_attention.restype
+    lib.kvt_paged_attention.argtypes = ours.kvt_paged_attention.argtypes
+    return lib
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=344, help="tokens per row (default %(default)s)")
+    ap.add_argument("--layers", type=int, default=30, help="distinct layers' caches cycled through (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=9, help="alternating timed rounds; medians (default %(default)s)")
+    ap.add_argument("--against", type=Path, help="another paged_attention.cpp to alternate with this one")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "kernels_cpu.json")
+    args = ap.parse_args()
+    if min(args.batch, args.context, args.layers, args.rounds) < 1:
+        ap.error("--batch, --context, --layers and --rounds must be >= 1")
+    ours = cpu_kernels.get()
+    if ours is None:
+        print("the CPU kernels did not build here", file=sys.stderr)
+        return 2
+    tmp = tempfile.TemporaryDirectory(prefix="kvtier-kernels-")
+    libs = {"kvtier": ours}
+    if args.against is not None:
+        libs[args.against.name] = other_library(args.against, Path(tmp.name))
+    nb = -(-args.context // BLOCK)
+    rows, results = [], {}
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator().manual_seed(0)
+        kv = torch.randn(args.layers, 2, args.batch * nb + 1, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+        q = torch.randn(args.batch, HEADS, HEAD_DIM, generator=g).to(dtype)
+        idx, lens = torch.arange(args.batch), torch.full((args.batch,), args.context, dtype=torch.long)
+        tables = torch.randperm(args.batch * nb, generator=g).view(args.batch, nb).contiguous()
+        nbytes = args.batch * args.context * KV_HEADS * HEAD_DIM * 2 * kv.element_size()
+        flat = torch.randn(STREAM_BYTES // 4)  # far past the last-level cache: what memory gives
+        times: dict[str, list[float]] = {name: [] for name in (*libs, "stream read")}
+        outs = {}
+        reps = max(3, 150 // args.layers)
+        for _ in range(args.rounds):
+            for name, lib in libs.items():
+                cpu_kernels._state["lib"] = lib
+                out = torch.empty_like(q)
+                t = time.perf_counter()
+                for _ in range(reps):
+                    for layer in range(args.layers):
+                        cpu_kernels.paged_attention(q, kv[layer, 0], kv[layer, 1], out, idx, tables, lens, 0.125)
+                times[name].append((time.perf_counter() - t) / reps / args.layers)
+                outs[name] = out
+            t = time.perf_counter()
+            flat.sum()
+            times["stream read"].append((time.perf_counter() - t) * nbytes / STREAM_BYTES)  # as long as nbytes take
+        cpu_kernels._state["lib"] = ours
+        dt = str(dtype).removeprefix("torch.")
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            results[f"{name} {dt}"] = {"ms_per_layer": med * 1e3, "gb_s": nbytes / med / 1e9}
+            same = "" if name not in outs or name == "kvtier" else str(torch.equal(outs[name], outs["kvtier"]))
+            ratio = f"{med / statistics.median(times['kvtier']):.3f}" if name != "stream read" else ""
+            rows.append([f"{name} {dt}", f"{med * 1e3:.3f}", f"{nbytes / med / 1e9:.1f}", ratio, same])
+    m = machine_info()
+    print(f"{m['cpu_model']}, {m['cpu_isa']}; batch {args.batch}, context {args.context}, {args.layers} layers, "
+          f"{torch.get_num_threads()} threads")
+    print_table(["kernel", "ms per layer", "GB/s", "time / kvtier's", "same bits"], rows)
+    write_json(args.out, {"benchmark": "kernels_cpu", "args": {k: str(v) for k, v in vars(args).items()},
+                          "results": results})
+    tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
