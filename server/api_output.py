@@ -111,6 +111,11 @@ class OutputFormats:
         return params[0] if len(params) == 1 else {"choices": params}
 
 
+def heavy_output(req: Any) -> bool:
+    """The request asked for log-probs (of its prompt or its tokens): its response may be large."""
+    return getattr(req, "prompt_logprobs", None) is not None or bool(getattr(req, "logprobs", None))
+
+
 def _dumps(value: Any) -> bytes:
     # JSONResponse's own settings
     return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
@@ -156,17 +161,22 @@ def _encode(value: Any, parts: list[bytes], memo: dict[int, bytes], depth: int) 
 
 RESPONSE_NICE = 19  # a large response's building yields to the forward (the engine core's threads)
 RESPONSE_THREADS = 2
-_responses: ThreadPoolExecutor | None = None
+_heavy_pool: ThreadPoolExecutor | None = None
 
 
-async def json_response(build: Callable[[], dict[str, Any]]) -> Response:
-    """A generation response, built by `build` and encoded on a low-priority worker thread: n
-    choices with prompt log-probs make tens of MB of JSON from 75k formatted log-prob entries
-    (seconds on the event loop, where every other request waited, issue 38); at normal priority
-    that burst of CPU slowed the forward beside it (a probe's steps 30 -> 190 ms on 2 cores)."""
-    global _responses
-    if _responses is None:
-        _responses = ThreadPoolExecutor(RESPONSE_THREADS, "kvtier-response", initializer=lower_priority,
-                                        initargs=(RESPONSE_NICE,))
-    content = await asyncio.get_running_loop().run_in_executor(_responses, lambda: encode_body(build()))
+async def json_response(build: Callable[[], dict[str, Any]], heavy: bool = False) -> Response:
+    """A generation response, built by `build` and encoded on a worker thread: n choices with
+    prompt log-probs make tens of MB of JSON from 75k formatted log-prob entries (seconds on the
+    event loop, where every other request waited, issue 38). A `heavy` one (log-probs asked for)
+    runs at nice 19: at normal priority that burst of CPU slowed the forward beside it (a probe's
+    steps 30 -> 190 ms on 2 cores). Others keep normal priority: a nice-19 thread beside a busy
+    neighbour gets ~1.5% of a core, and a small response would wait for it."""
+    global _heavy_pool
+    pool = None
+    if heavy:
+        if _heavy_pool is None:
+            _heavy_pool = ThreadPoolExecutor(RESPONSE_THREADS, "kvtier-response", initializer=lower_priority,
+                                             initargs=(RESPONSE_NICE,))
+        pool = _heavy_pool
+    content = await asyncio.get_running_loop().run_in_executor(pool, lambda: encode_body(build()))
     return Response(content, media_type="application/json")

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from connectors.base import tier_entries
 from server.api import API, VERSION, APIError, Choice, _check_error, error_response, sse
-from server.api_output import json_response
+from server.api_output import heavy_output, json_response
 from server.client import CoreState, EngineDeadError
 from server.protocol import (
     BatchChatCompletionRequest,
@@ -182,7 +182,7 @@ def build_app(api: API) -> FastAPI:
             if kvp is not None:
                 out["kv_transfer_params"] = kvp
             return out
-        return await json_response(body)
+        return await json_response(body, heavy_output(req))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -199,7 +199,7 @@ def build_app(api: API) -> FastAPI:
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         await api.collect(request, choices, arrival)
         _check_error(choices)
-        return await json_response(lambda: _chat_body(api, req, choices, head, tools))
+        return await json_response(lambda: _chat_body(api, req, choices, head, tools), heavy_output(req))
 
     @app.post("/v1/chat/completions/batch")
     async def chat_batch(request: Request) -> Response:
@@ -213,7 +213,7 @@ def build_app(api: API) -> FastAPI:
                 "system_fingerprint": s.system_fingerprint}
         await api.collect(request, choices, arrival)
         _check_error(choices)
-        return await json_response(lambda: _chat_body(api, req, choices, head, tools))
+        return await json_response(lambda: _chat_body(api, req, choices, head, tools), heavy_output(req))
 
     add_render_routes(app, api)  # vLLM's /v1/chat/completions/render and /v1/completions/render
     return app

@@ -2,10 +2,11 @@
 (the oracle), whatever its shape: it splits large lists, shares repeated ones and joins once."""
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 
-from server.api_output import CHUNK, encode_body
+from server.api_output import CHUNK, encode_body, heavy_output
 
 
 def _oracle(body):
@@ -32,3 +33,11 @@ def test_shapes(body):
 def test_nan_is_refused_as_jsonresponse_refuses_it():
     with pytest.raises(ValueError):
         encode_body({"choices": [{"x": float("nan")}]})
+
+
+@pytest.mark.parametrize("fields,heavy", [
+    ({}, False), ({"logprobs": None, "prompt_logprobs": None}, False), ({"logprobs": 0}, False),
+    ({"logprobs": 5}, True), ({"logprobs": True}, True), ({"prompt_logprobs": 0}, True),
+])
+def test_responses_with_log_probs_are_built_at_low_priority(fields, heavy):
+    assert heavy_output(SimpleNamespace(**fields)) is heavy

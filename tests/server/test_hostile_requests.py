@@ -156,8 +156,15 @@ def test_prompt_logprobs_with_n_16_share_one_prefill_and_keep_the_probe_up(serve
         time.sleep(0.3)
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
+    got = choices[0]["prompt_logprobs"]
+    assert len(choices) == 16 and all(ch["prompt_logprobs"] == got for ch in choices)  # the same, computed once
+    # and the prompt's own log-probs of a request alone: its bites were cut differently (the share
+    # depends on step timing), and a GEMM's last bits depend on its rows, so to float error
     want = one.json()["choices"][0]["prompt_logprobs"]
-    assert len(choices) == 16 and all(ch["prompt_logprobs"] == want for ch in choices)  # the same, computed once
+    assert len(got) == len(want) == len(prompt) and got[0] is None and want[0] is None
+    for i in range(1, len(prompt)):
+        key = str(prompt[i])
+        assert abs(got[i][key]["logprob"] - want[i][key]["logprob"]) < 1e-3, i
     assert_probe_kept_up(probe, idle)
     with server.client() as c:
         hits = c.get("/v1/kv/stats").json()["tiers"]["G1"]["prefix_cache_hits"] - hits0
