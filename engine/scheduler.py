@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestId, RequestStatus
 from engine.step_cost import ShareController
 from kvstore.keys import BlockKey
+
+log = logging.getLogger(__name__)
 
 MAX_PASSED_OVER = 8  # shortest_prefill: steps a running prompt may sit out in a row
 # Prompt log-prob work beside others gets this share of their step time (a probe decoding beside
@@ -352,6 +355,10 @@ class Scheduler:
         """A scheduled step's forward took `seconds` (the engine's measurement)."""
         expensive = sum(s.num_new_tokens for s in out.scheduled if self._expensive(s.req))
         self.share.observe(out.num_tokens, seconds, expensive, out.prompt_logprobs_allowance)
+        if out.prompt_logprobs_allowance is not None and log.isEnabledFor(logging.DEBUG):  # the share, step by step
+            log.debug("step: %d tokens, %d paid from the share (allowance %s), %.3f s; running %d, waiting %d, "
+                      "followers %d, share credit %.3f s", out.num_tokens, expensive, out.prompt_logprobs_allowance,
+                      seconds, len(self.running), len(self.waiting), len(self._followers), self.share.credit)
 
     def _share(self, req: Request, n: int, plp: list[int | None]) -> int:
         """`n` new tokens, cut to the allowance for an expensive request."""

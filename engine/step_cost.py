@@ -35,6 +35,11 @@ class LinearFit:
         c1 = max(0.0, (sxy / n - sx * sy / n / n) / var)
         return sy / n - c1 * sx / n, c1
 
+    def mean(self) -> float | None:
+        """Mean y (a flat line), after MIN_OBSERVATIONS."""
+        n, _, sy, _, _ = self._sums
+        return sy / n if n >= MIN_OBSERVATIONS else None
+
     def ratio(self) -> float | None:
         """Mean y per mean x (a line through the origin), once anything was seen."""
         n, sx, sy, _, _ = self._sums
@@ -62,7 +67,14 @@ class ShareController:
 
     def _plain(self, tokens: int) -> float | None:
         c = self.fit.coefficients()
-        return None if c is None else max(c[0] + c[1] * tokens, 1e-6)
+        if c is None:
+            # Every plain step of late had one size (a probe's decodes: its prefills ride with a
+            # bite, so the fit never sees them): their mean is their cost. Falling back to the
+            # unfitted counts here granted 16-128 tokens a step, and a probe beside the request
+            # waited 3.5x its idle time.
+            mean = self.fit.mean()
+            return None if mean is None else max(mean, 1e-6)
+        return max(c[0] + c[1] * tokens, 1e-6)
 
     def observe(self, tokens: int, seconds: float, expensive: int, allowed: int | None) -> None:
         """A step's forward: `tokens` in all, `expensive` of them the capped kind, `allowed` its cap."""

@@ -154,6 +154,21 @@ def test_bites_of_one_size_are_priced_by_their_mean_cost():
     assert ctl.allowance(1) == 7  # 15.5 ms / 2 ms
 
 
+def test_plain_steps_of_one_size_keep_the_bucket_in_force():
+    """Beside a probe, every plain step is its 1-token decode (its prefills ride with a bite), so
+    the plain fit loses its slope. Their mean is then their cost: the bucket goes on, instead of
+    the unfitted counts (16 tokens every step, 128 alone) that let a bite take 3.5x a probe's step."""
+    ctl = _fitted()
+    for n in (16, 4, 8, 2, 12):
+        ctl.observe(1 + n, 0.031 + 0.010 + 0.001 * n, n, n)
+    for _ in range(400):  # the fit's memory is ~50 steps: only 1-token steps are left in it
+        ctl.observe(1, 0.031, 0, None)
+    assert ctl.fit.coefficients() is None
+    ctl.credit = 0.0
+    assert ctl.allowance(1) == 5  # (0.5 * 31 ms - 10 ms) / 1 ms, not 16
+    assert ctl.allowance(0) == 83  # alone: (3 * 31 ms - 10 ms) / 1 ms, not 128
+
+
 def test_the_scheduler_cuts_prompt_logprob_chunks_to_the_allowance(ckpt_dir, monkeypatch):
     """Alone, the scored request takes the alone allowance; beside the probe (waiting or
     running), the allowance beside others; everything else is the oracle's schedule."""
