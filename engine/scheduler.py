@@ -348,7 +348,7 @@ class Scheduler:
             return None
         others = sum(1 for r in self.running if not self._expensive(r))
         others += sum(1 for r in self.waiting if not self._expensive(r)  # those held for a shared prefix: not yet
-                      and not (inflight and any(k in inflight for k in self.kv.prompt_keys(r))))
+                      and not (inflight and not inflight.keys().isdisjoint(self.kv.prompt_keys(r))))
         return self.share.allowance(others)
 
     def step_ran(self, out: SchedulerOutput, seconds: float) -> None:
