@@ -50,12 +50,14 @@ from kvstore.keys import BlockKey
 log = logging.getLogger(__name__)
 
 MAX_PASSED_OVER = 8  # shortest_prefill: steps a running prompt may sit out in a row
-# Prompt log-prob work beside others gets this share of their step time (a probe decoding beside
-# it measured 1.7-1.8x its idle latency on the demo model, 2 CPU cores: a probe that arrives
-# between two of its requests finds an alone bite in flight; 0.35 measured the same), in bites of at most
-# PROMPT_LOGPROBS_ALONE plain steps' cost, which is also its bite alone (~0.1 s there). Until
-# steps are measured, fixed counts.
-PROMPT_LOGPROBS_SHARE = 0.5
+# Prompt log-prob work beside others gets this share of their step time, in bites of at most
+# PROMPT_LOGPROBS_ALONE plain steps' cost, which is also its bite alone (~0.13-0.17 s on the demo
+# model, 2 CPU cores). A probe decoding beside it pays the share on each of its steps plus, when it
+# arrives between two of its requests, the alone bite in flight: at 0.5 the probe measured 1.8-1.9x
+# its idle latency (1.5x of it the share), at 0.3 1.5-1.8x in six runs, and the request took 49-55 s
+# instead of 41 s. Bites of 2 plain steps instead of 3 made the request 62 s and the probe no faster.
+# Until steps are measured, fixed counts.
+PROMPT_LOGPROBS_SHARE = 0.3
 PROMPT_LOGPROBS_ALONE = 3.0
 PROMPT_LOGPROBS_UNFITTED = 16
 PROMPT_LOGPROBS_UNFITTED_ALONE = 128
