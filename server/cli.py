@@ -72,7 +72,7 @@ def _extract(argv: list[str]) -> int:
 
 
 def _kv(argv: list[str]) -> int:
-    from server.kv_cli import main
+    from kvtools.cli import main
 
     return main(argv)
 

@@ -9,8 +9,8 @@ import pytest
 import redis
 
 from kvstore.entry import HEADER_SIZE
-from kvstore.inspect_redis import RedisTool
-from kvstore.inspect_report import RedisTarget
+from kvtools.inspect_redis import RedisTool
+from kvtools.inspect_report import RedisTarget
 from kvstore.remote import RedisBackend, RemoteConfig
 from server.cli import main
 import kv_samples

@@ -52,7 +52,7 @@ def test_bad_input_exits_2_with_a_message(args, message, capsys):
 def test_every_flag_has_help(capsys):
     import argparse
 
-    from server.kv_cli import _parser
+    from kvtools.cli import _parser
 
     flags = ["--topic", "--interval", "--duration", "--json", "--stats-url", "--api-key"]
     code, out, _ = run_cli(capsys, "--help")

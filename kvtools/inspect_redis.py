@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvstore.entry import HEADER_SIZE, CorruptEntry, EntryCodec
-from kvstore.inspect_report import (UNKNOWN_AGE, ClearReport, NamespaceUsage, Problem, RedisTarget, Summary,
+from kvtools.inspect_report import (UNKNOWN_AGE, ClearReport, NamespaceUsage, Problem, RedisTarget, Summary,
                                     TierUnavailable, Unverifiable, VerifyReport, check_entry, check_prefix)
 from kvstore.namespace_info import REDIS_SUFFIX, parse_record
 from kvstore.remote import connect

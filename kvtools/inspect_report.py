@@ -1,7 +1,7 @@
 """What the `kvtier kv` tools report about a G3 directory or a G4 Redis, and the checks they share.
 
 `inspect_disk` and `inspect_redis` read a tier the way the tier itself does (same layout, same
-entry checks: `check_entry`) and return the reports defined here; `server/kv_cli.py` prints them.
+entry checks: `check_entry`) and return the reports defined here; `kvtools/cli.py` prints them.
 
 Verification outcomes of one entry:
 - good: every check the tier makes on a read passed (header, namespace and key, size, payload

@@ -3,7 +3,7 @@
 For a cache-aware router or an operator (`kvtier kv events`). Pure Python over msgpack: no torch,
 no zmq (the caller owns the transport and hands over each ZMQ message's frames).
 
-The wire format, its two event forms and the medium -> tier mapping are `kvstore.residency_wire`'s
+The wire format, its two event forms and the medium -> tier mapping are `kvtools.residency_wire`'s
 (re-exported here). A medium it does not know is counted as "other" and logged once. Events of a
 KV group other than 0 are counted and skipped: residency describes token blocks, as G1's events
 do (engine/kv_cache_manager.py).
@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
 
-from kvstore.residency_wire import (BlockHash, BlockRemoved, BlockStored, Cleared, DecodeError, Event, EventBatch,
+from kvtools.residency_wire import (BlockHash, BlockRemoved, BlockStored, Cleared, DecodeError, Event, EventBatch,
                                     Tier, UnknownEvent, decode_event, decode_message, decode_payload, tier_of)
 
 __all__ = ["BlockHash", "BlockRemoved", "BlockStored", "ChainLink", "Cleared", "DecodeError", "Event", "EventBatch",

@@ -5,7 +5,7 @@
     kvtier kv clear   DIR|URL [--namespace NS] [--json]
     kvtier kv events  ENDPOINT... [--topic T] [--interval S] [--duration S] [--json] [--stats-url NAME=URL]
 
-`events` is server/kv_events_cli.py's: it watches replicas' KV events rather than a stored tier.
+`events` is kvtools/events_cli.py's: it watches replicas' KV events rather than a stored tier.
 
 The reading and removing is kvstore's (`inspect_disk.py`, `inspect_redis.py`, reports in
 `inspect_report.py`); this module parses flags and prints. Safe on a live server's tier: only
@@ -26,9 +26,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore.entry import ENV_SECRET, EntryCodec, load_secret
-from kvstore.inspect_report import (AGE_BUCKETS, EXIT_BAD, EXIT_CLEAN, EXIT_UNVERIFIED, UNKNOWN_AGE, ClearReport,
+from kvtools.inspect_report import (AGE_BUCKETS, EXIT_BAD, EXIT_CLEAN, EXIT_UNVERIFIED, UNKNOWN_AGE, ClearReport,
                                     DirTarget, Summary, TierUnavailable, VerifyReport, parse_namespace, parse_target)
-from server import kv_events_cli
+from kvtools import events_cli as kv_events_cli
 
 REDIS_TIMEOUT_S = 5.0  # G4: each command's socket timeout, unless --timeout-s
 
@@ -109,7 +109,7 @@ def _run(ns: argparse.Namespace) -> int:
             if value is not None:
                 raise ValueError(f"{flag} applies to a Redis URL, not a directory")
         return _on_dir(ns, target)
-    from kvstore.inspect_redis import RedisTool
+    from kvtools.inspect_redis import RedisTool
 
     tool = RedisTool(target, ns.prefix or "kvtier", REDIS_TIMEOUT_S if ns.timeout_s is None else ns.timeout_s)
     try:
@@ -121,7 +121,7 @@ def _run(ns: argparse.Namespace) -> int:
 def _on_dir(ns: argparse.Namespace, target: DirTarget) -> int:
     from functools import partial
 
-    from kvstore import inspect_disk
+    from kvtools import inspect_disk
 
     root = target.root
     return _dispatch(ns, partial(inspect_disk.inspect_dir, root), partial(inspect_disk.verify_dir, root),

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kvstore.disk_layout import NAMESPACE_RE, entry_key, list_files, open_regular, pid_alive, remove_entry_path, temp_writer
 from kvstore.entry import HEADER_SIZE, CorruptEntry, EntryCodec
-from kvstore.inspect_report import (ClearReport, NamespaceUsage, Problem, Summary, TierUnavailable, Unverifiable,
+from kvtools.inspect_report import (ClearReport, NamespaceUsage, Problem, Summary, TierUnavailable, Unverifiable,
                                     VerifyReport, check_entry)
 from kvstore.keys import BlockKey
 from kvstore.namespace_info import read_disk_record

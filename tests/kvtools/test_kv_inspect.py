@@ -15,7 +15,7 @@ import pytest
 
 from kvstore.disk import DiskBackend
 from kvstore.entry import EntryCodec
-from kvstore.inspect_disk import clear_dir, inspect_dir, verify_dir
+from kvtools.inspect_disk import clear_dir, inspect_dir, verify_dir
 from kvstore.namespace_info import RECORD_NAME
 from server.cli import main
 from kv_samples import INFO_A, INFO_B, NS_A, NS_B, key, value

@@ -1,4 +1,4 @@
-"""KV event batches off the wire, as typed events: the decoding half of `kvstore.residency`.
+"""KV event batches off the wire, as typed events: the decoding half of `kvtools.residency`.
 
 Pure Python over msgpack (no torch, no zmq): a router plugin can import it with msgpack alone.
 

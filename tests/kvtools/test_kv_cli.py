@@ -58,7 +58,7 @@ def test_bad_input_exits_2_with_a_message(args, message, tmp_path, capsys):
 def test_every_flag_has_help(command, flags, capsys):
     import argparse
 
-    from server.kv_cli import _parser
+    from kvtools.cli import _parser
 
     code, out, _ = run_cli(capsys, command, "--help")
     assert code == 0 and "DIR|URL" in out and all(flag in out for flag in flags)

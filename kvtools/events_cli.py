@@ -4,7 +4,7 @@
                      [--stats-url NAME=URL]... [--api-key KEY]
 
 An ENDPOINT is a replica's kv_events_config endpoint: tcp://host:port (named host:port) or
-NAME=tcp://host:port (ipc:// too). The view is `kvstore.residency`'s: one `ResidencyIndex` per
+NAME=tcp://host:port (ipc:// too). The view is `kvtools.residency`'s: one `ResidencyIndex` per
 replica, fed each ZMQ message as it comes. Every --interval seconds, and once more at the end
 (--duration, Ctrl-C or SIGTERM), a summary: per replica its state (waiting, live, or stale: events
 were lost, and why) and per tier the resident blocks (G1-granular), the stores and removes seen.
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.events import DEFAULT_TOPIC
-from kvstore.residency import FleetView, StatsCheck, Tier, compare_with_stats
+from kvtools.residency import FleetView, StatsCheck, Tier, compare_with_stats
 
 DEFAULT_INTERVAL_S = 2.0
 STATS_TIMEOUT_S = 2.0

@@ -1,4 +1,4 @@
-"""kvstore.residency: the KV-event decoder (both wire forms) and the per-replica residency index,
+"""kvtools.residency: the KV-event decoder (both wire forms) and the per-replica residency index,
 against a plain dict-of-sets model, with sequence gaps, late joins and restarts marked stale."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.residency import (BlockRemoved, BlockStored, Cleared, DecodeError, EventBatch, FleetView,
+from kvtools.residency import (BlockRemoved, BlockStored, Cleared, DecodeError, EventBatch, FleetView,
                                ResidencyIndex, Tier, UnknownEvent, ViewState, compare_with_stats, decode_message,
                                decode_payload, tier_of)
 
@@ -221,7 +221,7 @@ def test_a_restarted_publisher_empties_the_memory_tiers():
 def test_an_undecodable_message_is_stale_but_not_a_gap(caplog):
     fleet = FleetView(["a"])
     fleet.receive("a", frames(0, [stored(H[:1])]))
-    with caplog.at_level(logging.WARNING, logger="kvstore.residency"):
+    with caplog.at_level(logging.WARNING, logger="kvtools.residency"):
         assert fleet.receive("a", [b"kv-events", (1).to_bytes(8, "big"), b"\xc1"]) is None
         fleet.receive("a", [b"kv-events", b"junk"])
     assert fleet.receive("a", frames(2, [])) is not None
@@ -233,7 +233,7 @@ def test_an_undecodable_message_is_stale_but_not_a_gap(caplog):
 
 def test_unknown_media_and_other_groups_are_counted_not_applied(caplog):
     index = ResidencyIndex("r")
-    with caplog.at_level(logging.WARNING, logger="kvstore.residency"):
+    with caplog.at_level(logging.WARNING, logger="kvtools.residency"):
         feed(index, 0, [{**stored([H[0]]), "medium": "NVME"}, {**stored([H[1]]), "medium": "NVME"},
                         stored([H[2]], group_idx=1), removed([H[2]], group_idx=1),
                         {"type": "Mystery"}])
@@ -313,7 +313,7 @@ def test_g2_before_any_g2_event():
 def test_importable_without_torch_or_zmq():
     """A router plugin may have only msgpack."""
     code = ("import sys; sys.modules['torch'] = None; sys.modules['zmq'] = None; "
-            "import kvstore.residency as r; print(r.FleetView(['a']).to_dict()['a']['state'])")
+            "import kvtools.residency as r; print(r.FleetView(['a']).to_dict()['a']['state'])")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                          check=True)
     assert out.stdout.strip() == "waiting"
