@@ -55,9 +55,9 @@ def set_torch_threads(n: int) -> None:
 
 def preload_allocator() -> None:
     """Re-executes this benchmark under tcmalloc when the system has it, as the `kvtier`
-    CLI does for serve/generate/extract (engine/cpu_runtime), so in-process engines are measured as
+    CLI does for serve/generate/extract (engine/runner/cpu_runtime.py), so in-process engines are measured as
     users run them. Every engine in this process shares it; KVTIER_MALLOC=system turns it off."""
-    from engine.cpu_runtime import reexec_env
+    from engine.runner.cpu_runtime import reexec_env
 
     env = reexec_env(dict(os.environ))
     if env is not None:
@@ -151,9 +151,9 @@ def _cpu_model() -> str | None:
 
 
 def _cpu_isa() -> str | None:
-    """The widest ISA the CPU has for the forward (engine/cpu_runtime.py), where the repo is importable."""
+    """The widest ISA the CPU has for the forward (engine/runner/cpu_runtime.py), where the repo is importable."""
     try:
-        from engine.cpu_runtime import cpu_isa
+        from engine.runner.cpu_runtime import cpu_isa
     except ImportError:  # the vLLM worker's venv
         return None
     return cpu_isa().name

@@ -74,7 +74,7 @@ def main() -> int:
     if not set(dtypes) <= {"float32", "bfloat16"}:
         ap.error(f"--dtype takes float32 and bfloat16, not {args.dtype!r}")
     if args.model is None:
-        from engine.demo_model import ensure_demo_model
+        from engine.demo.demo_model import ensure_demo_model
 
         args.model = str(ensure_demo_model())
     from transformers import AutoModelForCausalLM, AutoTokenizer

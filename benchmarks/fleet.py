@@ -150,7 +150,7 @@ def model_dir(args: argparse.Namespace, tmp: Path) -> Path:
         return checkpoints.build_checkpoint("llama", tmp / "model")
     if args.model:
         return Path(args.model)
-    from engine.demo_model import ensure_demo_model
+    from engine.demo.demo_model import ensure_demo_model
 
     return ensure_demo_model()
 

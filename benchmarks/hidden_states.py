@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--runs, --num-prompts and --hf-batch-size must be >= 1, and 1 <= --min-len <= --max-len")
     set_torch_threads(args.threads)
     from connectors.hidden_spec import HiddenStatesSpec, eagle3_layer_ids
-    from engine.demo_model import ensure_demo_model
+    from engine.demo.demo_model import ensure_demo_model
 
     model = args.model or str(ensure_demo_model())
     cfg = json.loads((Path(model) / "config.json").read_text())

@@ -34,7 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from _common import RESULTS_DIR, log, print_table, write_json  # noqa: E402
 from engine import kernels as K  # noqa: E402
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillSeq, TorchPagedAttention  # noqa: E402
+from engine.runner.attention import AttentionMetadata, DecodeGroup, PrefillSeq, TorchPagedAttention  # noqa: E402
 
 BS = 16
 HEADS = {"llama8b": (32, 8, 128), "smollm": (9, 3, 64)}

@@ -100,7 +100,7 @@ def offline(args: argparse.Namespace, model: str, tmp: Path) -> dict[str, Any]:
     engines: dict[str, JsonWorker] = {}
     me = str(Path(__file__).resolve())
     env = dict(os.environ, PYTHONPATH=str(_HERE.parent))
-    from engine.cpu_runtime import reexec_env
+    from engine.runner.cpu_runtime import reexec_env
 
     kv_env = reexec_env(env) or env  # tcmalloc, as the kvtier CLI runs
     engines["kvtier"] = JsonWorker([sys.executable, me, "--_worker", "kvtier", model, str(not args.no_adaptive)],
@@ -186,7 +186,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "neighbour.json")
     args = ap.parse_args()
     if args.model is None:
-        from engine.demo_model import ensure_demo_model
+        from engine.demo.demo_model import ensure_demo_model
 
         args.model = str(ensure_demo_model())
     with tempfile.TemporaryDirectory(prefix="kvtier-neighbour-") as tmp:

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     import random
 
     from engine import LLM
-    from engine.demo_model import ensure_demo_model
+    from engine.demo.demo_model import ensure_demo_model
 
     model = args.model or str(ensure_demo_model())
     rng = random.Random(0)

@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         model_dir = Path(args.model)
     else:
-        from engine.demo_model import ensure_demo_model
+        from engine.demo.demo_model import ensure_demo_model
 
         model_dir = ensure_demo_model()
     cfg = json.loads((model_dir / "config.json").read_text())

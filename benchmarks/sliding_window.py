@@ -106,7 +106,7 @@ def main() -> None:
     from engine import LLM
 
     if args.model is None:
-        from engine.demo_model import ensure_demo_model
+        from engine.demo.demo_model import ensure_demo_model
 
         try:
             model_dir = ensure_demo_model(name="gemma3-270m")

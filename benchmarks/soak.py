@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.min_output <= args.max_output:
         ap.error("need 1 <= --min-output <= --max-output")
 
-    from engine.demo_model import ensure_demo_model
+    from engine.demo.demo_model import ensure_demo_model
 
     model_dir = ensure_demo_model()
     cfg = json.loads((model_dir / "config.json").read_text())

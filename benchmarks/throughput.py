@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     set_torch_threads(args.threads)
     if args.model is None:
-        from engine.demo_model import ensure_demo_model
+        from engine.demo.demo_model import ensure_demo_model
 
         args.model = str(ensure_demo_model())
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]

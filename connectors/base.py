@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 class RequestView(Protocol):
-    """What a connector may read of the engine's request (`engine.request.Request` has these).
+    """What a connector may read of the engine's request (`engine.core.request.Request` has these).
     `block_keys` is the engine's lazily grown list of full-block keys: a connector may extend it
     with `kvstore.keys.extend_keys`, which computes exactly what the engine would."""
 
@@ -77,7 +77,7 @@ class ConnectorMeta:
 
 
 class KVConnector(ABC):
-    # Whether the connector takes G1 laid out in several KV groups (engine/kv_groups.py: sliding
+    # Whether the connector takes G1 laid out in several KV groups (engine/kv/kv_groups.py: sliding
     # layers keep only their window). The engine gives any other connector one group of every layer.
     supports_kv_groups: ClassVar[bool] = False
 

@@ -6,7 +6,7 @@ G2 slots to read, pinned here so the slots cannot be evicted before the transfer
 them. Store plan: each offload block a step completes, its G1 blocks held (an extra ref) until
 the transfer engine reports the copy done; with write-back, marked dirty instead.
 
-With KV groups (`set_windows`, engine/kv_groups.py) every group's share of an offload block is an
+With KV groups (`set_windows`, engine/kv/kv_groups.py) every group's share of an offload block is an
 entry of its own (keyed `group_key(key, g)`; group 0 keeps the plain key). A hit of N tokens
 needs every full-attention group's entries up to N but a sliding group's only for its window
 before N, so a load moves the full layers' history and the sliding layers' last window; a store

@@ -2,6 +2,6 @@
 from engine.llm import LLM
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
+from engine.core.stats import EngineStats
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineStats"]

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from connectors.hidden_spec import HiddenStatesSpec
-from engine.cpu_runtime import cpu_isa
-from engine.spec_config import SpeculativeConfig, parse_speculative_config
-from engine.thinking import ReasoningConfig
+from engine.runner.cpu_runtime import cpu_isa
+from engine.spec.config import SpeculativeConfig, parse_speculative_config
+from engine.sample.thinking import ReasoningConfig
 from policies import check_policy
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class LoadFailurePolicy(str, enum.Enum):
 class SchedulingPolicy(str, enum.Enum):
     FCFS = "fcfs"
     PRIORITY = "priority"
-    # kvtier's: the prompt with the fewest tokens left to compute first (engine/scheduler.py)
+    # kvtier's: the prompt with the fewest tokens left to compute first (engine/core/scheduler.py)
     SHORTEST_PREFILL = "shortest_prefill"
 
 
@@ -147,7 +147,7 @@ class ModelConfig:
     # it reuses (Gemma 4's num_kv_shared_layers; such a layer has no cache of its own). Empty: itself.
     kv_sources: tuple[int, ...] = ()
     # --kv-cache-dtype: what G1 (and every tier below it) stores K and V as when that differs from
-    # `dtype`; None: the weights' dtype. Attention reads it back to `dtype` (engine/attention.py).
+    # `dtype`; None: the weights' dtype. Attention reads it back to `dtype` (engine/runner/attention.py).
     cache_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
@@ -239,7 +239,7 @@ class EngineConfig:
     # cap), so a long prefill leaves room in every step's budget for other requests' prompts.
     long_prefill_token_threshold: int = 0
     # vLLM's -O / --optimization-level: 0 runs the model eagerly; 1-3 compile it with torch.compile
-    # (engine/compiled.py; kvtier has no CUDA graphs yet, so 2 and 3 are 1). None: $OPT_LEVEL_ENV
+    # (engine/runner/compiled.py; kvtier has no CUDA graphs yet, so 2 and 3 are 1). None: $OPT_LEVEL_ENV
     # when set (the test suite sets 0), else 1 on CPU (vLLM's behaviour; as fast as eager here,
     # README) and 0 on CUDA, where the compiled model has not run yet (scripts/gpu-check.sh tests it).
     optimization_level: int | None = None
@@ -269,19 +269,19 @@ class EngineConfig:
     kv_transfer_config: dict[str, Any] | None = None
     kv_load_failure_policy: LoadFailurePolicy = field(default="recompute")  # type: ignore[assignment]
     kv_events_config: dict[str, Any] | None = None
-    # vLLM's speculative_config: ngram, draft_model or eagle3 speculation (engine/spec_config.py), or
+    # vLLM's speculative_config: ngram, draft_model or eagle3 speculation (engine/spec/config.py), or
     # method "extract_hidden_states" (hidden-state export); not both.
     speculative_config: dict[str, Any] | None = None
     # vLLM's reasoning_config: the thinking markers and a default thinking_token_budget
-    # (engine/thinking.py); None: no thinking section is tracked, and a budget is an error.
+    # (engine/sample/thinking.py); None: no thinking section is tracked, and a budget is an error.
     reasoning_config: dict[str, Any] | None = None
-    # vLLM's --async-scheduling: plan step N+1 while step N runs (engine/async_pipeline.py).
+    # vLLM's --async-scheduling: plan step N+1 while step N runs (engine/core/async_pipeline.py).
     async_scheduling: bool = False
     # vLLM's --disable-hybrid-kv-cache-manager: one KV group of every layer, each keeping its whole
-    # history, instead of a block table per kind of layer (engine/kv_groups.py).
+    # history, instead of a block table per kind of layer (engine/kv/kv_groups.py).
     disable_hybrid_kv_cache_manager: bool = False
     # Operator-chosen name for this model's KV in G3/G4, instead of the whole-file weights digest
-    # (engine.fingerprint); dtype, layout and block size still go into the namespace.
+    # (engine.kv.fingerprint); dtype, layout and block size still go into the namespace.
     kv_namespace: str | None = None
     # File holding the secret that MACs G3/G4 entries; None: $KVTIER_KV_SECRET if set, else none.
     kv_offload_secret_file: str | None = None
@@ -291,7 +291,7 @@ class EngineConfig:
     kv_offload_remote_trusted: bool = False
     # CPU: threads the forward runs (None: OMP_NUM_THREADS if set, else the CPUs this process may
     # use, its affinity and cgroup quota), and whether it runs fewer while other processes load
-    # those CPUs (engine/cpu_threads.py).
+    # those CPUs (engine/runner/cpu_threads.py).
     cpu_threads: int | None = None
     adaptive_cpu_threads: bool = True
     # The secret itself, read in __post_init__: never in repr, never compared.

@@ -9,12 +9,12 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.prompt_logprobs import with_ranks
-from engine.request import FINISH_REASONS, Request
+from engine.sample.prompt_logprobs import with_ranks
+from engine.core.request import FINISH_REASONS, Request
 from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
+from engine.core.stats import EngineStats
 
 PromptType = str | dict[str, Any]
 
@@ -64,7 +64,7 @@ class LLM:
         adaptive_cpu_threads: bool = True,
     ) -> None:
         if model is None:
-            from engine.demo_model import ensure_demo_model
+            from engine.demo.demo_model import ensure_demo_model
 
             model = str(ensure_demo_model())
         self.config = EngineConfig(

@@ -20,7 +20,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
-    # With reasoning_config (engine/thinking.py): tokens spent inside thinking sections (end
+    # With reasoning_config (engine/sample/thinking.py): tokens spent inside thinking sections (end
     # markers excluded), and the end-marker tokens a spent thinking_token_budget forced.
     thinking_tokens: int | None = None
     thinking_forced_tokens: int = 0

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.structured import StructuredOutputsParams
-from engine.prompt_logprobs import MAX_PROMPT_LOGPROBS
-from engine.thinking import check_budget
+from engine.sample.structured import StructuredOutputsParams
+from engine.sample.prompt_logprobs import MAX_PROMPT_LOGPROBS
+from engine.sample.thinking import check_budget
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 
@@ -28,18 +28,18 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n log-probs per generated token (plus the chosen one)
     # vLLM's: top-n log-probs at each prompt position, with the prompt token's own and its rank
-    # (engine/prompt_logprobs.py); such a request's prompt is computed, not read from a cache.
+    # (engine/sample/prompt_logprobs.py); such a request's prompt is computed, not read from a cache.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    # Which tokens may come next (engine/logit_controls.py): a bias added to listed tokens' logits
+    # Which tokens may come next (engine/sample/logit_controls.py): a bias added to listed tokens' logits
     # (OpenAI's, -100..100), the only tokens allowed, words never to complete.
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    # A grammar the output follows (engine/structured.py); a dict of its fields is accepted.
+    # A grammar the output follows (engine/sample/structured.py); a dict of its fields is accepted.
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's: tokens a reasoning model may spend thinking before the engine forces the end marker
-    # (engine/thinking.py); None: the engine's reasoning_config default, if any.
+    # (engine/sample/thinking.py); None: the engine's reasoning_config default, if any.
     thinking_token_budget: int | None = None
     # For parity tests and scoring: keep the raw logits of the first sampled position.
     return_first_logits: bool = field(default=False, repr=False)

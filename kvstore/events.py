@@ -1,7 +1,7 @@
 """KV cache events: which tier holds which block, for cache-aware routers.
 
 Tiers append events to one `EventBuffer`; the engine drains it once per step and publishes
-the batch in vLLM's wire format (engine/kv_events.py). Each event names the tier that changed
+the batch in vLLM's wire format (engine/kv/kv_events.py). Each event names the tier that changed
 as a `TierKind`, which maps to vLLM's `medium` and `locality` here and nowhere else.
 
 Every event describes G1 token blocks, named by their G1 block keys (`kvstore.keys`), so a

@@ -1,6 +1,6 @@
 """Namespace records: what model a G3/G4 namespace belongs to, for the `kvtier kv` tools.
 
-A namespace is a 16-byte digest (engine/fingerprint.py), which says nothing to an operator. So
+A namespace is a 16-byte digest (engine/kv/fingerprint.py), which says nothing to an operator. So
 when a tier opens it writes a small JSON record beside its entries:
 
     G3: {root}/{namespace.hex()}/namespace.json

@@ -6,7 +6,7 @@ no zmq (the caller owns the transport and hands over each ZMQ message's frames).
 The wire format, its two event forms and the medium -> tier mapping are `kvtools.residency_wire`'s
 (re-exported here). A medium it does not know is counted as "other" and logged once. Events of a
 KV group other than 0 are counted and skipped: residency describes token blocks, as G1's events
-do (engine/kv_cache_manager.py).
+do (engine/kv/kv_cache_manager.py).
 
 Units. Each resident hash is kept with the tokens it covers (its event's block_size). Counts are
 G1-granular: `blocks` = resident tokens // the G1 block size (given, else the smallest block_size

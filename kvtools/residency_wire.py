@@ -2,7 +2,7 @@
 
 Pure Python over msgpack (no torch, no zmq): a router plugin can import it with msgpack alone.
 
-Wire (vLLM's KV events; engine/kv_events.py publishes them): a multipart message [topic, 8-byte
+Wire (vLLM's KV events; engine/kv/kv_events.py publishes them): a multipart message [topic, 8-byte
 big-endian sequence number, msgpack `[ts, [event, ...], data_parallel_rank?]`]. An event is a map
 tagged "type" (BlockStored / BlockRemoved / AllBlocksCleared; unknown keys ignored, unknown types
 kept as `UnknownEvent`) or the older array form kvtier emitted first: `["BlockStored", hashes,

@@ -47,9 +47,9 @@ apt_install() {
 if ! command -v redis-server >/dev/null 2>&1 && ! command -v valkey-server >/dev/null 2>&1; then
   apt_install redis-server "for the G4 tests; without it they are skipped"
 fi
-# tcmalloc, which `kvtier` preloads on CPU (engine/cpu_runtime.py; vLLM's CPU build does the
+# tcmalloc, which `kvtier` preloads on CPU (engine/runner/cpu_runtime.py; vLLM's CPU build does the
 # same): glibc malloc returns a step's large buffers to the system and faults them in again.
-if ! "$VENV/bin/python" -c "import sys, engine.cpu_runtime as r; sys.exit(r.find_allocator({}) is None)" 2>/dev/null; then
+if ! "$VENV/bin/python" -c "import sys, engine.runner.cpu_runtime as r; sys.exit(r.find_allocator({}) is None)" 2>/dev/null; then
   apt_install libtcmalloc-minimal4 "tcmalloc for faster CPU steps; without it kvtier runs on glibc malloc and says so"
 fi
 # speculators 0.9.0 in its own venv, the oracle tests/server/test_speculators_oracle.py runs (kvtier

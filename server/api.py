@@ -18,8 +18,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from engine.request_factory import needs_preparation
-from engine.token_ids import check_token_ids
+from engine.core.request_factory import needs_preparation
+from engine.core.token_ids import check_token_ids
 from server.api_output import OutputFormats
 from server.client import CoreState, EngineClient, EngineDeadError
 from server.defaults import SamplingDefaults

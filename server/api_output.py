@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import Response
 
-from engine.prompt_logprobs import with_ranks
+from engine.sample.prompt_logprobs import with_ranks
 from kvstore.threads import lower_priority
 
 if TYPE_CHECKING:

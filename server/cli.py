@@ -78,7 +78,7 @@ def _kv(argv: list[str]) -> int:
 
 
 def _demo_model(argv: list[str]) -> int:
-    from engine.demo_model import main
+    from engine.demo.demo_model import main
 
     return main(argv)
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """The `kvtier` executable. Unlike `main` (which tests and embedders call in-process), it may
-    re-execute the process under tcmalloc first (engine/cpu_runtime)."""
+    re-execute the process under tcmalloc first (engine/runner/cpu_runtime.py)."""
     argv = sys.argv[1:]
     if argv[:1] and argv[0] in _IN_PROCESS_COMMANDS:
         signal.signal(signal.SIGINT, _start_up_interrupt(argv[0]))
@@ -137,8 +137,8 @@ def _start_up_interrupt(command: str) -> Callable[[int, Any], None]:
 
 
 def _reexec_with_allocator() -> None:
-    """Runs the command again under tcmalloc when the system has it (engine/cpu_runtime)."""
-    from engine.cpu_runtime import reexec_env
+    """Runs the command again under tcmalloc when the system has it (engine/runner/cpu_runtime.py)."""
+    from engine.runner.cpu_runtime import reexec_env
 
     try:
         env = reexec_env(dict(os.environ))

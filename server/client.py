@@ -127,7 +127,7 @@ class EngineClient:
                   ack: bool = False) -> asyncio.Queue[dict[str, Any] | BaseException]:
         """Queues a request; its deltas (dicts, see server.core) arrive on the returned queue,
         the last one with a finish_reason, or an exception if the core dies. `ack`: the core
-        prepares it first (engine.request_factory.needs_preparation); `accepted` waits for that."""
+        prepares it first (engine.core.request_factory.needs_preparation); `accepted` waits for that."""
         self._check_alive()
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from engine.request import FINISH_REASONS, Request
-from engine.request_factory import Prepared, needs_preparation
+from engine.core.request import FINISH_REASONS, Request
+from engine.core.request_factory import Prepared, needs_preparation
 from engine.sampling_params import SamplingParams
 from server import channel as ch
 from server.core_prep import PrepQueue

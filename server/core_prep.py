@@ -6,7 +6,7 @@ constraint compiles for seconds). Done in the step loop, it stalled every other 
 long (issue 38). Here it runs on one daemon thread at low CPU priority (nice 10, so it yields to
 the forward's threads on a busy machine), the step loop keeps stepping the others, and the
 request joins the scheduler once its preparation is done (`ready`). Compiled grammars are cached
-by content (engine/structured.py), so n sequences of one request compile once.
+by content (engine/sample/structured.py), so n sequences of one request compile once.
 
 A preparation that takes longer than `timeout_s` is refused (its client gets a 400), and every
 later request with the same constraint is refused at once: it would take as long again. A thread
@@ -25,7 +25,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from engine.request_factory import Prepared
+from engine.core.request_factory import Prepared
 from engine.sampling_params import SamplingParams
 from kvstore.threads import DaemonPool, lower_priority, one_torch_thread
 

@@ -369,7 +369,7 @@ def _setup(ns: argparse.Namespace) -> tuple[Path, Path, list[int]]:
     if not src.is_file() or not os.access(src, os.R_OK):
         raise ConfigError(f"input file {str(src)!r} does not exist or is not readable")
     if ns.model is None:
-        from engine.demo_model import ensure_demo_model
+        from engine.demo.demo_model import ensure_demo_model
 
         try:
             ns.model = str(ensure_demo_model())

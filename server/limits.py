@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.structured import StructuredOutputsParams
+from engine.sample.structured import StructuredOutputsParams
 
 
 @dataclass(frozen=True)

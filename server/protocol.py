@@ -8,9 +8,9 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from connectors.pd import parse as parse_pd
-from engine.prompt_logprobs import MAX_PROMPT_LOGPROBS
+from engine.sample.prompt_logprobs import MAX_PROMPT_LOGPROBS
 from engine.sampling_params import SamplingParams
-from engine.structured import StructuredOutputsParams
+from engine.sample.structured import StructuredOutputsParams
 from server.fields import unsupported
 
 MAX_N = 16
@@ -69,7 +69,7 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[I64] | None = None
     bad_words: list[str] | None = None
-    # Structured outputs (engine/structured.py): OpenAI's response_format, vLLM's structured_outputs
+    # Structured outputs (engine/sample/structured.py): OpenAI's response_format, vLLM's structured_outputs
     # and its older guided_* names; at most one of them.
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -77,9 +77,9 @@ class _Sampling(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # vLLM's: log-probs of the prompt's tokens (engine/prompt_logprobs.py)
+    # vLLM's: log-probs of the prompt's tokens (engine/sample/prompt_logprobs.py)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_PROMPT_LOGPROBS)
-    # vLLM's: tokens a reasoning model may think before the end marker is forced (engine/thinking.py)
+    # vLLM's: tokens a reasoning model may think before the end marker is forced (engine/sample/thinking.py)
     thinking_token_budget: int | None = Field(default=None, ge=0, lt=2**31)
     priority: I64 = 0
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.thinking import ReasoningConfig
+from engine.sample.thinking import ReasoningConfig
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,6 @@ class ReasoningStream:
 def prompt_opens(prompt_ids: list[int], start_ids: list[int], end_ids: list[int]) -> bool:
     """Whether the prompt leaves a thinking section open (its last start marker after its last
     end marker), as the engine's tracker decides."""
-    from engine.thinking import Markers, ThinkingTracker
+    from engine.sample.thinking import Markers, ThinkingTracker
 
     return not ThinkingTracker(Markers(tuple(start_ids), tuple(end_ids)), None, prompt_ids).answering

@@ -113,7 +113,7 @@ def reasoning_config(parser: str | None, config: dict[str, Any] | None) -> dict[
     """The engine's reasoning_config: --reasoning-config, its markers defaulting to the parser's;
     ValueError when they differ from the parser's (the budget would force a marker the parser
     does not split on)."""
-    from engine.thinking import ReasoningConfig
+    from engine.sample.thinking import ReasoningConfig
 
     ReasoningConfig.from_dict(config)  # a bad key or value: exit 2 before the engine spawns
     if parser is None:
@@ -180,7 +180,7 @@ def main(argv: list[str]) -> int:
         kwargs["max_num_batched_tokens"] = SERVER_MAX_BATCHED_TOKENS
     try:
         if kwargs["model"] is None:
-            from engine.demo_model import ensure_demo_model
+            from engine.demo.demo_model import ensure_demo_model
 
             kwargs["model"] = str(ensure_demo_model())
         model_dir = Path(kwargs["model"])
@@ -224,7 +224,7 @@ def main(argv: list[str]) -> int:
             kwargs.get("kv_offloading_size"), kwargs.get("kv_offload_disk"), kwargs.get("kv_offload_remote")))
         check_shared_tiers(kwargs["kv_transfer_config"], kwargs["kv_offload_remote"],
                            load_secret(kwargs["kv_offload_secret_file"]) is not None, kwargs["kv_offload_remote_trusted"])
-        from engine.loader import load_tokenizer
+        from engine.runner.loader import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)
         if ns.chat_template is not None:  # for chat and /tokenize; a request's own (if trusted) still wins

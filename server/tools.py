@@ -1,7 +1,7 @@
 """Tool calling (OpenAI's `tools` / `tool_choice`, vLLM's `--enable-auto-tool-choice` and
 `--tool-call-parser`).
 
-- `tool_choice: "required"` or a named function: the output is constrained (engine/structured.py)
+- `tool_choice: "required"` or a named function: the output is constrained (engine/sample/structured.py)
   to compact JSON (no whitespace: fewer tokens, nothing to pad with) that is a call, so it parses: for "required" a list of `{"name", "parameters"}`
   with a tool's name and its parameter schema (one call unless `parallel_tool_calls`), for a named
   function that function's parameters; the JSON becomes `tool_calls`.
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.structured import StructuredOutputsParams
+from engine.sample.structured import StructuredOutputsParams
 
 ToolCall = dict[str, Any]  # OpenAI's: {"id", "type": "function", "function": {"name", "arguments"}}
 

@@ -1,7 +1,7 @@
 """Plain-torch references for the Triton kernels: same signatures and contracts, written for
 clarity, not speed (a Python loop over sequences). Tests compare each kernel against these.
 
-Shapes (see engine/attention.py): a layer's cache `k_cache`/`v_cache` is `[num_blocks,
+Shapes (see engine/runner/attention.py): a layer's cache `k_cache`/`v_cache` is `[num_blocks,
 block_size, kv_heads, head_dim]`; the full cache `[num_layers, 2, num_blocks, ...]`.
 Window convention: a query at position p attends keys j with `p - window < j <= p` (`window`
 keys, itself included, like Mistral's sliding window); `window <= 0` means the whole context.

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from engine.runner.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
-from engine.loader import iter_safetensors
+from engine.runner.loader import iter_safetensors
 from engine.models.llama import MLP, Attention, RMSNorm, rope_tables
 
 log = logging.getLogger(__name__)

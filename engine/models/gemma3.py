@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import AttentionBackend
+from engine.runner.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.models.llama import MLP, Attention, LlamaFamilyForCausalLM, rope_tables_for
 from engine.models.packed_linear import PackedLinear

@@ -2,7 +2,7 @@
 
 What differs from Gemma 3, each in transformers' op order so float32 tokens match it:
 - global layers have their own head size and KV head count (`per_layer_config`; the cache lays
-  layers of different shapes side by side, engine/kv_groups.py) and "proportional" RoPE (only a
+  layers of different shapes side by side, engine/kv/kv_groups.py) and "proportional" RoPE (only a
   fraction of each head rotated), sliding layers default RoPE;
 - RMSNorm weights multiply as `w` (not 1 + w), computed in float32 with pow(-0.5); a weightless
   norm on V; attention unscaled (the q/k norms take that role);
@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from engine.runner.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import _rotate_half
@@ -80,7 +80,7 @@ class Gemma4Attention(nn.Module):
             k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
             v = self.v_proj(x).view(n, self.kv_heads, self.head_dim) if self.v_proj is not None else k
             k, v = _rope(self.k_norm(k), cos, sin), self.v_norm(v)
-        if meta is None:  # compiled (engine/compiled.py)
+        if meta is None:  # compiled (engine/runner/compiled.py)
             out = torch.ops.kvtier.attention(q, k, v, self.layer_idx, 1.0, self.window)
         else:
             out = self.backend.forward(q, k, v, k_cache, v_cache, meta, 1.0, self.window)

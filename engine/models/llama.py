@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from engine import cpu_kernels
-from engine.attention import AttentionBackend, AttentionMetadata
+from engine.runner.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.models.moe import SparseMoeBlock, expert_weight_slot, is_moe_layer
 from engine.models.packed_linear import PackedLinear
@@ -119,7 +119,7 @@ class Attention(nn.Module):
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        if meta is None:  # compiled (engine/compiled.py): the op finds the step's cache and metadata itself
+        if meta is None:  # compiled (engine/runner/compiled.py): the op finds the step's cache and metadata itself
             return self.o_proj(torch.ops.kvtier.attention(q, k, v, self.layer_idx, self.scale, self.window))
         return self.o_proj(self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window))
 
@@ -213,7 +213,7 @@ class LlamaFamilyForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final-normed hidden states `[num_tokens, hidden]` and the residual stream at
         each id in `capture_layers` (0 = embeddings, k = after decoder layer k-1, pre-norm).
-        `kv_caches` and `meta` are None when compiled: attention reads them from engine/compiled.py's
+        `kv_caches` and `meta` are None when compiled: attention reads them from engine/runner/compiled.py's
         step context instead, so that the graph sees only token-sized tensors."""
         h = self.embed(input_ids)
         rope = self.layer_rope(positions)

@@ -27,7 +27,7 @@ if [ ! -x "$SPEC_VENV/bin/python" ]; then
   "$SPEC_VENV/bin/pip" uninstall -q -y torchvision torchaudio
 fi
 
-TARGET=$(.venv/bin/python -c "from engine.demo_model import ensure_demo_model; print(ensure_demo_model())")
+TARGET=$(.venv/bin/python -c "from engine.demo.demo_model import ensure_demo_model; print(ensure_demo_model())")
 mkdir -p "$WORK"
 
 # (b) chat prompts from templates x topics.

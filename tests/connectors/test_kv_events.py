@@ -85,7 +85,7 @@ def _check_chunks(events: list[dict], g1: list[bytes], prompt: list[int], per_ch
 def test_wire_format_is_vllms():
     """Exact keys, in msgspec's order (tag first, then declaration order; omit_defaults drops
     defaulted fields that are None), the tier -> medium/locality mapping, and the batch."""
-    from engine.kv_events import encode, encode_batch
+    from engine.kv.kv_events import encode, encode_batch
     from kvstore.events import BlockRemoved, BlockStored, ChunkBlocks, TierKind
 
     h = [bytes([i]) * 16 for i in range(3)]
@@ -203,7 +203,7 @@ def test_events_off_the_loopback_warn_that_they_reveal_prompts(caplog):
     """Events carry every stored block's token ids, salted tenants' too (issue 11, finding 8)."""
     import logging
 
-    from engine.kv_events import KVEventsConfig, ZmqEventPublisher, is_loopback
+    from engine.kv.kv_events import KVEventsConfig, ZmqEventPublisher, is_loopback
 
     assert is_loopback("tcp://127.0.0.1:5557") and is_loopback("tcp://[::1]:5557") and is_loopback("ipc:///tmp/x")
     assert not is_loopback("tcp://0.0.0.0:5557") and not is_loopback("tcp://*:5557")
@@ -216,7 +216,7 @@ def test_events_off_the_loopback_warn_that_they_reveal_prompts(caplog):
 
 
 def test_unimplemented_event_keys_are_refused():
-    from engine.kv_events import KVEventsConfig
+    from engine.kv.kv_events import KVEventsConfig
 
     with pytest.raises(ValueError, match="max_queue_size"):
         KVEventsConfig.from_dict({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:1",
@@ -230,8 +230,8 @@ def test_replay_answers_missed_batches_as_vllm_router_asks():
     """vLLM's replay protocol: a DEALER sends [b"", start_seq]; the ROUTER answers [b"", topic, seq,
     payload] for each kept batch from start_seq on, then [b"", b"", -1, b""]. Oracle: the batches
     the PUB socket sent, byte for byte; only the last buffer_steps are kept."""
-    from engine.kv_events import KVEventsConfig, ZmqEventPublisher
-    from engine.kv_events_replay import END_SEQ
+    from engine.kv.kv_events import KVEventsConfig, ZmqEventPublisher
+    from engine.kv.kv_events_replay import END_SEQ
     from kvstore.events import BlockRemoved, TierKind
 
     cfg = KVEventsConfig.from_dict({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*", "topic": "t",

@@ -53,7 +53,7 @@ TIMEOUT = {"kv_transfer_config": {"kv_connector_extra_config": {"g3_timeout_s": 
 
 LIVELOCK = (
     "BUG (livelock): a failed async load of a request with no G1 hits is retried forever. "
-    "Scheduler.finish_load(ok=False) (engine/scheduler.py, finish_load) re-queues the request with "
+    "Scheduler.finish_load(ok=False) (engine/core/scheduler.py, finish_load) re-queues the request with "
     "num_computed_tokens unchanged (0 when G1 had nothing); schedule() then takes it for a fresh "
     "request (`fresh = req.num_computed_tokens == 0`, in schedule's admission loop), asks the "
     "connector again, G3's index still lists the block (a raising/hanging get drops nothing), so "

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from checkpoints import random_prompt
-from engine.request import RequestStatus
+from engine.core.request import RequestStatus
 from offload_helpers import (
     OB,
     check_integrity,
@@ -99,7 +99,7 @@ def test_slow_g3_load_does_not_stall_running_requests(model_dir, tmp_path):
 SMALL, BIG = random_prompt(300, 7420), random_prompt(520, 7421)  # 16 and 32 G1 blocks to load
 DEADLOCK = (
     "BUG (deadlock): requests whose async loads have landed wait in the queue holding their G1 "
-    "blocks; Scheduler.schedule's admission loop (engine/scheduler.py) stops at the first waiting "
+    "blocks; Scheduler.schedule's admission loop (engine/core/scheduler.py) stops at the first waiting "
     "request that cannot allocate the rest of its prompt (`if not self.kv.allocate_slots(req, n, "
     "hits): break`), and preemption only considers running requests. With 50 G1 blocks, loads of "
     "16 + 32 blocks land in the same poll; Scheduler.finish_load re-queues each at the FRONT in the "

@@ -129,7 +129,7 @@ def test_checkpoint_rewritten_in_place_with_its_stat_restored_gets_a_new_namespa
     rewritten checkpoint and must get zero hits and its own model's tokens."""
     import time
 
-    from engine.fingerprint import CACHE_NAME, RACY_NS
+    from engine.kv.fingerprint import CACHE_NAME, RACY_NS
 
     model = tmp_path / "model"
     shutil.copytree(ckpt_dir(KIND), model, ignore=shutil.ignore_patterns(CACHE_NAME))

@@ -9,7 +9,7 @@ import pytest
 
 from checkpoints import random_prompt
 from engine import LLM, SamplingParams
-from engine.request import Request, RequestId, RequestStatus
+from engine.core.request import Request, RequestId, RequestStatus
 
 # Small G1 and budget: 32 requests preempt each other, prompts are chunked, G2 catches evictions.
 ENGINE = dict(num_gpu_blocks=48, max_num_batched_tokens=64, kv_offloading_size=0.02, seed=3)

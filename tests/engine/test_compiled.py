@@ -1,4 +1,4 @@
-"""The compiled model (`optimization_level` 1-3, engine/compiled.py).
+"""The compiled model (`optimization_level` 1-3, engine/runner/compiled.py).
 
 Oracles: the eager engine (itself transformers-exact, tests/engine/test_parity.py runs the parity
 suite both ways) for tokens and exported hidden states; dynamo's own graph counter for "one graph
@@ -48,14 +48,14 @@ def test_one_graph_serves_every_step_and_tokens_equal_eager(ckpt_dir, tmp_path, 
     gc.collect()
 
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    with caplog.at_level(logging.INFO, logger="engine.compiled"):
+    with caplog.at_level(logging.INFO, logger="engine.runner.compiled"):
         llm = _llm(ckpt_dir, max_num_batched_tokens=64, optimization_level=1)
         compiled_at_start = sum("compiled in" in r.getMessage() for r in caplog.records)
         graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         for round_ in range(2):  # the second round starts from prefix hits
             assert _tokens(llm, PROMPTS, 24) == want, f"round {round_}"
         assert _tokens(llm, PROMPTS[:1], 5) == [want[0][:5]]  # one request alone: 1-token steps
-        # one graph per thread count the CPU governor may switch to (engine/cpu_threads.py)
+        # one graph per thread count the CPU governor may switch to (engine/runner/cpu_threads.py)
         levels = len(llm.engine.threads.levels) if llm.engine.threads is not None else 1
     assert graphs_at_start - graphs == levels, "the model should compile at start-up, not in a request's step"
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_at_start
@@ -162,13 +162,13 @@ def test_cli_takes_vllm_spellings():
 
 
 def test_a_failed_compile_falls_back_to_eager_and_says_why(ckpt_dir, monkeypatch, caplog):
-    import engine.compiled
+    import engine.runner.compiled
 
     def fail(self, *args):
         raise torch._dynamo.exc.TorchDynamoException("no C++ compiler found")
 
-    monkeypatch.setattr(engine.compiled.CompiledForward, "__call__", fail)
-    with caplog.at_level(logging.WARNING, logger="engine.engine_core"):
+    monkeypatch.setattr(engine.runner.compiled.CompiledForward, "__call__", fail)
+    with caplog.at_level(logging.WARNING, logger="engine.core.engine_core"):
         llm = _llm(ckpt_dir, optimization_level=1, num_gpu_blocks=64)
     assert llm.engine.runner.forward is llm.engine.runner.model
     assert any("torch.compile failed" in r.getMessage() and "no C++ compiler" in r.getMessage()
@@ -178,7 +178,7 @@ def test_a_failed_compile_falls_back_to_eager_and_says_why(ckpt_dir, monkeypatch
 
 
 def test_attention_op_outside_a_step_raises():
-    import engine.compiled  # noqa: F401  registers the op
+    import engine.runner.compiled  # noqa: F401  registers the op
 
     q = torch.zeros(1, 2, 8)
     with pytest.raises(RuntimeError, match="outside a model step"):

@@ -108,8 +108,8 @@ def test_bad_arguments_are_refused():
 def test_backend_matches_torch_path_on_a_mixed_batch(dtype):
     """Decodes (the kernel), a short and a long chunk after cached context (SDPA with a mask) and
     a fresh prompt (causal SDPA) in one step: both CPU backends equal dense attention."""
-    from engine.attention import AttentionMetadata, DecodeGroup, PrefillSeq, TorchPagedAttention
-    from engine.attention_cpu import CpuPagedAttention
+    from engine.runner.attention import AttentionMetadata, DecodeGroup, PrefillSeq, TorchPagedAttention
+    from engine.runner.attention_cpu import CpuPagedAttention
 
     bs, kvh, heads, d = 16, 2, 6, 64
     k_cache, v_cache, g = _cache(64, bs, kvh, d, dtype, seed=5)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import cpu_runtime
+from engine.runner import cpu_runtime
 
 
 def test_nothing_to_do_without_an_allocator(monkeypatch):

@@ -1,4 +1,4 @@
-"""engine/cpu_threads.py (issue 38, finding 6): the forward's thread count from the CPUs this
+"""engine/runner/cpu_threads.py (issue 38, finding 6): the forward's thread count from the CPUs this
 process may use, and the governor that drops threads while other processes load those CPUs.
 
 Oracles: cgroup files and /proc texts written by hand (what the kernel prints), a fake clock,
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import cpu_threads as ct
-from engine.cpu_threads import ThreadGovernor, UsableCpus, cgroup_quota, own_ticks, read_busy
+from engine.runner import cpu_threads as ct
+from engine.runner.cpu_threads import ThreadGovernor, UsableCpus, cgroup_quota, own_ticks, read_busy
 
 
 def _files(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -93,7 +93,7 @@ def _governor(proc: FakeProc, changes: list[int]) -> ThreadGovernor:
 def test_governor_drops_a_thread_under_a_neighbour_and_adds_it_back_when_it_leaves(caplog):
     proc, changes = FakeProc(), []
     gov = _governor(proc, changes)
-    caplog.set_level(logging.INFO, logger="engine.cpu_threads")
+    caplog.set_level(logging.INFO, logger="engine.runner.cpu_threads")
     gov.tick()  # the first reading: nothing to compare yet
     for _ in range(4):  # quiet: both CPUs ours
         proc.advance(ct.INTERVAL_S, own_cpus=1.9, other_cpus=0.05)
@@ -155,7 +155,7 @@ NEIGHBOUR_CHILD = r"""
 import logging, sys, time
 import torch
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
-from engine import cpu_threads
+from engine.runner import cpu_threads
 gov = cpu_threads.start(2, True, "test")
 x = torch.randn(256, 256)
 end = time.monotonic() + 6

@@ -1,7 +1,7 @@
 """Decodes split into several length groups give the same tokens as one batch of all decodes."""
 from __future__ import annotations
 
-import engine.model_runner as model_runner
+import engine.runner.model_runner as model_runner
 from checkpoints import random_prompt
 from engine import LLM, SamplingParams
 

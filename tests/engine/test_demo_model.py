@@ -1,4 +1,4 @@
-"""Tests for engine.demo_model: the GGUF -> HF conversion of the SmolLM2 demo model."""
+"""Tests for engine.demo.demo_model: the GGUF -> HF conversion of the SmolLM2 demo model."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import demo_model
-from engine.demo_model import (
+from engine.demo import demo_model
+from engine.demo.demo_model import (
     DEMO_MODEL_NAME,
     INSTALL_HINT,
     default_demo_dir,

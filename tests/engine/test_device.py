@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine.config import CPU_KV_CACHE_GIB, EngineConfig, resolve_device, resolve_dtype
-from engine.gpu_memory import MemoryProfile, g1_budget_bytes
-from engine.model_runner import kv_cache_bytes_per_block
+from engine.core.gpu_memory import MemoryProfile, g1_budget_bytes
+from engine.runner.model_runner import kv_cache_bytes_per_block
 
 GIB = 2**30
 
@@ -54,7 +54,7 @@ def test_auto_dtype_on_a_cpu_without_native_bf16_is_float32(ckpt):
 
 
 def test_auto_reads_the_cpu():
-    from engine.cpu_runtime import cpu_isa
+    from engine.runner.cpu_runtime import cpu_isa
 
     want = torch.bfloat16 if cpu_isa().native_bf16 else torch.float32
     assert resolve_dtype("auto", torch.bfloat16, "cpu") == want
@@ -102,10 +102,10 @@ def test_cpu_engine_sizes_g1_by_the_cpu_default(llama_ckpt):
 def test_gpu_memory_utilization_on_cpu_is_said_aloud(llama_ckpt, caplog):
     from engine.llm import LLM
 
-    with caplog.at_level("WARNING", logger="engine.engine_core"):
+    with caplog.at_level("WARNING", logger="engine.core.engine_core"):
         LLM(str(llama_ckpt), dtype="float32", device="cpu", gpu_memory_utilization=0.5).close()
     assert "gpu_memory_utilization=0.5 does not apply on CPU" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="engine.engine_core"):
+    with caplog.at_level("WARNING", logger="engine.core.engine_core"):
         LLM(str(llama_ckpt), dtype="float32", device="cpu").close()
     assert "gpu_memory_utilization" not in caplog.text

@@ -8,7 +8,7 @@ import pytest
 
 from checkpoints import hf_greedy, random_prompt
 from schedule_log import drain, record
-from engine import scheduler as sched_mod
+from engine.core import scheduler as sched_mod
 
 KIND = "llama"
 PROMPT = random_prompt(200, 4300)  # 12 full blocks of 16 and 8 tokens
@@ -119,7 +119,7 @@ def test_prompt_logprobs_take_a_share_of_steps_that_carry_other_work(ckpt_dir, h
 
 def _fitted(share: float = 0.5, alone: float = 3.0):
     """A controller that has seen plain steps of 30 ms + 1 ms a token."""
-    from engine.step_cost import ShareController
+    from engine.core.step_cost import ShareController
 
     ctl = ShareController(share, alone, 16, 128)
     assert ctl.allowance(4) == 16 and ctl.allowance(0) == 128  # nothing measured: fixed counts

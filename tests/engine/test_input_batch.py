@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from engine.input_batch import InputBatch
+from engine.runner.input_batch import InputBatch
 
 
 def test_random_operations_match_a_dict_reference():

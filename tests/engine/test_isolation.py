@@ -28,7 +28,7 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(llm, expected, bad):
 
 def _add_unchecked(llm, rid, prompt, params):
     """A request that skipped validation (what a bug in a check, or a plugin, would let through)."""
-    from engine.request import Request, RequestId
+    from engine.core.request import Request, RequestId
 
     core = llm.engine
     req = Request(RequestId(rid), prompt, params, eos_token_ids=core.eos_token_ids, max_total_tokens=core.max_model_len)
@@ -46,7 +46,7 @@ def _run(llm):
 
 
 def test_a_request_that_breaks_the_sampler_fails_alone(llm):
-    from engine.request import RequestStatus
+    from engine.core.request import RequestStatus
 
     want = _greedy(llm, GOOD)
     good = _add_unchecked(llm, "good", GOOD, SP(temperature=0.0, max_tokens=8, ignore_eos=True))
@@ -60,7 +60,7 @@ def test_a_request_that_breaks_the_sampler_fails_alone(llm):
 
 def test_a_request_that_breaks_the_forward_fails_alone(llm, monkeypatch):
     """The forward is rerun request by request to find the culprit; the others go on, token-identical."""
-    from engine.request import RequestStatus
+    from engine.core.request import RequestStatus
 
     want = [_greedy(llm, GOOD), _greedy(llm, GOOD2)]
     trigger = random_prompt(20, 6100)

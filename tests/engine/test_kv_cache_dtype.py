@@ -15,12 +15,12 @@ from safetensors.torch import load_file
 from checkpoints import LAYERS, hf_greedy, hf_last_logits, load_hf, random_prompt
 from connectors.hidden_spec import speculative_config
 from engine import LLM, SamplingParams, cpu_kernels
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillSeq, TorchPagedAttention
-from engine.attention_cpu import CpuPagedAttention
+from engine.runner.attention import AttentionMetadata, DecodeGroup, PrefillSeq, TorchPagedAttention
+from engine.runner.attention_cpu import CpuPagedAttention
 from engine.config import EngineConfig, load_model_config
-from engine.draft_proposer import draft_model_config
+from engine.spec.draft_proposer import draft_model_config
 from engine.kernels.reference import attend_ref
-from engine.model_runner import kv_cache_bytes_per_block
+from engine.runner.model_runner import kv_cache_bytes_per_block
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 BS, KVH, HEADS, D = 16, 2, 6, 64

@@ -2,9 +2,9 @@
 request, the block before it, and the request's arrival, priority and cache salt."""
 from __future__ import annotations
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_groups import KVLayout
-from engine.request import Request, RequestId
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.kv.kv_groups import KVLayout
+from engine.core.request import Request, RequestId
 from engine.sampling_params import SamplingParams
 from kvstore.g1 import BlockPool
 from policies import BlockInfo

@@ -1,13 +1,13 @@
-"""Issue 16: KV groups (engine/kv_groups.py) and block tables per group (KVCacheManager).
+"""Issue 16: KV groups (engine/kv/kv_groups.py) and block tables per group (KVCacheManager).
 Oracles: hand-derived layouts, and a brute-force reference for the longest prefix every group can
 serve. End-to-end tests (Gemma's tokens, sliding groups' bounded blocks) are in test_sliding_window.py."""
 from __future__ import annotations
 
 import pytest
 
-from engine.kv_cache_manager import PLACEHOLDER, KVCacheManager
-from engine.kv_groups import KVGroup, KVLayout, plan_kv_layout
-from engine.request import Request, RequestId
+from engine.kv.kv_cache_manager import PLACEHOLDER, KVCacheManager
+from engine.kv.kv_groups import KVGroup, KVLayout, plan_kv_layout
+from engine.core.request import Request, RequestId
 from engine.sampling_params import SamplingParams
 from kvstore.g1 import BlockPool
 from policies import make_policy
@@ -44,7 +44,7 @@ def test_narrow_layers_share_a_slot_and_kv_sharing_layers_alias_their_source():
 
 
 def test_per_layer_views_are_disjoint_and_read_back_what_was_written():
-    """The cache views of layers of different shapes (engine/model_runner.layer_cache_views) against
+    """The cache views of layers of different shapes (engine/runner/model_runner.layer_cache_views) against
     a dense reference: each group owns its own blocks (as the block pool hands them out), and every
     layer's K/V written through its view into its group's blocks reads back unchanged after every
     other layer's write (no two layers of a block overlap)."""
@@ -52,7 +52,7 @@ def test_per_layer_views_are_disjoint_and_read_back_what_was_written():
 
     import torch
 
-    from engine.model_runner import layer_cache_views, new_kv_cache
+    from engine.runner.model_runner import layer_cache_views, new_kv_cache
 
     shapes = ((2, 16), (1, 64), (2, 16), (1, 64), (2, 16))
     cfg = SimpleNamespace(num_layers=5, num_kv_heads=2, head_dim=16, dtype=torch.float32, kv_dtype=torch.float32,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import engine.fingerprint as fp
+import engine.kv.fingerprint as fp
 from engine.config import EngineConfig, load_model_config
 
 OLD_NS = 10**10  # 10 s in the past
@@ -132,7 +132,7 @@ def _count_hashes(monkeypatch) -> list[Path]:
 def test_digest_cache_is_used_and_invalidated(base, tmp_path, monkeypatch, caplog) -> None:
     model = _copy(base, tmp_path / "m")
     calls = _count_hashes(monkeypatch)
-    caplog.set_level(logging.INFO, logger="engine.fingerprint")
+    caplog.set_level(logging.INFO, logger="engine.kv.fingerprint")
     first = fp.weights_identity(model)
     assert len(calls) == 1 and (model / fp.CACHE_NAME).is_file()
     assert "hashed 1 file(s)" in caplog.text and " s (" in caplog.text  # how long it took
@@ -219,7 +219,7 @@ def test_no_writable_cache_is_logged_not_fatal(base, tmp_path, monkeypatch, capl
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(blocker))
-    with caplog.at_level(logging.WARNING, logger="engine.fingerprint"):
+    with caplog.at_level(logging.WARNING, logger="engine.kv.fingerprint"):
         first = fp.weights_identity(model)
     assert "cannot cache the weights digest" in caplog.text
     assert fp.weights_identity(model) == first

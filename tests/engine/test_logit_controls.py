@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from checkpoints import hf_greedy, load_hf, random_prompt
-from engine.logit_controls import BadWords, apply_controls, bad_word_ids
+from engine.sample.logit_controls import BadWords, apply_controls, bad_word_ids
 from engine.sampling_params import SamplingParams
 
 

@@ -4,7 +4,7 @@ Oracle: transformers (float32, sdpa) on the small random-weight checkpoints of
 tests/checkpoints.py, one prompt at a time, no padding.  The engine runs all prompts of a
 kind as one batch, through the paged KV cache (block_size 16), so prompts of 1 to 1030
 tokens cover partial, exact and multi-block prompts and llama3 rope past its original
-256-position window. Each kind runs eagerly and compiled (torch.compile, engine/compiled.py).
+256-position window. Each kind runs eagerly and compiled (torch.compile, engine/runner/compiled.py).
 """
 
 from __future__ import annotations

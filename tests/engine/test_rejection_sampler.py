@@ -1,4 +1,4 @@
-"""Speculative verification (engine/rejection_sampler.py) and prompt lookup (engine/ngram_proposer.py).
+"""Speculative verification (engine/spec/rejection_sampler.py) and prompt lookup (engine/spec/ngram_proposer.py).
 
 Oracles: the target distribution itself (chi-square over 20,000 draws: the emitted tokens must be
 distributed as the target's, whatever the draft, good or deliberately bad), the target's argmax
@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from engine.ngram_proposer import NgramProposer
-from engine.rejection_sampler import VerifyRequest, verify
+from engine.spec.ngram_proposer import NgramProposer
+from engine.spec.rejection_sampler import VerifyRequest, verify
 
 VOCAB = 7  # df = 6, even: the chi-square tail has a closed form
 K = 3
@@ -138,7 +138,7 @@ def test_incremental_ngram_index_equals_a_rescan():
     """NgramIndex (what the engine uses) against NgramProposer.propose (a full numpy rescan) on
     growing sequences over a 6-token alphabet (many repeats), tokens appended 1-4 at a time as
     accepted proposals append them."""
-    from engine.ngram_proposer import NgramIndex, NgramProposer
+    from engine.spec.ngram_proposer import NgramIndex, NgramProposer
 
     rng = random.Random(0)
     checked = 0

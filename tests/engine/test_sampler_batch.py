@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.request import Request, RequestId
-from engine.sampler import Sampler
+from engine.core.request import Request, RequestId
+from engine.sample.sampler import Sampler
 from engine.sampling_params import SamplingParams
 
 

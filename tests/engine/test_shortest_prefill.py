@@ -68,7 +68,7 @@ def test_cached_prefix_counts_as_done(engine):
 
 
 def test_a_long_prompt_sits_out_at_most_max_passed_over_steps_in_a_row(engine):
-    from engine.scheduler import MAX_PASSED_OVER
+    from engine.core.scheduler import MAX_PASSED_OVER
 
     core = engine
     steps = record(core)

@@ -160,9 +160,9 @@ def test_released_blocks_are_exactly_those_out_of_every_later_querys_sight(cachi
     """KVCacheManager against a plain reference: after computed tokens reach n, a request holds
     block i iff some key in it is at a position >= n - window + 1 (a later query at p >= n sees
     keys j > p - window); released blocks go back to the pool once, and free() releases the rest."""
-    from engine.kv_cache_manager import KVCacheManager
-    from engine.kv_groups import KVLayout
-    from engine.request import Request, RequestId
+    from engine.kv.kv_cache_manager import KVCacheManager
+    from engine.kv.kv_groups import KVLayout
+    from engine.core.request import Request, RequestId
     from engine.sampling_params import SamplingParams
     from kvstore.g1 import BlockPool
     from policies import make_policy

@@ -1,4 +1,4 @@
-"""Cost-aware proposal lengths (engine/spec_budget.py) against a simulated engine: a forward that
+"""Cost-aware proposal lengths (engine/spec/budget.py) against a simulated engine: a forward that
 costs c0 + c1 * tokens and proposals accepted with known per-position probabilities."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.spec_budget import COST_MARGIN, EXPLORE_EVERY, SpecBudget
+from engine.spec.budget import COST_MARGIN, EXPLORE_EVERY, SpecBudget
 
 
 def _feed_steps(b: SpecBudget, c0: float, c1: float, batch: int, rng: random.Random, steps: int = 200) -> None:

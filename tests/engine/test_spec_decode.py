@@ -17,8 +17,8 @@ import torch
 
 from checkpoints import build_checkpoint, build_eagle3_draft, load_hf, random_prompt
 from engine import LLM, SamplingParams
-from engine.spec_config import SpeculativeConfig, parse_speculative_config
-from engine.spec_decode import Proposal
+from engine.spec.config import SpeculativeConfig, parse_speculative_config
+from engine.spec.decode import Proposal
 
 KIND = "llama"
 K = 4

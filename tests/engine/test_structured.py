@@ -1,4 +1,4 @@
-"""Issue 17: structured outputs in the engine (engine/structured.py, xgrammar), on the demo model
+"""Issue 17: structured outputs in the engine (engine/sample/structured.py, xgrammar), on the demo model
 (a real byte-level tokenizer: the test checkpoints' word vocabulary has no JSON punctuation).
 Oracles: the regex / choice / JSON parser itself; the unconstrained output as the control that
 the constraint changed something; sync vs async scheduling and a speculating engine for identity."""
@@ -10,14 +10,14 @@ import re
 import pytest
 
 from engine.sampling_params import SamplingParams
-from engine.structured import StructuredOutputsParams
+from engine.sample.structured import StructuredOutputsParams
 
 PROMPT = "The phone number of the office is"
 
 
 @pytest.fixture(scope="module")
 def demo_dir():
-    from engine.demo_model import ensure_demo_model
+    from engine.demo.demo_model import ensure_demo_model
 
     try:
         return ensure_demo_model()
@@ -81,8 +81,8 @@ def test_prefetched_masks_are_those_of_the_state_at_sampling(demo_dir):
     point; a mask filled before the state moved on is not used."""
     import torch
 
-    from engine.loader import load_tokenizer
-    from engine.structured import GrammarCompiler, MaskPrefetch
+    from engine.runner.loader import load_tokenizer
+    from engine.sample.structured import GrammarCompiler, MaskPrefetch
 
     tok = load_tokenizer(demo_dir)
     gc = GrammarCompiler(tok, 49152, frozenset({tok.eos_token_id}))

@@ -13,7 +13,7 @@ import torch
 
 from checkpoints import END_THINK_ID, EOS_ID, THINK_ID, build_checkpoint, load_hf
 from engine.sampling_params import SamplingParams
-from engine.thinking import Markers, ReasoningConfig, ThinkingTracker
+from engine.sample.thinking import Markers, ReasoningConfig, ThinkingTracker
 
 BIAS = {END_THINK_ID: -100.0, EOS_ID: -100.0}  # keeps the model thinking, and going
 

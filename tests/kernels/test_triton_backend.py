@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillSeq, TorchPagedAttention
+from engine.runner.attention import AttentionMetadata, DecodeGroup, PrefillSeq, TorchPagedAttention
 
 BS, KVH, HEADS, D = 16, 2, 6, 64
 
@@ -27,7 +27,7 @@ def _to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
 
 def _part_of_wider_rows(cache: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`cache` copied into the middle third of rows three times as wide (how G1 holds a layer
-    narrower than the widest, engine/kv_groups.py): a strided view."""
+    narrower than the widest, engine/kv/kv_groups.py): a strided view."""
     nb, bs, h, d = cache.shape
     rows = torch.full((nb, bs, 3 * h * d), float("nan"), dtype=cache.dtype, device=device)
     view = rows.as_strided(cache.shape, (bs * 3 * h * d, 3 * h * d, d, 1), h * d)
@@ -38,7 +38,7 @@ def _part_of_wider_rows(cache: torch.Tensor, device: torch.device) -> torch.Tens
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
 def test_triton_backend_matches_torch_backend_on_a_mixed_step(device, dtype, layout):
-    from engine.attention_triton import TritonPagedAttention
+    from engine.runner.attention_triton import TritonPagedAttention
 
     g = torch.Generator().manual_seed(11)
     k_cache = torch.randn(64, BS, KVH, D, generator=g).to(dtype)

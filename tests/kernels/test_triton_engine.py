@@ -10,9 +10,10 @@ from checkpoints import random_prompt
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral_swa"])  # mistral_swa: the kernels' window
 def test_engine_on_triton_backend_gives_the_torch_backends_tokens(device, ckpt_dir, kind, monkeypatch):
-    from engine import LLM, SamplingParams, engine_core
-    from engine.attention import TorchPagedAttention
-    from engine.attention_triton import TritonPagedAttention
+    from engine import LLM, SamplingParams
+    from engine.core import engine_core
+    from engine.runner.attention import TorchPagedAttention
+    from engine.runner.attention_triton import TritonPagedAttention
 
     prompts = [random_prompt(n, seed) for seed, n in enumerate((5, 40, 70, 130))]
     prompts.append(prompts[3][:100] + random_prompt(20, 9))  # shares 6 full blocks with the 130-token one

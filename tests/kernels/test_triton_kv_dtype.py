@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillSeq, TorchPagedAttention
+from engine.runner.attention import AttentionMetadata, DecodeGroup, PrefillSeq, TorchPagedAttention
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e .[test])")
 
@@ -14,7 +14,7 @@ BS, KVH, HEADS, D = 16, 2, 4, 64
 
 
 def test_triton_backend_reads_a_bfloat16_cache_under_float32_q(device):
-    from engine.attention_triton import TritonPagedAttention
+    from engine.runner.attention_triton import TritonPagedAttention
 
     g = torch.Generator().manual_seed(17)
     k_cache = torch.randn(32, BS, KVH, D, generator=g).to(torch.bfloat16)

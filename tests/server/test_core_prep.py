@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from engine.request_factory import Prepared
+from engine.core.request_factory import Prepared
 from engine.sampling_params import SamplingParams
 from server.core_prep import PrepQueue
 

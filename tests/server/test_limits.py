@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.structured import StructuredOutputsParams
+from engine.sample.structured import StructuredOutputsParams
 from server.limits import LimitExceeded, RequestLimits, check_constraint, check_lists, schema_shape
 from server.protocol import ChatCompletionRequest, CompletionRequest
 

@@ -1,0 +1,69 @@
+"""The engine's KV connector from its config: offload tiers, a kv_transfer_config, or none."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from connectors.base import KVConnector
+from connectors.codec import BlockLayout
+from connectors.factory import ConnectorContext, build_connector, has_hidden_states_connector
+from connectors.hidden_spec import HiddenStatesSpec
+from engine.config import EngineConfig, ModelConfig
+from engine.kv.fingerprint import fingerprint_description, namespace_digest
+from engine.runner.model_runner import ModelRunner
+from kvstore.events import EventBuffer
+from kvstore.g1 import BlockPool
+
+
+def make_connector(cfg: EngineConfig, mc: ModelConfig, model_dir: Path, hidden_spec: HiddenStatesSpec | None,
+                   pool: BlockPool, events: EventBuffer | None, runner: ModelRunner) -> KVConnector | None:
+    """Builds the connector (None when nothing asks for one) and registers the runner's caches."""
+    tc = dict(cfg.kv_transfer_config or {})
+    if not (cfg.offload_enabled or tc):
+        if hidden_spec is not None:
+            raise ValueError("speculative_config extract_hidden_states needs kv_transfer_config with "
+                             '{"kv_connector": "HiddenStatesConnector", "kv_connector_extra_config": '
+                             '{"shared_storage_path": DIR}}')
+        return None
+    explicit_tiers = isinstance(tc.get("kv_connector_extra_config"), dict) and "tiers" in tc["kv_connector_extra_config"]
+    if (cfg.offload_enabled or explicit_tiers) and not cfg.enable_prefix_caching:
+        raise ValueError("KV offload needs prefix caching (block keys); drop --no-enable-prefix-caching")
+    extra = dict(tc.get("kv_connector_extra_config") or {})
+    desc = fingerprint_description(model_dir, mc, cfg.block_size, cfg.kv_namespace)
+    fp = namespace_digest(desc)
+    # What the persistent tiers record about their namespace (kvstore.namespace_info): for people.
+    info: dict[str, Any] = {"model": str(model_dir), "dtype": str(mc.dtype), "kv_dtype": str(mc.kv_dtype),
+                            "offload_block_tokens": cfg.kv_offload_block_size, "fingerprint": desc}
+    hs = hidden_spec
+    if hs is not None:  # blocks carry hidden states too: a G3 namespace of their own
+        fp = hashlib.sha256(fp + repr(hs.layer_ids).encode()).digest()[:16]
+        info["hidden_state_layers"] = list(hs.layer_ids)
+    groups = runner.layout.groups
+    grouped = len(groups) > 1 or any(g.window for g in groups)
+    if grouped:  # an entry holds one group's layers: a namespace per layout
+        fp = hashlib.sha256(fp + repr([(g.layer_ids, g.window, g.per_slot) for g in groups]).encode()).digest()[:16]
+        info["kv_groups"] = [{"layers": list(g.layer_ids), "window": g.window} for g in groups]
+    # Connectors may override the offload block size in their extra config ("block_size").
+    # The cache tensor's own shape: with per-layer head sizes it is rows of the widest layer, and
+    # layers that reuse another's KV have no slot (engine/kv/kv_groups.py).
+    slots, _, _, _, kv_heads, head_dim = runner.kv_cache.shape
+    layout = BlockLayout(slots, cfg.kv_offload_block_size // cfg.block_size, cfg.block_size,
+                         kv_heads, head_dim, mc.kv_dtype, fp.hex(),
+                         hs.layer_ids if hs else (), mc.hidden_size if hs else 0, mc.dtype)
+    ctx = ConnectorContext(layout, pool, fp, cfg.kv_eviction_policy, cfg.kv_offloading_size,
+                           cfg.kv_offload_disk, cfg.kv_offload_disk_size, extra, events,
+                           hidden_spec=hs, model_name=model_dir.name, remote_url=cfg.kv_offload_remote,
+                           kv_secret=cfg.kv_offload_secret, remote_trusted=cfg.kv_offload_remote_trusted,
+                           namespace_info=info)
+    connector = build_connector(ctx, tc)
+    if connector is not None and grouped:
+        connector.set_kv_groups(tuple(g.window for g in groups))
+    if connector is not None:
+        connector.register_kv_caches(runner.kv_cache)
+        if runner.hidden_cache is not None:
+            if not has_hidden_states_connector(connector):
+                raise ValueError("speculative_config extract_hidden_states needs the HiddenStatesConnector in "
+                                 "kv_transfer_config (alone, or inside a MultiConnector)")
+            connector.register_hidden_cache(runner.hidden_cache)
+    return connector

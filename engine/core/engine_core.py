@@ -1,0 +1,501 @@
+"""The engine core loop: step() = schedule -> run -> sample -> update.
+
+It owns the scheduler (bookkeeping), the model runner (tensors) and the sampler, and is the
+one place where a request's lifecycle advances. The offline `LLM` API and, later, the
+server's engine-core process both drive it.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from connectors.base import KVConnector, NullConnector
+from connectors.pd import parse as parse_pd
+from connectors.factory import supports_kv_groups
+from engine.core.connector_setup import make_connector
+from engine.core.async_pipeline import PlannedStep, RanStep, mark_in_flight
+from engine.core.isolation import FORWARD_ERRORS, execute_isolating
+from engine.runner import cpu_runtime
+from engine.runner import cpu_threads
+from engine.core import gpu_memory
+from engine.core.setup import attention_backend, eos_ids, kv_layout, step_token_budget, warn_unused_gpu_memory_utilization
+from engine.config import CPU_KV_CACHE_GIB, EngineConfig, LoadFailurePolicy, load_model_config
+from engine.kv.kv_events import open_events
+from kvstore.threads import one_torch_thread
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.runner.compiled import COMPILE_ERRORS, CompiledForward
+from engine.runner.loader import load_model, load_tokenizer
+from engine.runner.model_runner import ModelOutput, ModelRunner, kv_cache_bytes_per_block
+from engine.core.request import Request, RequestId, RequestStatus
+from engine.core.request_factory import Prepared, RequestFactory
+from engine.sample.stop import check_stop
+from engine.sample.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.spec.proposers import DraftPlan
+from engine.spec.decode import SpecDecoder, sample_outputs
+from engine.core.stats import EngineStats
+from kvstore.g1 import BlockPool
+from policies import make_policy
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    IDLE_WAIT_S = 0.05  # longest idle sleep while transfers are in flight (a finish wakes it sooner)
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = Path(config.model)
+        self.model_config = mc = load_model_config(model_dir, config.dtype, config.device, config.kv_cache_dtype)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.eos_token_ids = eos_ids(model_dir, self.tokenizer)
+        self.requests = RequestFactory(self.tokenizer, mc.vocab_size, self.eos_token_ids, config.reasoning)
+        bs = config.block_size
+        self.hidden_spec = config.hidden_states
+        if self.hidden_spec is not None:
+            self.hidden_spec.check_model(mc.num_layers)
+        plan = DraftPlan.make(config.speculative, config, mc) if config.speculative is not None else None
+        # Why every layer must keep its history in one group, if it must (setup.kv_layout).
+        connector = config.offload_enabled or config.kv_transfer_config
+        one_group = "hidden-state export reads every layer's history" if self.hidden_spec else (
+            "the KV connector copies every layer of a block" if connector and not supports_kv_groups(
+                config.kv_transfer_config)
+            else ("--disable-hybrid-kv-cache-manager" if config.disable_hybrid_kv_cache_manager else None))
+        layout = kv_layout(mc, one_group)
+        if plan is not None and (plan.draft or plan.eagle3) and layout.groups[0].window:
+            # A draft's KV (full attention) follows group 0's table, which then must keep its history.
+            layout = kv_layout(mc, "a draft's full-attention KV follows a sliding group's table")
+        # G1 blocks carry the draft's KV beside the target's: both index the same block ids.
+        per_block = kv_cache_bytes_per_block(mc, bs, len(self.hidden_spec.layer_ids) if self.hidden_spec else 0,
+                                             layout.slots) + (plan.kv_bytes_per_block(bs) if plan is not None else 0)
+        max_len = config.max_model_len or mc.max_position_embeddings
+        if max_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={mc.max_position_embeddings}")
+        torch.manual_seed(config.seed)
+        backend = attention_backend(config.device)
+        # On a GPU with no explicit size, G1 is what gpu_memory_utilization leaves after the weights
+        # and a profiled forward, so the model loads first (its rope tables at the longest length).
+        profiled = config.device != "cpu" and config.num_gpu_blocks is None and config.kv_cache_memory_gib is None
+        compiled = config.optimization_level > 0  # resolved: 0 under enforce_eager
+        model = load_model(model_dir, mc, backend, max_len, config.device, compiled=compiled) if profiled else None
+        if profiled:
+            num_blocks = gpu_memory.profiled_num_blocks(
+                model, mc, config.device, config.gpu_memory_utilization, per_block,
+                step_token_budget(config, max_len), config.max_num_seqs, bs, max_len)
+        else:
+            num_blocks = config.num_gpu_blocks or int((config.kv_cache_memory_gib or CPU_KV_CACHE_GIB) * 2**30
+                                                      // per_block)
+        need = layout.blocks_per_sequence(max_len, bs, step_token_budget(config, max_len))
+        if need > num_blocks:
+            if config.max_model_len is not None:
+                raise ValueError(f"max_model_len={max_len} needs {need} KV blocks but G1 has {num_blocks}; "
+                                 "raise num_gpu_blocks / kv_cache_memory_gib or lower max_model_len")
+            while max_len > bs and layout.blocks_per_sequence(max_len, bs, step_token_budget(config, max_len)) > num_blocks:
+                max_len -= bs  # a few hundred iterations at most: G1 is small here
+            log.warning("max_model_len lowered to %d so one sequence fits in G1 (%d blocks)", max_len, num_blocks)
+        self.max_model_len = max_len
+        self.max_num_batched_tokens = step_token_budget(config, max_len)
+        if model is None:
+            model = load_model(model_dir, mc, backend, max_len, config.device, compiled=compiled)
+        self.pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy, num_blocks), config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, bs, layout)
+        self.runner = ModelRunner(model, mc, num_blocks, bs, config.device, self.hidden_spec,
+                                  group_decodes=backend.pads_decodes, max_rows=config.max_num_seqs,
+                                  max_model_len=max_len,
+                                  forward=CompiledForward(model, backend) if compiled else None,
+                                  aux_layer_ids=plan.aux_layer_ids if plan is not None else (), layout=layout)
+        self.threads = cpu_threads.start(config.cpu_threads, config.adaptive_cpu_threads, cpu_runtime.describe()
+                                         ) if config.device == "cpu" else None
+        if compiled:
+            try:  # compiles now (logged), not in the first request's step; at each thread count the CPU may use
+                if self.threads is not None:
+                    self.threads.warm_up(self.runner.warm_up)
+                else:
+                    self.runner.warm_up()
+            except COMPILE_ERRORS as e:
+                self.runner.use_eager()
+                log.warning("torch.compile failed, the model runs eagerly (with torch ops, not the fused C++ "
+                            "ones; -O0 or --enforce-eager avoid this): %s", str(e).strip().splitlines()[0][:300])
+        self.events, self.publisher = open_events(config.kv_events_config)
+        self.pool.events = self.events
+        self.connector: KVConnector = make_connector(config, mc, model_dir, self.hidden_spec, self.pool, self.events,
+                                                     self.runner) or NullConnector()
+        self.sampler = Sampler(config.seed)
+        self.spec: SpecDecoder | None = None
+        if plan is not None:
+            proposer = plan.build(config, backend, num_blocks, max_len, model, self.kv, self.sampler.generator)
+            self.spec = SpecDecoder(plan.spec, proposer, self.sampler.generator)
+            log.info("speculative decoding: %s, %d tokens per step", plan.spec.method.value,
+                     plan.spec.num_speculative_tokens)
+        lookahead = self.spec.k if self.spec is not None and self.spec.proposer.needs_lookahead else 0
+        self.scheduler = Scheduler(self.kv, config, self.max_num_batched_tokens, self.connector, num_lookahead_tokens=lookahead,
+                                   num_spec_placeholders=self.spec.k if self.spec and config.async_scheduling else 0)
+        # Async scheduling: the bookkeeping thread, the step planned to run next and the one that
+        # ran but is not applied yet, and finished requests whose blocks those steps still write.
+        self._helper = ThreadPoolExecutor(1, "kvtier-bookkeeping", initializer=one_torch_thread
+                                          ) if config.async_scheduling else None
+        self._planned: PlannedStep | None = None
+        self._ran: RanStep | None = None
+        self._deferred: dict[RequestId, Request] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.busy_seconds = 0.0  # steps that ran a forward, and the forwards in them (EngineStats)
+        self.forward_seconds = 0.0
+        if not profiled:
+            warn_unused_gpu_memory_utilization(config)
+        log.info("G1: %d blocks of %d tokens (%.2f GiB), max_model_len=%d, max_num_batched_tokens=%d",
+                 num_blocks, bs, num_blocks * per_block / 2**30, max_len, self.max_num_batched_tokens)
+
+    def _publish_events(self) -> None:
+        if self.publisher is not None and self.events is not None:
+            self.publisher.publish(self.events.drain())
+
+    def publish_pending_events(self) -> None:
+        """Tier writes finish after their step: the server calls this while idle, so subscribers hear of them."""
+        self._publish_events()
+
+    def flush_offload(self) -> None:
+        """Wait for queued offload stores and writes, then release the G1 blocks they held."""
+        self.connector.flush()
+        self._poll_loads()
+
+    def shutdown(self) -> None:
+        """Flush pending offload writes and stop transfer and step threads."""
+        if self._helper is not None:
+            self.drain()
+            self._helper.shutdown()
+            self._helper = None
+        self.sampler.masks.close()
+        self.connector.close()
+        self.connector = NullConnector()
+        self.scheduler.connector = self.connector
+        if self.publisher is not None:
+            self._publish_events()
+            self.publisher.close()
+            self.publisher = None
+
+    # -- requests --------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                     prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                     session: str | None = None, kv_transfer_params: dict[str, Any] | None = None,
+                     prepared: Prepared | None = None) -> Request:
+        """Validates and builds a request without touching engine state. `session`: the client's
+        conversation hint (OpenAI's `prompt_cache_key`, else `user`), which eviction policies see.
+        `kv_transfer_params`: prefill/decode disaggregation (connectors/pd.py), which the
+        connector must support. `prepared`: `self.requests.prepare(params)`, done off the step loop
+        (None: done here)."""
+        pd = parse_pd(kv_transfer_params)
+        if pd is not None:
+            self.connector.check_pd(pd)
+        return self.requests.make(request_id, prompt_token_ids, params, self.max_model_len, prompt=prompt,
+                                  priority=priority, cache_salt=cache_salt, session=session, pd=pd, prepared=prepared)
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+        self.prompt_tokens += req.num_prompt_tokens
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self.scheduler.requests.get(RequestId(request_id))
+        if req is None:
+            return False
+        if req.request_id in self.scheduler.loading:
+            req.abort_requested = True  # its blocks are being written: free them once the load lands
+            return True
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._planned is not None or self._ran is not None
+
+    # -- the loop --------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """One iteration. Returns the requests that got a new token this step (finished ones
+        included, with a finished status). With async scheduling they are those of the step that
+        ran in the previous call, applied while this call's forward runs."""
+        if self.threads is not None:
+            self.threads.tick()
+        if self._helper is not None:
+            return self._step_async()
+        start = time.perf_counter()
+        updated = self._poll_loads()
+        sched, tables, meta = self._plan()
+        if not sched.scheduled:
+            self._idle()
+            return updated
+        self.sampler.prefetch([s.req for s in sched.scheduled if s.samples])
+        forward_start = time.perf_counter()
+        out, failed = execute_isolating(self.runner, sched, tables)
+        self._timed(sched, time.perf_counter() - forward_start, not failed)
+        updated += self._apply(sched, meta, out, failed)
+        self.busy_seconds += time.perf_counter() - start
+        return updated
+
+    def _timed(self, sched: SchedulerOutput, forward: float, ok: bool) -> None:
+        """A forward's time: the stats, and (when it ran through) the scheduler's and speculation's
+        step-cost fits; a proposal costs its verify tokens and the proposer's time."""
+        self.forward_seconds += forward
+        if ok:
+            self.scheduler.step_ran(sched, forward)
+        if ok and self.spec is not None and all(s.num_committed_tokens == 1 for s in sched.scheduled):
+            self.spec.budget.observe_step(sched.num_tokens, forward + self.spec.last_propose_seconds)
+
+    def _plan(self) -> tuple[SchedulerOutput, list[tuple[list[int], ...]], object]:
+        """Schedule -> block tables -> connector metadata, with this step's loads started."""
+        sched = self.scheduler.schedule()
+        tables = [self.kv.block_tables(s.req) for s in sched.scheduled]
+        # Connectors see committed tokens whose ids are known: a block that proposals would complete
+        # is stored once verification has kept them, one that a token still being sampled completes
+        # (async scheduling) a step later. With KV groups, a connector gets each group's table.
+        meta = self.connector.build_connector_meta(
+            [(s.req, min(s.req.num_tokens, s.start + s.num_committed_tokens) - s.req.num_computed_tokens,
+              self.kv.held_tables(s.req) if self.kv.grouped and self.connector.supports_kv_groups else t[0])
+             for s, t in zip(sched.scheduled, tables)])
+        self.connector.start_load_kv(meta)
+        return sched, tables, meta
+
+    def _idle(self) -> None:
+        """Nothing to schedule and nothing running."""
+        if self.scheduler.loading or self.connector.busy():
+            # Only transfers in flight: sleep until one finishes. Polling here would take a core
+            # from the copies (2 cores: a G2 load ran at ~60% speed while we spun).
+            self.connector.wait_for_progress(self.IDLE_WAIT_S)
+        elif self.scheduler.has_unfinished():
+            raise RuntimeError("scheduler made no progress with requests pending")
+
+    def _apply(self, sched: SchedulerOutput, meta: object, out: ModelOutput, failed: list[tuple[Request, str]],
+               sampled: tuple | None = None) -> list[Request]:
+        """Sample (unless `sampled` has it) and update the requests of a step that ran."""
+        updated: list[Request] = []
+        if failed:
+            # Never offload this step's blocks: a failed request's may hold unwritten KV.
+            updated += [self._fail(req, why) for req, why in failed]
+        else:
+            self.connector.wait_for_save(meta)
+        if sampled is None:
+            sampled = sample_outputs(out, [sched.scheduled[i] for i in out.sampled], self.sampler, self.spec)
+        emitted, logprobs, bad_rows = sampled
+        sampling = {sched.scheduled[i].req.request_id for i in out.sampled}
+        before = [s.req.num_computed_tokens for s in sched.scheduled]
+        for s in sched.scheduled:
+            if not s.req.status.finished and s.req.request_id not in sampling:
+                s.req.num_computed_tokens += s.num_new_tokens  # a prompt chunk
+                self.kv.cache_full_blocks(s.req)
+        for i, (first, entries) in out.prompt_logprobs.items():
+            sched.scheduled[i].req.add_prompt_logprobs(first, entries)
+        for j, i in enumerate(out.sampled):
+            s = sched.scheduled[i]
+            req = s.req
+            if req.status.finished:
+                continue
+            if j in bad_rows:
+                req.num_computed_tokens += s.num_committed_tokens
+                self.kv.cache_full_blocks(req)
+                updated.append(self._fail(req, bad_rows[j]))
+                continue
+            if req.params.return_first_logits and req.first_logits is None:
+                req.first_logits = out.rows(j)[0].float().cpu()  # host memory: the caller keeps it, not the KV pool
+            status, kept = self._append(req, emitted[j], logprobs[j])
+            # KV is kept for the committed tokens and the proposals that match kept tokens; the
+            # last kept token is computed next step, as after any decode.
+            req.num_computed_tokens += s.num_committed_tokens + min(len(s.spec_token_ids), kept - 1)
+            self.kv.cache_full_blocks(req)
+            if isinstance(status, str):
+                updated.append(self._fail(req, status))
+                continue
+            if status is not None:
+                self._finish(req, status)
+            updated.append(req)
+        if self.spec is not None and self._helper is None:  # async scheduling: _speculate, between forwards
+            if self.runner.last_aux is not None:  # EAGLE-3 reads the target's features of the kept positions
+                offsets = [0] + list(itertools.accumulate(s.num_new_tokens for s in sched.scheduled))
+                self.spec.proposer.observe([(s.req, b, s.req.num_computed_tokens - b, off) for s, b, off
+                                            in zip(sched.scheduled, before, offsets)], self.runner.last_aux)
+            self.spec.propose([sched.scheduled[i].req for i in out.sampled])
+        self._publish_events()
+        return updated
+
+    # -- async scheduling (engine/core/async_pipeline.py) ----------------------------------------
+    def _step_async(self) -> list[Request]:
+        """Run the planned step while the helper applies the last one and plans the next."""
+        start = time.perf_counter()
+        updated: list[Request] = []
+        if self._planned is None:  # nothing to overlap with: bookkeeping first, here
+            if self._ran is not None and self.spec is not None:
+                self._speculate(self._ran, None)
+            updated, self._planned = self._bookkeep(self._ran)
+            self._ran = None
+            if self._planned is None:
+                if not updated:
+                    self._idle()
+                return updated
+        cur, ran = self._planned, self._ran
+        if ran is not None and self.spec is not None:
+            cur = self._planned = self._speculate(ran, cur)
+        cur.inputs.fill_placeholders(ran.tokens() if ran is not None else {})
+        skip = cur.only_finished()  # before the helper starts finishing requests
+        pending = self._helper.submit(self._bookkeep, ran)
+        out, failed = None, []
+        if skip:
+            out = ModelOutput(torch.empty(0, 0), [], [])
+        else:
+            self.sampler.prefetch([s.req for s in cur.sched.scheduled if s.samples])
+            forward_start = time.perf_counter()
+            try:
+                out = self.runner.run(cur.inputs)
+            except FORWARD_ERRORS:
+                pass  # rerun below through execute_isolating, which finds the request(s) to blame
+            self._timed(cur.sched, time.perf_counter() - forward_start, out is not None)
+        more, self._planned = pending.result()
+        updated += more
+        if out is None:
+            out, failed = execute_isolating(self.runner, cur.sched, cur.tables)
+        sampled = sample_outputs(out, [cur.sched.scheduled[i] for i in out.sampled], self.sampler, self.spec)
+        self._ran = RanStep(cur, out, failed, sampled)
+        self.busy_seconds += time.perf_counter() - start
+        return updated
+
+    def _bookkeep(self, ran: RanStep | None) -> tuple[list[Request], PlannedStep | None]:
+        """Apply `ran` to its requests, then plan the next step."""
+        updated: list[Request] = []
+        if ran is not None:
+            mark_in_flight(ran.planned.entries, -1)
+            updated = self._apply(ran.planned.sched, ran.planned.meta, ran.out, ran.failed, ran.sampled)
+            for s in ran.planned.sched.scheduled:
+                if not s.req.num_inflight_tokens and self._deferred.pop(s.req.request_id, None) is not None:
+                    self.kv.free(s.req)
+                    self.runner.release(s.req.request_id)
+        updated = self._poll_loads() + updated
+        sched, tables, meta = self._plan()
+        if not sched.scheduled:
+            return updated, None
+        inputs = self.runner.prepare(sched, tables)
+        step = PlannedStep(sched, tables, meta, inputs, tuple(sched.scheduled))
+        mark_in_flight(step.entries, +1)
+        return updated, step
+
+    def _speculate(self, ran: RanStep, cur: PlannedStep | None) -> PlannedStep | None:
+        """Async scheduling with speculation, on the calling thread between two forwards: the
+        proposals that follow what `ran` sampled (not applied yet: the helper applies it during
+        the next forward), written into `cur`, which was planned with slots reserved for them
+        at the furthest start `ran` could leave its requests at. Requests not in `cur` keep
+        theirs in `spec_token_ids` for when they are scheduled."""
+        if self.runner.last_aux is not None:  # EAGLE-3: the features of what `ran` kept
+            self.spec.proposer.observe(ran.kept_positions(), self.runner.last_aux)
+        emitted = ran.emitted()
+        self.spec.propose([s.req for s, _ in emitted.values()], [toks for _, toks in emitted.values()])
+        entries = ran.corrected(cur.entries) if cur is not None else None
+        if entries is None:
+            return cur
+        mark_in_flight(cur.entries, -1)
+        sched = SchedulerOutput(entries)  # its preempted were released when it was prepared
+        step = PlannedStep(sched, cur.tables, cur.meta, self.runner.prepare(sched, cur.tables), tuple(entries))
+        mark_in_flight(step.entries, +1)
+        return step
+
+    def drain(self) -> list[Request]:
+        """Steps until no planned or ran step is left (async scheduling); returns what they updated."""
+        updated: list[Request] = []
+        while self._ran is not None or self._planned is not None:
+            updated += self._step_async()
+        return updated
+
+    def _append(self, req: Request, tokens: list[int], logprobs: list[dict[int, float]] | None
+                ) -> tuple[RequestStatus | str | None, int]:
+        """Appends `tokens` one at a time, checking stop conditions after each, as if each came
+        from its own step. Returns the finish status (or why checking failed) and how many were
+        kept."""
+        for i, token in enumerate(tokens):
+            req.append_token(token)
+            self.generation_tokens += 1
+            if req.logprobs is not None and logprobs is not None:
+                req.logprobs.append(logprobs[i])
+            try:
+                status = check_stop(req, self.eos_token_ids, self.detokenize)
+            except (ValueError, TypeError, IndexError, OverflowError) as e:  # e.g. the tokenizer on its output
+                return f"checking stop conditions failed: {type(e).__name__}: {e}", i + 1
+            if status is not None:
+                return status, i + 1
+        return None, len(tokens)
+
+    def _fail(self, req: Request, why: str) -> Request:
+        """Ends one request with an error; the engine goes on with the others."""
+        log.error("request %s failed: %s", req.request_id, why)
+        req.error = why
+        self._finish(req, RequestStatus.FINISHED_ERROR)
+        return req
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.kv_transfer_params = self.connector.request_finished(req, self.kv.block_table(req))
+        # A launched step still writes its blocks (async scheduling): they are freed after it ran,
+        # or a block handed to another request could take that write after a load filled it.
+        later = req.num_inflight_tokens > 0
+        self.scheduler.finish(req, status, free_blocks=not later)
+        if later:
+            self._deferred[req.request_id] = req
+        else:
+            self.runner.release(req.request_id)
+        if self.spec is not None:
+            self.spec.release(req.request_id)
+
+    def _poll_loads(self) -> list[Request]:
+        """Hands finished async loads back to the scheduler; returns requests that ended."""
+        received = self.connector.get_finished().loaded
+        failed = self.connector.get_block_ids_with_load_errors()
+        ended: list[Request] = []
+        for rid in received:
+            req = self.scheduler.loading.get(RequestId(rid))
+            if req is None:
+                continue
+            ok = self.scheduler.finish_load(req, failed)
+            if req.abort_requested:
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+                ended.append(req)
+            elif not ok and self.config.kv_load_failure_policy is LoadFailurePolicy.FAIL:
+                req.error = "loading the prompt's KV from an offload tier failed (kv_load_failure_policy=fail)"
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                ended.append(req)
+            elif not ok:
+                log.warning("request %s: offload load failed; recomputing those tokens", rid)
+        return ended
+
+    def detokenize(self, req: Request) -> str:
+        return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.pool.usage(),
+            num_gpu_blocks=self.pool.num_blocks,
+            num_evictions=self.pool.num_evictions,
+            num_cached_blocks=self.pool.num_cached_blocks(),
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            tiers=self.connector.stats(),
+            busy_seconds=self.busy_seconds,
+            forward_seconds=self.forward_seconds,
+            spec_decode=self.spec.stats.as_dict() if self.spec is not None else None,
+            kv_groups=self.kv.group_usage(),
+        )
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        live = {r.request_id for r in self.scheduler.running}
+        if len(live) != len(self.scheduler.running):
+            raise RuntimeError("a request is running twice")
+        if self.kv.num_requests() > len(self.scheduler.requests) + len(self._deferred):
+            raise RuntimeError("block tables outlive their requests")
+        for batch in self.runner.batches:
+            batch.check_integrity()
+            if not batch.request_ids() <= set(self.scheduler.requests) | set(self._deferred):
+                raise RuntimeError("input-batch rows outlive their requests")

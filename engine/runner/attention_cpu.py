@@ -1,0 +1,42 @@
+"""Attention on CPU through the C++ kernels (`engine/cpu_kernels`), which read K/V in place.
+
+Decodes go through `paged_attention`, prompt chunks through `prefill_attention`: all of a step's
+chunks in one call, causal without computing the masked part, and with each row's result
+depending only on the row and its keys, so rows computed after a prefix hit equal, bit for bit,
+the same rows of a fresh prefill (a prefix hit never changes an output). The torch path (SDPA
+over the context) is kept for shapes the prefill kernel does not take, and for caches the kernels
+do not read (a float16 one: `cpu_kernels.cache_supported`).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine import cpu_kernels
+from engine.runner.attention import AttentionMetadata, TorchPagedAttention, write_kv
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """Same contract and results as `TorchPagedAttention` (to float rounding); faster on CPU."""
+
+    pads_decodes = False  # the kernel walks each row's own table; one call per layer balances best
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, window=0):
+        if not cpu_kernels.cache_supported(q.dtype, k_cache.dtype):  # e.g. a float16 cache: the torch path
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window)
+        num_tokens, num_heads, head_dim = q.shape
+        kv_heads = k_cache.shape[2]
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        # q may be a view into the fused q/k/v output: the kernels take its row stride as is.
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for group in meta.decodes:
+            cpu_kernels.paged_attention(q, k_cache, v_cache, out, group.query_idx, group.block_tables,
+                                        group.context_lens, scale, window)
+        if meta.prefills:
+            if cpu_kernels.prefill_supported(num_heads, kv_heads, k_cache.shape[1]):
+                seqs, tables = meta.packed_prefills()
+                cpu_kernels.prefill_attention(q, k_cache, v_cache, out, seqs, tables, scale, window)
+            else:
+                q = q.contiguous()
+                for seq in meta.prefills:
+                    self._prefill(q, k_cache, v_cache, seq, scale, out, window)
+        return out.view(num_tokens, num_heads * head_dim)

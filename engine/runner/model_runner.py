@@ -1,0 +1,271 @@
+"""Worker side: owns the model and the G1 cache tensors, turns a schedule into one forward pass.
+
+The cache is one tensor `[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`, so a
+block's bytes for every layer can be gathered with one index (what offload tiers copy).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from engine.runner.attention import AttentionMetadata, DecodeGroup, PrefillSeq
+from engine.config import ModelConfig
+from engine.runner.input_batch import InputBatch
+from engine.kv.kv_groups import KVLayout
+from engine.sample.prompt_logprobs import PromptLogprob, PromptRows, prompt_logprobs
+from engine.sample.prompt_logprobs import select as select_prompt_rows
+from engine.core.request import RequestId
+from connectors.hidden_spec import HiddenStatesSpec
+from engine.core.scheduler import SchedulerOutput
+
+
+MIN_DECODE_GROUP = 8
+
+
+@dataclass
+class ModelOutput:
+    # [rows, vocab] float32: for each entry of `sampled` in order, 1 + its number of spec tokens
+    # rows (the logits after the last known token, then after each proposed token).
+    logits: torch.Tensor
+    sampled: list[int]  # indices into scheduler_output.scheduled that produce a token
+    row_starts: list[int] = field(default_factory=list)  # first logits row of each `sampled` entry
+    # prompt_logprobs: {scheduled index: (first position, entries)} (engine/sample/prompt_logprobs.py)
+    prompt_logprobs: dict[int, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
+
+    def rows(self, i: int) -> torch.Tensor:
+        """The logits rows of the i-th sampled entry."""
+        end = self.row_starts[i + 1] if i + 1 < len(self.row_starts) else self.logits.shape[0]
+        return self.logits[self.row_starts[i]:end]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_rows: list[int]  # token rows whose logits are sampled, per `sampled` entry in order
+    sampled: list[int]
+    row_starts: list[int]
+    # Async scheduling: (index into input_ids, request) for tokens an earlier, still running step
+    # samples; whoever runs the step writes them in first (`fill_placeholders`).
+    placeholders: list[tuple[int, RequestId]] = field(default_factory=list)
+    prompt_rows: list[PromptRows] = field(default_factory=list)  # prompt_logprobs' rows
+
+    @torch.inference_mode()
+    def fill_placeholders(self, tokens: dict[RequestId, int]) -> None:
+        """Writes the sampled tokens in; a request that sampled none (it failed) gets 0, and
+        its row is discarded."""
+        if self.placeholders:
+            at = torch.tensor([pos for pos, _ in self.placeholders], dtype=torch.long)
+            ids = torch.tensor([tokens.get(rid, 0) for _, rid in self.placeholders], dtype=torch.long)
+            self.input_ids[at.to(self.input_ids.device)] = ids.to(self.input_ids.device)
+
+
+def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, hidden_layers: int = 0, slots: int | None = None) -> int:
+    """G1 bytes per block: K and V of `slots` layers (every layer by default; a KV group's with
+    several groups), plus `hidden_layers` exported hidden states."""
+    if slots is None:
+        slots = sum(cfg.kv_source(i) == i for i in range(cfg.num_layers))
+    kv = slots * 2 * max(cfg.kv_widths) * cfg.kv_dtype.itemsize  # --kv-cache-dtype
+    return block_size * (kv + hidden_layers * cfg.hidden_size * cfg.dtype.itemsize)  # hidden states: the weights' dtype
+
+
+def new_kv_cache(cfg: ModelConfig, layout: KVLayout, num_blocks: int, block_size: int, device) -> torch.Tensor:
+    """Zeroed G1 `[slots, 2, num_blocks, block_size, kv_heads, head_dim]`; with layers of different
+    shapes, rows of the widest layer's width, `[..., 1, width]` (engine/kv/kv_groups.py)."""
+    token_shape = (cfg.num_kv_heads, cfg.head_dim) if cfg.uniform_kv else (1, max(cfg.kv_widths))
+    return torch.zeros(layout.slots, 2, num_blocks, block_size, *token_shape, dtype=cfg.kv_dtype, device=device)
+
+
+def layer_cache_views(kv_cache: torch.Tensor, cfg: ModelConfig, layout: KVLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (K, V) as `[num_blocks, block_size, kv_heads, head_dim]` views of the cache
+    (engine/kv/kv_groups.py): its slot's, or with per-layer shapes a strided view of its part of the row."""
+    out = []
+    for layer, (_, slot, part) in enumerate(layout.placement()):
+        if cfg.uniform_kv:
+            out.append((kv_cache[slot, 0], kv_cache[slot, 1]))
+            continue
+        heads, dim = cfg.kv_shape(layer)
+        row = kv_cache.shape[-1]
+        views = []
+        for kv in (0, 1):
+            base = kv_cache[slot, kv]
+            views.append(base.as_strided((base.shape[0], base.shape[1], heads, dim), (base.shape[1] * row, row, dim, 1),
+                                         base.storage_offset() + part * heads * dim))
+        out.append((views[0], views[1]))
+    return out
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int, device: str,
+                 hidden_spec: HiddenStatesSpec | None = None, group_decodes: bool = True, *, max_rows: int,
+                 max_model_len: int, forward: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] | None = None,
+                 aux_layer_ids: tuple[int, ...] = (), layout: KVLayout | None = None) -> None:
+        self.model = model
+        self.forward = forward or model  # engine/runner/compiled.py's CompiledForward, or the eager model
+        self.group_decodes = group_decodes  # the backend's `pads_decodes`
+        self.cfg = cfg
+        self.block_size = block_size
+        self.device = device
+        # A block holds one KV group's layers, slot by slot (engine/kv/kv_groups.py); with one group,
+        # every layer: [num_layers, 2, num_blocks, ...], which is what connectors copy from.
+        self.layout = layout or KVLayout.single(cfg.num_layers, sources=cfg.kv_sources)
+        self.kv_cache = new_kv_cache(cfg, self.layout, num_blocks, block_size, device)
+        self.layer_caches = layer_cache_views(self.kv_cache, cfg, self.layout)
+        self.layer_groups = tuple(g for g, _, _ in self.layout.placement())
+        self.batches = [InputBatch(max_rows, -(-max_model_len // block_size), device) for _ in self.layout.groups]
+        self.batch = self.batches[0]  # group 0's (connectors and drafts index that group)
+        # Exported hidden states live in paged blocks beside the KV, so a prefix hit has them.
+        self.hidden_spec = hidden_spec
+        self.hidden_cache: torch.Tensor | None = None
+        if hidden_spec is not None:
+            self.hidden_cache = torch.zeros(num_blocks, block_size, len(hidden_spec.layer_ids), cfg.hidden_size,
+                                            dtype=cfg.dtype, device=device)
+        # EAGLE-3: these layers' residual streams, concatenated, are kept from each step (`last_aux`).
+        self.aux_layer_ids = aux_layer_ids
+        self.capture_ids = tuple(sorted(set(aux_layer_ids) | set(hidden_spec.capture_order if hidden_spec else ())))
+        self.last_aux: torch.Tensor | None = None
+
+    def use_eager(self) -> None:
+        """Runs the model as it is from now on (the compiled forward failed)."""
+        self.forward = self.model
+
+    def release(self, req_id: RequestId) -> None:
+        """The request finished: its input-batch row is free for another."""
+        for batch in self.batches:
+            batch.release(req_id)
+
+    def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelOutput:
+        return self.run(self.prepare(sched, block_tables))
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs) -> ModelOutput:
+        """The forward and the logits of the sampled rows (placeholders must be filled)."""
+        capture = self.capture_ids
+        hidden, captured = self.forward(step.input_ids, step.positions, self.layer_caches, step.meta, capture)
+        if self.hidden_cache is not None:
+            states = torch.stack([captured[capture.index(i)] for i in self.hidden_spec.layer_ids], dim=1)
+            n, h = states.shape[1:]
+            self.hidden_cache.view(-1, n, h).index_copy_(0, step.meta.slot_mapping, states)
+        if self.aux_layer_ids:  # EAGLE-3 features: the aux layers side by side, in their given order
+            self.last_aux = torch.cat([captured[capture.index(i)] for i in self.aux_layer_ids], dim=-1)
+        rows = step.sample_rows
+        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
+        prompt = prompt_logprobs(hidden, step.prompt_rows, self.model.compute_logits) if step.prompt_rows else {}
+        return ModelOutput(logits.float(), step.sampled, step.row_starts, prompt)
+
+    @torch.inference_mode()  # inference tensors, as at warm-up: the compiled graph's guards see no change
+    def prepare(self, sched: SchedulerOutput, block_tables: list) -> StepInputs:
+        """Input ids, positions and attention metadata of a step (its new tokens, proposals
+        included), and the rows whose logits are sampled. A request's tokens start after those
+        computed or in flight; the ones not sampled yet become placeholders. `block_tables[i]`:
+        the i-th request's table per KV group (a tuple), or its one table (a list)."""
+        for req in sched.preempted:
+            self.release(req.request_id)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        spans: list[tuple[int, int, int]] = []  # each request's (first query row, query tokens, context length)
+        sample_rows: list[int] = []
+        sampled: list[int] = []
+        row_starts: list[int] = []
+        placeholders: list[tuple[int, RequestId]] = []
+        prompt_rows: list[PromptRows] = []
+        for idx, item in enumerate(sched.scheduled):
+            req, n, spec = item.req, item.num_new_tokens, item.spec_token_ids
+            start = item.start
+            q_start = len(input_ids)
+            known = req.all_token_ids[start : start + n - len(spec)]
+            input_ids.extend(known)
+            for _ in range(n - len(spec) - len(known)):
+                placeholders.append((len(input_ids), req.request_id))
+                input_ids.append(0)
+            input_ids.extend(spec)
+            positions.extend(range(start, start + n))
+            spans.append((q_start, n, start + n))
+            if req.wants_prompt_logprobs and (pick := select_prompt_rows(
+                    idx, req.prompt_token_ids, start, n - len(spec), q_start, req.params.prompt_logprobs or 0)):
+                prompt_rows.append(pick)
+            if item.samples:
+                row_starts.append(len(sample_rows))
+                sample_rows.extend(range(q_start + n - 1 - len(spec), q_start + n))
+                sampled.append(idx)
+        positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        counts = torch.tensor([s.num_new_tokens for s in sched.scheduled], dtype=torch.long, device=self.device)
+        tables = [t if isinstance(t, tuple) else (t,) for t in block_tables]
+        metas = [self._group_meta(g, sched, [t[g] for t in tables], spans, positions_t, counts)
+                 for g in range(len(self.batches))]
+        meta = metas[0] if len(metas) == 1 else replace(metas[0], groups=tuple(metas), layer_groups=self.layer_groups)
+        return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=self.device), positions_t, meta,
+                          sample_rows, sampled, row_starts, placeholders, prompt_rows)
+
+    def _group_meta(self, group: int, sched: SchedulerOutput, tables: list[list[int]],
+                    spans: list[tuple[int, int, int]], positions_t: torch.Tensor, counts: torch.Tensor
+                    ) -> AttentionMetadata:
+        """One KV group's slots, prefill block lists and decode tables for the step."""
+        bs, batch = self.block_size, self.batches[group]
+        batch_rows = [batch.sync(s.req.request_id, t) for s, t in zip(sched.scheduled, tables)]
+        prefills: list[PrefillSeq] = []
+        decode_rows: list[int] = []
+        decode_batch_rows: list[int] = []
+        decode_lens: list[int] = []
+        for (q_start, n, ctx), row, table in zip(spans, batch_rows, tables):
+            if n == 1 and ctx > 1:
+                decode_rows.append(q_start)
+                decode_batch_rows.append(row)
+                decode_lens.append(ctx)
+            else:
+                ids = table[: -(-ctx // bs)]
+                run = ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
+                prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(ids, dtype=torch.long), run))
+        token_rows = torch.tensor(batch_rows, dtype=torch.long, device=self.device).repeat_interleave(counts)
+        return AttentionMetadata(
+            slot_mapping=batch.block_table[token_rows, positions_t // bs] * bs + positions_t % bs,
+            prefills=prefills,
+            decodes=self._decode_groups(batch, decode_rows, decode_batch_rows, decode_lens),
+        )
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One 2-token forward into the first block(s) (free at start-up; a sequence that later gets
+        them writes each slot before reading it), so that a compiled model compiles here and not
+        in the first request's step."""
+        blocks = torch.arange(-(-2 // self.block_size), dtype=torch.long)
+        meta = AttentionMetadata(slot_mapping=torch.tensor([0, 1], dtype=torch.long, device=self.device),
+                                 prefills=[PrefillSeq(0, 2, 2, blocks, first_block=0)], decodes=[])
+        ids = torch.zeros(2, dtype=torch.long, device=self.device)
+        self.forward(ids, torch.arange(2, device=self.device), self.layer_caches, meta, self.capture_ids)
+
+    def _decode_groups(self, batch: InputBatch, rows: list[int], batch_rows: list[int], lens: list[int]
+                       ) -> list[DecodeGroup]:
+        """Split decodes, shortest first, into groups whose padding stays under ~25%; or, for a
+        backend that does not pad, one group, longest first (the longest rows start first).
+        `rows`: query rows; `batch_rows`: their input-batch rows; `lens`: their context lengths."""
+        if not rows:
+            return []
+        if not self.group_decodes:
+            order = sorted(range(len(rows)), key=lambda i: -lens[i])
+            return [self._decode_group(batch, [rows[i] for i in order], [batch_rows[i] for i in order],
+                                       [lens[i] for i in order])]
+        order = sorted(range(len(rows)), key=lambda i: lens[i])
+        groups: list[list[int]] = []
+        bs = self.block_size
+        for i in order:
+            g = groups[-1] if groups else None
+            # A new group pays one more attention call; only worth it once it is big enough.
+            if g is None or (len(g) >= MIN_DECODE_GROUP and -(-lens[i] // bs) > 1.25 * -(-lens[g[0]] // bs)):
+                groups.append([i])
+            else:
+                g.append(i)
+        return [self._decode_group(batch, [rows[i] for i in g], [batch_rows[i] for i in g], [lens[i] for i in g])
+                for g in groups]
+
+    def _decode_group(self, batch: InputBatch, rows: list[int], batch_rows: list[int], lens: list[int]) -> DecodeGroup:
+        width = -(-max(lens) // self.block_size)
+        # Entries past a row's own blocks are stale or 0; the mask and the kernels' lengths skip them.
+        padded = batch.block_table[torch.tensor(batch_rows, dtype=torch.long, device=self.device), :width]
+        lens_t = torch.tensor(lens, dtype=torch.long, device=self.device)
+        mask = torch.arange(width * self.block_size, device=self.device).unsqueeze(0) < lens_t.unsqueeze(1)
+        return DecodeGroup(torch.tensor(rows, dtype=torch.long, device=self.device), padded, lens_t,
+                           mask[:, None, None, :])

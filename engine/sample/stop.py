@@ -1,0 +1,28 @@
+"""When a request stops: a stop token or string, or its token limit."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine.core.request import Request, RequestStatus
+
+
+def check_stop(req: Request, eos_token_ids: frozenset[int], detokenize: Callable[[Request], str]
+               ) -> RequestStatus | None:
+    """The finish status after the request's last appended token, or None to go on. A stop
+    string also sets `output_text` (cut before it) and `stop_reason`."""
+    token = req.output_token_ids[-1]
+    n_out = len(req.output_token_ids)
+    if token in req.stop_ids and n_out > req.params.min_tokens:
+        req.stop_reason = token if token not in eos_token_ids else None
+        return RequestStatus.FINISHED_STOPPED
+    if req.params.stop and n_out > req.params.min_tokens:
+        # Decode the whole output: simple and exact across token boundaries; outputs are short.
+        text = detokenize(req)
+        for s in req.params.stop:
+            at = text.find(s)
+            if at >= 0:
+                req.output_text, req.stop_reason = text[:at], s
+                return RequestStatus.FINISHED_STOPPED
+    if n_out >= req.max_output_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    return None
