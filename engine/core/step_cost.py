@@ -106,4 +106,8 @@ class ShareController:
         if c is None:
             return self.unfitted if budget > 0 else 0
         fixed, per_token = max(c[0], 0.0), max(c[1], 1e-6)
-        return max(0, int((budget - fixed) / per_token + 1e-6))  # (the epsilon: float error at whole tokens)
+        n = max(0, int((budget - fixed) / per_token + 1e-6))  # (the epsilon: float error at whole tokens)
+        # A full bucket (or a step alone) always buys a token: when a bite's measured fixed part is
+        # more than `alone` plain steps (a loaded machine, a noisy fit), the work would otherwise never
+        # run alone (the engine found no progress with it pending) nor beside others.
+        return max(n, 1) if budget >= self.alone * plain - 1e-9 else n

@@ -154,6 +154,20 @@ def test_bites_of_one_size_are_priced_by_their_mean_cost():
     assert ctl.allowance(1) == 7  # 15.5 ms / 2 ms
 
 
+def test_a_full_bucket_buys_a_token_whatever_the_fit_says():
+    """A bite's fixed part measured above `alone` plain steps (a loaded CI machine) priced every
+    allowance at 0 tokens: alone the work never ran and the engine raised "no progress"."""
+    ctl = _fitted()
+    for n in (16, 4, 8, 2, 12):
+        ctl.observe(n, 0.030 + 0.200 + 0.001 * n, n, n)  # alone, 200 ms fixed: more than 3 * 30 ms
+    assert ctl.allowance(0) == 1
+    ctl.credit = 0.0
+    assert ctl.allowance(4) == 0  # beside others: the bucket fills first
+    for _ in range(8):
+        ctl.allowance(4)
+    assert ctl.allowance(4) == 1  # full (3 plain steps' worth): one token
+
+
 def test_plain_steps_of_one_size_keep_the_bucket_in_force():
     """Beside a probe, every plain step is its 1-token decode (its prefills ride with a bite), so
     the plain fit loses its slope. Their mean is then their cost: the bucket goes on, instead of

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from serving import start_server
 
@@ -327,6 +327,7 @@ def test_random_malformed_bodies_never_500_or_hang(tiny_server, path):
         @settings(max_examples=int(os.environ.get("KVTIER_FUZZ_EXAMPLES", 60)), deadline=None, database=None,
                   suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
         @given(_body(path))
+        @example(json.dumps(VALID[path]).encode())  # one body that reaches the engine, whatever is drawn
         def check(raw: bytes) -> None:
             r = c.post(path, content=raw, headers={"content-type": "application/json"})
             statuses.append(r.status_code)
