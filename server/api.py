@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect
 from engine.core.request_factory import needs_preparation
 from engine.core.token_ids import check_token_ids
 from server.api_output import OutputFormats
+from server.channel import Delta
 from server.client import CoreState, EngineClient, EngineDeadError
 from server.defaults import SamplingDefaults
 from server.detok import IncrementalDetokenizer
@@ -100,7 +101,7 @@ class Choice:
     detok: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
-    finish: dict[str, Any] | None = None
+    finish: Delta | None = None  # the last delta
     first_token_at: float | None = None
     last_token_at: float | None = None
     token_gaps: list[float] = field(default_factory=list)  # seconds between successive deltas with tokens
@@ -370,7 +371,7 @@ class API(OutputFormats):
             while True:
                 d = await c.queue.get()
                 await merged.put((c, d))
-                if isinstance(d, BaseException) or d.get("finish_reason") is not None:
+                if isinstance(d, BaseException) or d.finished:
                     return
 
         tasks = [asyncio.create_task(pump(c)) for c in choices]
@@ -392,29 +393,28 @@ class API(OutputFormats):
                         continue
                     c.prompt_logprobs = c.leader.prompt_logprobs
                 now = time.monotonic()
-                if d["token_ids"]:
+                if d.token_ids:
                     if c.first_token_at is None:
                         c.first_token_at = now
                     else:  # one engine step's tokens arrive in one delta: a gap per step, as vLLM counts
                         c.token_gaps.append(now - c.last_token_at)
                     c.last_token_at = now
-                c.token_ids += d["token_ids"]
-                c.logprobs += d.get("logprobs") or []
-                if "prompt_logprobs" in d:
-                    c.prompt_logprobs = d["prompt_logprobs"]
-                if c.index in held and (c.prompt_logprobs is not None or d.get("finish_reason") is not None):
+                c.token_ids += d.token_ids
+                c.logprobs += d.logprobs or []
+                if d.prompt_logprobs is not None:
+                    c.prompt_logprobs = d.prompt_logprobs
+                if c.index in held and (c.prompt_logprobs is not None or d.finished):
                     ready.extend(held.pop(c.index))
-                if d.get("finish_reason") is None:
-                    text = c.detok.add(d["token_ids"])
+                if not d.finished:
+                    text = c.detok.add(d.token_ids)
                 else:  # the last tokens may hold the stop string: take the engine's cut text
                     c.finish = d
                     left -= 1
                     text = c.detok.finish(self.final_text(c))
-                    self.metrics.observe_request(arrival, c.first_token_at, now, len(c.token_ids), d["finish_reason"],
-                                                 len(c.prompt_ids), d.get("cached_by_tier") or {},
-                                                 queue_s=d.get("queue_s"), prefill_s=d.get("prefill_s"),
-                                                 token_gaps=tuple(c.token_gaps))
-                    self._log_finished(c, d["finish_reason"], d.get("cached_by_tier") or {}, arrival, now)
+                    self.metrics.observe_request(arrival, c.first_token_at, now, len(c.token_ids), d.finish_reason,
+                                                 len(c.prompt_ids), d.cached_by_tier, queue_s=d.queue_s,
+                                                 prefill_s=d.prefill_s, token_gaps=tuple(c.token_gaps))
+                    self._log_finished(c, d.finish_reason, d.cached_by_tier, arrival, now)
                 yield c, text
             self.metrics.observe_group(max(len(c.token_ids) for c in choices))
         finally:
@@ -438,7 +438,7 @@ class API(OutputFormats):
 
     def final_text(self, c: Choice) -> str:
         text = self.tok.decode(c.token_ids, skip_special_tokens=c.detok.skip)
-        stop = c.finish.get("stop_reason") if c.finish else None
+        stop = c.finish.stop_reason if c.finish else None
         if isinstance(stop, str):
             at = text.find(stop)
             text = text[:at] if at >= 0 else text
@@ -474,8 +474,8 @@ class API(OutputFormats):
 
 def _check_error(choices: list[Choice]) -> None:
     for c in choices:
-        if c.finish is not None and c.finish.get("finish_reason") == "error":
-            raise APIError(500, c.finish.get("error") or "the request failed in the engine", "InternalServerError")
+        if c.finish is not None and c.finish.finish_reason == "error":
+            raise APIError(500, c.finish.error or "the request failed in the engine", "InternalServerError")
 
 
 def sse(obj: Any) -> bytes:

@@ -35,8 +35,8 @@ class OutputFormats:
         firsts = choices[::n]  # one choice per prompt: a prompt is counted once, whatever n is
         prompt = sum(len(c.prompt_ids) for c in firsts)
         out = sum(len(c.token_ids) for c in choices)
-        cached = sum((c.finish or {}).get("num_cached_tokens", 0) for c in firsts)
-        thinking = sum((c.finish or {}).get("thinking_tokens", 0) for c in choices)
+        cached = sum(c.finish.num_cached_tokens for c in firsts if c.finish is not None)
+        thinking = sum(c.finish.thinking_tokens or 0 for c in choices if c.finish is not None)
         return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
                 "prompt_tokens_details": {"cached_tokens": cached},
                 "completion_tokens_details": {"reasoning_tokens": thinking}}
@@ -90,22 +90,22 @@ class OutputFormats:
         if req.return_token_ids:
             out["token_ids"] = list(c.token_ids)
             out["prompt_token_ids"] = list(c.prompt_ids)
-        if c.finish is not None and c.finish.get("stop_reason") is not None:
-            out["stop_reason"] = c.finish["stop_reason"]
-        if c.finish is not None and c.finish.get("thinking_forced_tokens"):  # a spent thinking_token_budget
-            out["thinking_forced_tokens"] = c.finish["thinking_forced_tokens"]
+        if c.finish is not None and c.finish.stop_reason is not None:
+            out["stop_reason"] = c.finish.stop_reason
+        if c.finish is not None and c.finish.thinking_forced_tokens:  # a spent thinking_token_budget
+            out["thinking_forced_tokens"] = c.finish.thinking_forced_tokens
         return out
 
     @staticmethod
     def finish_reason(c: Choice) -> str | None:
         if c.finish is None:
             return None
-        r = c.finish["finish_reason"]
+        r = c.finish.finish_reason
         return {"abort": "abort", "error": "error"}.get(r, r)
 
     @staticmethod
     def transfer_params(choices: list[Choice]) -> dict[str, Any] | None:
-        params = [c.finish.get("kv_transfer_params") for c in choices if c.finish and c.finish.get("kv_transfer_params")]
+        params = [c.finish.kv_transfer_params for c in choices if c.finish and c.finish.kv_transfer_params]
         if not params:
             return None
         return params[0] if len(params) == 1 else {"choices": params}

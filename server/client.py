@@ -67,7 +67,7 @@ class EngineClient:
         self._last_beat = 0.0  # loop time of the last heartbeat
         self._loop_age = 0.0  # seconds since the core's step loop last went round, as it last said
         self.info: CoreInfo | None = None
-        self._queues: dict[str, asyncio.Queue[dict[str, Any] | BaseException]] = {}
+        self._queues: dict[str, asyncio.Queue[ch.Delta | BaseException]] = {}
         self._acks: dict[str, asyncio.Future[None]] = {}  # requests whose preparation the API waits for
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._nonce = itertools.count()
@@ -102,8 +102,7 @@ class EngineClient:
                 msg = ch.decode_from_core(await self._from_core.recv())
                 if isinstance(msg, ch.Ready):
                     i = msg.info
-                    self.info = CoreInfo(i["max_model_len"], i["vocab_size"], i["num_gpu_blocks"],
-                                         tuple(i["eos_token_ids"]))
+                    self.info = CoreInfo(i.max_model_len, i.vocab_size, i.num_gpu_blocks, i.eos_token_ids)
                     break
                 if isinstance(msg, ch.StartupError):
                     await loop.run_in_executor(None, self.proc.join, 10)
@@ -124,21 +123,20 @@ class EngineClient:
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                   priority: int = 0, cache_salt: str | None = None, session: str | None = None,
                   kv_transfer_params: dict[str, Any] | None = None,
-                  ack: bool = False) -> asyncio.Queue[dict[str, Any] | BaseException]:
-        """Queues a request; its deltas (dicts, see server.core) arrive on the returned queue,
+                  ack: bool = False) -> asyncio.Queue[ch.Delta | BaseException]:
+        """Queues a request; its deltas (`server.channel.Delta`) arrive on the returned queue,
         the last one with a finish_reason, or an exception if the core dies. `ack`: the core
         prepares it first (engine.core.request_factory.needs_preparation); `accepted` waits for that."""
         self._check_alive()
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
         try:  # packed before the queue exists: a value msgpack cannot carry must not leak a pending slot
-            msg = ch.encode(ch.Add({"request_id": request_id, "prompt_token_ids": prompt_token_ids,
-                                    "params": params_to_wire(params), "priority": priority, "cache_salt": cache_salt,
-                                    "session": session, "kv_transfer_params": kv_transfer_params}))
+            msg = ch.encode(ch.AddRequest(request_id, prompt_token_ids, params_to_wire(params), priority, cache_salt,
+                                          session, kv_transfer_params))
         except (OverflowError, UnicodeEncodeError, TypeError, ValueError) as e:
             raise ValueError(f"request {request_id!r} cannot be sent to the engine: {e}") from None
         self._send(msg)
-        q: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
+        q: asyncio.Queue[ch.Delta | BaseException] = asyncio.Queue()
         self._queues[request_id] = q
         if ack:
             self._acks[request_id] = asyncio.get_running_loop().create_future()
@@ -178,7 +176,7 @@ class EngineClient:
         delta with finish_reason "abort", so its response still ends properly, and the core stops it."""
         ids = list(self._queues)
         for rid in ids:
-            self._queues.pop(rid).put_nowait({"id": rid, "token_ids": [], "finish_reason": "abort"})
+            self._queues.pop(rid).put_nowait(ch.Delta(rid, [], finish_reason="abort"))
         if ids and self.state in (CoreState.READY, CoreState.DRAINING):
             self._send_quietly(ch.encode(ch.Abort(ids)))
         return len(ids)
@@ -211,11 +209,11 @@ class EngineClient:
             msg = ch.decode_from_core(await self._from_core.recv())
             if isinstance(msg, ch.Outputs):
                 for d in msg.deltas:
-                    q = self._queues.get(d["id"])
+                    q = self._queues.get(d.id)
                     if q is None:
                         continue  # aborted here already
-                    if d.get("finish_reason") is not None:
-                        del self._queues[d["id"]]
+                    if d.finished:
+                        del self._queues[d.id]
                     q.put_nowait(d)
             elif isinstance(msg, ch.StatsReply):
                 fut = self._stats_waiters.get(msg.nonce)

@@ -66,18 +66,17 @@ class CoreLoop:
 
     def handle(self, msg: ch.ToCore) -> bool:
         """Applies one message; False when the core should stop taking new work."""
-        if isinstance(msg, ch.Add):
-            a = msg.request
+        if isinstance(msg, ch.AddRequest):
             try:
-                params = SamplingParams(**a["params"])
+                params = SamplingParams(**msg.params)
                 if needs_preparation(params):  # slow work: off the step loop, then `admit_prepared`
-                    refused = self.prep.submit(a["request_id"], a, params)
+                    refused = self.prep.submit(msg.request_id, msg, params)
                     if refused is not None:
-                        self.push.send(ch.encode(ch.AddError(a["request_id"], refused)))
+                        self.push.send(ch.encode(ch.AddError(msg.request_id, refused)))
                     return True
-                self._add(a, params, None)
-            except (ValueError, TypeError, KeyError) as e:
-                self.push.send(ch.encode(ch.AddError(a.get("request_id"), str(e))))
+                self._add(msg, params, None)
+            except (ValueError, TypeError) as e:
+                self.push.send(ch.encode(ch.AddError(msg.request_id, str(e))))
         elif isinstance(msg, ch.Abort):
             for rid in msg.request_ids:
                 self.sent.pop(rid, None)  # the API side has stopped listening
@@ -90,23 +89,22 @@ class CoreLoop:
             log.info("shutdown: draining %d request(s) for up to %.1fs", len(self.sent), float(msg.grace_s))
         return True
 
-    def _add(self, a: dict[str, Any], params: SamplingParams, prepared: Prepared | None) -> None:
-        req = self.engine.make_request(a["request_id"], a["prompt_token_ids"], params,
-                                       priority=a.get("priority", 0), cache_salt=a.get("cache_salt"),
-                                       session=a.get("session"), kv_transfer_params=a.get("kv_transfer_params"),
-                                       prepared=prepared)
+    def _add(self, a: ch.AddRequest, params: SamplingParams, prepared: Prepared | None) -> None:
+        req = self.engine.make_request(a.request_id, a.prompt_token_ids, params, priority=a.priority,
+                                       cache_salt=a.cache_salt, session=a.session,
+                                       kv_transfer_params=a.kv_transfer_params, prepared=prepared)
         self.engine.add_request(req)
         self.sent[req.request_id] = 0
 
     def admit_prepared(self) -> None:
         """Schedules the requests whose preparation ended; refuses those it failed or timed out."""
         for a, params, result in self.prep.ready():
-            rid = a["request_id"]
+            rid = a.request_id
             try:
                 if isinstance(result, str):
                     raise ValueError(result)
                 self._add(a, params, result)
-            except (ValueError, TypeError, KeyError) as e:
+            except (ValueError, TypeError) as e:
                 self.push.send(ch.encode(ch.AddError(rid, str(e))))
                 continue
             self.push.send(ch.encode(ch.Accepted(rid)))
@@ -116,26 +114,25 @@ class CoreLoop:
         if not updated:
             return
         deltas = [self._delta(r) for r in updated if r.request_id in self.sent]
-        if any(d.get("kv_transfer_params") for d in deltas):
+        if any(d.kv_transfer_params for d in deltas):
             self.engine.connector.wait_for_outputs()  # the file a response names exists when it is sent
         self.push.send(ch.encode(ch.Outputs(deltas)))
 
-    def _delta(self, r: Request) -> dict[str, Any]:
+    def _delta(self, r: Request) -> ch.Delta:
         start = self.sent[r.request_id]
-        d: dict[str, Any] = {"id": r.request_id, "token_ids": r.output_token_ids[start:]}
-        if r.logprobs is not None:
-            d["logprobs"] = r.logprobs[start:]
-        if start == 0 and r.prompt_logprobs is not None:  # complete once a token was sampled
-            d["prompt_logprobs"] = r.prompt_logprobs
+        tokens = r.output_token_ids[start:]
+        logprobs = r.logprobs[start:] if r.logprobs is not None else None
+        prompt = r.prompt_logprobs if start == 0 else None  # complete once a token was sampled
         self.sent[r.request_id] = len(r.output_token_ids)
-        if r.status.finished:
-            del self.sent[r.request_id]
-            d.update(finish_reason=FINISH_REASONS.get(r.status), stop_reason=r.stop_reason, error=r.error,
-                     num_cached_tokens=max(r.num_cached_tokens, 0), cached_by_tier=dict(r.cached_by_tier),
-                     kv_transfer_params=r.kv_transfer_params, **_phases(r))
-            if r.thinking is not None:
-                d.update(thinking_tokens=r.thinking.thinking_tokens, thinking_forced_tokens=r.thinking.forced_tokens)
-        return d
+        if not r.status.finished:
+            return ch.Delta(r.request_id, tokens, logprobs, prompt)
+        del self.sent[r.request_id]
+        thinking = r.thinking
+        return ch.Delta(r.request_id, tokens, logprobs, prompt, finish_reason=FINISH_REASONS.get(r.status),
+                        stop_reason=r.stop_reason, error=r.error, num_cached_tokens=max(r.num_cached_tokens, 0),
+                        cached_by_tier=dict(r.cached_by_tier), kv_transfer_params=r.kv_transfer_params,
+                        thinking_tokens=None if thinking is None else thinking.thinking_tokens,
+                        thinking_forced_tokens=None if thinking is None else thinking.forced_tokens, **_phases(r))
 
     def abort_all(self) -> None:
         ids = list(self.sent)
@@ -145,7 +142,7 @@ class CoreLoop:
             self.step()
         if ids:
             log.warning("shutdown: aborted %d request(s) still running after the grace period", len(ids))
-            self.push.send(ch.encode(ch.Outputs([{"id": rid, "token_ids": [], "finish_reason": "abort"}
+            self.push.send(ch.encode(ch.Outputs([ch.Delta(rid, [], finish_reason="abort")
                                                  for rid in ids if rid in self.sent])))
             self.sent.clear()
 
@@ -175,8 +172,8 @@ def run_core(llm_kwargs: dict[str, Any], to_core: str, from_core: str, logs: Log
         ctx.term()
         return 2
     eng = llm.engine
-    push.send(ch.encode(ch.Ready({"max_model_len": eng.max_model_len, "vocab_size": eng.model_config.vocab_size,
-                                  "num_gpu_blocks": eng.pool.num_blocks, "eos_token_ids": sorted(eng.eos_token_ids)})))
+    push.send(ch.encode(ch.Ready(ch.EngineInfo(eng.max_model_len, eng.model_config.vocab_size, eng.pool.num_blocks,
+                                               tuple(sorted(eng.eos_token_ids))))))
     prep = PrepQueue(eng.requests.prepare, prep_timeout_s)
     loop = CoreLoop(llm, push, prep)
     beat = Heartbeat(ctx, from_core)

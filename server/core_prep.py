@@ -23,11 +23,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
 
 from engine.core.request_factory import Prepared
 from engine.sampling_params import SamplingParams
 from kvstore.threads import DaemonPool, lower_priority, one_torch_thread
+from server.channel import AddRequest
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def _low_priority_thread() -> None:
 
 @dataclass
 class _Pending:
-    add: dict[str, Any]  # the Add message's request
+    add: AddRequest  # the message that asked for it
     params: SamplingParams
     queued: float
     started: float | None = None  # set by the preparation thread when it takes the request
@@ -52,7 +52,7 @@ class _Pending:
 
 
 # (the Add message's request, its params, what preparing it gave: Prepared, or why it is refused)
-Outcome = tuple[dict[str, Any], SamplingParams, Prepared | str]
+Outcome = tuple[AddRequest, SamplingParams, Prepared | str]
 
 
 class PrepQueue:
@@ -70,7 +70,7 @@ class PrepQueue:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def submit(self, request_id: str, add: dict[str, Any], params: SamplingParams) -> str | None:
+    def submit(self, request_id: str, add: AddRequest, params: SamplingParams) -> str | None:
         """Queues the request's preparation; or why it is refused at once (its constraint timed
         out before)."""
         if request_id in self._pending:
