@@ -172,7 +172,7 @@ def ttft_section(model: Path, lengths: list[int], runs: int, device: str, work: 
     import random
 
     from checkpoints import FIRST_WORD_ID
-    from engine.config import load_model_config
+    from engine.model_config import load_model_config
 
     rng = random.Random(0)
     prompts = {n: [[rng.randrange(FIRST_WORD_ID, 90) for _ in range(n)] for _ in range(runs + 1)] for n in lengths}

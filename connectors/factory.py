@@ -1,12 +1,15 @@
 """Builds the engine's connector from its config and vLLM-style `kv_transfer_config`.
 
-`kv_connector` names a connector: a built-in (`TieredOffloadConnector`, alias `OffloadingConnector`,
-vLLM's name), a `kvtier.connectors` entry point, or a class in `kv_connector_module_path`. A
-plugin connector is constructed as `cls(ctx: ConnectorContext)`.
+`kv_connector` names a connector: a built-in (`BUILTIN_KINDS`: `TieredOffloadConnector`, alias
+`OffloadingConnector`, vLLM's name; `HiddenStatesConnector`; `MultiConnector`), a
+`kvtier.connectors` entry point, or a class in `kv_connector_module_path`. A plugin connector is
+constructed as `cls(ctx: ConnectorContext)`. Every question about a config (check it, which
+shared tiers it sets up, whether it takes KV groups, build it) goes to its kind, once.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -25,8 +28,6 @@ log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "kvtier.connectors"
 TRANSFER_KEYS = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_connector_module_path",
                  "kv_load_failure_policy", "kv_buffer_device", "engine_id"}
-TIERED_NAMES = {"TieredOffloadConnector", "OffloadingConnector"}
-HIDDEN_STATES_NAMES = {"HiddenStatesConnector", "ExampleHiddenStatesConnector"}  # ours, vLLM's
 HIDDEN_STATES_KEYS = {"shared_storage_path", "include_output_tokens", "writer_threads", "max_queued_files"}
 
 
@@ -66,49 +67,17 @@ def check_transfer_config(tc: dict[str, Any] | None, flag_tiers: set[str]) -> No
     connector's name, and for the built-in connectors their extra-config keys and tier stack
     (backend names and options). `kvtier serve` calls it before it spawns the engine, so a bad
     config exits 2 with the message instead of failing in the engine process."""
-    from connectors import stack
-
     tc = validate_transfer_config(dict(tc or {}))
-    name, extra = tc.get("kv_connector"), tc.get("kv_connector_extra_config", {})
-    if name == "MultiConnector":
-        for sub in extra.get("connectors") or []:
-            if isinstance(sub, dict):
-                check_transfer_config(sub, flag_tiers)
-    elif name in HIDDEN_STATES_NAMES:
-        _check_keys(extra, HIDDEN_STATES_KEYS, "HiddenStatesConnector")
-    elif name is None or name in TIERED_NAMES:
-        stack.check_extra_keys(extra, flag_tiers)
-        if stack.TIERS_KEY in extra:
-            stack.check_stack(stack.parse_stack(extra[stack.TIERS_KEY]))
-    else:
-        load_connector_class(name, tc.get("kv_connector_module_path"))
+    connector_kind(tc).check(tc, flag_tiers)
 
 
 def shared_tiers(tc: dict[str, Any] | None, remote_url: str | None) -> list[str]:
     """The shared tiers (stores other processes or machines can write to) a config sets up: G4
-    from the flags, and each `redis` tier or plugin backend whose class says `shared` in an
-    explicit stack, inside a MultiConnector too."""
-    from connectors import stack
-
+    from the flags, and each storage tier whose backend class says `shared` in an explicit stack,
+    inside a MultiConnector too."""
     names = [f"G4 ({'redis' if remote_url.startswith('redis') else 'remote'}, --kv-offload-remote)"] if remote_url else []
-
-    def walk(tc: dict[str, Any]) -> None:
-        name, extra = tc.get("kv_connector"), tc.get("kv_connector_extra_config") or {}
-        if name == "MultiConnector":
-            for sub in extra.get("connectors") or []:
-                if isinstance(sub, dict):
-                    walk(sub)
-        elif (name is None or name in TIERED_NAMES) and isinstance(extra, dict) and stack.TIERS_KEY in extra:
-            spec = stack.parse_stack(extra[stack.TIERS_KEY])
-            stack.check_stack(spec)  # a bad stack fails with its own error first
-            for st in spec.storage:
-                backend = st.tier.backend
-                if backend == "redis" or (backend != "disk" and
-                                          getattr(stack.plugin_class(st.tier, st.backend_options), "shared", False)):
-                    names.append(f"{st.name} ({backend})")
-
-    walk(tc or {})
-    return names
+    tc = tc or {}
+    return names + connector_kind(tc).shared_tiers(tc)
 
 
 def check_shared_tiers(tc: dict[str, Any] | None, remote_url: str | None, has_secret: bool, trusted: bool) -> None:
@@ -176,9 +145,6 @@ def build_tiered(ctx: ConnectorContext) -> KVConnector:
     return connector
 
 
-def _flags_set(ctx: ConnectorContext) -> bool:
-    return bool(_flag_tiers(ctx))
-
 
 def _flag_tiers(ctx: ConnectorContext) -> set[str]:
     return flag_tiers(ctx.offloading_size_gib, ctx.disk_path, ctx.remote_url)
@@ -224,16 +190,12 @@ def _explicit_stack(ctx: ConnectorContext) -> tuple[Any, list[Any]]:
     tiers = []
     for st in spec.storage:
         opts = st.backend_options
-        if st.tier.backend == "disk":
-            backend = _disk(ctx, stack.disk_path(opts), float(opts.get("size_gib", 10.0)), opts.get("eviction_policy"))
-        elif st.tier.backend == "redis":
-            ttl = opts.get("ttl_s")
-            _shared_mode(ctx, st.name)
-            backend = _redis(ctx, str(opts["url"]), str(opts.get("prefix", "kvtier")),
-                             None if ttl is None else float(ttl), float(opts.get("timeout_s", 0.5)))
+        if backend_class(st.tier, opts).shared:
+            _shared_mode(ctx, f"{st.name} ({st.tier.backend})")  # before the backend connects anywhere
+        builtin = _BUILTIN_BACKENDS.get(st.tier.backend)
+        if builtin is not None:
+            backend = builtin(ctx, opts)
         else:
-            if getattr(stack.plugin_class(st.tier, opts), "shared", False):
-                _shared_mode(ctx, f"{st.name} ({st.tier.backend})")  # before the backend connects anywhere
             backend = stack.build_plugin(st.tier, opts, ctx.fingerprint, ctx.kv_secret)
             log.info("%s: storage backend %r (%s)", st.name, st.tier.backend, type(backend.inner).__name__)
         tiers.append(_batched(ctx, st.name, backend, int(st.mode_options["min_uses"])) if st.batched
@@ -323,13 +285,7 @@ def supports_kv_groups(transfer_config: dict[str, Any] | None) -> bool:
     G1 in several KV groups: the tiered offload connector, writing through; a plugin connector
     whose class says so (`KVConnector.supports_kv_groups`)."""
     tc = validate_transfer_config(dict(transfer_config or {}))
-    name = tc.get("kv_connector")
-    if name is None or name in TIERED_NAMES:
-        extra = tc.get("kv_connector_extra_config") or {}
-        return extra.get("write_policy", "write_through") == "write_through"
-    if name == "MultiConnector" or name in HIDDEN_STATES_NAMES:
-        return False
-    return bool(load_connector_class(name, tc.get("kv_connector_module_path")).supports_kv_groups)
+    return connector_kind(tc).kv_groups(tc)
 
 
 def has_hidden_states_connector(connector: KVConnector) -> bool:
@@ -343,44 +299,157 @@ def has_hidden_states_connector(connector: KVConnector) -> bool:
 
 def build_connector(ctx: ConnectorContext, transfer_config: dict[str, Any] | None) -> KVConnector | None:
     tc = validate_transfer_config(dict(transfer_config or {}))
-    name = tc.get("kv_connector")
-    if name == "MultiConnector":
-        from dataclasses import replace
+    return connector_kind(tc).build(ctx, tc)
 
-        from connectors.multi import MultiConnector
 
-        multi_extra = tc.get("kv_connector_extra_config", {})
-        _check_keys(multi_extra, {"connectors"}, "MultiConnector")
-        subs = multi_extra.get("connectors")
-        if not isinstance(subs, list) or not subs:
-            raise ValueError('MultiConnector needs kv_connector_extra_config.connectors: a list of connector configs')
-        parts = []
-        for sub in subs:
-            if not isinstance(sub, dict) or sub.get("kv_connector") in (None, "MultiConnector"):
-                raise ValueError("each MultiConnector entry needs its own kv_connector (not MultiConnector)")
-            built = build_connector(replace(ctx, extra_config=dict(sub.get("kv_connector_extra_config", {}))), sub)
-            if built is not None:
-                parts.append(built)
-        return MultiConnector(parts)
-    if name in HIDDEN_STATES_NAMES:
-        return build_hidden_states(ctx)
-    if name is None or name in TIERED_NAMES:
-        from connectors import stack
+def backend_class(spec: Any, options: dict[str, Any]) -> type:
+    """The class a storage tier's backend name stands for (connectors.registry): for a plugin,
+    after checking that its constructor takes `options`."""
+    from connectors import stack
+    from connectors.registry import load_backend_class
 
-        stack.check_extra_keys(ctx.extra_config, _flag_tiers(ctx))  # unknown keys first: they may be why no tier is set
-        if _flags_set(ctx) or stack.TIERS_KEY in ctx.extra_config:
-            return build_tiered(ctx)
-        if name is None and ctx.extra_config:
-            raise ValueError(f"kv_connector_extra_config {sorted(ctx.extra_config)} given, but no kv_connector "
-                             'and no offload tier to apply it to')
-        if name is not None:
-            raise ValueError(f"{name} needs a tier: set kv_offloading_size, kv_offload_disk or kv_offload_remote, "
-                             'or list them in kv_connector_extra_config "tiers"')
-        return None
-    return load_connector_class(name, tc.get("kv_connector_module_path"))(ctx)  # type: ignore[call-arg]
+    return load_backend_class(spec.backend) if spec.backend in _BUILTIN_BACKENDS else stack.plugin_class(spec, options)
+
+
+def _disk_backend(ctx: ConnectorContext, opts: dict[str, Any]) -> Any:
+    from connectors import stack
+
+    return _disk(ctx, stack.disk_path(opts), float(opts.get("size_gib", 10.0)), opts.get("eviction_policy"))
+
+
+def _redis_backend(ctx: ConnectorContext, opts: dict[str, Any]) -> Any:
+    ttl = opts.get("ttl_s")
+    return _redis(ctx, str(opts["url"]), str(opts.get("prefix", "kvtier")), None if ttl is None else float(ttl),
+                  float(opts.get("timeout_s", 0.5)))
+
+
+# The storage backends kvtier builds itself (their options are checked by connectors.stack);
+# any other name is a plugin's (connectors.registry).
+_BUILTIN_BACKENDS = {"disk": _disk_backend, "redis": _redis_backend}
 
 
 def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class ConnectorKind:
+    """What kvtier knows of one kind of connector, asked once per question: `check` a transfer
+    config without a model (its keys, its tier stack), the `shared_tiers` it sets up, whether it
+    takes G1 in several KV groups (`kv_groups`), and `build` it."""
+    check: Callable[[dict[str, Any], set[str]], None]
+    shared_tiers: Callable[[dict[str, Any]], list[str]]
+    kv_groups: Callable[[dict[str, Any]], bool]
+    build: Callable[[ConnectorContext, dict[str, Any]], KVConnector | None]
+
+
+def _extra(tc: dict[str, Any]) -> dict[str, Any]:
+    extra = tc.get("kv_connector_extra_config") or {}
+    return extra if isinstance(extra, dict) else {}
+
+
+def _tiered_check(tc: dict[str, Any], flags: set[str]) -> None:
+    from connectors import stack
+
+    stack.check_extra_keys(_extra(tc), flags)
+    if stack.TIERS_KEY in _extra(tc):
+        stack.check_stack(stack.parse_stack(_extra(tc)[stack.TIERS_KEY]))
+
+
+def _tiered_shared(tc: dict[str, Any]) -> list[str]:
+    from connectors import stack
+
+    if stack.TIERS_KEY not in _extra(tc):
+        return []
+    spec = stack.parse_stack(_extra(tc)[stack.TIERS_KEY])
+    stack.check_stack(spec)  # a bad stack fails with its own error first
+    return [f"{st.name} ({st.tier.backend})" for st in spec.storage if backend_class(st.tier, st.backend_options).shared]
+
+
+def _tiered_build(ctx: ConnectorContext, tc: dict[str, Any]) -> KVConnector | None:
+    from connectors import stack
+
+    name = tc.get("kv_connector")
+    stack.check_extra_keys(ctx.extra_config, _flag_tiers(ctx))  # unknown keys first: they may be why no tier is set
+    if _flag_tiers(ctx) or stack.TIERS_KEY in ctx.extra_config:
+        return build_tiered(ctx)
+    if name is None and ctx.extra_config:
+        raise ValueError(f"kv_connector_extra_config {sorted(ctx.extra_config)} given, but no kv_connector "
+                         'and no offload tier to apply it to')
+    if name is not None:
+        raise ValueError(f"{name} needs a tier: set kv_offloading_size, kv_offload_disk or kv_offload_remote, "
+                         'or list them in kv_connector_extra_config "tiers"')
+    return None
+
+
+def _multi_subs(tc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [sub for sub in _extra(tc).get("connectors") or [] if isinstance(sub, dict)]
+
+
+def _multi_build(ctx: ConnectorContext, tc: dict[str, Any]) -> KVConnector:
+    from dataclasses import replace
+
+    from connectors.multi import MultiConnector
+
+    multi_extra = tc.get("kv_connector_extra_config", {})
+    _check_keys(multi_extra, {"connectors"}, "MultiConnector")
+    subs = multi_extra.get("connectors")
+    if not isinstance(subs, list) or not subs:
+        raise ValueError('MultiConnector needs kv_connector_extra_config.connectors: a list of connector configs')
+    parts = []
+    for sub in subs:
+        if not isinstance(sub, dict) or sub.get("kv_connector") in (None, "MultiConnector"):
+            raise ValueError("each MultiConnector entry needs its own kv_connector (not MultiConnector)")
+        built = build_connector(replace(ctx, extra_config=dict(sub.get("kv_connector_extra_config", {}))), sub)
+        if built is not None:
+            parts.append(built)
+    return MultiConnector(parts)
+
+
+TIERED = ConnectorKind(
+    check=_tiered_check, shared_tiers=_tiered_shared,
+    kv_groups=lambda tc: _extra(tc).get("write_policy", "write_through") == "write_through",
+    build=_tiered_build)
+HIDDEN_STATES = ConnectorKind(
+    check=lambda tc, flags: _check_keys(_extra(tc), HIDDEN_STATES_KEYS, "HiddenStatesConnector"),
+    shared_tiers=lambda tc: [], kv_groups=lambda tc: False, build=lambda ctx, tc: build_hidden_states(ctx))
+def _multi_check(tc: dict[str, Any], flags: set[str]) -> None:
+    for sub in _multi_subs(tc):
+        check_transfer_config(sub, flags)
+
+
+MULTI = ConnectorKind(
+    check=_multi_check,
+    shared_tiers=lambda tc: [n for sub in _multi_subs(tc) for n in connector_kind(sub).shared_tiers(sub)],
+    kv_groups=lambda tc: False, build=_multi_build)
+# By kv_connector; None (no kv_connector) is the tiered connector over the offload flags' tiers.
+BUILTIN_KINDS: dict[str | None, ConnectorKind] = {
+    None: TIERED, "TieredOffloadConnector": TIERED, "OffloadingConnector": TIERED,  # vLLM's name
+    "HiddenStatesConnector": HIDDEN_STATES, "ExampleHiddenStatesConnector": HIDDEN_STATES,  # ours, vLLM's
+    "MultiConnector": MULTI,
+}
+
+
+def _plugin_kind(name: str, module_path: str | None) -> ConnectorKind:
+    def cls() -> type[KVConnector]:
+        return load_connector_class(name, module_path)
+
+    def check(tc: dict[str, Any], flags: set[str]) -> None:
+        cls()  # it loads, and is a KVConnector
+
+    return ConnectorKind(check=check, shared_tiers=lambda tc: [],
+                         kv_groups=lambda tc: bool(cls().supports_kv_groups),
+                         build=lambda ctx, tc: cls()(ctx))  # type: ignore[call-arg]
+
+
+def connector_kind(tc: dict[str, Any]) -> ConnectorKind:
+    """The kind of connector a transfer config names: a built-in, else a plugin (loaded lazily)."""
+    name = tc.get("kv_connector")
+    kind = BUILTIN_KINDS.get(name) if name is None or isinstance(name, str) else None
+    if kind is not None:
+        return kind
+    if not isinstance(name, str):
+        raise ValueError(f"kv_connector must be a string; got {name!r}")
+    return _plugin_kind(name, tc.get("kv_connector_module_path"))

@@ -14,6 +14,7 @@ BACKEND_GROUP = "kvtier.backends"
 _BUILTIN_BACKENDS = {
     "disk": "kvstore.disk:DiskBackend",
     "memory": "kvstore.memory:MemoryBackend",
+    "redis": "kvstore.remote:RedisBackend",  # as a tier, built by connectors.factory from the stack's options
 }
 
 
@@ -28,7 +29,7 @@ def available_backends() -> list[str]:
 
 
 def load_backend_class(spec: str) -> type[StorageBackend]:
-    """Resolve `spec`: a builtin name ("disk", "memory"), a `kvtier.backends` entry-point
+    """Resolve `spec`: a builtin name ("disk", "memory", "redis"), a `kvtier.backends` entry-point
     name, or a `module:Class` path. Raises ValueError naming the available backends."""
     return load_plugin_class(spec, StorageBackend, "storage backend", _BUILTIN_BACKENDS, _plugins(BACKEND_GROUP),
                              short="backend")

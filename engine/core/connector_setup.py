@@ -9,7 +9,8 @@ from connectors.base import KVConnector
 from connectors.codec import BlockLayout
 from connectors.factory import ConnectorContext, build_connector, has_hidden_states_connector
 from connectors.hidden_spec import HiddenStatesSpec
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
 from engine.kv.fingerprint import fingerprint_description, namespace_digest
 from engine.runner.model_runner import ModelRunner
 from kvstore.events import EventBuffer

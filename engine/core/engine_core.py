@@ -25,7 +25,8 @@ from engine.runner import cpu_runtime
 from engine.runner import cpu_threads
 from engine.core import gpu_memory
 from engine.core.setup import attention_backend, eos_ids, kv_layout, step_token_budget, warn_unused_gpu_memory_utilization
-from engine.config import CPU_KV_CACHE_GIB, EngineConfig, LoadFailurePolicy, load_model_config
+from engine.config import CPU_KV_CACHE_GIB, EngineConfig, LoadFailurePolicy
+from engine.model_config import load_model_config
 from engine.kv.kv_events import open_events
 from kvstore.threads import one_torch_thread
 from engine.kv.kv_cache_manager import KVCacheManager

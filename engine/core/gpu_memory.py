@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.runner.attention import AttentionMetadata, PrefillSeq
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.kv.kv_groups import KVLayout
 from engine.runner.model_runner import layer_cache_views, new_kv_cache
 

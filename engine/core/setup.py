@@ -11,7 +11,8 @@ import torch
 from engine import cpu_kernels
 from engine.runner.attention import AttentionBackend, TorchPagedAttention
 from engine.runner.attention_cpu import CpuPagedAttention
-from engine.config import OFFLINE_MAX_BATCHED_TOKENS, EngineConfig, ModelConfig
+from engine.config import OFFLINE_MAX_BATCHED_TOKENS, EngineConfig
+from engine.model_config import ModelConfig
 from engine.kv.kv_groups import KVLayout, plan_kv_layout
 
 log = logging.getLogger(__name__)

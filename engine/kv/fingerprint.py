@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.cache_dir import cache_root
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.runner.loader import weight_files
 
 try:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from engine.runner.attention import AttentionBackend, AttentionMetadata
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.runner.loader import iter_safetensors
 from engine.models.llama import MLP, Attention, RMSNorm, rope_tables
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engine.runner.attention import AttentionBackend
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.models.llama import MLP, Attention, LlamaFamilyForCausalLM, rope_tables_for
 from engine.models.packed_linear import PackedLinear
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from engine.runner.attention import AttentionBackend, AttentionMetadata
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import _rotate_half
 from engine.models.moe import Experts

@@ -13,7 +13,7 @@ from torch import nn
 
 from engine import cpu_kernels
 from engine.runner.attention import AttentionBackend, AttentionMetadata
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.models.moe import SparseMoeBlock, expert_weight_slot, is_moe_layer
 from engine.models.packed_linear import PackedLinear
 

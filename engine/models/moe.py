@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 
 # Packed experts by key, for `kvtier::moe_experts_packed` (as engine/models/packed_linear.py does
 # for linears: oneDNN's packed tensors cannot be graph constants).

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from engine import cpu_kernels
 from engine.runner.attention import AttentionBackend
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.models import SUPPORTED_ARCHITECTURES
 from engine.models.packed_linear import pack_linears, packing_available
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine.runner.attention import AttentionMetadata, DecodeGroup, PrefillSeq
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.runner.input_batch import InputBatch
 from engine.kv.kv_groups import KVLayout
 from engine.sample.prompt_logprobs import PromptLogprob, PromptRows, prompt_logprobs

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig, load_model_config
+from engine.model_config import ModelConfig, load_model_config
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.runner.model_runner import ModelRunner
 from engine.core.request import Request, RequestId

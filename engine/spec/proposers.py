@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from engine.runner.attention import AttentionBackend
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
 from engine.spec.draft_proposer import DraftModelProposer, draft_model_config
 from engine.spec.eagle3_proposer import Eagle3Proposer
 from engine.kv.kv_cache_manager import KVCacheManager

@@ -1,50 +1,73 @@
-"""Engine settings have one source, `EngineConfig`: the `LLM(...)` keywords and the CLI's engine
-flags are checked against its fields and defaults here, so a default changed in one place and not
-the others fails (issue 13)."""
+"""Each engine setting is declared once, in EngineConfig (engine/config.py): `LLM(...)` has no
+defaults of its own, `kvtier serve` / `generate` / `extract` generate their engine flags from the
+declarations, and a default changed there reaches all of them (issue 40)."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import inspect
 
-from engine.config import EngineConfig
+import pytest
+
+import engine.llm as llm_mod
+from engine.config import EngineConfig, engine_settings, setting
 from engine.llm import LLM
 from server.args import add_engine_args, llm_kwargs
-
-# LLM keywords whose value the config normalizes (a JSON string becomes a dict, a name an enum).
-NORMALIZED = {"scheduling_policy", "kv_load_failure_policy"}
+from server.cli import main as cli_main
 
 
-def config_fields() -> dict[str, object]:
-    out = {}
-    for f in dataclasses.fields(EngineConfig):
-        if not f.init:
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else inspect.Parameter.empty)
-        out[f.name] = getattr(default, "value", default)  # enums compare by value
-    return out
+def defaults(config: type) -> dict[str, object]:
+    return {f.name: f.default.value if isinstance(f.default, enum.Enum) else f.default
+            for f in dataclasses.fields(config) if f.init and f.name != "model"}
 
 
-def test_llm_keywords_are_the_config_fields_with_the_same_defaults():
-    params = {n: p.default for n, p in inspect.signature(LLM.__init__).parameters.items() if n != "self"}
-    fields = config_fields()
-    assert set(params) == set(fields), (set(params) ^ set(fields))
-    drift = {n: (params[n], fields[n]) for n in params if n != "model" and params[n] != fields[n]}
-    assert not drift, f"LLM(...) defaults differ from EngineConfig's: {drift}"
+def test_llm_takes_the_settings_and_declares_no_defaults():
+    params = inspect.signature(LLM.__init__).parameters
+    assert [(n, p.kind) for n, p in params.items()] == [
+        ("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), ("model", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("settings", inspect.Parameter.VAR_KEYWORD)]
+    with pytest.raises(TypeError, match="bogus_setting"):
+        LLM("unused", block_size=16, bogus_setting=1)
 
 
-def test_cli_flags_map_onto_the_config_with_the_same_defaults():
+def test_every_setting_is_a_flag_whose_default_is_the_declared_one():
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    ns = p.parse_args([])
-    kwargs = llm_kwargs(ns)
-    fields = config_fields()
-    assert set(kwargs) <= set(fields), set(kwargs) - set(fields)
-    drift = {n: (v, fields[n]) for n, v in kwargs.items()
-             if n != "model" and v is not None and v != fields[n] and n not in NORMALIZED}
-    drift.update({n: (v, fields[n]) for n, v in kwargs.items() if n in NORMALIZED and v != fields[n]})
-    # A flag left unset may pass None where the config's default applies (then LLM's default does).
-    none_ok = {n for n, v in kwargs.items() if v is None}
-    assert not drift, f"CLI flag defaults differ from EngineConfig's: {drift}"
-    assert all(n in fields for n in none_ok)
+    kwargs = llm_kwargs(p.parse_args([]))
+    assert set(kwargs) == {f.name for f in engine_settings()}
+    assert {n: v for n, v in kwargs.items() if n != "model"} == defaults(EngineConfig)
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "extract"])
+def test_every_setting_is_in_each_commands_help(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main([command, "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for f in engine_settings()[1:]:
+        flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+        assert flag in out, f"{command} --help lacks {flag}"
+
+
+def test_a_changed_default_reaches_the_flags_the_help_and_llm(monkeypatch, capsys):
+    @dataclasses.dataclass(frozen=True)
+    class Changed(EngineConfig):
+        block_size: int = setting(32, "tokens per KV block, a power of two (default: %(default)s)")
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p, Changed)
+    assert llm_kwargs(p.parse_args([]))["block_size"] == 32
+    p.print_help()
+    assert "(default: 32)" in capsys.readouterr().out
+
+    built = []
+
+    class NoEngine:  # LLM's config, without loading a model
+        def __init__(self, config):
+            built.append(config)
+
+    monkeypatch.setattr(llm_mod, "EngineConfig", Changed)
+    monkeypatch.setattr(llm_mod, "EngineCore", NoEngine)
+    LLM("unused", device="cpu")
+    assert built[0].block_size == 32 and built[0] == Changed(model="unused", device="cpu")

@@ -17,7 +17,8 @@ from connectors.hidden_spec import speculative_config
 from engine import LLM, SamplingParams, cpu_kernels
 from engine.runner.attention import AttentionMetadata, DecodeGroup, PrefillSeq, TorchPagedAttention
 from engine.runner.attention_cpu import CpuPagedAttention
-from engine.config import EngineConfig, load_model_config
+from engine.config import EngineConfig
+from engine.model_config import load_model_config
 from engine.spec.draft_proposer import draft_model_config
 from engine.kernels.reference import attend_ref
 from engine.runner.model_runner import kv_cache_bytes_per_block

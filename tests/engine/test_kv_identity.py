@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 import engine.kv.fingerprint as fp
-from engine.config import EngineConfig, load_model_config
+from engine.config import EngineConfig
+from engine.model_config import load_model_config
 
 OLD_NS = 10**10  # 10 s in the past
 
