@@ -35,21 +35,22 @@ if TYPE_CHECKING:
 
 class RequestView(Protocol):
     """What a connector may read of the engine's request (`engine.core.request.Request` has these).
-    `block_keys` is the engine's lazily grown list of full-block keys: a connector may extend it
-    with `kvstore.keys.extend_keys`, which computes exactly what the engine would."""
+    `full_block_keys(block_size)` gives the keys of its full blocks (computed once, by the request
+    itself); a connector never writes a request, it reports through return values."""
 
     request_id: str
     all_token_ids: list[int]
     num_tokens: int
     num_prompt_tokens: int
     num_computed_tokens: int
-    block_keys: list[BlockKey]
     cache_salt: str | None
     priority: int
     arrival_time: float  # time.monotonic() when the engine took it (tiers' eviction policies see it)
     session: str | None  # the client's conversation hint (prompt_cache_key or user), for eviction policies
     error: str | None  # set when the request failed
     pd: PDRequest | None  # prefill/decode disaggregation role (connectors/pd.py), from kv_transfer_params
+
+    def full_block_keys(self, block_size: int) -> list[BlockKey]: ...
 
 
 

@@ -29,7 +29,7 @@ from connectors.writeback import WriteBackTracker
 from kvstore.events import ChunkBlocks
 from kvstore.g1 import BlockId, BlockPool
 from kvstore.host import HostTier
-from kvstore.keys import BlockKey, extend_keys, group_key, token_digest
+from kvstore.keys import BlockKey, group_key, token_digest
 from policies import BlockInfo
 
 Cand = tuple[int, BlockKey, bytes, BlockKey | None]  # (offload block index, key, token digest, previous block's key)
@@ -79,8 +79,7 @@ class OffloadPlanner:
 
     def _chunk_keys(self, request: RequestView, start: int, end: int) -> list[Cand]:
         k, t = self.g1_per_chunk, self.layout.tokens
-        extend_keys(request.block_keys, request.all_token_ids, self.layout.block_size, request.cache_salt)
-        keys = request.block_keys
+        keys = request.full_block_keys(self.layout.block_size)
         return [(j, keys[(j + 1) * k - 1], token_digest(request.all_token_ids[j * t:(j + 1) * t]),
                  keys[j * k - 1] if j else None) for j in range(start, end)]
 
@@ -94,7 +93,7 @@ class OffloadPlanner:
         if self.pool.events is None:
             return None
         k, t = self.g1_per_chunk, self.layout.tokens
-        keys = request.block_keys
+        keys = request.full_block_keys(self.layout.block_size)
         return ChunkBlocks(tuple(keys[j * k:(j + 1) * k]), keys[j * k - 1] if j else None,
                            tuple(request.all_token_ids[j * t:(j + 1) * t]), self.layout.block_size)
 
@@ -255,7 +254,7 @@ class OffloadPlanner:
         if self.write_back is not None:
             # WriteBackTracker builds its StoreJob without `blocks`: write-back stores go unannounced.
             k, j = self.g1_per_chunk, info.depth
-            self.write_back.mark_dirty(key, dig, info, tuple(req.block_keys[j * k:(j + 1) * k]))
+            self.write_back.mark_dirty(key, dig, info, tuple(req.full_block_keys(self.layout.block_size)[j * k:(j + 1) * k]))
             return
         self.pool.acquire(list(src))  # keep them from being evicted or reused until copied
         self._held[key] = src

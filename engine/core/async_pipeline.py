@@ -23,7 +23,7 @@ from functools import cached_property
 
 from engine.runner.model_runner import ModelOutput, StepInputs
 from engine.core.request import Request, RequestId
-from engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from engine.core.step_io import ScheduledRequest, SchedulerOutput
 
 
 
@@ -98,7 +98,7 @@ class RanStep:
                 out.append(ScheduledRequest(req, 1, (), s.start, True))
             else:
                 prev, toks = emitted[req.request_id]
-                spec, req.spec_token_ids = tuple(req.spec_token_ids[: len(s.spec_token_ids)]), []
+                spec = req.take_proposal(len(s.spec_token_ids))
                 out.append(ScheduledRequest(req, 1 + len(spec), spec,
                                             prev.start + prev.num_committed_tokens + len(toks) - 1, True))
         return out
@@ -109,5 +109,4 @@ def mark_in_flight(entries: tuple[ScheduledRequest, ...], sign: int) -> None:
     (as if every proposal were accepted: the next step starts after them, and moves back once
     verification has said how many were; `EngineCore._speculate`)."""
     for s in entries:
-        s.req.num_inflight_tokens += sign * s.num_new_tokens
-        s.req.num_output_placeholders += sign * s.samples * (1 + len(s.spec_token_ids))
+        s.req.mark_in_flight(sign, s.num_new_tokens, s.samples * (1 + len(s.spec_token_ids)))

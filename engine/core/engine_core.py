@@ -38,7 +38,8 @@ from engine.core.request_factory import Prepared, RequestFactory
 from engine.sample.stop import check_stop
 from engine.sample.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import Scheduler
+from engine.core.step_io import SchedulerOutput
 from engine.spec.proposers import DraftPlan
 from engine.spec.decode import SpecDecoder, sample_outputs
 from engine.core.stats import EngineStats
@@ -207,7 +208,7 @@ class EngineCore:
         if req is None:
             return False
         if req.request_id in self.scheduler.loading:
-            req.abort_requested = True  # its blocks are being written: free them once the load lands
+            req.request_abort()  # its blocks are being written: free them once the load lands
             return True
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return True
@@ -286,7 +287,7 @@ class EngineCore:
         before = [s.req.num_computed_tokens for s in sched.scheduled]
         for s in sched.scheduled:
             if not s.req.status.finished and s.req.request_id not in sampling:
-                s.req.num_computed_tokens += s.num_new_tokens  # a prompt chunk
+                s.req.advance(s.num_new_tokens)  # a prompt chunk
                 self.kv.cache_full_blocks(s.req)
         for i, (first, entries) in out.prompt_logprobs.items():
             sched.scheduled[i].req.add_prompt_logprobs(first, entries)
@@ -296,16 +297,16 @@ class EngineCore:
             if req.status.finished:
                 continue
             if j in bad_rows:
-                req.num_computed_tokens += s.num_committed_tokens
+                req.advance(s.num_committed_tokens)
                 self.kv.cache_full_blocks(req)
                 updated.append(self._fail(req, bad_rows[j]))
                 continue
             if req.params.return_first_logits and req.first_logits is None:
-                req.first_logits = out.rows(j)[0].float().cpu()  # host memory: the caller keeps it, not the KV pool
+                req.keep_first_logits(out.rows(j)[0].float().cpu())  # host memory: the caller keeps it, not the KV pool
             status, kept = self._append(req, emitted[j], logprobs[j])
             # KV is kept for the committed tokens and the proposals that match kept tokens; the
             # last kept token is computed next step, as after any decode.
-            req.num_computed_tokens += s.num_committed_tokens + min(len(s.spec_token_ids), kept - 1)
+            req.advance(s.num_committed_tokens + min(len(s.spec_token_ids), kept - 1))
             self.kv.cache_full_blocks(req)
             if isinstance(status, str):
                 updated.append(self._fail(req, status))
@@ -376,7 +377,7 @@ class EngineCore:
         sched, tables, meta = self._plan()
         if not sched.scheduled:
             return updated, None
-        inputs = self.runner.prepare(sched, tables)
+        inputs = self.runner.prepare(sched.plan(), tables)
         step = PlannedStep(sched, tables, meta, inputs, tuple(sched.scheduled))
         mark_in_flight(step.entries, +1)
         return updated, step
@@ -396,7 +397,7 @@ class EngineCore:
             return cur
         mark_in_flight(cur.entries, -1)
         sched = SchedulerOutput(entries)  # its preempted were released when it was prepared
-        step = PlannedStep(sched, cur.tables, cur.meta, self.runner.prepare(sched, cur.tables), tuple(entries))
+        step = PlannedStep(sched, cur.tables, cur.meta, self.runner.prepare(sched.plan(), cur.tables), tuple(entries))
         mark_in_flight(step.entries, +1)
         return step
 
@@ -413,10 +414,8 @@ class EngineCore:
         from its own step. Returns the finish status (or why checking failed) and how many were
         kept."""
         for i, token in enumerate(tokens):
-            req.append_token(token)
+            req.append_token(token, logprobs[i] if logprobs is not None else None)
             self.generation_tokens += 1
-            if req.logprobs is not None and logprobs is not None:
-                req.logprobs.append(logprobs[i])
             try:
                 status = check_stop(req, self.eos_token_ids, self.detokenize)
             except (ValueError, TypeError, IndexError, OverflowError) as e:  # e.g. the tokenizer on its output
@@ -428,12 +427,12 @@ class EngineCore:
     def _fail(self, req: Request, why: str) -> Request:
         """Ends one request with an error; the engine goes on with the others."""
         log.error("request %s failed: %s", req.request_id, why)
-        req.error = why
+        req.fail(why)
         self._finish(req, RequestStatus.FINISHED_ERROR)
         return req
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        req.kv_transfer_params = self.connector.request_finished(req, self.kv.block_table(req))
+        req.set_transfer_params(self.connector.request_finished(req, self.kv.block_table(req)))
         # A launched step still writes its blocks (async scheduling): they are freed after it ran,
         # or a block handed to another request could take that write after a load filled it.
         later = req.num_inflight_tokens > 0
@@ -459,7 +458,7 @@ class EngineCore:
                 self._finish(req, RequestStatus.FINISHED_ABORTED)
                 ended.append(req)
             elif not ok and self.config.kv_load_failure_policy is LoadFailurePolicy.FAIL:
-                req.error = "loading the prompt's KV from an offload tier failed (kv_load_failure_policy=fail)"
+                req.fail("loading the prompt's KV from an offload tier failed (kv_load_failure_policy=fail)")
                 self._finish(req, RequestStatus.FINISHED_ERROR)
                 ended.append(req)
             elif not ok:

@@ -7,7 +7,7 @@ import torch
 
 from engine.runner.model_runner import ModelOutput, ModelRunner
 from engine.core.request import Request
-from engine.core.scheduler import SchedulerOutput
+from engine.core.step_io import RunPlan, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,8 @@ def execute_isolating(runner: ModelRunner, sched: SchedulerOutput, tables: list[
     failed ones with the reason. An error that every request of a batch hits on its own is the
     engine's, not a request's: it raises."""
     try:
-        return runner.execute(sched, tables), []
+        plan = sched.plan()
+        return runner.execute(plan, tables), []
     except FORWARD_ERRORS as e:
         if len(sched.scheduled) > 1:
             log.error("a step of %d requests failed (%s: %s); finding the request(s) that cause it",
@@ -32,7 +33,7 @@ def execute_isolating(runner: ModelRunner, sched: SchedulerOutput, tables: list[
     ok: list[int] = []
     for i, s in enumerate(sched.scheduled):
         try:
-            runner.execute(SchedulerOutput([s]), [tables[i]])
+            runner.execute(RunPlan((plan.requests[i],)), [tables[i]])
             ok.append(i)
         except FORWARD_ERRORS as e:
             failed.append((s.req, f"the forward pass failed: {type(e).__name__}: {e}"))
@@ -41,4 +42,4 @@ def execute_isolating(runner: ModelRunner, sched: SchedulerOutput, tables: list[
     sched.scheduled[:] = [sched.scheduled[i] for i in ok]
     if not ok:
         return ModelOutput(torch.empty(0, 0), []), failed
-    return runner.execute(sched, [tables[i] for i in ok]), failed
+    return runner.execute(RunPlan(tuple(plan.requests[i] for i in ok)), [tables[i] for i in ok]), failed

@@ -13,7 +13,7 @@ from engine.sampling_params import SamplingParams
 from engine.sample.prompt_logprobs import PromptLogprob
 from engine.sample.structured import GrammarState
 from engine.sample.thinking import ThinkingTracker
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, extend_keys
 
 RequestId = NewType("RequestId", str)
 
@@ -123,11 +123,66 @@ class Request:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    def append_token(self, token_id: int) -> None:
+    # After admission only these methods and the scheduler write a request (issue 40;
+    # tests/engine/test_request_writers.py checks it by running).
+    def append_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+
+    def advance(self, tokens: int) -> None:
+        """`tokens` more have their KV computed (a prompt chunk, or a step's committed tokens)."""
+        self.num_computed_tokens += tokens
+
+    def mark_in_flight(self, sign: int, tokens: int, placeholders: int) -> None:
+        """Async scheduling: a step with `tokens` of this request, sampling `placeholders` of
+        them, was planned (+1) or applied (-1)."""
+        self.num_inflight_tokens += sign * tokens
+        self.num_output_placeholders += sign * placeholders
+
+    def stop_with(self, reason: int | str | None, text: str | None = None) -> None:
+        """A stop token (its id; None for EOS) or string ended it; `text`: the output cut before
+        the stop string."""
+        self.stop_reason = reason
+        if text is not None:
+            self.output_text = text
+
+    def full_block_keys(self, block_size: int) -> list[BlockKey]:
+        """The keys of its full blocks so far, computed once each (chained: a key names the block
+        and everything before it). Read-only for callers."""
+        extend_keys(self.block_keys, self.all_token_ids, block_size, self.cache_salt)
+        return self.block_keys
+
+    def fail(self, why: str) -> None:
+        self.error = why
+
+    def request_abort(self) -> None:
+        """Aborted while its KV loads: finished once the load lands."""
+        self.abort_requested = True
+
+    def keep_first_logits(self, logits: torch.Tensor) -> None:
+        self.first_logits = logits
+
+    def set_transfer_params(self, params: dict | None) -> None:
+        """What the connectors returned at finish (`kv_transfer_params` of the response)."""
+        self.kv_transfer_params = params
+
+    def set_proposal(self, token_ids: list[int], probs: torch.Tensor | None) -> None:
+        """Speculative decoding: the tokens proposed for the next step and their draft distributions."""
+        self.spec_token_ids, self.spec_probs = token_ids, probs
+
+    def take_proposal(self, k: int) -> tuple[int, ...]:
+        """Its first `k` proposals, handed to a planned step; the rest are dropped."""
+        spec, self.spec_token_ids = tuple(self.spec_token_ids[:k]), []
+        return spec
+
+    def take_proposal_probs(self) -> torch.Tensor | None:
+        """The draft distributions, once: verification consumes them."""
+        probs, self.spec_probs = self.spec_probs, None
+        return probs
 
     @property
     def wants_prompt_logprobs(self) -> bool:

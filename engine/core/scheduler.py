@@ -45,6 +45,7 @@ from engine.config import EngineConfig, SchedulingPolicy
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestId, RequestStatus
 from engine.core.step_cost import ShareController
+from engine.core.step_io import ScheduledRequest, SchedulerOutput
 from kvstore.keys import BlockKey
 
 log = logging.getLogger(__name__)
@@ -66,38 +67,6 @@ PROMPT_LOGPROBS_UNFITTED_ALONE = 128
 def _tokens_left(req: Request) -> int:
     """Tokens a running request has still to schedule (1 for a decode)."""
     return req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens
-
-
-@dataclass
-class ScheduledRequest:
-    req: Request
-    num_new_tokens: int  # spec tokens included
-    # Proposed tokens scored after the request's last token (the last len(spec) of num_new_tokens).
-    spec_token_ids: tuple[int, ...]
-    start: int  # position of the first new token (the request's computed + in-flight tokens)
-    samples: bool  # the step reaches the end of the sequence and samples its next token(s)
-
-    @classmethod
-    def after(cls, req: Request, n: int, spec: tuple[int, ...] = ()) -> ScheduledRequest:
-        """n new tokens after what the request has computed or in flight (async scheduling)."""
-        start = req.num_scheduled_tokens
-        return cls(req, n, spec, start, start + n - len(spec) == req.num_tokens + req.num_output_placeholders)
-
-    @property
-    def num_committed_tokens(self) -> int:
-        """Tokens whose KV is kept whatever verification decides."""
-        return self.num_new_tokens - len(self.spec_token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    prompt_logprobs_allowance: int | None = None  # the cap this step's prompt log-prob tokens had
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
 
 
 class WaitingQueue:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvstore.events import BlockStored, TierKind
 from kvstore.g1 import BlockId, BlockPool
-from kvstore.keys import BlockKey, extend_keys, group_key
+from kvstore.keys import BlockKey, group_key
 from engine.kv.kv_groups import KVLayout
 from policies import BlockInfo
 from engine.core.request import Request, RequestId
@@ -47,11 +47,11 @@ class KVCacheManager:
         return self._tables.get(req.request_id) or tuple([] for _ in self.windows)
 
     def _keys(self, req: Request, group: int) -> list[BlockKey]:
-        extend_keys(req.block_keys, req.all_token_ids, self.block_size, req.cache_salt)
+        full = req.full_block_keys(self.block_size)
         if group == 0:
-            return req.block_keys
+            return full
         keys = self._group_keys.setdefault(req.request_id, [[] for _ in self.windows])[group]
-        keys += [group_key(k, group) for k in req.block_keys[len(keys):]]
+        keys += [group_key(k, group) for k in full[len(keys):]]
         return keys
 
     def prompt_keys(self, req: Request) -> list[BlockKey]:

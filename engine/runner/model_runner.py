@@ -18,7 +18,7 @@ from engine.sample.prompt_logprobs import PromptLogprob, PromptRows, prompt_logp
 from engine.sample.prompt_logprobs import select as select_prompt_rows
 from engine.core.request import RequestId
 from connectors.hidden_spec import HiddenStatesSpec
-from engine.core.scheduler import SchedulerOutput
+from engine.core.step_io import RunPlan
 
 
 MIN_DECODE_GROUP = 8
@@ -137,8 +137,8 @@ class ModelRunner:
         for batch in self.batches:
             batch.release(req_id)
 
-    def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelOutput:
-        return self.run(self.prepare(sched, block_tables))
+    def execute(self, plan: RunPlan, block_tables: list[list[int]]) -> ModelOutput:
+        return self.run(self.prepare(plan, block_tables))
 
     @torch.inference_mode()
     def run(self, step: StepInputs) -> ModelOutput:
@@ -157,13 +157,13 @@ class ModelRunner:
         return ModelOutput(logits.float(), step.sampled, step.row_starts, prompt)
 
     @torch.inference_mode()  # inference tensors, as at warm-up: the compiled graph's guards see no change
-    def prepare(self, sched: SchedulerOutput, block_tables: list) -> StepInputs:
+    def prepare(self, plan: RunPlan, block_tables: list) -> StepInputs:
         """Input ids, positions and attention metadata of a step (its new tokens, proposals
         included), and the rows whose logits are sampled. A request's tokens start after those
         computed or in flight; the ones not sampled yet become placeholders. `block_tables[i]`:
         the i-th request's table per KV group (a tuple), or its one table (a list)."""
-        for req in sched.preempted:
-            self.release(req.request_id)
+        for rid in plan.released:
+            self.release(rid)
         input_ids: list[int] = []
         positions: list[int] = []
         spans: list[tuple[int, int, int]] = []  # each request's (first query row, query tokens, context length)
@@ -172,40 +172,38 @@ class ModelRunner:
         row_starts: list[int] = []
         placeholders: list[tuple[int, RequestId]] = []
         prompt_rows: list[PromptRows] = []
-        for idx, item in enumerate(sched.scheduled):
-            req, n, spec = item.req, item.num_new_tokens, item.spec_token_ids
-            start = item.start
+        for idx, item in enumerate(plan.requests):
+            n, spec, start = item.num_new_tokens, item.spec_token_ids, item.start
             q_start = len(input_ids)
-            known = req.all_token_ids[start : start + n - len(spec)]
-            input_ids.extend(known)
-            for _ in range(n - len(spec) - len(known)):
-                placeholders.append((len(input_ids), req.request_id))
+            input_ids.extend(item.token_ids)
+            for _ in range(item.num_placeholders):
+                placeholders.append((len(input_ids), item.request_id))
                 input_ids.append(0)
             input_ids.extend(spec)
             positions.extend(range(start, start + n))
             spans.append((q_start, n, start + n))
-            if req.wants_prompt_logprobs and (pick := select_prompt_rows(
-                    idx, req.prompt_token_ids, start, n - len(spec), q_start, req.params.prompt_logprobs or 0)):
+            if item.prompt_logprobs is not None and (pick := select_prompt_rows(
+                    idx, item.prompt_token_ids, start, n - len(spec), q_start, item.prompt_logprobs)):
                 prompt_rows.append(pick)
             if item.samples:
                 row_starts.append(len(sample_rows))
                 sample_rows.extend(range(q_start + n - 1 - len(spec), q_start + n))
                 sampled.append(idx)
         positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        counts = torch.tensor([s.num_new_tokens for s in sched.scheduled], dtype=torch.long, device=self.device)
+        counts = torch.tensor([s.num_new_tokens for s in plan.requests], dtype=torch.long, device=self.device)
         tables = [t if isinstance(t, tuple) else (t,) for t in block_tables]
-        metas = [self._group_meta(g, sched, [t[g] for t in tables], spans, positions_t, counts)
+        metas = [self._group_meta(g, plan, [t[g] for t in tables], spans, positions_t, counts)
                  for g in range(len(self.batches))]
         meta = metas[0] if len(metas) == 1 else replace(metas[0], groups=tuple(metas), layer_groups=self.layer_groups)
         return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=self.device), positions_t, meta,
                           sample_rows, sampled, row_starts, placeholders, prompt_rows)
 
-    def _group_meta(self, group: int, sched: SchedulerOutput, tables: list[list[int]],
+    def _group_meta(self, group: int, plan: RunPlan, tables: list[list[int]],
                     spans: list[tuple[int, int, int]], positions_t: torch.Tensor, counts: torch.Tensor
                     ) -> AttentionMetadata:
         """One KV group's slots, prefill block lists and decode tables for the step."""
         bs, batch = self.block_size, self.batches[group]
-        batch_rows = [batch.sync(s.req.request_id, t) for s, t in zip(sched.scheduled, tables)]
+        batch_rows = [batch.sync(s.request_id, t) for s, t in zip(plan.requests, tables)]
         prefills: list[PrefillSeq] = []
         decode_rows: list[int] = []
         decode_batch_rows: list[int] = []

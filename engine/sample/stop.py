@@ -13,7 +13,7 @@ def check_stop(req: Request, eos_token_ids: frozenset[int], detokenize: Callable
     token = req.output_token_ids[-1]
     n_out = len(req.output_token_ids)
     if token in req.stop_ids and n_out > req.params.min_tokens:
-        req.stop_reason = token if token not in eos_token_ids else None
+        req.stop_with(token if token not in eos_token_ids else None)
         return RequestStatus.FINISHED_STOPPED
     if req.params.stop and n_out > req.params.min_tokens:
         # Decode the whole output: simple and exact across token boundaries; outputs are short.
@@ -21,7 +21,7 @@ def check_stop(req: Request, eos_token_ids: frozenset[int], detokenize: Callable
         for s in req.params.stop:
             at = text.find(s)
             if at >= 0:
-                req.output_text, req.stop_reason = text[:at], s
+                req.stop_with(s, text[:at])
                 return RequestStatus.FINISHED_STOPPED
     if n_out >= req.max_output_tokens:
         return RequestStatus.FINISHED_LENGTH

@@ -25,7 +25,7 @@ from engine.spec.rejection_sampler import VerifyRequest, accept_greedy, verify
 from engine.core.request import Request, RequestId
 from engine.runner.model_runner import ModelOutput
 from engine.sample.sampler import Sampler, has_penalty, sampling_distribution, token_logprobs
-from engine.core.scheduler import ScheduledRequest
+from engine.core.step_io import ScheduledRequest
 from engine.spec.budget import SpecBudget
 from engine.spec.config import SpeculativeConfig
 
@@ -134,7 +134,7 @@ class SpecDecoder:
     def _propose(self, reqs: Sequence[Request], pending: Sequence[list[int]]) -> None:
         picked, limits, tokens = [], [], []
         for r, extra in zip(reqs, pending):
-            r.spec_token_ids, r.spec_probs = [], None
+            r.set_proposal([], None)
             # Room for the k proposals and the bonus token within max_tokens.
             n = min(self.k, r.max_output_tokens - len(r.output_token_ids) - len(extra) - 1)
             if r.thinking is not None and (room := r.thinking.room()) is not None:
@@ -150,8 +150,8 @@ class SpecDecoder:
         # Called even with nobody to propose for: a proposer may have this step's work to do
         # (EAGLE-3 writes its KV for every position the target kept).
         for r, p, n in zip(picked, self.proposer.propose(picked, limits, tokens), limits):
-            r.spec_token_ids = list(p.token_ids[:n])
-            r.spec_probs = p.probs[: len(r.spec_token_ids)] if p.probs is not None else None
+            ids = list(p.token_ids[:n])
+            r.set_proposal(ids, p.probs[: len(ids)] if p.probs is not None else None)
 
     def verify(self, req: Request, drafts: tuple[int, ...], rows: torch.Tensor, best: list[int] | None) -> list[int]:
         """The tokens `req` emits: `rows` are the target's k + 1 logits rows, `best` their argmax
@@ -159,8 +159,7 @@ class SpecDecoder:
         if req.params.greedy:
             tokens = accept_greedy(drafts, best if best is not None else rows.argmax(-1).tolist())
         else:
-            probs = req.spec_probs
-            req.spec_probs = None
+            probs = req.take_proposal_probs()
             # The scheduler may have cut the proposal short (the step's token budget).
             tokens = verify(VerifyRequest(drafts, rows, sampling_distribution(rows, req),
                                           probs[: len(drafts)].float() if probs is not None else None),

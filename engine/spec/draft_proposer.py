@@ -30,7 +30,7 @@ from engine.kv.kv_cache_manager import KVCacheManager
 from engine.runner.model_runner import ModelRunner
 from engine.core.request import Request, RequestId
 from engine.sample.sampler import sampling_distribution
-from engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from engine.core.step_io import plan_after
 from engine.spec.decode import Proposal
 
 log = logging.getLogger(__name__)
@@ -105,9 +105,8 @@ class DraftModelProposer:
         views = {i: View(reqs[i].request_id, list(tokens[i]), self._start(reqs[i], tables[i], tokens[i]))
                  for i in live}
         while live:
-            sched = SchedulerOutput([ScheduledRequest.after(views[i], views[i].num_tokens - views[i].num_computed_tokens)
-                                     for i in live])
-            out = self.runner.execute(sched, [tables[i] for i in live])
+            plan = plan_after([views[i] for i in live], [views[i].num_tokens - views[i].num_computed_tokens for i in live])
+            out = self.runner.execute(plan, [tables[i] for i in live])
             for row, i in enumerate(live):
                 token, q = draw_draft_token(out.logits[row], reqs[i], self.generator)
                 drafts[i].append(token)

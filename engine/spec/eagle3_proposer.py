@@ -22,7 +22,7 @@ from engine.kv.kv_cache_manager import KVCacheManager
 from engine.runner.model_runner import ModelRunner
 from engine.models.eagle3 import Eagle3Draft
 from engine.core.request import Request, RequestId
-from engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from engine.core.step_io import plan_after
 from engine.spec.decode import Proposal
 
 
@@ -127,7 +127,7 @@ class Eagle3Proposer:
     def _run(self, views: list[View], counts: list[int], tables: list, hidden: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward; the output and logits of each view's last row."""
-        step = self.runner.prepare(SchedulerOutput([ScheduledRequest.after(v, n) for v, n in zip(views, counts)]), tables)
+        step = self.runner.prepare(plan_after(views, counts), tables)
         out = self.draft(step.input_ids, hidden, step.positions, self.runner.layer_caches[0], step.meta)
         last = out[step.sample_rows]
         return last, self.draft.compute_logits(last)

@@ -67,10 +67,10 @@ def test_a_request_that_breaks_the_forward_fails_alone(llm, monkeypatch):
     runner = llm.engine.runner
     real = runner.execute
 
-    def execute(sched, tables):
-        if any(s.req.prompt_token_ids == trigger for s in sched.scheduled):
+    def execute(plan, tables):  # the runner sees a typed plan: the trigger is request r1
+        if any(s.request_id == "r1" for s in plan.requests):
             raise RuntimeError("boom")
-        return real(sched, tables)
+        return real(plan, tables)
 
     monkeypatch.setattr(runner, "execute", execute)
     reqs = [_add_unchecked(llm, f"r{i}", p, SP(temperature=0.0, max_tokens=8, ignore_eos=True))
