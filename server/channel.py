@@ -10,7 +10,7 @@ step's deltas faster than building dicts did.
 
 API -> core: AddRequest, Abort, StatsQuery, Shutdown (finish running requests for up to grace_s,
 abort the rest, flush offload writes, exit 0).
-Core -> API: Ready (the core's `EngineInfo`), StartupError (configuration rejected; the process
+Core -> API: Ready (`engine.core.stats.EngineInfo`), StartupError (configuration rejected; the process
 exits 2), Outputs (a `Delta` per request that advanced this step), StatsReply, AddError, Accepted
 (a request that needed preparation, bad words or a grammar: server/core_prep.py, is built and
 scheduled), Heartbeat (from a thread of its own every HEARTBEAT_INTERVAL_S: seconds since the step
@@ -25,6 +25,8 @@ from __future__ import annotations
 from typing import Any, Union
 
 import msgspec
+
+from engine.core.stats import EngineInfo  # a frozen dataclass: msgspec carries it as it is
 
 PROTOCOL_VERSION = 1
 
@@ -53,14 +55,6 @@ class StatsQuery(Message, tag="stats_query"):
 
 class Shutdown(Message, tag="shutdown"):
     grace_s: float
-
-
-class EngineInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What the API process needs to know of the engine it drives."""
-    max_model_len: int
-    vocab_size: int
-    num_gpu_blocks: int
-    eos_token_ids: tuple[int, ...]
 
 
 class Ready(Message, tag="ready"):

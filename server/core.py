@@ -52,8 +52,7 @@ def _phases(r: Request) -> dict[str, float | None]:
 
 def stats_snapshot(llm: LLM) -> dict[str, Any]:
     s = llm.get_stats()
-    return {**{f.name: getattr(s, f.name) for f in dataclasses.fields(s)}, "num_free_blocks": llm.engine.pool.num_free_blocks(),
-            "bubble_fraction": s.bubble_fraction}
+    return {**{f.name: getattr(s, f.name) for f in dataclasses.fields(s)}, "bubble_fraction": s.bubble_fraction}
 
 
 class CoreLoop:
@@ -115,7 +114,7 @@ class CoreLoop:
             return
         deltas = [self._delta(r) for r in updated if r.request_id in self.sent]
         if any(d.kv_transfer_params for d in deltas):
-            self.engine.connector.wait_for_outputs()  # the file a response names exists when it is sent
+            self.engine.flush_outputs()  # the file a response names exists when it is sent
         self.push.send(ch.encode(ch.Outputs(deltas)))
 
     def _delta(self, r: Request) -> ch.Delta:
@@ -172,9 +171,8 @@ def run_core(llm_kwargs: dict[str, Any], to_core: str, from_core: str, logs: Log
         ctx.term()
         return 2
     eng = llm.engine
-    push.send(ch.encode(ch.Ready(ch.EngineInfo(eng.max_model_len, eng.model_config.vocab_size, eng.pool.num_blocks,
-                                               tuple(sorted(eng.eos_token_ids))))))
-    prep = PrepQueue(eng.requests.prepare, prep_timeout_s)
+    push.send(ch.encode(ch.Ready(eng.info())))
+    prep = PrepQueue(eng.prepare_request, prep_timeout_s)
     loop = CoreLoop(llm, push, prep)
     beat = Heartbeat(ctx, from_core)
     status = 1

@@ -42,7 +42,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.step_io import SchedulerOutput
 from engine.spec.proposers import DraftPlan
 from engine.spec.decode import SpecDecoder, sample_outputs
-from engine.core.stats import EngineStats
+from engine.core.stats import EngineInfo, EngineStats
 from kvstore.g1 import BlockPool
 from policies import make_policy
 
@@ -486,7 +486,21 @@ class EngineCore:
             forward_seconds=self.forward_seconds,
             spec_decode=self.spec.stats.as_dict() if self.spec is not None else None,
             kv_groups=self.kv.group_usage(),
+            num_free_blocks=self.pool.num_free_blocks(),
         )
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.max_model_len, self.model_config.vocab_size, self.pool.num_blocks,
+                          tuple(sorted(self.eos_token_ids)))
+
+    def prepare_request(self, params: SamplingParams) -> Prepared:
+        """The slow, input-sized part of building a request (bad words, a grammar's compile), which
+        a server runs off the step loop and passes to `make_request(prepared=...)`."""
+        return self.requests.prepare(params)
+
+    def flush_outputs(self) -> None:
+        """Waits until what finished requests' responses name exists (hidden-state files)."""
+        self.connector.wait_for_outputs()
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()

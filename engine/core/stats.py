@@ -6,6 +6,15 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class EngineInfo:
+    """What a client of the engine needs to know of it, fixed once it has started."""
+    max_model_len: int
+    vocab_size: int
+    num_gpu_blocks: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the G1 prefix cache
     prefix_cache_hits: int  # of those, tokens found
@@ -28,6 +37,7 @@ class EngineStats:
     spec_decode: dict[str, Any] | None = None
     # G1 per KV group (KVCacheManager.group_usage): layers, window, blocks held by requests.
     kv_groups: list[dict[str, Any]] = field(default_factory=list)
+    num_free_blocks: int = 0  # G1 blocks neither held by a request nor cached
 
     @property
     def prefix_cache_hit_rate(self) -> float:
