@@ -11,6 +11,7 @@ from typing import Any
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -233,7 +234,7 @@ class EngineCore:
             return updated
         self.sampler.prefetch([s.req for s in sched.scheduled if s.samples])
         forward_start = time.perf_counter()
-        out, failed = execute_isolating(self.runner, sched, tables)
+        out, failed, sched = execute_isolating(self.runner, sched, tables)
         self._timed(sched, time.perf_counter() - forward_start, not failed)
         updated += self._apply(sched, meta, out, failed)
         self.busy_seconds += time.perf_counter() - start
@@ -357,7 +358,8 @@ class EngineCore:
         more, self._planned = pending.result()
         updated += more
         if out is None:
-            out, failed = execute_isolating(self.runner, cur.sched, cur.tables)
+            out, failed, ran_sched = execute_isolating(self.runner, cur.sched, cur.tables)
+            cur = replace(cur, sched=ran_sched)  # without the failed requests; `entries` keeps them all
         sampled = sample_outputs(out, [cur.sched.scheduled[i] for i in out.sampled], self.sampler, self.spec)
         self._ran = RanStep(cur, out, failed, sampled)
         self.busy_seconds += time.perf_counter() - start
