@@ -10,7 +10,6 @@ import logging
 import multiprocessing as mp
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import zmq
 import zmq.asyncio
 
 from engine.sampling_params import SamplingParams
+from engine.core.stats import EngineInfo
 from server import channel as ch
 from server.core import core_main, params_to_wire
 from server.limits import RequestLimits
@@ -45,14 +45,6 @@ class CoreState(enum.Enum):
     STOPPED = "stopped"
 
 
-@dataclass(frozen=True)
-class CoreInfo:
-    max_model_len: int
-    vocab_size: int
-    num_gpu_blocks: int
-    eos_token_ids: tuple[int, ...]
-
-
 class EngineClient:
     def __init__(self, llm_kwargs: dict[str, Any], logs: LogSettings = LogSettings(),
                  heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
@@ -66,7 +58,7 @@ class EngineClient:
         self.dead = asyncio.Event()  # set with `died`
         self._last_beat = 0.0  # loop time of the last heartbeat
         self._loop_age = 0.0  # seconds since the core's step loop last went round, as it last said
-        self.info: CoreInfo | None = None
+        self.info: EngineInfo | None = None
         self._queues: dict[str, asyncio.Queue[ch.Delta | BaseException]] = {}
         self._acks: dict[str, asyncio.Future[None]] = {}  # requests whose preparation the API waits for
         self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
@@ -88,7 +80,7 @@ class EngineClient:
     def num_pending(self) -> int:
         return len(self._queues)
 
-    async def start(self, timeout_s: float = 600.0) -> CoreInfo:
+    async def start(self, timeout_s: float = 600.0) -> EngineInfo:
         """Spawns the core and waits for it to load the model. Raises StartupError."""
         ctx = mp.get_context("spawn")  # never fork a process that may hold torch threads
         self.proc = ctx.Process(target=core_main, name="kvtier-engine-core", daemon=True,
@@ -101,8 +93,7 @@ class EngineClient:
             if await self._from_core.poll(200):
                 msg = ch.decode_from_core(await self._from_core.recv())
                 if isinstance(msg, ch.Ready):
-                    i = msg.info
-                    self.info = CoreInfo(i.max_model_len, i.vocab_size, i.num_gpu_blocks, i.eos_token_ids)
+                    self.info = msg.info
                     break
                 if isinstance(msg, ch.StartupError):
                     await loop.run_in_executor(None, self.proc.join, 10)

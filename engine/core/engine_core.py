@@ -22,8 +22,7 @@ from connectors.factory import supports_kv_groups
 from engine.core.connector_setup import make_connector
 from engine.core.async_pipeline import PlannedStep, RanStep, mark_in_flight
 from engine.core.isolation import FORWARD_ERRORS, execute_isolating
-from engine.runner import cpu_runtime
-from engine.runner import cpu_threads
+from engine.runner import cpu_runtime, cpu_threads
 from engine.core import gpu_memory
 from engine.core.setup import attention_backend, eos_ids, kv_layout, step_token_budget, warn_unused_gpu_memory_utilization
 from engine.config import CPU_KV_CACHE_GIB, EngineConfig, LoadFailurePolicy
@@ -36,7 +35,7 @@ from engine.runner.loader import load_model, load_tokenizer
 from engine.runner.model_runner import ModelOutput, ModelRunner, kv_cache_bytes_per_block
 from engine.core.request import Request, RequestId, RequestStatus
 from engine.core.request_factory import Prepared, RequestFactory
-from engine.sample.stop import check_stop
+from engine.sample.stop import append_tokens
 from engine.sample.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
@@ -304,7 +303,8 @@ class EngineCore:
                 continue
             if req.params.return_first_logits and req.first_logits is None:
                 req.keep_first_logits(out.rows(j)[0].float().cpu())  # host memory: the caller keeps it, not the KV pool
-            status, kept = self._append(req, emitted[j], logprobs[j])
+            status, kept = append_tokens(req, emitted[j], logprobs[j], self.eos_token_ids, self.detokenize)
+            self.generation_tokens += kept
             # KV is kept for the committed tokens and the proposals that match kept tokens; the
             # last kept token is computed next step, as after any decode.
             req.advance(s.num_committed_tokens + min(len(s.spec_token_ids), kept - 1))
@@ -410,22 +410,6 @@ class EngineCore:
             updated += self._step_async()
         return updated
 
-    def _append(self, req: Request, tokens: list[int], logprobs: list[dict[int, float]] | None
-                ) -> tuple[RequestStatus | str | None, int]:
-        """Appends `tokens` one at a time, checking stop conditions after each, as if each came
-        from its own step. Returns the finish status (or why checking failed) and how many were
-        kept."""
-        for i, token in enumerate(tokens):
-            req.append_token(token, logprobs[i] if logprobs is not None else None)
-            self.generation_tokens += 1
-            try:
-                status = check_stop(req, self.eos_token_ids, self.detokenize)
-            except (ValueError, TypeError, IndexError, OverflowError) as e:  # e.g. the tokenizer on its output
-                return f"checking stop conditions failed: {type(e).__name__}: {e}", i + 1
-            if status is not None:
-                return status, i + 1
-        return None, len(tokens)
-
     def _fail(self, req: Request, why: str) -> Request:
         """Ends one request with an error; the engine goes on with the others."""
         log.error("request %s failed: %s", req.request_id, why)
@@ -496,8 +480,7 @@ class EngineCore:
                           tuple(sorted(self.eos_token_ids)))
 
     def prepare_request(self, params: SamplingParams) -> Prepared:
-        """The slow, input-sized part of building a request (bad words, a grammar's compile), which
-        a server runs off the step loop and passes to `make_request(prepared=...)`."""
+        """A request's slow part (bad words, a grammar), run off the step loop: `make_request(prepared=)`."""
         return self.requests.prepare(params)
 
     def flush_outputs(self) -> None:

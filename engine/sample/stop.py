@@ -26,3 +26,19 @@ def check_stop(req: Request, eos_token_ids: frozenset[int], detokenize: Callable
     if n_out >= req.max_output_tokens:
         return RequestStatus.FINISHED_LENGTH
     return None
+
+
+def append_tokens(req: Request, tokens: list[int], logprobs: list[dict[int, float]] | None,
+                  eos_token_ids: frozenset[int], detokenize: Callable[[Request], str]
+                  ) -> tuple[RequestStatus | str | None, int]:
+    """Appends `tokens` one at a time, checking stop conditions after each, as if each came from
+    its own step. Returns the finish status (or why checking failed) and how many were kept."""
+    for i, token in enumerate(tokens):
+        req.append_token(token, logprobs[i] if logprobs is not None else None)
+        try:
+            status = check_stop(req, eos_token_ids, detokenize)
+        except (ValueError, TypeError, IndexError, OverflowError) as e:  # e.g. the tokenizer on its output
+            return f"checking stop conditions failed: {type(e).__name__}: {e}", i + 1
+        if status is not None:
+            return status, i + 1
+    return None, len(tokens)
