@@ -13,7 +13,7 @@ The helper only ever runs inside a step() call, joined before it returns, so the
 is never touched concurrently with the caller (add_request / abort_request run between steps).
 The forward, running beside it, reads only the step's prepared tensors and the KV cache; blocks
 of a request that finishes while a planned or running step still writes them are freed once that
-step has run (`EngineCore._deferred`), since a load into a block reused meanwhile could race the
+step has run (`Scheduler.deferred`), since a load into a block reused meanwhile could race the
 write.
 """
 from __future__ import annotations
@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from engine.runner.model_runner import ModelOutput, StepInputs
+from engine.runner.model_runner import StepInputs
 from engine.core.request import Request, RequestId
-from engine.core.step_io import ScheduledRequest, SchedulerOutput
+from engine.core.step_io import ScheduledRequest, SchedulerOutput, StepResult
 
 
 
@@ -47,9 +47,7 @@ class PlannedStep:
 class RanStep:
     """Ran and sampled, not yet applied to its requests."""
     planned: PlannedStep
-    out: ModelOutput
-    failed: list[tuple[Request, str]]  # requests whose forward failed on their own
-    sampled: tuple  # engine.spec.decode.sample_outputs: (emitted, logprobs, bad_rows)
+    result: StepResult
 
     def tokens(self) -> dict[RequestId, int]:
         """Each sampling request's new token, for the next step's placeholders."""
@@ -59,7 +57,7 @@ class RanStep:
     def _emitted(self) -> dict[RequestId, tuple[ScheduledRequest, list[int]]]:
         sched = self.planned.sched
         return {sched.scheduled[i].req.request_id: (sched.scheduled[i], toks)
-                for i, toks in zip(self.out.sampled, self.sampled[0]) if toks}
+                for i, toks in zip(self.result.sampled, self.result.tokens) if toks}
 
     def emitted(self) -> dict[RequestId, tuple[ScheduledRequest, list[int]]]:
         """Each request that sampled: its entry in this step and the tokens it emitted (1 + the

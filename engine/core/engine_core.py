@@ -25,7 +25,7 @@ from engine.core.isolation import FORWARD_ERRORS, execute_isolating
 from engine.runner import cpu_runtime, cpu_threads
 from engine.core import gpu_memory
 from engine.core.setup import attention_backend, eos_ids, kv_layout, step_token_budget, warn_unused_gpu_memory_utilization
-from engine.config import CPU_KV_CACHE_GIB, EngineConfig, LoadFailurePolicy
+from engine.config import CPU_KV_CACHE_GIB, EngineConfig
 from engine.model_config import load_model_config
 from engine.kv.kv_events import open_events
 from kvstore.threads import one_torch_thread
@@ -33,13 +33,12 @@ from engine.kv.kv_cache_manager import KVCacheManager
 from engine.runner.compiled import COMPILE_ERRORS, CompiledForward
 from engine.runner.loader import load_model, load_tokenizer
 from engine.runner.model_runner import ModelOutput, ModelRunner, kv_cache_bytes_per_block
-from engine.core.request import Request, RequestId, RequestStatus
+from engine.core.request import Request
 from engine.core.request_factory import Prepared, RequestFactory
-from engine.sample.stop import append_tokens
 from engine.sample.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
-from engine.core.step_io import SchedulerOutput
+from engine.core.step_io import SchedulerOutput, StepResult
 from engine.spec.proposers import DraftPlan
 from engine.spec.decode import SpecDecoder, sample_outputs
 from engine.core.stats import EngineInfo, EngineStats
@@ -138,16 +137,14 @@ class EngineCore:
                      plan.spec.num_speculative_tokens)
         lookahead = self.spec.k if self.spec is not None and self.spec.proposer.needs_lookahead else 0
         self.scheduler = Scheduler(self.kv, config, self.max_num_batched_tokens, self.connector, num_lookahead_tokens=lookahead,
-                                   num_spec_placeholders=self.spec.k if self.spec and config.async_scheduling else 0)
+                                   num_spec_placeholders=self.spec.k if self.spec and config.async_scheduling else 0,
+                                   eos_token_ids=self.eos_token_ids, detokenize=self.detokenize)
         # Async scheduling: the bookkeeping thread, the step planned to run next and the one that
-        # ran but is not applied yet, and finished requests whose blocks those steps still write.
+        # ran but is not applied yet.
         self._helper = ThreadPoolExecutor(1, "kvtier-bookkeeping", initializer=one_torch_thread
                                           ) if config.async_scheduling else None
         self._planned: PlannedStep | None = None
         self._ran: RanStep | None = None
-        self._deferred: dict[RequestId, Request] = {}
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
         self.busy_seconds = 0.0  # steps that ran a forward, and the forwards in them (EngineStats)
         self.forward_seconds = 0.0
         if not profiled:
@@ -177,7 +174,7 @@ class EngineCore:
         self.sampler.masks.close()
         self.connector.close()
         self.connector = NullConnector()
-        self.scheduler.connector = self.connector
+        self.scheduler.set_connector(self.connector)
         if self.publisher is not None:
             self._publish_events()
             self.publisher.close()
@@ -201,17 +198,11 @@ class EngineCore:
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add_request(req)
-        self.prompt_tokens += req.num_prompt_tokens
 
     def abort_request(self, request_id: str) -> bool:
-        req = self.scheduler.requests.get(RequestId(request_id))
-        if req is None:
-            return False
-        if req.request_id in self.scheduler.loading:
-            req.request_abort()  # its blocks are being written: free them once the load lands
-            return True
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
-        return True
+        found = self.scheduler.abort(request_id)
+        self._release_finished()
+        return found
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._planned is not None or self._ran is not None
@@ -235,7 +226,7 @@ class EngineCore:
         forward_start = time.perf_counter()
         out, failed, sched = execute_isolating(self.runner, sched, tables)
         self._timed(sched, time.perf_counter() - forward_start, not failed)
-        updated += self._apply(sched, meta, out, failed)
+        updated += self._apply(sched, meta, self._sample(sched, out, failed))
         self.busy_seconds += time.perf_counter() - start
         return updated
 
@@ -271,58 +262,41 @@ class EngineCore:
         elif self.scheduler.has_unfinished():
             raise RuntimeError("scheduler made no progress with requests pending")
 
-    def _apply(self, sched: SchedulerOutput, meta: object, out: ModelOutput, failed: list[tuple[Request, str]],
-               sampled: tuple | None = None) -> list[Request]:
-        """Sample (unless `sampled` has it) and update the requests of a step that ran."""
-        updated: list[Request] = []
-        if failed:
-            # Never offload this step's blocks: a failed request's may hold unwritten KV.
-            updated += [self._fail(req, why) for req, why in failed]
-        else:
+    def _sample(self, sched: SchedulerOutput, out: ModelOutput, failed: list[tuple[Request, str]]) -> StepResult:
+        """The sample stage: a step's output as host values for the scheduler's update."""
+        items = [sched.scheduled[i] for i in out.sampled]
+        tokens, logprobs, errors = sample_outputs(out, items, self.sampler, self.spec)
+        first = {j: out.rows(j)[0].float().cpu() for j, s in enumerate(items)  # the caller keeps it, not the pool
+                 if s.req.params.return_first_logits and s.req.first_logits is None}
+        return StepResult(tuple(out.sampled), tuple(tokens), tuple(logprobs), errors, out.prompt_logprobs, first,
+                          tuple(failed))
+
+    def _apply(self, sched: SchedulerOutput, meta: object, result: StepResult) -> list[Request]:
+        """Update the requests of a step that ran (the scheduler's), then the worker side:
+        finished requests' rows, the next proposals, KV events."""
+        if not result.failed:  # never offload a step's blocks when a failed request's may hold unwritten KV
             self.connector.wait_for_save(meta)
-        if sampled is None:
-            sampled = sample_outputs(out, [sched.scheduled[i] for i in out.sampled], self.sampler, self.spec)
-        emitted, logprobs, bad_rows = sampled
-        sampling = {sched.scheduled[i].req.request_id for i in out.sampled}
         before = [s.req.num_computed_tokens for s in sched.scheduled]
-        for s in sched.scheduled:
-            if not s.req.status.finished and s.req.request_id not in sampling:
-                s.req.advance(s.num_new_tokens)  # a prompt chunk
-                self.kv.cache_full_blocks(s.req)
-        for i, (first, entries) in out.prompt_logprobs.items():
-            sched.scheduled[i].req.add_prompt_logprobs(first, entries)
-        for j, i in enumerate(out.sampled):
-            s = sched.scheduled[i]
-            req = s.req
-            if req.status.finished:
-                continue
-            if j in bad_rows:
-                req.advance(s.num_committed_tokens)
-                self.kv.cache_full_blocks(req)
-                updated.append(self._fail(req, bad_rows[j]))
-                continue
-            if req.params.return_first_logits and req.first_logits is None:
-                req.keep_first_logits(out.rows(j)[0].float().cpu())  # host memory: the caller keeps it, not the KV pool
-            status, kept = append_tokens(req, emitted[j], logprobs[j], self.eos_token_ids, self.detokenize)
-            self.generation_tokens += kept
-            # KV is kept for the committed tokens and the proposals that match kept tokens; the
-            # last kept token is computed next step, as after any decode.
-            req.advance(s.num_committed_tokens + min(len(s.spec_token_ids), kept - 1))
-            self.kv.cache_full_blocks(req)
-            if isinstance(status, str):
-                updated.append(self._fail(req, status))
-                continue
-            if status is not None:
-                self._finish(req, status)
-            updated.append(req)
+        updated = self.scheduler.update(sched, result)
+        self._release_finished()
         if self.spec is not None and self._helper is None:  # async scheduling: _speculate, between forwards
             if self.runner.last_aux is not None:  # EAGLE-3 reads the target's features of the kept positions
                 offsets = [0] + list(itertools.accumulate(s.num_new_tokens for s in sched.scheduled))
                 self.spec.proposer.observe([(s.req, b, s.req.num_computed_tokens - b, off) for s, b, off
                                             in zip(sched.scheduled, before, offsets)], self.runner.last_aux)
-            self.spec.propose([sched.scheduled[i].req for i in out.sampled])
+            self.spec.propose([sched.scheduled[i].req for i in result.sampled])
         self._publish_events()
         return updated
+
+    def _release_finished(self) -> None:
+        """The worker side of finished requests: proposer state and input-batch rows (the latter
+        once their blocks are freed: a launched step may still write them)."""
+        ended, freed = self.scheduler.take_finished()
+        if self.spec is not None:
+            for rid in ended:
+                self.spec.release(rid)
+        for rid in freed:
+            self.runner.release(rid)
 
     # -- async scheduling (engine/core/async_pipeline.py) ----------------------------------------
     def _step_async(self) -> list[Request]:
@@ -360,8 +334,7 @@ class EngineCore:
         if out is None:
             out, failed, ran_sched = execute_isolating(self.runner, cur.sched, cur.tables)
             cur = replace(cur, sched=ran_sched)  # without the failed requests; `entries` keeps them all
-        sampled = sample_outputs(out, [cur.sched.scheduled[i] for i in out.sampled], self.sampler, self.spec)
-        self._ran = RanStep(cur, out, failed, sampled)
+        self._ran = RanStep(cur, self._sample(cur.sched, out, failed))
         self.busy_seconds += time.perf_counter() - start
         return updated
 
@@ -370,11 +343,9 @@ class EngineCore:
         updated: list[Request] = []
         if ran is not None:
             mark_in_flight(ran.planned.entries, -1)
-            updated = self._apply(ran.planned.sched, ran.planned.meta, ran.out, ran.failed, ran.sampled)
-            for s in ran.planned.sched.scheduled:
-                if not s.req.num_inflight_tokens and self._deferred.pop(s.req.request_id, None) is not None:
-                    self.kv.free(s.req)
-                    self.runner.release(s.req.request_id)
+            updated = self._apply(ran.planned.sched, ran.planned.meta, ran.result)
+            self.scheduler.release_applied(ran.planned.entries)
+            self._release_finished()
         updated = self._poll_loads() + updated
         sched, tables, meta = self._plan()
         if not sched.scheduled:
@@ -410,45 +381,11 @@ class EngineCore:
             updated += self._step_async()
         return updated
 
-    def _fail(self, req: Request, why: str) -> Request:
-        """Ends one request with an error; the engine goes on with the others."""
-        log.error("request %s failed: %s", req.request_id, why)
-        req.fail(why)
-        self._finish(req, RequestStatus.FINISHED_ERROR)
-        return req
-
-    def _finish(self, req: Request, status: RequestStatus) -> None:
-        req.set_transfer_params(self.connector.request_finished(req, self.kv.block_table(req)))
-        # A launched step still writes its blocks (async scheduling): they are freed after it ran,
-        # or a block handed to another request could take that write after a load filled it.
-        later = req.num_inflight_tokens > 0
-        self.scheduler.finish(req, status, free_blocks=not later)
-        if later:
-            self._deferred[req.request_id] = req
-        else:
-            self.runner.release(req.request_id)
-        if self.spec is not None:
-            self.spec.release(req.request_id)
-
     def _poll_loads(self) -> list[Request]:
         """Hands finished async loads back to the scheduler; returns requests that ended."""
-        received = self.connector.get_finished().loaded
-        failed = self.connector.get_block_ids_with_load_errors()
-        ended: list[Request] = []
-        for rid in received:
-            req = self.scheduler.loading.get(RequestId(rid))
-            if req is None:
-                continue
-            ok = self.scheduler.finish_load(req, failed)
-            if req.abort_requested:
-                self._finish(req, RequestStatus.FINISHED_ABORTED)
-                ended.append(req)
-            elif not ok and self.config.kv_load_failure_policy is LoadFailurePolicy.FAIL:
-                req.fail("loading the prompt's KV from an offload tier failed (kv_load_failure_policy=fail)")
-                self._finish(req, RequestStatus.FINISHED_ERROR)
-                ended.append(req)
-            elif not ok:
-                log.warning("request %s: offload load failed; recomputing those tokens", rid)
+        loaded = self.connector.get_finished().loaded
+        ended = self.scheduler.land_loads(loaded, self.connector.get_block_ids_with_load_errors())
+        self._release_finished()
         return ended
 
     def detokenize(self, req: Request) -> str:
@@ -465,8 +402,8 @@ class EngineCore:
             num_gpu_blocks=self.pool.num_blocks,
             num_evictions=self.pool.num_evictions,
             num_cached_blocks=self.pool.num_cached_blocks(),
-            prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens,
+            prompt_tokens=self.scheduler.prompt_tokens,
+            generation_tokens=self.scheduler.generation_tokens,
             tiers=self.connector.stats(),
             busy_seconds=self.busy_seconds,
             forward_seconds=self.forward_seconds,
@@ -492,9 +429,9 @@ class EngineCore:
         live = {r.request_id for r in self.scheduler.running}
         if len(live) != len(self.scheduler.running):
             raise RuntimeError("a request is running twice")
-        if self.kv.num_requests() > len(self.scheduler.requests) + len(self._deferred):
+        if self.kv.num_requests() > len(self.scheduler.requests) + len(self.scheduler.deferred):
             raise RuntimeError("block tables outlive their requests")
         for batch in self.runner.batches:
             batch.check_integrity()
-            if not batch.request_ids() <= set(self.scheduler.requests) | set(self._deferred):
+            if not batch.request_ids() <= set(self.scheduler.requests) | set(self.scheduler.deferred):
                 raise RuntimeError("input-batch rows outlive their requests")

@@ -19,49 +19,31 @@ Two rules keep one request's expensive prompt from taking the engine (issue 38):
   a running request is computing right now sits out (it is not admitted, nor does it hold up the
   queue) until that block is cached, then reads it: n sequences of one prompt, or many clients
   sending one document at once, prefill it once instead of n times.
-- **Prompt log-probs get a share of the time, not the steps.** Such a request recomputes its
-  whole prompt and scores every position against the vocabulary. While other requests have work,
-  the prompt tokens of log-prob requests (all together) are paid from a bucket that each step
-  fills with PROMPT_LOGPROBS_SHARE of the others' step time and that each bite empties by what
-  it measured (`engine.core.step_cost.ShareController`): the others' steps take about that much
-  longer on average. Alone, bites of PROMPT_LOGPROBS_ALONE plain steps' cost: a request that
-  arrives waits for the step in flight, which must stay short (one 2048-token bite with
-  log-probs took 4 s on the demo model, and every request arriving then waited that long).
-  The requests that waited for such a request's prefill (its other sequences) are paid from
-  the same bucket for their whole life: 15 sequences reading a 3.6k-token prompt's blocks then
-  computing their tails and decoding at that context are the same request's cost.
+- **Prompt log-probs get a share of the time, not the steps**: such a request recomputes its whole
+  prompt and scores every position against the vocabulary, so its prompt tokens (and those of
+  the requests that waited for its prefill) are paid from a bucket of step time
+  (`engine.core.step_cost.ShareController`, where the share is explained).
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from typing import Callable
 
 from connectors.base import KVConnector, NullConnector
-from engine.config import EngineConfig, SchedulingPolicy
+from engine.config import EngineConfig, LoadFailurePolicy, SchedulingPolicy
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestId, RequestStatus
-from engine.core.step_cost import ShareController
-from engine.core.step_io import ScheduledRequest, SchedulerOutput
+from engine.core.step_cost import (PROMPT_LOGPROBS_ALONE, PROMPT_LOGPROBS_SHARE, PROMPT_LOGPROBS_UNFITTED,
+                                   PROMPT_LOGPROBS_UNFITTED_ALONE, ShareController)
+from engine.core.step_io import ScheduledRequest, SchedulerOutput, StepResult
+from engine.sample.stop import append_tokens
+from engine.core.waiting import WaitingQueue
 from kvstore.keys import BlockKey
 
 log = logging.getLogger(__name__)
 
 MAX_PASSED_OVER = 8  # shortest_prefill: steps a running prompt may sit out in a row
-# Prompt log-prob work beside others gets this share of their step time, in bites of at most
-# PROMPT_LOGPROBS_ALONE plain steps' cost, which is also its bite alone (~0.13-0.17 s on the demo
-# model, 2 CPU cores). A probe decoding beside it pays the share on each of its steps plus, when it
-# arrives between two of its requests, the alone bite in flight: at 0.5 the probe measured 1.8-1.9x
-# its idle latency (1.5x of it the share), at 0.3 1.5-1.8x in six runs, and the request took 49-55 s
-# instead of 41 s. Bites of 2 plain steps instead of 3 made the request 62 s and the probe no faster.
-# Until steps are measured, fixed counts.
-PROMPT_LOGPROBS_SHARE = 0.3
-PROMPT_LOGPROBS_ALONE = 3.0
-PROMPT_LOGPROBS_UNFITTED = 16
-PROMPT_LOGPROBS_UNFITTED_ALONE = 128
 
 
 def _tokens_left(req: Request) -> int:
@@ -69,62 +51,16 @@ def _tokens_left(req: Request) -> int:
     return req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens
 
 
-class WaitingQueue:
-    """FCFS deque, or a heap on (priority, arrival) for the priority policy."""
-
-    def __init__(self, policy: SchedulingPolicy) -> None:
-        self.policy = policy
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[tuple[int, float], int, Request]] = []
-        self._tie = itertools.count()
-
-    def add(self, req: Request, front: bool = False) -> None:
-        if self.policy is SchedulingPolicy.PRIORITY:
-            heapq.heappush(self._heap, (req.sort_key(), next(self._tie), req))
-        elif front:
-            self._fifo.appendleft(req)
-        else:
-            self._fifo.append(req)
-
-    def peek(self) -> Request:
-        return self._heap[0][2] if self.policy is SchedulingPolicy.PRIORITY else self._fifo[0]
-
-    def sort(self, key) -> int:
-        """Reorder a non-empty FIFO queue by `key` (computed once per request; stable: arrival
-        order among equals); returns the first request's key."""
-        keyed = sorted(((key(r), i, r) for i, r in enumerate(self._fifo)), key=lambda t: t[:2])
-        self._fifo = deque(r for _, _, r in keyed)
-        return keyed[0][0]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[2] if self.policy is SchedulingPolicy.PRIORITY else self._fifo.popleft()
-
-    def __iter__(self):
-        return (e[2] for e in self._heap) if self.policy is SchedulingPolicy.PRIORITY else iter(self._fifo)
-
-    def remove(self, req: Request) -> bool:
-        if self.policy is SchedulingPolicy.PRIORITY:
-            kept = [e for e in self._heap if e[2] is not req]
-            found = len(kept) != len(self._heap)
-            self._heap = kept
-            heapq.heapify(self._heap)
-            return found
-        try:
-            self._fifo.remove(req)
-            return True
-        except ValueError:
-            return False
-
-    def __len__(self) -> int:
-        return len(self._heap) if self.policy is SchedulingPolicy.PRIORITY else len(self._fifo)
-
-
 class Scheduler:
     def __init__(self, kv: KVCacheManager, config: EngineConfig, max_num_batched_tokens: int,
                  connector: KVConnector | None = None,  # None: a NullConnector
-                 num_lookahead_tokens: int = 0, num_spec_placeholders: int = 0) -> None:
-        """Policy, max_num_seqs, chunked prefill and the prompt-chunk cap come from `config`;
-        `max_num_batched_tokens` is the step budget the engine resolved from it."""
+                 num_lookahead_tokens: int = 0, num_spec_placeholders: int = 0,
+                 eos_token_ids: frozenset[int] = frozenset(), detokenize: Callable[[Request], str] | None = None
+                 ) -> None:
+        """Policy, max_num_seqs, chunked prefill, the prompt-chunk cap and what a failed load does
+        come from `config`; `max_num_batched_tokens` is the step budget the engine resolved from
+        it. `eos_token_ids` and `detokenize` serve the stop checks of `update` (detokenize: needed
+        by stop strings only)."""
         self.kv = kv
         self.policy = policy = config.scheduling_policy
         self.max_num_seqs = config.max_num_seqs
@@ -137,6 +73,17 @@ class Scheduler:
         self.loading: dict[RequestId, Request] = {}  # WAITING_FOR_REMOTE_KVS
         self.connector = connector if connector is not None else NullConnector()
         self.num_preemptions = 0
+        self.prompt_tokens = 0  # admitted, and generated by `update` (EngineStats)
+        self.generation_tokens = 0
+        self.eos_token_ids = eos_token_ids
+        self.detokenize = detokenize
+        self.fail_failed_loads = config.kv_load_failure_policy is LoadFailurePolicy.FAIL
+        # Finished requests whose blocks a launched step still writes (async scheduling): freed
+        # once that step is applied (`release_applied`), since a load into a block reused
+        # meanwhile could race the write.
+        self.deferred: dict[RequestId, Request] = {}
+        self._ended: list[RequestId] = []  # finished since `take_finished` (the proposer drops them)
+        self._freed: list[RequestId] = []  # blocks freed since `take_finished` (the runner drops their rows)
         # Slots allocated past a scheduled request's tokens when they are free: a draft model
         # writes the KV of its proposals there (vLLM's lookahead slots).
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -154,6 +101,7 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         self.waiting.add(req)
+        self.prompt_tokens += req.num_prompt_tokens
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -452,3 +400,112 @@ class Scheduler:
         if free_blocks:
             self.kv.free(req)
         del self.requests[req.request_id]
+
+    # -- the update: the one place a step's results advance its requests ---------------------
+    def update(self, sched: SchedulerOutput, result: StepResult) -> list[Request]:
+        """Applies a step that ran: prompt chunks count as computed, sampled tokens are appended
+        with their stop checks, proposals are kept up to what verification accepted, full blocks
+        join the prefix cache, and requests that stop or fail are finished. Returns the requests
+        that got a token or ended."""
+        updated = [self.fail(req, why) for req, why in result.failed]
+        sampling = {sched.scheduled[i].req.request_id for i in result.sampled}
+        for s in sched.scheduled:
+            if not s.req.status.finished and s.req.request_id not in sampling:
+                s.req.advance(s.num_new_tokens)  # a prompt chunk
+                self.kv.cache_full_blocks(s.req)
+        for i, (first, entries) in result.prompt_logprobs.items():
+            sched.scheduled[i].req.add_prompt_logprobs(first, entries)
+        for j, i in enumerate(result.sampled):
+            s = sched.scheduled[i]
+            req = s.req
+            if req.status.finished:
+                continue
+            if j in result.errors:
+                req.advance(s.num_committed_tokens)
+                self.kv.cache_full_blocks(req)
+                updated.append(self.fail(req, result.errors[j]))
+                continue
+            if j in result.first_logits and req.first_logits is None:
+                req.keep_first_logits(result.first_logits[j])
+            status, kept = append_tokens(req, result.tokens[j], result.logprobs[j], self.eos_token_ids,
+                                         self.detokenize)
+            self.generation_tokens += kept
+            # KV is kept for the committed tokens and the proposals that match kept tokens; the
+            # last kept token is computed next step, as after any decode.
+            req.advance(s.num_committed_tokens + min(len(s.spec_token_ids), kept - 1))
+            self.kv.cache_full_blocks(req)
+            if isinstance(status, str):
+                updated.append(self.fail(req, status))
+                continue
+            if status is not None:
+                self.end(req, status)
+            updated.append(req)
+        return updated
+
+    def fail(self, req: Request, why: str) -> Request:
+        """Ends one request with an error; the engine goes on with the others."""
+        log.error("request %s failed: %s", req.request_id, why)
+        req.fail(why)
+        self.end(req, RequestStatus.FINISHED_ERROR)
+        return req
+
+    def end(self, req: Request, status: RequestStatus) -> None:
+        """Finishes `req`: the connector hears of it (and may give it transfer params), and its
+        blocks are freed, or once the launched step that still writes them is applied."""
+        req.set_transfer_params(self.connector.request_finished(req, self.kv.block_table(req)))
+        later = req.num_inflight_tokens > 0
+        self.finish(req, status, free_blocks=not later)
+        self._ended.append(req.request_id)
+        if later:
+            self.deferred[req.request_id] = req
+        else:
+            self._freed.append(req.request_id)
+
+    def set_connector(self, connector: KVConnector) -> None:
+        """The engine swaps its connector for a NullConnector when it shuts down."""
+        self.connector = connector
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(RequestId(request_id))
+        if req is None:
+            return False
+        if req.request_id in self.loading:
+            req.request_abort()  # its blocks are being written: free them once the load lands
+        else:
+            self.end(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def release_applied(self, entries: tuple[ScheduledRequest, ...]) -> None:
+        """A launched step was applied: frees the blocks of its finished requests that no other
+        launched step writes."""
+        for s in entries:
+            if not s.req.num_inflight_tokens and self.deferred.pop(s.req.request_id, None) is not None:
+                self.kv.free(s.req)
+                self._freed.append(s.req.request_id)
+
+    def take_finished(self) -> tuple[list[RequestId], list[RequestId]]:
+        """(requests finished, requests whose blocks were freed) since the last call: the worker
+        side drops their proposer state and input rows."""
+        out = self._ended, self._freed
+        self._ended, self._freed = [], []
+        return out
+
+    def land_loads(self, loaded: list[str], failed_blocks: set[int]) -> list[Request]:
+        """Async loads that finished go back to the queue (`finish_load`); returns requests that
+        ended (aborted meanwhile, or failed under kv_load_failure_policy=fail)."""
+        ended: list[Request] = []
+        for rid in loaded:
+            req = self.loading.get(RequestId(rid))
+            if req is None:
+                continue
+            ok = self.finish_load(req, failed_blocks)
+            if req.abort_requested:
+                self.end(req, RequestStatus.FINISHED_ABORTED)
+                ended.append(req)
+            elif not ok and self.fail_failed_loads:
+                req.fail("loading the prompt's KV from an offload tier failed (kv_load_failure_policy=fail)")
+                self.end(req, RequestStatus.FINISHED_ERROR)
+                ended.append(req)
+            elif not ok:
+                log.warning("request %s: offload load failed; recomputing those tokens", rid)
+        return ended

@@ -6,8 +6,32 @@ for expensive work (`ShareController`, engine/core/scheduler.py) both read. c0 i
 carries (reading the weights, launching kernels, Python); c1 is one more query token. On a
 2-core CPU with the demo model c0 is about 35 ms and c1 about 1.3 ms, so one decode step costs
 as much as ~27 prompt tokens; on a GPU c0/c1 is in the thousands.
+
+The scheduler's share for prompt log-prob work (issue 38): such a request recomputes its
+whole prompt and scores every position against the vocabulary. While other requests have work,
+the prompt tokens of log-prob requests (all together) are paid from a bucket that each step
+fills with PROMPT_LOGPROBS_SHARE of the others' step time and that each bite empties by what
+it measured (`ShareController`): the others' steps take about that much
+longer on average. Alone, bites of PROMPT_LOGPROBS_ALONE plain steps' cost: a request that
+arrives waits for the step in flight, which must stay short (one 2048-token bite with
+log-probs took 4 s on the demo model, and every request arriving then waited that long).
+The requests that waited for such a request's prefill (its other sequences) are paid from
+the same bucket for their whole life: 15 sequences reading a 3.6k-token prompt's blocks then
+computing their tails and decoding at that context are the same request's cost.
 """
 from __future__ import annotations
+
+# Prompt log-prob work beside others gets this share of their step time, in bites of at most
+# PROMPT_LOGPROBS_ALONE plain steps' cost, which is also its bite alone (~0.13-0.17 s on the demo
+# model, 2 CPU cores). A probe decoding beside it pays the share on each of its steps plus, when it
+# arrives between two of its requests, the alone bite in flight: at 0.5 the probe measured 1.8-1.9x
+# its idle latency (1.5x of it the share), at 0.3 1.5-1.8x in six runs, and the request took 49-55 s
+# instead of 41 s. Bites of 2 plain steps instead of 3 made the request 62 s and the probe no faster.
+# Until steps are measured, fixed counts.
+PROMPT_LOGPROBS_SHARE = 0.3
+PROMPT_LOGPROBS_ALONE = 3.0
+PROMPT_LOGPROBS_UNFITTED = 16
+PROMPT_LOGPROBS_UNFITTED_ALONE = 128
 
 DECAY = 0.98  # per observation: about the last 50 count
 MIN_OBSERVATIONS = 4

@@ -2,6 +2,7 @@
 
 `SchedulerOutput` is the scheduler's bookkeeping of a step (which requests, how many tokens,
 what was preempted); the engine core reads it when it applies the step's results.
+`StepResult` is what comes back, on the host, for `Scheduler.update` to apply.
 `RunPlan` is what the model runner gets: frozen, typed, and no live `Request`: each planned
 request's id, the token ids to run, where they start, whether the step samples it, and what
 scoring its prompt needs. Built by `SchedulerOutput.plan()`, or directly by a proposer that runs
@@ -92,3 +93,20 @@ def plan_after(reqs: list[Any], counts: list[int]) -> RunPlan:
     """A plan of each of `reqs`' next `counts` tokens after what it has computed or in flight (a
     proposer's draft forward over views of the target's requests)."""
     return SchedulerOutput([ScheduledRequest.after(r, n) for r, n in zip(reqs, counts)]).plan()
+
+
+@dataclass(frozen=True, eq=False)
+class StepResult:
+    """What a step that ran gives back to `Scheduler.update`: host values, indexed by the step's
+    entries (`SchedulerOutput.scheduled`)."""
+    sampled: tuple[int, ...]  # the entries that sampled, in row order
+    tokens: tuple[list[int], ...]  # per sampled entry: what it emitted (1 + the proposals it kept; [] if it failed)
+    logprobs: tuple[list[dict[int, float]] | None, ...]  # per sampled entry, per token
+    errors: dict[int, str] = field(default_factory=dict)  # position in `sampled` -> why its sampling failed
+    prompt_logprobs: dict[int, tuple[int, list]] = field(default_factory=dict)  # entry -> (first position, scores)
+    first_logits: dict[int, Any] = field(default_factory=dict)  # position in `sampled` -> logits row (return_first_logits)
+    failed: tuple[tuple[Request, str], ...] = ()  # requests whose forward failed on their own (not in the step)
+
+    def __post_init__(self) -> None:
+        if not len(self.sampled) == len(self.tokens) == len(self.logprobs):
+            raise ValueError("a step result needs tokens and logprobs for each sampled entry")

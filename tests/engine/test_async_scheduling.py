@@ -109,11 +109,11 @@ def test_an_abort_while_a_step_holds_it_frees_its_blocks_after_the_step(engines)
     assert victim.num_inflight_tokens > 0  # a planned or ran step holds its next token
     assert core.abort_request("ab1")
     assert victim.status is RequestStatus.FINISHED_ABORTED
-    assert victim.request_id in core._deferred  # its blocks outlive it until that step ran
+    assert victim.request_id in core.scheduler.deferred  # its blocks outlive it until that step ran
     core.check_integrity()
     while core.has_unfinished():
         core.step()
-    assert not core._deferred
+    assert not core.scheduler.deferred
     core.check_integrity()
     assert llm.get_stats().kv_cache_usage == 0
     assert [r.output_token_ids for r in (reqs[0], reqs[2], reqs[3])] == [want[0], want[2], want[3]]
