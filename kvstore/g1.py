@@ -41,7 +41,9 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, policy: EvictionPolicy[BlockId], enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, policy: EvictionPolicy[BlockId], enable_caching: bool = True,
+                 events: EventBuffer | None = None) -> None:
+        """`events`: where KV events about G1's prefix cache go (None: off)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1; got {num_blocks}")
         self.num_blocks = num_blocks
@@ -52,7 +54,7 @@ class BlockPool:
         self._cached: dict[BlockKey, BlockId] = {}
         self._pinned: set[BlockId] = set()  # in use and in the policy (pinned there): not evictable
         self.num_evictions = 0
-        self.events: EventBuffer | None = None  # set when KV events are enabled
+        self.events = events
         # Called with cached blocks about to lose their contents (eviction, prefix-cache reset)
         # while their keys and bytes are still valid: how write-back offload sees them.
         self.evict_hooks: list[Callable[[list[BlockId]], None]] = []

@@ -7,43 +7,29 @@ server's engine-core process both drive it.
 from __future__ import annotations
 
 import itertools
-from typing import Any
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from pathlib import Path
+from typing import Any
 
 import torch
 
-from connectors.base import KVConnector, NullConnector
+from connectors.base import NullConnector
 from connectors.pd import parse as parse_pd
-from connectors.factory import supports_kv_groups
-from engine.core.connector_setup import make_connector
+from engine.config import EngineConfig
 from engine.core.async_pipeline import PlannedStep, RanStep, mark_in_flight
+from engine.core.build import build
 from engine.core.isolation import FORWARD_ERRORS, execute_isolating
-from engine.runner import cpu_runtime, cpu_threads
-from engine.core import gpu_memory
-from engine.core.setup import attention_backend, eos_ids, kv_layout, step_token_budget, warn_unused_gpu_memory_utilization
-from engine.config import CPU_KV_CACHE_GIB, EngineConfig
-from engine.model_config import load_model_config
-from engine.kv.kv_events import open_events
-from kvstore.threads import one_torch_thread
-from engine.kv.kv_cache_manager import KVCacheManager
-from engine.runner.compiled import COMPILE_ERRORS, CompiledForward
-from engine.runner.loader import load_model, load_tokenizer
-from engine.runner.model_runner import ModelOutput, ModelRunner, kv_cache_bytes_per_block
 from engine.core.request import Request
-from engine.core.request_factory import Prepared, RequestFactory
-from engine.sample.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
-from engine.core.step_io import SchedulerOutput, StepResult
-from engine.spec.proposers import DraftPlan
-from engine.spec.decode import SpecDecoder, sample_outputs
+from engine.core.request_factory import Prepared
 from engine.core.stats import EngineInfo, EngineStats
-from kvstore.g1 import BlockPool
-from policies import make_policy
+from engine.core.step_io import SchedulerOutput, StepResult
+from engine.runner.model_runner import ModelOutput
+from engine.sample.stop import detokenize
+from engine.sampling_params import SamplingParams
+from engine.spec.decode import sample_outputs
+from kvstore.threads import one_torch_thread
 
 log = logging.getLogger(__name__)
 
@@ -53,92 +39,14 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        model_dir = Path(config.model)
-        self.model_config = mc = load_model_config(model_dir, config.dtype, config.device, config.kv_cache_dtype)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.eos_token_ids = eos_ids(model_dir, self.tokenizer)
-        self.requests = RequestFactory(self.tokenizer, mc.vocab_size, self.eos_token_ids, config.reasoning)
-        bs = config.block_size
+        p = build(config)  # G1 sizing, KV layout, model, compile, connector, proposer (engine/core/build.py)
+        self.model_config, self.tokenizer, self.eos_token_ids, self.requests = (
+            p.model_config, p.tokenizer, p.eos_token_ids, p.requests)
         self.hidden_spec = config.hidden_states
-        if self.hidden_spec is not None:
-            self.hidden_spec.check_model(mc.num_layers)
-        plan = DraftPlan.make(config.speculative, config, mc) if config.speculative is not None else None
-        # Why every layer must keep its history in one group, if it must (setup.kv_layout).
-        connector = config.offload_enabled or config.kv_transfer_config
-        one_group = "hidden-state export reads every layer's history" if self.hidden_spec else (
-            "the KV connector copies every layer of a block" if connector and not supports_kv_groups(
-                config.kv_transfer_config)
-            else ("--disable-hybrid-kv-cache-manager" if config.disable_hybrid_kv_cache_manager else None))
-        layout = kv_layout(mc, one_group)
-        if plan is not None and (plan.draft or plan.eagle3) and layout.groups[0].window:
-            # A draft's KV (full attention) follows group 0's table, which then must keep its history.
-            layout = kv_layout(mc, "a draft's full-attention KV follows a sliding group's table")
-        # G1 blocks carry the draft's KV beside the target's: both index the same block ids.
-        per_block = kv_cache_bytes_per_block(mc, bs, len(self.hidden_spec.layer_ids) if self.hidden_spec else 0,
-                                             layout.slots) + (plan.kv_bytes_per_block(bs) if plan is not None else 0)
-        max_len = config.max_model_len or mc.max_position_embeddings
-        if max_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={mc.max_position_embeddings}")
-        torch.manual_seed(config.seed)
-        backend = attention_backend(config.device)
-        # On a GPU with no explicit size, G1 is what gpu_memory_utilization leaves after the weights
-        # and a profiled forward, so the model loads first (its rope tables at the longest length).
-        profiled = config.device != "cpu" and config.num_gpu_blocks is None and config.kv_cache_memory_gib is None
-        compiled = config.optimization_level > 0  # resolved: 0 under enforce_eager
-        model = load_model(model_dir, mc, backend, max_len, config.device, compiled=compiled) if profiled else None
-        if profiled:
-            num_blocks = gpu_memory.profiled_num_blocks(
-                model, mc, config.device, config.gpu_memory_utilization, per_block,
-                step_token_budget(config, max_len), config.max_num_seqs, bs, max_len)
-        else:
-            num_blocks = config.num_gpu_blocks or int((config.kv_cache_memory_gib or CPU_KV_CACHE_GIB) * 2**30
-                                                      // per_block)
-        need = layout.blocks_per_sequence(max_len, bs, step_token_budget(config, max_len))
-        if need > num_blocks:
-            if config.max_model_len is not None:
-                raise ValueError(f"max_model_len={max_len} needs {need} KV blocks but G1 has {num_blocks}; "
-                                 "raise num_gpu_blocks / kv_cache_memory_gib or lower max_model_len")
-            while max_len > bs and layout.blocks_per_sequence(max_len, bs, step_token_budget(config, max_len)) > num_blocks:
-                max_len -= bs  # a few hundred iterations at most: G1 is small here
-            log.warning("max_model_len lowered to %d so one sequence fits in G1 (%d blocks)", max_len, num_blocks)
-        self.max_model_len = max_len
-        self.max_num_batched_tokens = step_token_budget(config, max_len)
-        if model is None:
-            model = load_model(model_dir, mc, backend, max_len, config.device, compiled=compiled)
-        self.pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy, num_blocks), config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, bs, layout)
-        self.runner = ModelRunner(model, mc, num_blocks, bs, config.device, self.hidden_spec,
-                                  group_decodes=backend.pads_decodes, max_rows=config.max_num_seqs,
-                                  max_model_len=max_len,
-                                  forward=CompiledForward(model, backend) if compiled else None,
-                                  aux_layer_ids=plan.aux_layer_ids if plan is not None else (), layout=layout)
-        self.threads = cpu_threads.start(config.cpu_threads, config.adaptive_cpu_threads, cpu_runtime.describe()
-                                         ) if config.device == "cpu" else None
-        if compiled:
-            try:  # compiles now (logged), not in the first request's step; at each thread count the CPU may use
-                if self.threads is not None:
-                    self.threads.warm_up(self.runner.warm_up)
-                else:
-                    self.runner.warm_up()
-            except COMPILE_ERRORS as e:
-                self.runner.use_eager()
-                log.warning("torch.compile failed, the model runs eagerly (with torch ops, not the fused C++ "
-                            "ones; -O0 or --enforce-eager avoid this): %s", str(e).strip().splitlines()[0][:300])
-        self.events, self.publisher = open_events(config.kv_events_config)
-        self.pool.events = self.events
-        self.connector: KVConnector = make_connector(config, mc, model_dir, self.hidden_spec, self.pool, self.events,
-                                                     self.runner) or NullConnector()
-        self.sampler = Sampler(config.seed)
-        self.spec: SpecDecoder | None = None
-        if plan is not None:
-            proposer = plan.build(config, backend, num_blocks, max_len, model, self.kv, self.sampler.generator)
-            self.spec = SpecDecoder(plan.spec, proposer, self.sampler.generator)
-            log.info("speculative decoding: %s, %d tokens per step", plan.spec.method.value,
-                     plan.spec.num_speculative_tokens)
-        lookahead = self.spec.k if self.spec is not None and self.spec.proposer.needs_lookahead else 0
-        self.scheduler = Scheduler(self.kv, config, self.max_num_batched_tokens, self.connector, num_lookahead_tokens=lookahead,
-                                   num_spec_placeholders=self.spec.k if self.spec and config.async_scheduling else 0,
-                                   eos_token_ids=self.eos_token_ids, detokenize=self.detokenize)
+        self.max_model_len, self.max_num_batched_tokens = p.max_model_len, p.max_num_batched_tokens
+        self.pool, self.kv, self.runner, self.threads = p.pool, p.kv, p.runner, p.threads
+        self.events, self.publisher, self.connector = p.events, p.publisher, p.connector
+        self.sampler, self.spec, self.scheduler = p.sampler, p.spec, p.scheduler
         # Async scheduling: the bookkeeping thread, the step planned to run next and the one that
         # ran but is not applied yet.
         self._helper = ThreadPoolExecutor(1, "kvtier-bookkeeping", initializer=one_torch_thread
@@ -147,10 +55,6 @@ class EngineCore:
         self._ran: RanStep | None = None
         self.busy_seconds = 0.0  # steps that ran a forward, and the forwards in them (EngineStats)
         self.forward_seconds = 0.0
-        if not profiled:
-            warn_unused_gpu_memory_utilization(config)
-        log.info("G1: %d blocks of %d tokens (%.2f GiB), max_model_len=%d, max_num_batched_tokens=%d",
-                 num_blocks, bs, num_blocks * per_block / 2**30, max_len, self.max_num_batched_tokens)
 
     def _publish_events(self) -> None:
         if self.publisher is not None and self.events is not None:
@@ -389,7 +293,7 @@ class EngineCore:
         return ended
 
     def detokenize(self, req: Request) -> str:
-        return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+        return detokenize(self.tokenizer, req)
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -34,8 +34,7 @@ from connectors.base import KVConnector, NullConnector
 from engine.config import EngineConfig, LoadFailurePolicy, SchedulingPolicy
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestId, RequestStatus
-from engine.core.step_cost import (PROMPT_LOGPROBS_ALONE, PROMPT_LOGPROBS_SHARE, PROMPT_LOGPROBS_UNFITTED,
-                                   PROMPT_LOGPROBS_UNFITTED_ALONE, ShareController)
+from engine.core.expensive import ExpensiveWork
 from engine.core.step_io import ScheduledRequest, SchedulerOutput, StepResult
 from engine.sample.stop import append_tokens
 from engine.core.waiting import WaitingQueue
@@ -91,10 +90,7 @@ class Scheduler:
         # token a launched step is still sampling (its proposals come after that).
         self.num_spec_placeholders = num_spec_placeholders
         self._passed_over: dict[RequestId, int] = {}  # shortest_prefill: steps each running prompt sat out
-        self._followers: set[RequestId] = set()  # requests that waited for an expensive one's prefill
-        # Prompt log-prob work per step, from how long steps ran (step_ran)
-        self.share = ShareController(PROMPT_LOGPROBS_SHARE, PROMPT_LOGPROBS_ALONE, PROMPT_LOGPROBS_UNFITTED,
-                                     PROMPT_LOGPROBS_UNFITTED_ALONE)
+        self.expensive = ExpensiveWork()  # prompt log-prob work's share of each step (the module docstring)
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -122,8 +118,8 @@ class Scheduler:
         finishes_prompt = False  # a prompt completes in this step
         inflight = self._inflight_keys()
         held: list[Request] = []  # waiting requests that sit this step out (see the module docstring)
-        plp = [self._prompt_logprobs_allowance(inflight)]  # prompt log-prob tokens this step may still take
-        out.prompt_logprobs_allowance = plp[0]
+        out.prompt_logprobs_allowance = self.expensive.begin_step(
+            self.running, self.waiting, lambda r: bool(inflight) and not inflight.keys().isdisjoint(self.kv.prompt_keys(r)))
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -133,7 +129,7 @@ class Scheduler:
                 deferred.append(req)
                 i += 1
                 continue
-            n = self._share(req, min(self._chunk(left), budget), plp)
+            n = self.expensive.cut(req, min(self._chunk(left), budget))
             if n == 0:  # its prompt log-probs' share of this step is spent
                 i += 1
                 continue
@@ -162,7 +158,7 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest.after(req, n, spec))
                 scheduled.add(req.request_id)
                 budget -= n
-                self._spend(req, n, plp)
+                self.expensive.spend(req, n)
                 finishes_prompt |= 1 < left == n
                 if srpt:
                     self._passed_over.pop(req.request_id, None)  # counts steps sat out in a row
@@ -174,8 +170,7 @@ class Scheduler:
             lookup = fresh and not req.wants_prompt_logprobs  # those need every prompt position's logits
             hits = self.kv.get_computed_blocks(req) if lookup else []
             if lookup and (owner := self._being_computed(req, len(hits), inflight)) is not None:
-                if self._expensive(owner):
-                    self._followers.add(req.request_id)
+                self.expensive.follow(req, owner)
                 held.append(self.waiting.pop())  # reads that block once it is cached
                 continue
             num_cached = len(hits) * self.kv.block_size if fresh else req.num_computed_tokens
@@ -198,7 +193,7 @@ class Scheduler:
                     self.loading[req.request_id] = req
                     continue
             remaining = req.num_tokens - num_cached
-            n = self._share(req, min(self._chunk(remaining), budget), plp)
+            n = self.expensive.cut(req, min(self._chunk(remaining), budget))
             if n == 0:
                 held.append(self.waiting.pop())
                 continue
@@ -219,14 +214,14 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest.after(req, n))
             scheduled.add(req.request_id)
             budget -= n
-            self._spend(req, n, plp)
+            self.expensive.spend(req, n)
             finishes_prompt |= n == remaining
             if fresh and self.kv.pool.enable_caching and len(self.waiting):  # admitted now: computing from here
                 self._add_inflight(inflight, req, num_cached)
         for req in reversed(held):  # back in their places, for the next step
             self.waiting.add(req, front=True)
         if deferred:
-            self._run_deferred(out, deferred, budget, scheduled, finishes_prompt, plp)
+            self._run_deferred(out, deferred, budget, scheduled, finishes_prompt)
         return out
 
     def _inflight_keys(self) -> dict[BlockKey, Request]:
@@ -253,39 +248,9 @@ class Scheduler:
             return inflight.get(keys[num_hit_blocks])
         return None
 
-    def _expensive(self, req: Request) -> bool:
-        """Its work is paid from the share bucket: it wants prompt log-probs, or it waited for the
-        prefill of one that does (the other sequences of such a request: their prompt tails and
-        decodes at its whole context are its cost too)."""
-        return req.wants_prompt_logprobs or req.request_id in self._followers
-
-    def _prompt_logprobs_allowance(self, inflight: dict[BlockKey, Request]) -> int | None:
-        """Tokens expensive requests (`_expensive`) may take this step, all together: what costs
-        PROMPT_LOGPROBS_SHARE of the others' step, or alone PROMPT_LOGPROBS_ALONE steps' fixed
-        cost; None (the step's budget) when there are none."""
-        if not any(self._expensive(r) for r in self.running) and not any(self._expensive(r) for r in self.waiting):
-            return None
-        others = sum(1 for r in self.running if not self._expensive(r))
-        others += sum(1 for r in self.waiting if not self._expensive(r)  # those held for a shared prefix: not yet
-                      and not (inflight and not inflight.keys().isdisjoint(self.kv.prompt_keys(r))))
-        return self.share.allowance(others)
-
     def step_ran(self, out: SchedulerOutput, seconds: float) -> None:
         """A scheduled step's forward took `seconds` (the engine's measurement)."""
-        expensive = sum(s.num_new_tokens for s in out.scheduled if self._expensive(s.req))
-        self.share.observe(out.num_tokens, seconds, expensive, out.prompt_logprobs_allowance)
-        if out.prompt_logprobs_allowance is not None and log.isEnabledFor(logging.DEBUG):  # the share, step by step
-            log.debug("step: %d tokens, %d paid from the share (allowance %s), %.3f s; running %d, waiting %d, "
-                      "followers %d, share credit %.3f s", out.num_tokens, expensive, out.prompt_logprobs_allowance,
-                      seconds, len(self.running), len(self.waiting), len(self._followers), self.share.credit)
-
-    def _share(self, req: Request, n: int, plp: list[int | None]) -> int:
-        """`n` new tokens, cut to the allowance for an expensive request."""
-        return n if plp[0] is None or not self._expensive(req) else min(n, plp[0])
-
-    def _spend(self, req: Request, n: int, plp: list[int | None]) -> None:
-        if plp[0] is not None and self._expensive(req):
-            plp[0] -= n
+        self.expensive.step_ran(out, seconds, len(self.running), len(self.waiting))
 
     def _prompt_left(self, req: Request) -> int:
         """Prompt tokens a waiting request has left to compute (after its G1 prefix hits, if fresh)."""
@@ -294,7 +259,7 @@ class Scheduler:
         return req.num_tokens - len(self.kv.get_computed_blocks(req)) * self.kv.block_size
 
     def _run_deferred(self, out: SchedulerOutput, deferred: list[Request], budget: int,
-                      scheduled: set[RequestId], finishes_prompt: bool, plp: list[int | None]) -> None:
+                      scheduled: set[RequestId], finishes_prompt: bool) -> None:
         """shortest_prefill: the running prompts that sat out get what budget is left, shortest
         first, unless a prompt finishes in this step (then they wait: no preemption for them)."""
         for req in sorted(deferred, key=_tokens_left):
@@ -303,14 +268,14 @@ class Scheduler:
             if finishes_prompt or budget <= 0:
                 self._passed_over[req.request_id] = self._passed_over.get(req.request_id, 0) + 1
                 continue
-            n = self._share(req, min(self._chunk(_tokens_left(req)), budget), plp)
+            n = self.expensive.cut(req, min(self._chunk(_tokens_left(req)), budget))
             if n == 0 or not self._allocate(req, n):
                 self._passed_over[req.request_id] = self._passed_over.get(req.request_id, 0) + 1
                 continue
             out.scheduled.append(ScheduledRequest.after(req, n))
             scheduled.add(req.request_id)
             budget -= n
-            self._spend(req, n, plp)
+            self.expensive.spend(req, n)
             self._passed_over.pop(req.request_id, None)
 
     def _chunk(self, remaining: int) -> int:
@@ -392,7 +357,7 @@ class Scheduler:
         caller frees them later (a launched step still writes them)."""
         req.status = status
         self._passed_over.pop(req.request_id, None)
-        self._followers.discard(req.request_id)
+        self.expensive.drop(req.request_id)
         if req in self.running:
             self.running.remove(req)
         elif self.loading.pop(req.request_id, None) is None:

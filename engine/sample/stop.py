@@ -6,6 +6,11 @@ from collections.abc import Callable
 from engine.core.request import Request, RequestStatus
 
 
+def detokenize(tokenizer, req: Request) -> str:
+    """A request's output text so far (what stop strings are matched against)."""
+    return tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+
+
 def check_stop(req: Request, eos_token_ids: frozenset[int], detokenize: Callable[[Request], str]
                ) -> RequestStatus | None:
     """The finish status after the request's last appended token, or None to go on. A stop

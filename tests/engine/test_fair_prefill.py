@@ -8,7 +8,7 @@ import pytest
 
 from checkpoints import hf_greedy, random_prompt
 from schedule_log import drain, record
-from engine.core import scheduler as sched_mod
+from engine.core import step_cost
 
 KIND = "llama"
 PROMPT = random_prompt(200, 4300)  # 12 full blocks of 16 and 8 tokens
@@ -92,7 +92,7 @@ def test_prompt_logprobs_take_a_share_of_steps_that_carry_other_work(ckpt_dir, h
     llm = LLM(str(ckpt_dir(KIND)), dtype="float32", num_gpu_blocks=256, max_num_batched_tokens=512)
     try:
         core = llm.engine
-        monkeypatch.setattr(core.scheduler.share, "observe", lambda *a: None)  # unfitted: a fixed schedule
+        monkeypatch.setattr(core.scheduler.expensive.share, "observe", lambda *a: None)  # unfitted: a fixed schedule
         steps = record(core)
         probe_prompt = random_prompt(10, 4302)
         probe = core.make_request("probe", probe_prompt, _params(4))
@@ -101,11 +101,11 @@ def test_prompt_logprobs_take_a_share_of_steps_that_carry_other_work(ckpt_dir, h
         scored = core.make_request("scored", PROMPT, _params(1, prompt_logprobs=3))
         core.add_request(scored)
         drain(core, [probe, scored])
-        cap = sched_mod.PROMPT_LOGPROBS_UNFITTED
+        cap = step_cost.PROMPT_LOGPROBS_UNFITTED
         with_probe = [s["scored"] for s in steps if "scored" in s and "probe" in s]
         alone = [s["scored"] for s in steps if "scored" in s and "probe" not in s]
         assert with_probe and all(n <= cap for n in with_probe), steps
-        assert alone and max(alone) == sched_mod.PROMPT_LOGPROBS_UNFITTED_ALONE  # bigger bites once it is done
+        assert alone and max(alone) == step_cost.PROMPT_LOGPROBS_UNFITTED_ALONE  # bigger bites once it is done
         assert sum(with_probe) + sum(alone) == 200
         assert probe.output_token_ids == hf_greedy(hf_model(KIND), probe_prompt, 4)
         assert len(scored.prompt_logprobs) == 199
@@ -191,7 +191,7 @@ def test_the_scheduler_cuts_prompt_logprob_chunks_to_the_allowance(ckpt_dir, mon
     llm = LLM(str(ckpt_dir(KIND)), dtype="float32", num_gpu_blocks=256, max_num_batched_tokens=512)
     try:
         core = llm.engine
-        monkeypatch.setattr(core.scheduler.share, "allowance", lambda others: 7 if others else 90)
+        monkeypatch.setattr(core.scheduler.expensive.share, "allowance", lambda others: 7 if others else 90)
         steps = record(core)
         scored = core.make_request("scored", random_prompt(300, 4303), _params(1, prompt_logprobs=1))
         core.add_request(scored)

@@ -1,0 +1,165 @@
+"""Builds an engine's parts from its config: the model and tokenizer, G1's size and KV layout,
+the runner (compiled and warmed up), the connector, the proposer and the scheduler. The order
+matters: on a GPU with no explicit G1 size the model loads first and a profiled forward says
+what memory G1 gets; G1's block size covers the draft's KV beside the target's; the connector
+wraps G1's pool; the scheduler gets the connector and the proposer's lookahead."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from connectors.base import KVConnector, NullConnector
+from connectors.factory import supports_kv_groups
+from engine.config import CPU_KV_CACHE_GIB, EngineConfig
+from engine.core import gpu_memory
+from engine.core.connector_setup import make_connector
+from engine.core.request_factory import RequestFactory
+from engine.core.scheduler import Scheduler
+from engine.core.setup import (attention_backend, eos_ids, kv_layout, step_token_budget,
+                               warn_unused_gpu_memory_utilization)
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.kv.kv_events import ZmqEventPublisher, open_events
+from engine.kv.kv_groups import KVLayout
+from engine.model_config import ModelConfig, load_model_config
+from engine.runner import cpu_runtime, cpu_threads
+from engine.runner.compiled import COMPILE_ERRORS, CompiledForward
+from engine.runner.loader import load_model, load_tokenizer
+from engine.runner.model_runner import ModelRunner, kv_cache_bytes_per_block
+from engine.sample.sampler import Sampler
+from engine.sample.stop import detokenize
+from engine.spec.decode import SpecDecoder
+from engine.spec.proposers import DraftPlan
+from kvstore.events import EventBuffer
+from kvstore.g1 import BlockPool
+from policies import make_policy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class EngineParts:
+    """What `EngineCore` runs, built once."""
+    model_config: ModelConfig
+    tokenizer: object
+    eos_token_ids: frozenset[int]
+    requests: RequestFactory
+    max_model_len: int
+    max_num_batched_tokens: int
+    pool: BlockPool
+    kv: KVCacheManager
+    runner: ModelRunner
+    threads: cpu_threads.ThreadGovernor | None  # the adaptive thread count (CPU)
+    events: EventBuffer | None
+    publisher: ZmqEventPublisher | None
+    connector: KVConnector
+    sampler: Sampler
+    spec: SpecDecoder | None
+    scheduler: Scheduler
+
+
+def _one_group_reason(config: EngineConfig) -> str | None:
+    """Why every layer must keep its history in one KV group, if it must (setup.kv_layout)."""
+    if config.hidden_states is not None:
+        return "hidden-state export reads every layer's history"
+    if (config.offload_enabled or config.kv_transfer_config) and not supports_kv_groups(config.kv_transfer_config):
+        return "the KV connector copies every layer of a block"
+    return "--disable-hybrid-kv-cache-manager" if config.disable_hybrid_kv_cache_manager else None
+
+
+def _fit_max_len(config: EngineConfig, layout: KVLayout, num_blocks: int, max_len: int) -> int:
+    """max_model_len such that one sequence fits in G1: an explicit one that does not is an error,
+    the model's default is lowered (logged)."""
+    bs = config.block_size
+    need = layout.blocks_per_sequence(max_len, bs, step_token_budget(config, max_len))
+    if need <= num_blocks:
+        return max_len
+    if config.max_model_len is not None:
+        raise ValueError(f"max_model_len={max_len} needs {need} KV blocks but G1 has {num_blocks}; "
+                         "raise num_gpu_blocks / kv_cache_memory_gib or lower max_model_len")
+    while max_len > bs and layout.blocks_per_sequence(max_len, bs, step_token_budget(config, max_len)) > num_blocks:
+        max_len -= bs  # a few hundred iterations at most: G1 is small here
+    log.warning("max_model_len lowered to %d so one sequence fits in G1 (%d blocks)", max_len, num_blocks)
+    return max_len
+
+
+def _warm_up(runner: ModelRunner, threads: cpu_threads.ThreadGovernor | None) -> None:
+    """Compiles now (logged), not in the first request's step; at each thread count the CPU may use."""
+    try:
+        if threads is not None:
+            threads.warm_up(runner.warm_up)
+        else:
+            runner.warm_up()
+    except COMPILE_ERRORS as e:
+        runner.use_eager()
+        log.warning("torch.compile failed, the model runs eagerly (with torch ops, not the fused C++ "
+                    "ones; -O0 or --enforce-eager avoid this): %s", str(e).strip().splitlines()[0][:300])
+
+
+def build(config: EngineConfig) -> EngineParts:
+    model_dir = Path(config.model)
+    mc = load_model_config(model_dir, config.dtype, config.device, config.kv_cache_dtype)
+    tokenizer = load_tokenizer(model_dir)
+    eos = eos_ids(model_dir, tokenizer)
+    bs = config.block_size
+    hidden = config.hidden_states
+    if hidden is not None:
+        hidden.check_model(mc.num_layers)
+    plan = DraftPlan.make(config.speculative, config, mc) if config.speculative is not None else None
+    layout = kv_layout(mc, _one_group_reason(config))
+    if plan is not None and (plan.draft or plan.eagle3) and layout.groups[0].window:
+        # A draft's KV (full attention) follows group 0's table, which then must keep its history.
+        layout = kv_layout(mc, "a draft's full-attention KV follows a sliding group's table")
+    # G1 blocks carry the draft's KV beside the target's: both index the same block ids.
+    per_block = kv_cache_bytes_per_block(mc, bs, len(hidden.layer_ids) if hidden else 0, layout.slots) + (
+        plan.kv_bytes_per_block(bs) if plan is not None else 0)
+    max_len = config.max_model_len or mc.max_position_embeddings
+    if max_len > mc.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={mc.max_position_embeddings}")
+    torch.manual_seed(config.seed)
+    backend = attention_backend(config.device)
+    # On a GPU with no explicit size, G1 is what gpu_memory_utilization leaves after the weights
+    # and a profiled forward, so the model loads first (its rope tables at the longest length).
+    profiled = config.device != "cpu" and config.num_gpu_blocks is None and config.kv_cache_memory_gib is None
+    compiled = config.optimization_level > 0  # resolved: 0 under enforce_eager
+    model = load_model(model_dir, mc, backend, max_len, config.device, compiled=compiled) if profiled else None
+    if profiled:
+        num_blocks = gpu_memory.profiled_num_blocks(
+            model, mc, config.device, config.gpu_memory_utilization, per_block,
+            step_token_budget(config, max_len), config.max_num_seqs, bs, max_len)
+    else:
+        num_blocks = config.num_gpu_blocks or int((config.kv_cache_memory_gib or CPU_KV_CACHE_GIB) * 2**30 // per_block)
+        warn_unused_gpu_memory_utilization(config)
+    max_len = _fit_max_len(config, layout, num_blocks, max_len)
+    budget = step_token_budget(config, max_len)
+    if model is None:
+        model = load_model(model_dir, mc, backend, max_len, config.device, compiled=compiled)
+    events, publisher = open_events(config.kv_events_config)
+    pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy, num_blocks), config.enable_prefix_caching, events)
+    kv = KVCacheManager(pool, bs, layout)
+    runner = ModelRunner(model, mc, num_blocks, bs, config.device, hidden, group_decodes=backend.pads_decodes,
+                         max_rows=config.max_num_seqs, max_model_len=max_len,
+                         forward=CompiledForward(model, backend) if compiled else None,
+                         aux_layer_ids=plan.aux_layer_ids if plan is not None else (), layout=layout)
+    threads = cpu_threads.start(config.cpu_threads, config.adaptive_cpu_threads, cpu_runtime.describe()
+                                ) if config.device == "cpu" else None
+    if compiled:
+        _warm_up(runner, threads)
+    connector = make_connector(config, mc, model_dir, hidden, pool, events, runner) or NullConnector()
+    sampler = Sampler(config.seed)
+    spec = None
+    if plan is not None:
+        proposer = plan.build(config, backend, num_blocks, max_len, model, kv, sampler.generator)
+        spec = SpecDecoder(plan.spec, proposer, sampler.generator)
+        log.info("speculative decoding: %s, %d tokens per step", plan.spec.method.value, plan.spec.num_speculative_tokens)
+    lookahead = spec.k if spec is not None and spec.proposer.needs_lookahead else 0
+    scheduler = Scheduler(kv, config, budget, connector, num_lookahead_tokens=lookahead,
+                          num_spec_placeholders=spec.k if spec and config.async_scheduling else 0,
+                          eos_token_ids=eos, detokenize=partial(detokenize, tokenizer))
+    log.info("G1: %d blocks of %d tokens (%.2f GiB), max_model_len=%d, max_num_batched_tokens=%d",
+             num_blocks, bs, num_blocks * per_block / 2**30, max_len, budget)
+    return EngineParts(mc, tokenizer, eos, RequestFactory(tokenizer, mc.vocab_size, eos, config.reasoning), max_len,
+                       budget, pool, kv, runner, threads, events, publisher, connector, sampler, spec, scheduler)
