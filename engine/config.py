@@ -38,13 +38,17 @@ class SchedulingPolicy(str, enum.Enum):
     SHORTEST_PREFILL = "shortest_prefill"
 
 
-# Token budget of one step when max_num_batched_tokens is not given: vLLM's CPU defaults. An
-# offline batch (LLM, generate, extract) favours throughput: on the prefill-heavy workload of
-# benchmarks/throughput.py 4096 gave 858 total tok/s against 802 at 2048 (fewer prompts split into
-# chunks after cached context). A server (`kvtier serve` passes its own) favours short gaps between
-# a running request's tokens.
-OFFLINE_MAX_BATCHED_TOKENS = 4096
-SERVER_MAX_BATCHED_TOKENS = 2048
+class UsageContext(str, enum.Enum):
+    """Who runs the engine, which picks some defaults (vLLM's UsageContext)."""
+    OFFLINE = "offline"  # LLM, kvtier generate / extract: a batch, for throughput
+    SERVER = "server"  # kvtier serve: short gaps between a running request's tokens
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """The step's token budget when max_num_batched_tokens is not given (vLLM's CPU defaults):
+        on the prefill-heavy workload of benchmarks/throughput.py 4096 gave 858 total tok/s against
+        802 at 2048 (fewer prompts split into chunks after cached context)."""
+        return 2048 if self is UsageContext.SERVER else 4096
 
 # G1 size on CPU when neither kv_cache_memory_gib nor num_gpu_blocks is given (on CUDA the
 # budget comes from gpu_memory_utilization instead).
@@ -93,15 +97,16 @@ class Group(str, enum.Enum):
     SPECULATIVE = "speculative decoding and hidden-state export"
 
 
-def setting(default: Any, help: str, *, group: Group = Group.ENGINE, flag: str | None = None,
+def setting(default: Any, help: str, *, group: enum.Enum = Group.ENGINE, flag: str | None = None,
             aliases: tuple[str, ...] = (), metavar: str | None = None, choices: tuple[Any, ...] | None = None,
-            check: Callable[[str], Any] | None = None) -> Any:
-    """An EngineConfig field declared once: its default, and the help text and CLI flag that
+            check: Callable[[str], Any] | None = None, env: str | None = None) -> Any:
+    """A settings field (EngineConfig's, or a command's own) declared once: its default, and the help text and CLI flag that
     server/args.py generates from it. `flag` defaults to the field's name in kebab case (vLLM's
     flag names); `%(default)s` in the help is the default; `check` turns the flag's string into
-    the value (a ValueError is a usage error)."""
+    the value (a ValueError is a usage error); `env`: an environment variable whose value, when
+    set, is the flag's default instead. `group` titles the flag's section of `--help`."""
     return field(default=default, metadata={"help": help, "group": group, "flag": flag, "aliases": aliases,
-                                            "metavar": metavar, "choices": choices, "check": check})
+                                            "metavar": metavar, "choices": choices, "check": check, "env": env})
 
 
 @dataclass(frozen=True)
@@ -125,8 +130,9 @@ class EngineConfig:
                                         "max_position_embeddings, lowered to what G1 holds)")
     max_num_seqs: int = setting(256, "most requests running at once (default: %(default)s)")
     max_num_batched_tokens: int | None = setting(
-        None, f"token budget of one step; long prompts are chunked to fit (default: {SERVER_MAX_BATCHED_TOKENS} "
-        f"for serve, {OFFLINE_MAX_BATCHED_TOKENS} for offline use, vLLM's CPU defaults)")
+        None, f"token budget of one step; long prompts are chunked to fit (default: "
+        f"{UsageContext.SERVER.max_num_batched_tokens} for serve, {UsageContext.OFFLINE.max_num_batched_tokens} "
+        "for offline use, vLLM's CPU defaults)")
     long_prefill_token_threshold: int = setting(
         0, "most prompt tokens one request computes in one step (0: no cap, the default); a long prompt then "
         "leaves room in each step for other requests' prompts, which lowers their time to first token",
@@ -230,6 +236,8 @@ class EngineConfig:
         True, "CPU: run fewer forward threads while other processes load the same CPUs, and go back when they "
         "stop (an OpenMP team sharing a core with a busy process waits for it at every barrier: 3-12x slower "
         "steps); each change is logged (default: on)")
+    # Who runs the engine (not a flag: the command says it), for the defaults that depend on it.
+    usage_context: UsageContext = UsageContext.OFFLINE
     # The secret itself, read in __post_init__: never in repr, never compared.
     kv_offload_secret: bytes | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -253,6 +261,7 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be >= 1; got {self.cpu_threads}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
+        object.__setattr__(self, "usage_context", UsageContext(self.usage_context))
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
         if self.long_prefill_token_threshold < 0:
@@ -318,8 +327,13 @@ JSON_SETTINGS = tuple(f.name for f in fields(EngineConfig) if f.type == "dict[st
 
 
 def engine_settings() -> tuple[Field[Any], ...]:
-    """EngineConfig's settings (`model` first): what LLM(...) takes and the CLI's engine flags map to."""
+    """EngineConfig's settings (`model` first): what LLM(...) takes. All but `usage_context` are
+    flags (`is_flag`); that one the command says (serve: UsageContext.SERVER)."""
     return tuple(f for f in fields(EngineConfig) if f.init)
+
+
+def is_flag(f: Field[Any]) -> bool:
+    return "help" in f.metadata
 
 
 def parse_json_setting(value: dict[str, Any] | str | None, name: str) -> dict[str, Any] | None:

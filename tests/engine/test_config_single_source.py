@@ -11,7 +11,7 @@ import inspect
 import pytest
 
 import engine.llm as llm_mod
-from engine.config import EngineConfig, engine_settings, setting
+from engine.config import EngineConfig, UsageContext, engine_settings, is_flag, setting
 from engine.llm import LLM
 from server.args import add_engine_args, llm_kwargs
 from server.cli import main as cli_main
@@ -45,7 +45,7 @@ def test_every_setting_is_in_each_commands_help(command, capsys):
         cli_main([command, "--help"])
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
-    for f in engine_settings()[1:]:
+    for f in filter(is_flag, engine_settings()):
         flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
         assert flag in out, f"{command} --help lacks {flag}"
 
@@ -71,3 +71,45 @@ def test_a_changed_default_reaches_the_flags_the_help_and_llm(monkeypatch, capsy
     monkeypatch.setattr(llm_mod, "EngineCore", NoEngine)
     LLM("unused", device="cpu")
     assert built[0].block_size == 32 and built[0] == Changed(model="unused", device="cpu")
+
+
+def test_the_step_budgets_default_depends_on_who_runs_the_engine():
+    from engine.core.setup import step_token_budget
+
+    offline, server = (EngineConfig(model="unused", device="cpu", usage_context=u) for u in UsageContext)
+    assert step_token_budget(offline, 512) == UsageContext.OFFLINE.max_num_batched_tokens == 4096
+    assert step_token_budget(server, 512) == UsageContext.SERVER.max_num_batched_tokens == 2048
+    assert EngineConfig(model="unused", device="cpu", usage_context="server").usage_context is UsageContext.SERVER
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert llm_kwargs(p.parse_args([]), UsageContext.SERVER)["usage_context"] is UsageContext.SERVER
+
+
+def test_server_settings_are_declared_once_too(monkeypatch, capsys):
+    """`kvtier serve`'s own flags are generated from ServerSettings' declarations: a changed
+    default reaches the flag, the help and the settings built from the flags."""
+    from server.args import add_setting_args
+    from server.serve import build_parser
+    from server.settings import ServerSettings
+
+    ns = build_parser().parse_args([])
+    built = ServerSettings.from_flags(ns, served_model_names=("m",), model_path="m")
+    for f in ServerSettings.flag_fields():
+        if f.name != "api_key":  # its default is $KVTIER_API_KEY's value
+            assert getattr(built, f.name) == f.default, f.name
+
+    @dataclasses.dataclass(frozen=True)
+    class Changed(ServerSettings):
+        max_pending_requests: int = setting(64, "sequences in flight (default: %(default)s)")
+
+    p = argparse.ArgumentParser()
+    add_setting_args(p, Changed)
+    ns = p.parse_args([])
+    assert Changed.from_flags(ns, served_model_names=("m",), model_path="m").max_pending_requests == 64
+    p.print_help()
+    assert "(default: 64)" in capsys.readouterr().out
+    monkeypatch.setenv("KVTIER_API_KEY", "k")
+    assert build_parser().parse_args([]).api_key == "k"
+    with pytest.raises(ValueError, match="port"):
+        ServerSettings.from_flags(build_parser().parse_args(["--port", "70000"]), served_model_names=("m",),
+                                  model_path="m")
