@@ -229,8 +229,8 @@ def _host(ctx: ConnectorContext, size_gib: float, policy: PolicySpecLike | None)
     if slots < 1:
         raise ValueError(f"kv_offloading_size={size_gib} GiB holds no offload block of "
                          f"{ctx.layout.encoded_bytes / 2**20:.1f} MiB; raise it or lower the offload block size")
-    g2 = HostTier(slots, ctx.layout.encoded_bytes, make_policy(policy or ctx.eviction_policy, slots), pin_memory=_cuda())
-    g2.events = ctx.events
+    g2 = HostTier(slots, ctx.layout.encoded_bytes, make_policy(policy or ctx.eviction_policy, slots), pin_memory=_cuda(),
+                  events=ctx.events)
     log.info("G2: %d blocks of %d tokens (%.2f GiB)", slots, ctx.layout.tokens, slots * ctx.layout.encoded_bytes / 2**30)
     return g2
 

@@ -35,7 +35,8 @@ class TierStats:
 
 
 class HostTier:
-    def __init__(self, num_slots: int, slot_bytes: int, policy: EvictionPolicy[BlockKey], pin_memory: bool = False):
+    def __init__(self, num_slots: int, slot_bytes: int, policy: EvictionPolicy[BlockKey], pin_memory: bool = False,
+                 events: EventBuffer | None = None):
         if num_slots < 1:
             raise ValueError(f"G2 needs at least one slot of {slot_bytes} bytes")
         self.slot_bytes = slot_bytes
@@ -49,7 +50,7 @@ class HostTier:
         self._pins: dict[BlockKey, int] = {}
         self._free = list(range(num_slots - 1, -1, -1))
         self.stats = TierStats()
-        self.events: EventBuffer | None = None
+        self.events = events  # KV events of blocks G2 drops (None: off)
         # Readable entries announced by a BlockStored, with the G1 keys it named: their eviction
         # announces the removal of the same keys (an entry stored without them never is).
         self._announced: dict[BlockKey, tuple[BlockKey, ...]] = {}

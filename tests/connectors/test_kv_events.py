@@ -120,8 +120,7 @@ def test_g2_announces_only_what_it_can_name():
     from kvstore.host import HostTier
     from policies import make_policy
 
-    g2 = HostTier(1, 64, make_policy("lru"))
-    g2.events = EventBuffer()
+    g2 = HostTier(1, 64, make_policy("lru"), events=EventBuffer())
     a = ChunkBlocks((b"a" * 16, b"A" * 16), None, tuple(range(32)), 16)
     for key, blocks in [(b"A" * 16, a), (b"B" * 16, None), (b"C" * 16, a)]:
         assert g2.prepare_store(key, b"d" * 16) is not None  # evicts the one before
