@@ -11,7 +11,7 @@ from checkpoints import random_prompt
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral_swa"])  # mistral_swa: the kernels' window
 def test_engine_on_triton_backend_gives_the_torch_backends_tokens(device, ckpt_dir, kind, monkeypatch):
     from engine import LLM, SamplingParams
-    from engine.core import engine_core
+    from engine.core import build
     from engine.runner.attention import TorchPagedAttention
     from engine.runner.attention_triton import TritonPagedAttention
 
@@ -20,7 +20,7 @@ def test_engine_on_triton_backend_gives_the_torch_backends_tokens(device, ckpt_d
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
     def tokens(backend) -> list[list[int]]:
-        monkeypatch.setattr(engine_core, "attention_backend", lambda _device: backend())
+        monkeypatch.setattr(build, "attention_backend", lambda _device: backend())
         llm = LLM(str(ckpt_dir(kind)), dtype="float32", device=device.type, kv_cache_memory_gib=0.05,
                   max_num_batched_tokens=64)
         try:
