@@ -210,6 +210,12 @@ class EngineConfig:
     async_scheduling: bool = setting(
         False, "plan step N+1 and prepare its inputs on a helper thread while step N's forward runs; the step-time "
         "share with no forward running is in /v1/kv/stats as bubble_fraction. Composes with --speculative-config")
+    tensor_parallel_size: int = setting(
+        1, "ranks the model is sharded over, Megatron-style (attention heads and MLP columns split, an all-reduce "
+        "after each attention and MLP block; engine/parallel/): rank 0 runs in the engine's process, every other "
+        "rank in a worker process of its own, on CPU bound to cores of its own. Dense Llama-family and Gemma 3 "
+        "models; not yet with KV offload or a KV connector, --speculative-config or --async-scheduling, and it "
+        "runs eagerly (default: %(default)s)", aliases=("-tp",), metavar="N")
     disable_hybrid_kv_cache_manager: bool = setting(
         False, "lay G1 out as one KV group of every layer, each keeping its whole history (vLLM's flag), instead "
         "of a block table per kind of layer where sliding-window layers keep only their window")
@@ -253,8 +259,13 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         object.__setattr__(self, "device", resolve_device(self.device))
-        object.__setattr__(self, "optimization_level", _optimization_level(self.optimization_level, self.device,
-                                                                                 self.enforce_eager))
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1; got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.optimization_level:
+            log.warning("optimization_level=%d not applied: tensor_parallel_size=%d runs eagerly for now",
+                        self.optimization_level, self.tensor_parallel_size)
+        object.__setattr__(self, "optimization_level", _optimization_level(
+            self.optimization_level if self.tensor_parallel_size == 1 else 0, self.device, self.enforce_eager))
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
@@ -304,6 +315,14 @@ class EngineConfig:
             object.__setattr__(self, "kv_load_failure_policy", LoadFailurePolicy(policy))
         except ValueError:
             raise ValueError(f"kv_load_failure_policy must be 'recompute' or 'fail'; got {policy!r}") from None
+        if self.tensor_parallel_size > 1:
+            refused = [name for name, on in (("KV offload", self.offload_enabled),
+                                             ("kv_transfer_config", self.kv_transfer_config),
+                                             ("speculative_config", self.speculative_config),
+                                             ("async_scheduling", self.async_scheduling)) if on]
+            if refused:
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not work with "
+                                 f"{', '.join(refused)} yet (each rank would need its shard of those)")
 
     @property
     def hidden_states(self) -> HiddenStatesSpec | None:

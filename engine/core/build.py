@@ -25,6 +25,8 @@ from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_events import ZmqEventPublisher, open_events
 from engine.kv.kv_groups import KVLayout
 from engine.model_config import ModelConfig, load_model_config
+from engine.parallel.ranks import Ranks
+from engine.parallel.shard import TPShard
 from engine.runner import cpu_runtime, cpu_threads
 from engine.runner.compiled import COMPILE_ERRORS, CompiledForward
 from engine.runner.loader import load_model, load_tokenizer
@@ -101,7 +103,11 @@ def _warm_up(runner: ModelRunner, threads: cpu_threads.ThreadGovernor | None) ->
 
 def build(config: EngineConfig) -> EngineParts:
     model_dir = Path(config.model)
-    mc = load_model_config(model_dir, config.dtype, config.device, config.kv_cache_dtype)
+    full = load_model_config(model_dir, config.dtype, config.device, config.kv_cache_dtype)
+    shard = TPShard(0, config.tensor_parallel_size)
+    if not shard.trivial and config.device != "cpu":
+        raise ValueError(f"tensor_parallel_size={shard.size}: tensor parallelism runs on CPU ranks (gloo) for now")
+    mc = shard.config(full)  # this rank's heads and MLP columns
     tokenizer = load_tokenizer(model_dir)
     eos = eos_ids(model_dir, tokenizer)
     bs = config.block_size
@@ -109,7 +115,8 @@ def build(config: EngineConfig) -> EngineParts:
     if hidden is not None:
         hidden.check_model(mc.num_layers)
     plan = DraftPlan.make(config.speculative, config, mc) if config.speculative is not None else None
-    layout = kv_layout(mc, _one_group_reason(config))
+    one_group = _one_group_reason(config)
+    layout = kv_layout(mc, one_group)
     if plan is not None and (plan.draft or plan.eagle3) and layout.groups[0].window:
         # A draft's KV (full attention) follows group 0's table, which then must keep its history.
         layout = kv_layout(mc, "a draft's full-attention KV follows a sliding group's table")
@@ -135,17 +142,31 @@ def build(config: EngineConfig) -> EngineParts:
         warn_unused_gpu_memory_utilization(config)
     max_len = _fit_max_len(config, layout, num_blocks, max_len)
     budget = step_token_budget(config, max_len)
-    if model is None:
-        model = load_model(model_dir, mc, backend, max_len, config.device, compiled=compiled)
+    ranks = Ranks(config, num_blocks, max_len, one_group) if not shard.trivial else None
+    try:
+        if model is None:
+            model = load_model(model_dir, mc, backend, max_len, config.device, compiled=compiled, shard=shard,
+                               full_config=full)
+        if ranks is not None:
+            ranks.connect()
+            shard.attach(model, ranks.all_reduce)
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
     events, publisher = open_events(config.kv_events_config)
     pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy, num_blocks), config.enable_prefix_caching, events)
     kv = KVCacheManager(pool, bs, layout)
     runner = ModelRunner(model, mc, num_blocks, bs, config.device, hidden, group_decodes=backend.pads_decodes,
                          max_rows=config.max_num_seqs, max_model_len=max_len,
                          forward=CompiledForward(model, backend) if compiled else None,
-                         aux_layer_ids=plan.aux_layer_ids if plan is not None else (), layout=layout)
-    threads = cpu_threads.start(config.cpu_threads, config.adaptive_cpu_threads, cpu_runtime.describe()
-                                ) if config.device == "cpu" else None
+                         aux_layer_ids=plan.aux_layer_ids if plan is not None else (), layout=layout, peers=ranks)
+    if config.device != "cpu":
+        threads = None
+    elif ranks is not None:  # rank 0 runs on its share of the CPUs; the governor does not move ranks
+        threads = cpu_threads.start(config.cpu_threads or len(ranks.cpus[0]), False, cpu_runtime.describe())
+    else:
+        threads = cpu_threads.start(config.cpu_threads, config.adaptive_cpu_threads, cpu_runtime.describe())
     if compiled:
         _warm_up(runner, threads)
     connector = make_connector(config, mc, model_dir, hidden, pool, events, runner) or NullConnector()

@@ -76,6 +76,7 @@ class EngineCore:
             self._helper.shutdown()
             self._helper = None
         self.sampler.masks.close()
+        self.runner.close()
         self.connector.close()
         self.connector = NullConnector()
         self.scheduler.set_connector(self.connector)

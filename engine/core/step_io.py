@@ -10,6 +10,7 @@ its draft model through a runner of its own.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ class PlannedRequest:
     start: int  # position of the first token
     samples: bool  # the step reaches the end of the sequence and samples its next token(s)
     prompt_logprobs: int | None = None  # top-k: this step scores prompt positions (`prompt_token_ids` is the prompt)
-    prompt_token_ids: tuple[int, ...] | list[int] = ()
+    prompt_token_ids: Sequence[int] = ()  # the request's own list: not copied every step
 
     def __post_init__(self) -> None:
         if self.num_placeholders < 0 or self.start < 0:

@@ -15,6 +15,7 @@ from engine.runner.attention import AttentionBackend
 from engine.model_config import ModelConfig
 from engine.models import SUPPORTED_ARCHITECTURES
 from engine.models.packed_linear import pack_linears, packing_available
+from engine.parallel.shard import TPShard
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +40,11 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max_len: int, device: str,
-               fused_ops: bool = True, compiled: bool = False):
+               fused_ops: bool = True, compiled: bool = False, shard: TPShard | None = None,
+               full_config: ModelConfig | None = None):
     """`compiled`: for torch.compile (engine/runner/compiled.py), which fuses the norms and rotary
-    embedding by itself, so the eager fused C++ ops are not switched on."""
+    embedding by itself, so the eager fused C++ ops are not switched on. `shard`: a tensor-parallel
+    rank's part (`cfg` its shapes, `full_config` the checkpoint's; engine/parallel/shard.py)."""
     start = time.perf_counter()
     spec = SUPPORTED_ARCHITECTURES[cfg.architecture]
     with torch.device("meta"):
@@ -51,7 +54,10 @@ def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max
     model.reset_rope(max_len, device)  # to_empty() left the rope buffers uninitialised
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights((k, v.to(cfg.dtype)) for k, v in iter_safetensors(model_dir))
+    tensors = iter_safetensors(model_dir)
+    if shard is not None:
+        tensors = shard.weights(full_config or cfg, tensors)
+    model.load_weights((k, v.to(cfg.dtype)) for k, v in tensors)
     model.eval().requires_grad_(False)
     cpu = device == "cpu" and cfg.dtype in (torch.float32, torch.bfloat16)
     if cpu and packing_available(cfg.dtype):

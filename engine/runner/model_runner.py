@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 
@@ -22,6 +23,13 @@ from engine.core.step_io import RunPlan
 
 
 MIN_DECODE_GROUP = 8
+
+
+class Peers(Protocol):
+    """The other tensor-parallel ranks, as the runner drives them (engine/parallel/ranks.py)."""
+    def step(self, plan: RunPlan, block_tables: list) -> None: ...
+    def release(self, req_id: RequestId) -> None: ...
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -102,8 +110,13 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int, device: str,
                  hidden_spec: HiddenStatesSpec | None = None, group_decodes: bool = True, *, max_rows: int,
                  max_model_len: int, forward: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] | None = None,
-                 aux_layer_ids: tuple[int, ...] = (), layout: KVLayout | None = None) -> None:
+                 aux_layer_ids: tuple[int, ...] = (), layout: KVLayout | None = None,
+                 peers: Peers | None = None, computes_logits: bool = True) -> None:
+        """`peers`: the other tensor-parallel ranks (engine/parallel/ranks.py), sent each step before
+        this rank runs its shard; `computes_logits=False`: a worker rank, whose logits nobody reads."""
         self.model = model
+        self.peers = peers
+        self.computes_logits = computes_logits
         self.forward = forward or model  # engine/runner/compiled.py's CompiledForward, or the eager model
         self.group_decodes = group_decodes  # the backend's `pads_decodes`
         self.cfg = cfg
@@ -133,11 +146,24 @@ class ModelRunner:
         self.forward = self.model
 
     def release(self, req_id: RequestId) -> None:
-        """The request finished: its input-batch row is free for another."""
+        """The request finished: its input-batch row is free for another (on every rank)."""
+        self._drop(req_id)
+        if self.peers is not None:
+            self.peers.release(req_id)
+
+    def _drop(self, req_id: RequestId) -> None:
         for batch in self.batches:
             batch.release(req_id)
 
+    def close(self) -> None:
+        """Stops the other ranks, if any."""
+        if self.peers is not None:
+            self.peers.close()
+            self.peers = None
+
     def execute(self, plan: RunPlan, block_tables: list[list[int]]) -> ModelOutput:
+        if self.peers is not None:
+            self.peers.step(plan, block_tables)
         return self.run(self.prepare(plan, block_tables))
 
     @torch.inference_mode()
@@ -151,9 +177,10 @@ class ModelRunner:
             self.hidden_cache.view(-1, n, h).index_copy_(0, step.meta.slot_mapping, states)
         if self.aux_layer_ids:  # EAGLE-3 features: the aux layers side by side, in their given order
             self.last_aux = torch.cat([captured[capture.index(i)] for i in self.aux_layer_ids], dim=-1)
-        rows = step.sample_rows
+        rows = step.sample_rows if self.computes_logits else []
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
-        prompt = prompt_logprobs(hidden, step.prompt_rows, self.model.compute_logits) if step.prompt_rows else {}
+        prompt = prompt_logprobs(hidden, step.prompt_rows, self.model.compute_logits) \
+            if step.prompt_rows and self.computes_logits else {}
         return ModelOutput(logits.float(), step.sampled, step.row_starts, prompt)
 
     @torch.inference_mode()  # inference tensors, as at warm-up: the compiled graph's guards see no change
@@ -162,8 +189,8 @@ class ModelRunner:
         included), and the rows whose logits are sampled. A request's tokens start after those
         computed or in flight; the ones not sampled yet become placeholders. `block_tables[i]`:
         the i-th request's table per KV group (a tuple), or its one table (a list)."""
-        for rid in plan.released:
-            self.release(rid)
+        for rid in plan.released:  # every rank drops these itself: they travel in the plan
+            self._drop(rid)
         input_ids: list[int] = []
         positions: list[int] = []
         spans: list[tuple[int, int, int]] = []  # each request's (first query row, query tokens, context length)

@@ -1,0 +1,205 @@
+"""The other tensor-parallel ranks: worker processes that run their shard of each step.
+
+Rank 0 is the engine's own process: it schedules, runs its shard, samples. Every step it sends
+each worker the step's typed `RunPlan` and block tables (msgpack over a pipe, never pickle), then
+all ranks run the forward, meeting at each all-reduce (a gloo process group of their own, not
+torch.distributed's global one, so several engines can live in one process). A worker waits for
+the next step on its pipe, not in a collective, so an idle engine hits no collective timeout.
+
+Failure: a worker that exits is seen before the next step (`RankFailed`, naming it); one that
+hangs (SIGSTOP) leaves rank 0 in an all-reduce until COLLECTIVE_TIMEOUT_S, then `RankFailed`.
+`RankFailed` is not a request's error, so failure isolation does not retry it: the engine stops.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Union
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.core.step_io import RunPlan
+
+log = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT_S = 30.0  # an all-reduce that waits longer means a rank hangs (a layer takes far less)
+START_TIMEOUT_S = 600.0  # a worker loading its shard
+REPO = Path(__file__).resolve().parents[2]  # where `engine` is imported from, for the workers' PYTHONPATH
+
+
+class RankFailed(Exception):
+    """A tensor-parallel rank died, hung or failed to start; the engine cannot go on."""
+
+
+class WorkerSpec(msgspec.Struct, tag="spec"):
+    """What a worker needs to build its rank: the first message it gets."""
+    rank: int
+    size: int
+    model: str
+    dtype: str
+    device: str
+    kv_cache_dtype: str
+    block_size: int
+    max_num_seqs: int
+    num_blocks: int
+    max_len: int
+    one_group: str | None  # why G1 keeps every layer in one KV group, if it must (engine/core/setup.kv_layout)
+    store_path: str  # the process group's rendezvous file
+    cpus: tuple[int, ...]  # the CPUs it runs on (empty: all)
+
+
+class Step(msgspec.Struct, tag="step"):
+    plan: RunPlan
+    tables: list[tuple[list[int], ...]]  # per request, per KV group
+    released: list[str]  # finished requests whose input-batch rows go first
+
+
+class Stop(msgspec.Struct, tag="stop"):
+    pass
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    rank: int
+
+
+class Failed(msgspec.Struct, tag="failed"):
+    rank: int
+    error: str
+
+
+encode_message = msgspec.msgpack.Encoder().encode
+to_worker = msgspec.msgpack.Decoder(Union[WorkerSpec, Step, Stop])  # what a worker reads
+to_rank0 = msgspec.msgpack.Decoder(Union[Ready, Failed])  # what rank 0 reads at start-up
+
+
+def cpu_sets(size: int) -> list[tuple[int, ...]]:
+    """Disjoint CPUs for each rank, from this process's usable ones (the affinity mask): contiguous
+    chunks, so a rank's OpenMP team never shares a core with another rank's. Fewer CPUs than ranks:
+    every rank gets all of them (logged)."""
+    from engine.runner.cpu_threads import usable_cpus
+
+    usable = usable_cpus()
+    cpus = usable.cpus[:usable.count] if usable.cpus else tuple(range(usable.count))
+    if len(cpus) < size:
+        log.warning("tensor_parallel_size=%d on %d usable CPUs: the ranks share them", size, len(cpus))
+        return [tuple(cpus)] * size
+    per = len(cpus) // size
+    return [tuple(cpus[r * per:(r + 1) * per]) for r in range(size)]
+
+
+def process_group(store_path: str, rank: int, size: int) -> Any:
+    store = dist.FileStore(store_path, size)
+    return dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+class Ranks:
+    """Rank 0's side: the workers, their sockets and the process group."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int, max_len: int, one_group: str | None) -> None:
+        """Starts ranks 1..N-1 loading their shards (rank 0 loads its own meanwhile; `connect`).
+        Workers are plain subprocesses (`python -m engine.parallel.worker`), not multiprocessing
+        children: `kvtier serve`'s engine core is a daemonic process, which may not have those."""
+        size = config.tensor_parallel_size
+        self.size = size
+        self._dir = tempfile.mkdtemp(prefix="kvtier-tp-")
+        self._store = str(Path(self._dir) / "store")
+        self.cpus = cpu_sets(size) if config.device == "cpu" else [()] * size
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
+        self._conns: list[Connection] = []
+        self._procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(1, size):
+                ours, theirs = socket.socketpair()
+                proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.worker", str(theirs.fileno())],
+                                        pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+                theirs.close()
+                conn = Connection(ours.detach())
+                self._conns.append(conn)
+                self._procs.append(proc)
+                conn.send_bytes(encode_message(WorkerSpec(
+                    rank, size, config.model, config.dtype, config.device, config.kv_cache_dtype, config.block_size,
+                    config.max_num_seqs, num_blocks, max_len, one_group, self._store, self.cpus[rank])))
+        except OSError as e:
+            self.close()
+            raise RankFailed(f"starting the tensor-parallel workers failed: {e}") from None
+        self._released: list[str] = []
+        self._pg: Any = None
+        log.info("tensor parallelism: %d ranks (workers %s)%s", size, ", ".join(str(p.pid) for p in self._procs),
+                 "; CPUs " + " | ".join(",".join(map(str, c)) for c in self.cpus) if any(self.cpus) else "")
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        """The workers' process ids, rank 1 first."""
+        return tuple(p.pid for p in self._procs)
+
+    def connect(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Waits until every worker has loaded its shard, then joins the process group."""
+        deadline = time.monotonic() + timeout_s
+        for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):
+            while not conn.poll(0.1):
+                if proc.poll() is not None:
+                    raise RankFailed(f"tensor-parallel rank {rank} exited during start-up (code {proc.returncode})")
+                if time.monotonic() > deadline:
+                    raise RankFailed(f"tensor-parallel rank {rank} did not load its shard within {timeout_s:.0f} s")
+            msg = to_rank0.decode(conn.recv_bytes())
+            if isinstance(msg, Failed):
+                raise RankFailed(f"tensor-parallel rank {msg.rank} failed to start: {msg.error}")
+        self._pg = process_group(self._store, 0, self.size)
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sums `t` over the ranks, in place."""
+        try:
+            self._pg.allreduce([t]).wait()
+        except RuntimeError as e:  # gloo's timeout, or a peer that closed its connection
+            self._check_alive()
+            raise RankFailed(f"an all-reduce across the {self.size} tensor-parallel ranks failed (a rank hangs "
+                             f"or died): {str(e).splitlines()[0][:200]}") from None
+
+    def step(self, plan: RunPlan, tables: list) -> None:
+        """Sends a step to the workers, before rank 0 runs its shard of it."""
+        self._check_alive()
+        data = encode_message(Step(plan, [t if isinstance(t, tuple) else (t,) for t in tables], self._released))
+        self._released = []
+        for rank, conn in enumerate(self._conns, start=1):
+            try:
+                conn.send_bytes(data)
+            except OSError as e:
+                raise RankFailed(f"tensor-parallel rank {rank} is gone: {e}") from None
+
+    def release(self, request_id: str) -> None:
+        """A finished request's rows: the workers drop theirs with the next step."""
+        self._released.append(request_id)
+
+    def _check_alive(self) -> None:
+        for rank, proc in enumerate(self._procs, start=1):
+            if proc.poll() is not None:
+                raise RankFailed(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.returncode}")
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send_bytes(encode_message(Stop()))
+            except OSError:
+                pass  # already gone
+        for proc in self._procs:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+        shutil.rmtree(self._dir, ignore_errors=True)

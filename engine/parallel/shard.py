@@ -1,0 +1,113 @@
+"""What one tensor-parallel rank holds, Megatron-style.
+
+q/k/v and gate/up are split by output rows (each rank its heads, its MLP columns), o_proj and
+down_proj by input columns, each followed by an all-reduce of its output, so the residual stream
+is whole on every rank. KV heads go with their query heads: each rank caches only its own, and
+when there are fewer KV heads than ranks each is held by the ranks whose query heads use it. The
+embedding and the LM head are replicated rather than vocab-parallel: a vocab-parallel head needs
+a gather of the logits every step, and at the sizes this runs today (a 49k vocabulary, a 576-wide
+hidden state) the head is a small share of the weights; sampling then needs only rank 0's.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.model_config import ModelConfig
+
+# Dense models whose attention and MLP blocks have the Llama layout (q/k/v, o, gate/up, down).
+SHARDABLE = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                       "Gemma3ForCausalLM"})
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # the modules whose outputs are all-reduced
+
+
+@dataclass(frozen=True)
+class TPShard:
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} out of range for size {self.size}")
+
+    def check(self, mc: ModelConfig) -> None:
+        """ValueError naming what cannot be split `size` ways."""
+        n = self.size
+        if mc.architecture not in SHARDABLE:
+            raise ValueError(f"tensor_parallel_size={n}: {mc.architecture} cannot be sharded yet (supported: "
+                             f"{', '.join(sorted(SHARDABLE))})")
+        if mc.layer_kv_shapes or mc.kv_sources:
+            raise ValueError(f"tensor_parallel_size={n}: per-layer KV shapes or shared KV cannot be sharded yet")
+        for what, value in (("attention heads", mc.num_heads), ("intermediate_size", mc.intermediate_size)):
+            if value % n:
+                raise ValueError(f"tensor_parallel_size={n} does not divide the model's {what} ({value})")
+        kv = mc.num_kv_heads
+        if kv % n and n % kv:
+            raise ValueError(f"tensor_parallel_size={n}: the model's {kv} KV heads can be neither split nor "
+                             "replicated evenly over the ranks")
+
+    @property
+    def trivial(self) -> bool:
+        return self.size == 1
+
+    def q_heads(self, mc: ModelConfig) -> range:
+        per = mc.num_heads // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def kv_heads(self, mc: ModelConfig) -> range:
+        kv = mc.num_kv_heads
+        if kv >= self.size:
+            per = kv // self.size
+            return range(self.rank * per, (self.rank + 1) * per)
+        first = self.rank * kv // self.size  # replicated: the head this rank's query heads use
+        return range(first, first + 1)
+
+    def config(self, mc: ModelConfig) -> ModelConfig:
+        """The rank's shapes: its heads and MLP columns (the checkpoint's config otherwise)."""
+        if self.trivial:
+            return mc
+        self.check(mc)
+        return replace(mc, num_heads=len(self.q_heads(mc)), num_kv_heads=len(self.kv_heads(mc)),
+                       intermediate_size=mc.intermediate_size // self.size)
+
+    def weights(self, mc: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]]
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors cut to this rank's part (`mc`: the whole model's config)."""
+        if self.trivial:
+            yield from tensors
+            return
+        d = mc.head_dim
+        q, kv = self.q_heads(mc), self.kv_heads(mc)
+        inter = mc.intermediate_size // self.size
+        rows = {"q_proj": (q.start * d, len(q) * d), "k_proj": (kv.start * d, len(kv) * d),
+                "v_proj": (kv.start * d, len(kv) * d), "gate_proj": (self.rank * inter, inter),
+                "up_proj": (self.rank * inter, inter)}
+        cols = {"o_proj": (q.start * d, len(q) * d), "down_proj": (self.rank * inter, inter)}
+        for name, t in tensors:
+            parts = name.split(".")
+            module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+            if module in rows:
+                start, length = rows[module]
+                t = t.narrow(0, start, length)
+            elif module in cols and kind == "weight":
+                start, length = cols[module]
+                t = t.narrow(1, start, length)
+            elif module in cols and kind == "bias" and self.rank:
+                t = torch.zeros_like(t)  # added once, by rank 0, before the all-reduce sums the ranks
+            yield name, t.contiguous()
+
+    def attach(self, model: torch.nn.Module, all_reduce: Callable[[torch.Tensor], None]) -> int:
+        """All-reduces (in place) the output of every row-parallel module; returns how many."""
+        if self.trivial:
+            return 0
+        def hook(_module: torch.nn.Module, _inputs: object, out: torch.Tensor) -> None:
+            all_reduce(out)  # and return None: a forward hook's non-None result would replace the output
+
+        count = 0
+        for name, module in model.named_modules():
+            if name.endswith(ROW_PARALLEL):
+                module.register_forward_hook(hook)
+                count += 1
+        return count
