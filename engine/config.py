@@ -214,8 +214,8 @@ class EngineConfig:
         1, "ranks the model is sharded over, Megatron-style (attention heads and MLP columns split, an all-reduce "
         "after each attention and MLP block; engine/parallel/): rank 0 runs in the engine's process, every other "
         "rank in a worker process of its own, on CPU bound to cores of its own. Dense Llama-family and Gemma 3 "
-        "models; not yet with KV offload or a KV connector, --speculative-config or --async-scheduling, and it "
-        "runs eagerly (default: %(default)s)", aliases=("-tp",), metavar="N")
+        "models; not yet with KV offload or a KV connector or --speculative-config, and it runs eagerly "
+        "(default: %(default)s)", aliases=("-tp",), metavar="N")
     disable_hybrid_kv_cache_manager: bool = setting(
         False, "lay G1 out as one KV group of every layer, each keeping its whole history (vLLM's flag), instead "
         "of a block table per kind of layer where sliding-window layers keep only their window")
@@ -318,8 +318,7 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             refused = [name for name, on in (("KV offload", self.offload_enabled),
                                              ("kv_transfer_config", self.kv_transfer_config),
-                                             ("speculative_config", self.speculative_config),
-                                             ("async_scheduling", self.async_scheduling)) if on]
+                                             ("speculative_config", self.speculative_config)) if on]
             if refused:
                 raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not work with "
                                  f"{', '.join(refused)} yet (each rank would need its shard of those)")

@@ -63,7 +63,8 @@ class WorkerSpec(msgspec.Struct, tag="spec"):
 class Step(msgspec.Struct, tag="step"):
     plan: RunPlan
     tables: list[tuple[list[int], ...]]  # per request, per KV group
-    released: list[str]  # finished requests whose input-batch rows go first
+    released: list[str]  # finished requests whose input-batch rows are dropped
+    filled: dict[str, int] = {}  # async scheduling: the tokens of the step's placeholders, sampled since
 
 
 class Stop(msgspec.Struct, tag="stop"):
@@ -136,6 +137,7 @@ class Ranks:
             raise RankFailed(f"starting the tensor-parallel workers failed: {e}") from None
         self._released: list[str] = []
         self._pg: Any = None
+        self.reduce_seconds = 0.0  # rank 0's time in all-reduces (benchmarks/parallel.py)
         log.info("tensor parallelism: %d ranks (workers %s)%s", size, ", ".join(str(p.pid) for p in self._procs),
                  "; CPUs " + " | ".join(",".join(map(str, c)) for c in self.cpus) if any(self.cpus) else "")
 
@@ -160,18 +162,20 @@ class Ranks:
 
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sums `t` over the ranks, in place."""
+        start = time.perf_counter()
         try:
             self._pg.allreduce([t]).wait()
+            self.reduce_seconds += time.perf_counter() - start  # waits for the slowest rank included
         except RuntimeError as e:  # gloo's timeout, or a peer that closed its connection
             self._check_alive()
             raise RankFailed(f"an all-reduce across the {self.size} tensor-parallel ranks failed (a rank hangs "
                              f"or died): {str(e).splitlines()[0][:200]}") from None
 
-    def step(self, plan: RunPlan, tables: list) -> None:
+    def step(self, plan: RunPlan, tables: list, filled: dict[str, int]) -> None:
         """Sends a step to the workers, before rank 0 runs its shard of it."""
         self._check_alive()
-        data = encode_message(Step(plan, [t if isinstance(t, tuple) else (t,) for t in tables], self._released))
-        self._released = []
+        released, self._released = self._released, []  # releases come from the bookkeeping thread too
+        data = encode_message(Step(plan, [t if isinstance(t, tuple) else (t,) for t in tables], released, filled))
         for rank, conn in enumerate(self._conns, start=1):
             try:
                 conn.send_bytes(data)

@@ -65,9 +65,13 @@ def serve(conn: Connection) -> None:
         for rid in msg.released:
             runner.release(rid)
         try:
-            runner.execute(msg.plan, msg.tables)
+            inputs = runner.prepare(msg.plan, msg.tables)
+            inputs.fill_placeholders(msg.filled)
+            runner.run(inputs)
         except FORWARD_ERRORS as e:  # rank 0 meets it too and isolates the request; its reruns come as steps
             log.warning("step failed on this rank: %s: %s", type(e).__name__, e)
+        for rid in msg.released:  # async scheduling: rank 0 may have planned this step before they ended
+            runner.release(rid)
 
 
 if __name__ == "__main__":

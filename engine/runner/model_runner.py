@@ -27,7 +27,7 @@ MIN_DECODE_GROUP = 8
 
 class Peers(Protocol):
     """The other tensor-parallel ranks, as the runner drives them (engine/parallel/ranks.py)."""
-    def step(self, plan: RunPlan, block_tables: list) -> None: ...
+    def step(self, plan: RunPlan, block_tables: list, filled: dict[RequestId, int]) -> None: ...
     def release(self, req_id: RequestId) -> None: ...
     def close(self) -> None: ...
 
@@ -60,6 +60,9 @@ class StepInputs:
     # samples; whoever runs the step writes them in first (`fill_placeholders`).
     placeholders: list[tuple[int, RequestId]] = field(default_factory=list)
     prompt_rows: list[PromptRows] = field(default_factory=list)  # prompt_logprobs' rows
+    # What it was prepared from: the other tensor-parallel ranks get these when it runs.
+    plan: RunPlan | None = None
+    tables: list | None = None
 
     @torch.inference_mode()
     def fill_placeholders(self, tokens: dict[RequestId, int]) -> None:
@@ -162,13 +165,14 @@ class ModelRunner:
             self.peers = None
 
     def execute(self, plan: RunPlan, block_tables: list[list[int]]) -> ModelOutput:
-        if self.peers is not None:
-            self.peers.step(plan, block_tables)
         return self.run(self.prepare(plan, block_tables))
 
     @torch.inference_mode()
     def run(self, step: StepInputs) -> ModelOutput:
         """The forward and the logits of the sampled rows (placeholders must be filled)."""
+        if self.peers is not None:  # the other ranks run it too, with the placeholders' tokens
+            filled = {rid: int(step.input_ids[pos]) for pos, rid in step.placeholders}
+            self.peers.step(step.plan, step.tables, filled)
         capture = self.capture_ids
         hidden, captured = self.forward(step.input_ids, step.positions, self.layer_caches, step.meta, capture)
         if self.hidden_cache is not None:
@@ -223,7 +227,7 @@ class ModelRunner:
                  for g in range(len(self.batches))]
         meta = metas[0] if len(metas) == 1 else replace(metas[0], groups=tuple(metas), layer_groups=self.layer_groups)
         return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=self.device), positions_t, meta,
-                          sample_rows, sampled, row_starts, placeholders, prompt_rows)
+                          sample_rows, sampled, row_starts, placeholders, prompt_rows, plan, block_tables)
 
     def _group_meta(self, group: int, plan: RunPlan, tables: list[list[int]],
                     spans: list[tuple[int, int, int]], positions_t: torch.Tensor, counts: torch.Tensor

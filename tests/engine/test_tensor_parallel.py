@@ -1,6 +1,6 @@
 """Tensor parallelism (issue 41) against one rank: two gloo ranks on the tiny checkpoints give the
 same greedy tokens, and log-probs within 1e-4, with prefix caching, chunked prefill and
-preemption on; shapes that cannot be split, and combinations not built yet, are refused by name;
+preemption on, and with async scheduling; shapes that cannot be split, and combinations not built yet, are refused by name;
 a rank that dies stops the engine with an error naming it, not a hang."""
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ def workload():
     doc = [(7 * i) % 500 + 6 for i in range(90)]
     prompts = [{"prompt_token_ids": doc + [11, 12]}, {"prompt_token_ids": doc + [13]},  # a shared prefix
                {"prompt_token_ids": [9, 10, 11]}, {"prompt_token_ids": doc[:40]}]
-    params = SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)
-    return prompts * 2, params  # the second round hits the prefix cache
+    params = [SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)] * len(prompts)
+    params[2] = SamplingParams(max_tokens=16, temperature=0, logprobs=2, prompt_logprobs=2, ignore_eos=True)
+    return prompts * 2, params * 2  # the second round hits the prefix cache
 
 
 def run(ckpt, **extra):
@@ -35,25 +36,31 @@ def run(ckpt, **extra):
     with LLM(str(ckpt), **SETTINGS, **extra) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.get_stats()
-    return [o.outputs[0] for o in outs], stats
+    return outs, stats
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_two_ranks_give_one_ranks_tokens_and_logprobs(ckpt_dir, kind):
+@pytest.mark.parametrize("kind,extra", [(k, {}) for k in KINDS] + [("llama", {"async_scheduling": True})],
+                         ids=[*KINDS, "llama-async"])
+def test_two_ranks_give_one_ranks_tokens_and_logprobs(ckpt_dir, kind, extra):
     one, _ = run(ckpt_dir(kind))
-    two, stats = run(ckpt_dir(kind), tensor_parallel_size=2)
+    two, stats = run(ckpt_dir(kind), tensor_parallel_size=2, **extra)
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0  # the paths this is meant to cover ran
-    for a, b in zip(one, two):
+    for ra, rb in zip(one, two):
+        a, b = ra.outputs[0], rb.outputs[0]
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):
             assert la.keys() == lb.keys()
             assert max(abs(la[t] - lb[t]) for t in la) < LOGPROB_TOL
+        for pa, pb in zip(ra.prompt_logprobs or [], rb.prompt_logprobs or []):
+            assert (pa is None) == (pb is None)
+            if pa is not None:
+                assert pa.keys() == pb.keys()
+                assert max(abs(pa[t].logprob - pb[t].logprob) for t in pa) < LOGPROB_TOL
 
 
 @pytest.mark.parametrize("kind,extra,match", [
     ("llama", {"tensor_parallel_size": 3}, "does not divide the model's attention heads"),
     ("qwen3_moe", {"tensor_parallel_size": 2}, "Qwen3MoeForCausalLM cannot be sharded yet"),
-    ("llama", {"tensor_parallel_size": 2, "async_scheduling": True}, "async_scheduling yet"),
     ("llama", {"tensor_parallel_size": 2, "kv_offloading_size": 0.01}, "KV offload"),
     ("llama", {"tensor_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
      "speculative_config"),
@@ -67,12 +74,12 @@ def test_a_dead_rank_stops_the_engine_with_its_name(ckpt_dir):
     llm = LLM(str(ckpt_dir("llama")), **SETTINGS, tensor_parallel_size=2)
     try:
         prompts, params = workload()
-        llm.generate(prompts[:1], params, use_tqdm=False)
+        llm.generate(prompts[:1], params[0], use_tqdm=False)
         os.kill(llm.engine.runner.peers.pids[0], signal.SIGKILL)
         time.sleep(0.5)  # gone before the next step, or in the middle of it: either way it is named
         start = time.monotonic()
         with pytest.raises(RankFailed, match="rank 1"):
-            llm.generate(prompts[:1], params, use_tqdm=False)
+            llm.generate(prompts[:1], params[0], use_tqdm=False)
         assert time.monotonic() - start < 5
     finally:
         llm.close()

@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Tensor parallelism on this machine: TP=2 (two ranks of one core each) against TP=1 (one rank of
+two threads), on throughput.py's default workload, interleaved.
+
+TP=2 runs eagerly (compilation is not applied under TP yet), so TP=1 is measured both at its
+default level (-O1 on CPU) and eagerly (-O0): the second isolates what sharding costs. The
+all-reduce's share is rank 0's time inside all-reduces over its forward time, on the workload and on
+a decode-only phase (16 requests, 8-token prompts, 128 tokens each); it includes waiting for the
+slower rank, so it bounds the collective's cost from above.
+
+Not measured here: DP=2 (not built) and vLLM's CPU build with -tp 2 (give it a venv as
+../shared/PEERS.md describes; not wired in yet).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+sys.path.append(str(_HERE))
+
+from _common import (RESULTS_DIR, Timer, log, median, preload_allocator, print_table,  # noqa: E402
+                     run_interleaved, write_json)
+from _throughput_engines import Workload, make_workload  # noqa: E402
+
+ENGINES = {"TP=1 -O1 (2 threads)": {"optimization_level": 1},
+           "TP=1 -O0 (2 threads)": {"optimization_level": 0},
+           "TP=2 (1 core each)": {"tensor_parallel_size": 2}}
+TARGET = 0.85  # the issue's bar: TP=2 within 15% of TP=1's throughput
+
+
+def generate(llm: Any, wl: Workload, salt: str) -> dict[str, float]:
+    from engine import SamplingParams
+
+    ranks = llm.engine.runner.peers
+    reduce0, fwd0 = (ranks.reduce_seconds if ranks else 0.0), llm.get_stats().forward_seconds
+    with Timer() as t:
+        llm.generate([{"prompt_token_ids": p} for p in wl.prompts],
+                     [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.outputs],
+                     use_tqdm=False, cache_salt=salt)
+    forward = llm.get_stats().forward_seconds - fwd0
+    reduce = (ranks.reduce_seconds - reduce0) if ranks else 0.0
+    return {"wall_s": t.seconds, "output_tok_s": wl.output_tokens / t.seconds,
+            "allreduce_share": reduce / forward if forward else 0.0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="HF checkpoint dir (default: the demo model)")
+    ap.add_argument("--dtype", default="float32", help="weights and KV dtype (default %(default)s)")
+    ap.add_argument("--runs", type=int, default=3, help="timed runs per engine, interleaved (default %(default)s)")
+    ap.add_argument("--num-requests", type=int, default=64, help="requests in the workload (default %(default)s)")
+    ap.add_argument("--quick", action="store_true", help="8 short requests, 1 run: a smoke test")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "parallel.json", help="JSON results (default %(default)s)")
+    args = ap.parse_args(argv)
+    preload_allocator()
+    from engine import LLM
+    from engine.demo.demo_model import ensure_demo_model
+
+    model = args.model or str(ensure_demo_model())
+    n, prompts, outputs = (8, (16, 64), (8, 32)) if args.quick else (args.num_requests, (32, 512), (32, 256))
+    runs = 1 if args.quick else args.runs
+    llms = {name: LLM(model, dtype=args.dtype, seed=0, **kw) for name, kw in ENGINES.items()}
+    vocab = llms[next(iter(llms))].engine.model_config.vocab_size
+    wl = make_workload(n, prompts, outputs, vocab, seed=0)
+    decode = make_workload(16, (8, 8), (128, 128) if not args.quick else (16, 16), vocab, seed=1)
+    log(f"workload: {n} requests, {wl.prompt_tokens} prompt + {wl.output_tokens} output tokens; {runs} runs")
+    for llm in llms.values():  # warm-up, untimed
+        generate(llm, make_workload(2, (8, 8), (4, 4), vocab, seed=2), "warm")
+    results = run_interleaved(runs, {name: (lambda r, llm=llm: generate(llm, wl, f"run{r}"))
+                                     for name, llm in llms.items()},
+                              lambda r, name, m: log(f"run {r + 1}: {name}: {m['wall_s']:.2f} s"))
+    decode_share = generate(llms["TP=2 (1 core each)"], decode, "decode")["allreduce_share"]
+    for llm in llms.values():
+        llm.close()
+    summary = {name: {"runs": ms, "median_wall_s": median([m["wall_s"] for m in ms]),
+                      "median_output_tok_s": median([m["output_tok_s"] for m in ms])} for name, ms in results.items()}
+    tp2 = summary["TP=2 (1 core each)"]["median_output_tok_s"]
+    rows = [[name, f"{s['median_wall_s']:.2f}", f"{s['median_output_tok_s']:.1f}",
+             f"{tp2 / s['median_output_tok_s']:.2f}x" if "TP=1" in name else "-"] for name, s in summary.items()]
+    print_table(["engine", "median wall s", "output tok/s", "TP=2 / this"], rows)
+    share = median([m["allreduce_share"] for m in results["TP=2 (1 core each)"]])
+    print(f"all-reduce share of rank 0's forward time: workload {share:.1%}, decode-only {decode_share:.1%}")
+    ratio = tp2 / summary["TP=1 -O1 (2 threads)"]["median_output_tok_s"]
+    print(f"TP=2 / TP=1 (default level): {ratio:.2f}x (target >= {TARGET}: {'met' if ratio >= TARGET else 'MISSED'})")
+    write_json(args.out, {"benchmark": "parallel", "model": model, "dtype": args.dtype, "workload_requests": n,
+                          "engines": summary, "allreduce_share_workload": share,
+                          "allreduce_share_decode": decode_share, "tp2_over_tp1": ratio, "target": TARGET})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
