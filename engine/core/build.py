@@ -142,7 +142,7 @@ def build(config: EngineConfig) -> EngineParts:
         warn_unused_gpu_memory_utilization(config)
     max_len = _fit_max_len(config, layout, num_blocks, max_len)
     budget = step_token_budget(config, max_len)
-    ranks = Ranks(config, num_blocks, max_len, one_group) if not shard.trivial else None
+    ranks = Ranks(config, num_blocks, max_len, one_group, mc.dtype) if not shard.trivial else None
     try:
         if model is None:
             model = load_model(model_dir, mc, backend, max_len, config.device, compiled=compiled, shard=shard,

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.core.step_io import RunPlan
+from engine.parallel.shm import ShmAllReduce
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class WorkerSpec(msgspec.Struct, tag="spec"):
     max_len: int
     one_group: str | None  # why G1 keeps every layer in one KV group, if it must (engine/core/setup.kv_layout)
     store_path: str  # the process group's rendezvous file
+    shm_name: str  # the shared-memory all-reduce's segment (engine/parallel/shm.py)
     cpus: tuple[int, ...]  # the CPUs it runs on (empty: all)
 
 
@@ -108,7 +110,8 @@ def process_group(store_path: str, rank: int, size: int) -> Any:
 class Ranks:
     """Rank 0's side: the workers, their sockets and the process group."""
 
-    def __init__(self, config: EngineConfig, num_blocks: int, max_len: int, one_group: str | None) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_len: int, one_group: str | None,
+                 dtype: torch.dtype) -> None:
         """Starts ranks 1..N-1 loading their shards (rank 0 loads its own meanwhile; `connect`).
         Workers are plain subprocesses (`python -m engine.parallel.worker`), not multiprocessing
         children: `kvtier serve`'s engine core is a daemonic process, which may not have those."""
@@ -117,6 +120,7 @@ class Ranks:
         self._dir = tempfile.mkdtemp(prefix="kvtier-tp-")
         self._store = str(Path(self._dir) / "store")
         self.cpus = cpu_sets(size) if config.device == "cpu" else [()] * size
+        self._shm = ShmAllReduce(None, 0, size, dtype, COLLECTIVE_TIMEOUT_S)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
         self._conns: list[Connection] = []
         self._procs: list[subprocess.Popen] = []
@@ -131,7 +135,8 @@ class Ranks:
                 self._procs.append(proc)
                 conn.send_bytes(encode_message(WorkerSpec(
                     rank, size, config.model, config.dtype, config.device, config.kv_cache_dtype, config.block_size,
-                    config.max_num_seqs, num_blocks, max_len, one_group, self._store, self.cpus[rank])))
+                    config.max_num_seqs, num_blocks, max_len, one_group, self._store, self._shm.name,
+                    self.cpus[rank])))
         except OSError as e:
             self.close()
             raise RankFailed(f"starting the tensor-parallel workers failed: {e}") from None
@@ -164,7 +169,10 @@ class Ranks:
         """Sums `t` over the ranks, in place."""
         start = time.perf_counter()
         try:
-            self._pg.allreduce([t]).wait()
+            if self._shm.fits(t):
+                self._shm(t)
+            else:
+                self._pg.allreduce([t]).wait()
             self.reduce_seconds += time.perf_counter() - start  # waits for the slowest rank included
         except RuntimeError as e:  # gloo's timeout, or a peer that closed its connection
             self._check_alive()
@@ -206,4 +214,5 @@ class Ranks:
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
+        self._shm.close()
         shutil.rmtree(self._dir, ignore_errors=True)

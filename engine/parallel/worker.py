@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
-from engine.parallel.ranks import Failed, Ready, Step, Stop, WorkerSpec, encode_message, to_worker, process_group
+from engine.parallel.ranks import (COLLECTIVE_TIMEOUT_S, Failed, Ready, Step, Stop, WorkerSpec, encode_message,
+                                   process_group, to_worker)
+from engine.parallel.shm import ShmAllReduce
 from engine.parallel.shard import TPShard
 
 log = logging.getLogger("engine.parallel.worker")
@@ -52,7 +54,15 @@ def serve(conn: Connection) -> None:
         return
     conn.send_bytes(encode_message(Ready(spec.rank)))
     pg = process_group(spec.store_path, spec.rank, spec.size)
-    shard.attach(model, lambda t: pg.allreduce([t]).wait())
+    shm = ShmAllReduce(spec.shm_name, spec.rank, spec.size, runner.cfg.dtype, COLLECTIVE_TIMEOUT_S)
+
+    def all_reduce(t: torch.Tensor) -> None:  # as rank 0's Ranks.all_reduce chooses
+        if shm.fits(t):
+            shm(t)
+        else:
+            pg.allreduce([t]).wait()
+
+    shard.attach(model, all_reduce)
     while True:
         try:
             msg = to_worker.decode(conn.recv_bytes())
