@@ -213,7 +213,8 @@ class EngineConfig:
     tensor_parallel_size: int = setting(
         1, "ranks the model is sharded over, Megatron-style (attention heads and MLP columns split, an all-reduce "
         "after each attention and MLP block; engine/parallel/): rank 0 runs in the engine's process, every other "
-        "rank in a worker process of its own, on CPU bound to cores of its own. Dense Llama-family and Gemma 3 "
+        "rank in a worker process of its own, on CPU bound to cores of its own (--cpu-threads: each rank's "
+        "threads). Dense Llama-family and Gemma 3 "
         "models; not yet with KV offload or a KV connector or --speculative-config, and it runs eagerly "
         "(default: %(default)s)", aliases=("-tp",), metavar="N")
     disable_hybrid_kv_cache_manager: bool = setting(
@@ -241,7 +242,8 @@ class EngineConfig:
     adaptive_cpu_threads: bool = setting(
         True, "CPU: run fewer forward threads while other processes load the same CPUs, and go back when they "
         "stop (an OpenMP team sharing a core with a busy process waits for it at every barrier: 3-12x slower "
-        "steps); each change is logged (default: on)")
+        "steps); each change is logged (default: on; off under --tensor-parallel-size, whose ranks keep their "
+        "cores)")
     # Who runs the engine (not a flag: the command says it), for the defaults that depend on it.
     usage_context: UsageContext = UsageContext.OFFLINE
     # The secret itself, read in __post_init__: never in repr, never compared.
@@ -261,9 +263,12 @@ class EngineConfig:
         object.__setattr__(self, "device", resolve_device(self.device))
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1; got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.optimization_level:
-            log.warning("optimization_level=%d not applied: tensor_parallel_size=%d runs eagerly for now",
-                        self.optimization_level, self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1 and self.optimization_level:  # given here: refused, not ignored
+            raise ValueError(f"optimization_level={self.optimization_level} does not work with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} yet (it runs eagerly): leave it out or give 0")
+        if self.tensor_parallel_size > 1 and os.environ.get(OPT_LEVEL_ENV, "0") != "0":
+            log.warning("$%s not applied: tensor_parallel_size=%d runs eagerly for now", OPT_LEVEL_ENV,
+                        self.tensor_parallel_size)
         object.__setattr__(self, "optimization_level", _optimization_level(
             self.optimization_level if self.tensor_parallel_size == 1 else 0, self.device, self.enforce_eager))
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -9,7 +9,7 @@ import enum
 from dataclasses import Field, dataclass, fields
 from typing import Any
 
-from engine.config import setting
+from engine.config import is_flag, setting
 from server.client import DEFAULT_HEARTBEAT_TIMEOUT_S
 from server.defaults import SamplingDefaults
 from server.limits import RequestLimits
@@ -108,7 +108,7 @@ class ServerSettings:
 
     @classmethod
     def flag_fields(cls) -> tuple[Field[Any], ...]:
-        return tuple(f for f in fields(cls) if "help" in f.metadata)
+        return tuple(filter(is_flag, fields(cls)))
 
     @classmethod
     def from_flags(cls, ns: Any, **built: Any) -> ServerSettings:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.core.step_io import RunPlan
-from engine.parallel.shm import ShmAllReduce
+from engine.parallel.shm import AllReduce, ShmAllReduce
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class WorkerSpec(msgspec.Struct, tag="spec"):
     store_path: str  # the process group's rendezvous file
     shm_name: str  # the shared-memory all-reduce's segment (engine/parallel/shm.py)
     cpus: tuple[int, ...]  # the CPUs it runs on (empty: all)
+    threads: int | None  # its forward threads (None: one per CPU of `cpus`)
 
 
 class Step(msgspec.Struct, tag="step"):
@@ -120,7 +121,8 @@ class Ranks:
         self._dir = tempfile.mkdtemp(prefix="kvtier-tp-")
         self._store = str(Path(self._dir) / "store")
         self.cpus = cpu_sets(size) if config.device == "cpu" else [()] * size
-        self._shm = ShmAllReduce(None, 0, size, dtype, COLLECTIVE_TIMEOUT_S)
+        shm = ShmAllReduce(None, 0, size, dtype, COLLECTIVE_TIMEOUT_S)
+        self._reduce = AllReduce(shm, None)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
         self._conns: list[Connection] = []
         self._procs: list[subprocess.Popen] = []
@@ -135,13 +137,12 @@ class Ranks:
                 self._procs.append(proc)
                 conn.send_bytes(encode_message(WorkerSpec(
                     rank, size, config.model, config.dtype, config.device, config.kv_cache_dtype, config.block_size,
-                    config.max_num_seqs, num_blocks, max_len, one_group, self._store, self._shm.name,
-                    self.cpus[rank])))
+                    config.max_num_seqs, num_blocks, max_len, one_group, self._store, shm.name,
+                    self.cpus[rank], config.cpu_threads)))
         except OSError as e:
             self.close()
             raise RankFailed(f"starting the tensor-parallel workers failed: {e}") from None
         self._released: list[str] = []
-        self._pg: Any = None
         self.reduce_seconds = 0.0  # rank 0's time in all-reduces (benchmarks/parallel.py)
         log.info("tensor parallelism: %d ranks (workers %s)%s", size, ", ".join(str(p.pid) for p in self._procs),
                  "; CPUs " + " | ".join(",".join(map(str, c)) for c in self.cpus) if any(self.cpus) else "")
@@ -163,16 +164,13 @@ class Ranks:
             msg = to_rank0.decode(conn.recv_bytes())
             if isinstance(msg, Failed):
                 raise RankFailed(f"tensor-parallel rank {msg.rank} failed to start: {msg.error}")
-        self._pg = process_group(self._store, 0, self.size)
+        self._reduce.pg = process_group(self._store, 0, self.size)
 
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sums `t` over the ranks, in place."""
         start = time.perf_counter()
         try:
-            if self._shm.fits(t):
-                self._shm(t)
-            else:
-                self._pg.allreduce([t]).wait()
+            self._reduce(t)
             self.reduce_seconds += time.perf_counter() - start  # waits for the slowest rank included
         except RuntimeError as e:  # gloo's timeout, or a peer that closed its connection
             self._check_alive()
@@ -214,5 +212,5 @@ class Ranks:
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
-        self._shm.close()
+        self._reduce.shm.close()
         shutil.rmtree(self._dir, ignore_errors=True)

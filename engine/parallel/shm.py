@@ -12,11 +12,25 @@ from __future__ import annotations
 
 import time
 from multiprocessing import shared_memory
+from typing import Any
 
 import torch
 
 MAX_ELEMENTS = 1 << 18  # per tensor; 1 MiB in float32 (a 256-row decode step of a 1024-wide model)
 SPIN_CHECK = 1024  # spins between looks at the clock
+
+
+class AllReduce:
+    """What every rank calls: shared memory for what fits, else the gloo group `pg`."""
+
+    def __init__(self, shm: ShmAllReduce, pg: Any) -> None:
+        self.shm, self.pg = shm, pg
+
+    def __call__(self, t: torch.Tensor) -> None:
+        if self.shm.fits(t):
+            self.shm(t)
+        else:
+            self.pg.allreduce([t]).wait()
 
 
 class ShmAllReduce:

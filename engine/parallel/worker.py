@@ -13,7 +13,7 @@ import torch
 
 from engine.parallel.ranks import (COLLECTIVE_TIMEOUT_S, Failed, Ready, Step, Stop, WorkerSpec, encode_message,
                                    process_group, to_worker)
-from engine.parallel.shm import ShmAllReduce
+from engine.parallel.shm import AllReduce, ShmAllReduce
 from engine.parallel.shard import TPShard
 
 log = logging.getLogger("engine.parallel.worker")
@@ -27,7 +27,7 @@ def build(spec: WorkerSpec):
 
     if spec.cpus:
         os.sched_setaffinity(0, spec.cpus)
-        torch.set_num_threads(len(spec.cpus))
+        torch.set_num_threads(spec.threads or len(spec.cpus))
     shard = TPShard(spec.rank, spec.size)
     model_dir = Path(spec.model)
     full = load_model_config(model_dir, spec.dtype, spec.device, spec.kv_cache_dtype)
@@ -55,14 +55,7 @@ def serve(conn: Connection) -> None:
     conn.send_bytes(encode_message(Ready(spec.rank)))
     pg = process_group(spec.store_path, spec.rank, spec.size)
     shm = ShmAllReduce(spec.shm_name, spec.rank, spec.size, runner.cfg.dtype, COLLECTIVE_TIMEOUT_S)
-
-    def all_reduce(t: torch.Tensor) -> None:  # as rank 0's Ranks.all_reduce chooses
-        if shm.fits(t):
-            shm(t)
-        else:
-            pg.allreduce([t]).wait()
-
-    shard.attach(model, all_reduce)
+    shard.attach(model, AllReduce(shm, pg))
     while True:
         try:
             msg = to_worker.decode(conn.recv_bytes())

@@ -62,6 +62,7 @@ def test_two_ranks_give_one_ranks_tokens_and_logprobs(ckpt_dir, kind, extra):
     ("llama", {"tensor_parallel_size": 3}, "does not divide the model's attention heads"),
     ("qwen3_moe", {"tensor_parallel_size": 2}, "Qwen3MoeForCausalLM cannot be sharded yet"),
     ("llama", {"tensor_parallel_size": 2, "kv_offloading_size": 0.01}, "KV offload"),
+    ("llama", {"tensor_parallel_size": 2, "optimization_level": 1}, "optimization_level=1 does not work"),
     ("llama", {"tensor_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
      "speculative_config"),
 ])
