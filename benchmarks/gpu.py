@@ -7,8 +7,11 @@
             at a time), and the G2 -> G1 load bandwidth against a raw pinned host-to-device copy_
             of the same bytes.
   decode    output tokens/s at batch 1, 16, 64 and 256 (prompts of --decode-prompt tokens,
-            --decode-output tokens each, EOS ignored): kvtier against transformers' `generate`
-            on the same GPU, greedy, same prompts.
+            --decode-output tokens each, EOS ignored): kvtier eager, compiled and with CUDA graphs
+            (--decode-variants) against transformers' `generate` (dynamic cache, and static cache
+            with its forward compiled into CUDA graphs) on the same GPU, greedy, same prompts; and
+            each decode step's time against the bandwidth bound (every weight and the K/V read
+            once, at the measured device copy rate).
 
 Every section writes into one JSON (--out). The model is written once under --model-dir (weights
 drawn on the device, no download). `--smoke` runs every section on a tiny model on any device, CPU
@@ -204,51 +207,132 @@ def ttft_section(model: Path, lengths: list[int], runs: int, device: str, work: 
     return out
 
 
+# --decode-variants: name -> (optimization level, cudagraph_mode)
+DECODE_VARIANTS = {"eager": (0, "none"), "eager-graphs": (0, "full_decode_only"), "compiled": (1, "none"),
+                   "graphs": (1, "full_decode_only")}
+
+
 def _kvtier_decode(model: Path, prompts: torch.Tensor, batches: list[int], output_len: int,
-                   device: str) -> dict[int, float]:
+                   device: str, variant: str) -> dict[int, dict[str, float]]:
+    """Per batch: output tok/s of whole requests (prefill included), and the decode step time
+    (the same requests with 1 output token, subtracted, over the other output_len - 1 steps)."""
     from engine import LLM, SamplingParams
 
-    out: dict[int, float] = {}
+    level, mode = DECODE_VARIANTS[variant]
+    if device == "cpu" and mode != "none":  # --smoke on CPU: the graphs' buffers, replayed eagerly
+        mode = "eager_replay"
+    out: dict[int, dict[str, float]] = {}
     llm = LLM(str(model), dtype="bfloat16", device=device, max_model_len=prompts.shape[1] + output_len + 8,
-              max_num_seqs=max(batches))
+              max_num_seqs=max(batches), optimization_level=level, cudagraph_mode=mode)
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         for b in batches:
             batch = [{"prompt_token_ids": p} for p in prompts[:b].tolist()]
-            llm.generate(batch[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+            llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+            with Timer() as t1:
+                llm.generate(batch, first, use_tqdm=False)
             with Timer() as t:
                 llm.generate(batch, sp, use_tqdm=False)
-            out[b] = b * output_len / t.seconds
-            log(f"kvtier batch {b}: {out[b]:.0f} output tok/s")
+            step = max(t.seconds - t1.seconds, 1e-9) / (output_len - 1)
+            out[b] = {"tok_s": b * output_len / t.seconds, "step_ms": step * 1e3, "decode_tok_s": b / step}
+            log(f"kvtier {variant} batch {b}: {out[b]['tok_s']:.0f} output tok/s, decode step {step * 1e3:.2f} ms "
+                f"({b / step:.0f} tok/s)")
     finally:
         llm.close()
     return out
 
 
-def decode_section(model: Path, batches: list[int], prompt_len: int, output_len: int, device: str) -> dict[str, Any]:
+def _copy_GBps(device: str, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second (median of 5)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        with Timer() as t:
+            dst.copy_(src)
+            torch.cuda.synchronize()
+        times.append(t.seconds)
+    del src, dst
+    return 2 * nbytes / median(times[1:]) / 1e9
+
+
+def _step_bytes(model: Path, batch: int, context: int) -> int:
+    """What one decode step must read: every weight once (the embedding table only its rows), and
+    each sequence's K/V so far, in bf16."""
+    cfg = json.loads((model / "config.json").read_text())
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv_heads, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+    dim = cfg.get("head_dim") or h // heads
+    per_layer = h * (heads + 2 * kv_heads) * dim + heads * dim * h + 3 * h * inter + 2 * h
+    weights = layers * per_layer + vocab * h + h  # lm_head (untied) and the final norm
+    kv = batch * context * layers * 2 * kv_heads * dim
+    return 2 * (weights + kv)
+
+
+def _hf_decode(model: Path, prompts: torch.Tensor, batches: list[int], output_len: int, device: str,
+               static: bool) -> dict[int, float]:
+    """transformers' generate; static=True is its fastest decode: a static cache, with which generate
+    compiles the forward with mode="reduce-overhead" (CUDA graphs) on a GPU. Each batch size is warmed
+    up at its own shape first (a static cache recompiles per shape and length)."""
     from transformers import AutoModelForCausalLM
 
-    g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(10, 90, (max(batches), prompt_len), generator=g)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    res: dict[str, Any] = {"kvtier": _kvtier_decode(model, prompts, batches, output_len, device), "transformers": {}}
-    _free()
+    out: dict[int, float] = {}
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
+    extra = {"cache_implementation": "static"} if static else {}
     for b in batches:
         ids = prompts[:b].to(device)
         kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=output_len,
-                  min_new_tokens=output_len, pad_token_id=0, eos_token_id=[])
-        hf.generate(ids[:1], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2, "attention_mask": kw["attention_mask"][:1]})
+                  min_new_tokens=output_len, pad_token_id=0, eos_token_id=[], **extra)
+        # A static cache is sized by max_new_tokens: warming up with fewer tokens would leave the
+        # timed run to recompile (seen: 1 tok/s at batch 1). So the warm-up is the timed call itself.
+        hf.generate(ids, **(kw if static else {**kw, "max_new_tokens": 2, "min_new_tokens": 2}))
         sync()
         with Timer() as t:
             hf.generate(ids, **kw)
             sync()
-        res["transformers"][b] = b * output_len / t.seconds
-        log(f"transformers batch {b}: {res['transformers'][b]:.0f} output tok/s")
+        out[b] = b * output_len / t.seconds
+        log(f"transformers{' static-compiled' if static else ''} batch {b}: {out[b]:.0f} output tok/s")
     del hf
-    rows = [[b, f"{res['kvtier'][b]:.0f}", f"{res['transformers'][b]:.0f}",
-             f"{ratio(res['kvtier'][b], res['transformers'][b]):.2f}x"] for b in batches]
-    print_table(["batch", "kvtier tok/s", "transformers tok/s", "kvtier / transformers"], rows)
+    _free()
+    return out
+
+
+def decode_section(model: Path, batches: list[int], prompt_len: int, output_len: int, device: str,
+                   variants: list[str], hf_kinds: list[str]) -> dict[str, Any]:
+    """kvtier's variants and transformers' peers on the same prompts, and the bandwidth bound:
+    a decode step reads at least `_step_bytes`, at no more than the measured device copy rate."""
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(10, 90, (max(batches), prompt_len), generator=g)
+    res: dict[str, Any] = {"kvtier": {}, "transformers": {}}
+    on_gpu = device.startswith("cuda")
+    bw = _copy_GBps(device) if on_gpu else 0.0
+    context = prompt_len + output_len // 2  # the mean context over the decode steps
+    res["bound"] = {"copy_GBps": bw, "tok_s": {b: b / (_step_bytes(model, b, context) / (bw * 1e9)) if bw else 0.0
+                                              for b in batches}}
+    for variant in variants:
+        res["kvtier"][variant] = _kvtier_decode(model, prompts, batches, output_len, device, variant)
+        _free()
+    for kind in hf_kinds:
+        res["transformers"][kind] = _hf_decode(model, prompts, batches, output_len, device, kind == "static")
+    best_hf = {b: max((res["transformers"][k][b] for k in hf_kinds), default=0.0) for b in batches}
+    rows = []
+    for b in batches:
+        bound = res["bound"]["tok_s"][b]
+        rows.append([b, *(f"{res['kvtier'][v][b]['tok_s']:.0f}" for v in variants),
+                     *(f"{res['transformers'][k][b]:.0f}" for k in hf_kinds),
+                     *(f"{res['kvtier'][v][b]['decode_tok_s']:.0f} ({ratio(res['kvtier'][v][b]['decode_tok_s'], bound):.0%})"
+                       if bound else f"{res['kvtier'][v][b]['decode_tok_s']:.0f}" for v in variants),
+                     f"{bound:.0f}",
+                     *(f"{ratio(res['kvtier'][v][b]['tok_s'], best_hf[b]):.2f}x" for v in variants if hf_kinds)])
+    print_table(["batch", *(f"{v} tok/s" for v in variants), *(f"transformers {k} tok/s" for k in hf_kinds),
+                 *(f"{v} decode tok/s (of bound)" for v in variants), "bound tok/s",
+                 *(f"{v} / best transformers" for v in variants if hf_kinds)], rows)
+    if bw:
+        print(f"bound: {_step_bytes(model, 1, context) / 1e9:.2f} GB a step at batch 1 (context {context}), "
+              f"device copy {bw:.0f} GB/s (read + written)")
     return res
 
 
@@ -263,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,16,64,256", help="decode batch sizes (default %(default)s)")
     ap.add_argument("--decode-prompt", type=int, default=128, help="decode prompts' tokens (default 128)")
     ap.add_argument("--decode-output", type=int, default=128, help="decode output tokens (default 128)")
+    ap.add_argument("--decode-variants", default="eager,compiled,graphs",
+                    help=f"kvtier's engines in the decode section, each loaded in turn: {', '.join(DECODE_VARIANTS)} "
+                    "(-O0 or -O1, CUDA graphs off or on; graphs is the CUDA default) (default %(default)s)")
+    ap.add_argument("--hf", default="eager,static", help="transformers peers in the decode section: eager "
+                    "(dynamic cache) and/or static (static cache, forward compiled with CUDA graphs) "
+                    "(default %(default)s)")
     ap.add_argument("--offload-block-size", type=int, help="tokens per G2/G3 entry (default: the engine's, "
                     "one KV block)")
     ap.add_argument("--sections", default="kernels,ttft,decode", help="which sections run (default: all)")
@@ -280,6 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     sections = set(args.sections.split(","))
     if sections - {"kernels", "ttft", "decode"}:
         ap.error(f"unknown --sections: {sorted(sections - {'kernels', 'ttft', 'decode'})}")
+    variants = args.decode_variants.split(",")
+    if set(variants) - set(DECODE_VARIANTS):
+        ap.error(f"unknown --decode-variants: {sorted(set(variants) - set(DECODE_VARIANTS))} ({', '.join(DECODE_VARIANTS)})")
+    hf_kinds = [k for k in args.hf.split(",") if k]
+    if set(hf_kinds) - {"eager", "static"}:
+        ap.error(f"unknown --hf: {sorted(set(hf_kinds) - {'eager', 'static'})} (eager, static)")
     lengths = [64, 200] if args.smoke else [int(x) for x in args.lengths.split(",")]
     batches = [1, 4] if args.smoke else [int(x) for x in args.batches.split(",")]
     prompt_len, output_len = (16, 8) if args.smoke else (args.decode_prompt, args.decode_output)
@@ -297,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             results["ttft"] = ttft_section(model, lengths, 1 if args.smoke else args.runs, device, work,
                                            args.offload_block_size)
         if "decode" in sections:
-            results["decode"] = decode_section(model, batches, prompt_len, output_len, device)
+            results["decode"] = decode_section(model, batches, prompt_len, output_len, device, variants, hf_kinds)
     path = write_json(args.out, results)
     log(f"wrote {path}")
     return 0 if "error" not in results.get("kernels", {}) else 1

@@ -13,7 +13,7 @@ import logging
 import os
 import re
 from dataclasses import Field, dataclass, field, fields
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,34 @@ class SchedulingPolicy(str, enum.Enum):
     PRIORITY = "priority"
     # kvtier's: the prompt with the fewest tokens left to compute first (engine/core/scheduler.py)
     SHORTEST_PREFILL = "shortest_prefill"
+
+
+class GraphMode(str, enum.Enum):
+    """`--cudagraph-mode` (engine/runner/graphs.py): NONE runs every step eagerly; FULL_DECODE_ONLY
+    (vLLM's name) captures steps that only decode in CUDA graphs; EAGER_REPLAY runs those steps
+    through the same static, padded buffers without capturing, on any device (for tests)."""
+    NONE = "none"
+    FULL_DECODE_ONLY = "full_decode_only"
+    EAGER_REPLAY = "eager_replay"
+
+
+def default_capture_sizes(max_size: int) -> tuple[int, ...]:
+    """vLLM's ladder of decode batch sizes: 1, 2, 4, then every multiple of 8, up to `max_size` (included)."""
+    if max_size < 1:
+        raise ValueError(f"max_cudagraph_capture_size must be >= 1; got {max_size}")
+    sizes = {s for s in (1, 2, 4) if s <= max_size} | set(range(8, max_size + 1, 8)) | {max_size}
+    return tuple(sorted(sizes))
+
+
+def parse_capture_sizes(value: str | Sequence[int]) -> tuple[int, ...]:
+    """`--cudagraph-capture-sizes 1,2,4,8` (or a list): sorted, distinct, positive."""
+    try:
+        sizes = [int(x) for x in value.split(",")] if isinstance(value, str) else [int(x) for x in value]
+    except (TypeError, ValueError):
+        raise ValueError(f"cudagraph_capture_sizes must be batch sizes like 1,2,4,8; got {value!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"cudagraph_capture_sizes must be positive batch sizes; got {value!r}")
+    return tuple(sorted(set(sizes)))
 
 
 class UsageContext(str, enum.Enum):
@@ -86,7 +114,7 @@ def _optimization_level(level: int | None, device: str, enforce_eager: bool) -> 
             log.warning("%s=%d not applied: enforce_eager runs the model eagerly", where, level)
         return 0
     if level is None:
-        return 1 if device == "cpu" else 0
+        return 1  # CPU and CUDA: compiled was faster than eager on both (docs/CPU.md, docs/gpu.md)
     return level
 
 
@@ -138,13 +166,25 @@ class EngineConfig:
         "leaves room in each step for other requests' prompts, which lowers their time to first token",
         metavar="TOKENS")
     optimization_level: int | None = setting(
-        None, "vLLM's levels: 0 runs the model eagerly; 1-3 compile it with torch.compile (inductor; no CUDA "
-        "graphs yet, so 2 and 3 equal 1) at start-up: ~25 s for the demo model the first time, ~6 s once "
-        "inductor's code is cached under $KVTIER_CACHE_DIR/inductor. Default: $KVTIER_OPTIMIZATION_LEVEL if "
-        "set, else 1 on CPU (vLLM's behaviour; as fast as eager there) and 0 on CUDA",
+        None, "vLLM's levels: 0 runs the model eagerly, without CUDA graphs; 1-3 compile it with torch.compile "
+        "(inductor) at start-up and, on CUDA, capture decode steps in CUDA graphs (2 and 3 equal 1): ~25 s for "
+        "the demo model the first time, ~6 s once inductor's code is cached under $KVTIER_CACHE_DIR/inductor. "
+        "Default: $KVTIER_OPTIMIZATION_LEVEL if set, else 1",
         aliases=("-O",), choices=(0, 1, 2, 3), metavar="{0,1,2,3}")
-    enforce_eager: bool = setting(False, "vLLM's switch off torch.compile (and CUDA graphs): overrides -O with a "
+    enforce_eager: bool = setting(False, "vLLM's switch off torch.compile and CUDA graphs: overrides -O with a "
                                   "warning")
+    cudagraph_mode: GraphMode | None = setting(
+        None, "CUDA graphs (vLLM's cudagraph_mode): full_decode_only captures steps that only decode, at each "
+        "capture size, and pads a batch up to the next size; none runs every step eagerly; eager_replay runs "
+        "decode steps through the graphs' padded static buffers without capturing (any device: for tests). "
+        "Default: full_decode_only on CUDA at -O1 and up, else none",
+        choices=tuple(m.value for m in GraphMode))
+    max_cudagraph_capture_size: int | None = setting(
+        None, "largest decode batch captured in a CUDA graph; bigger ones run eagerly (default: max_num_seqs, "
+        "at most 512)", metavar="N")
+    cudagraph_capture_sizes: tuple[int, ...] | None = setting(
+        None, "decode batch sizes captured, comma-separated, e.g. 1,2,4,8 (default: 1, 2, 4 and every multiple "
+        "of 8 up to max_cudagraph_capture_size)", metavar="N,N,...", check=parse_capture_sizes)
     enable_prefix_caching: bool = setting(
         True, "reuse the KV of earlier requests' identical prompt prefixes in G1 (default: on; "
         "--no-enable-prefix-caching turns it off, and with it KV offload)")
@@ -278,6 +318,7 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
         object.__setattr__(self, "usage_context", UsageContext(self.usage_context))
+        self._resolve_graphs()
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
         if self.long_prefill_token_threshold < 0:
@@ -327,6 +368,39 @@ class EngineConfig:
             if refused:
                 raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not work with "
                                  f"{', '.join(refused)} yet (each rank would need its shard of those)")
+
+    def _resolve_graphs(self) -> None:
+        """cudagraph_mode and the capture sizes, resolved; a given value that cannot apply is refused."""
+        mode = None if self.cudagraph_mode is None else GraphMode(self.cudagraph_mode)
+        sizes_given = self.cudagraph_capture_sizes is not None or self.max_cudagraph_capture_size is not None
+        if mode is None:
+            mode = GraphMode.FULL_DECODE_ONLY if self.device != "cpu" and self.optimization_level > 0 else GraphMode.NONE
+        elif mode is not GraphMode.NONE and self.enforce_eager:
+            raise ValueError(f"cudagraph_mode={mode.value} and enforce_eager contradict: enforce_eager turns "
+                             "CUDA graphs off")
+        if mode is GraphMode.FULL_DECODE_ONLY and self.device == "cpu":
+            raise ValueError("cudagraph_mode=full_decode_only needs a CUDA device (eager_replay runs the same "
+                             "buffers on CPU)")
+        if mode is not GraphMode.NONE and self.tensor_parallel_size > 1:
+            raise ValueError(f"cudagraph_mode={mode.value} does not work with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} yet")
+        if mode is GraphMode.NONE:
+            if sizes_given:
+                why = "on CPU" if self.device == "cpu" else "with cudagraph_mode=none, -O0 or enforce_eager"
+                raise ValueError(f"cudagraph_capture_sizes / max_cudagraph_capture_size given, but no CUDA graphs "
+                                 f"are captured {why}")
+            object.__setattr__(self, "cudagraph_mode", mode)
+            return
+        if self.cudagraph_capture_sizes is not None:
+            sizes = parse_capture_sizes(self.cudagraph_capture_sizes)
+            if self.max_cudagraph_capture_size is not None and sizes[-1] != self.max_cudagraph_capture_size:
+                raise ValueError(f"max_cudagraph_capture_size={self.max_cudagraph_capture_size} differs from the "
+                                 f"largest of cudagraph_capture_sizes ({sizes[-1]}): give one of them")
+        else:
+            sizes = default_capture_sizes(self.max_cudagraph_capture_size or min(self.max_num_seqs, 512))
+        object.__setattr__(self, "cudagraph_mode", mode)
+        object.__setattr__(self, "cudagraph_capture_sizes", sizes)
+        object.__setattr__(self, "max_cudagraph_capture_size", sizes[-1])
 
     @property
     def hidden_states(self) -> HiddenStatesSpec | None:

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${WHEELS:-.whl}
 PYVER=${GPU_PY:-3.12}
-PKGS=(xxhash msgpack pyzmq redis hiredis hypothesis sortedcontainers)
+PKGS=(xxhash msgpack msgspec pyzmq redis hiredis hypothesis sortedcontainers)
 PIP=(.venv/bin/python -m pip)
 [ -x .venv/bin/python ] || PIP=(python3 -m pip)
 pins=()

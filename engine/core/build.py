@@ -14,7 +14,7 @@ import torch
 
 from connectors.base import KVConnector, NullConnector
 from connectors.factory import supports_kv_groups
-from engine.config import CPU_KV_CACHE_GIB, EngineConfig
+from engine.config import CPU_KV_CACHE_GIB, EngineConfig, GraphMode
 from engine.core import gpu_memory
 from engine.core.connector_setup import make_connector
 from engine.core.request_factory import RequestFactory
@@ -101,6 +101,17 @@ def _warm_up(runner: ModelRunner, threads: cpu_threads.ThreadGovernor | None) ->
                     "ones; -O0 or --enforce-eager avoid this): %s", str(e).strip().splitlines()[0][:300])
 
 
+def _graph_mode(config: EngineConfig, model: torch.nn.Module) -> GraphMode:
+    """config.cudagraph_mode, unless the model syncs with the host inside its forward (MoE routing
+    reads expert counts), which a CUDA graph cannot hold: then decode runs eagerly, and the log says so."""
+    mode = config.cudagraph_mode
+    if mode is GraphMode.FULL_DECODE_ONLY and any(getattr(m, "syncs_with_host", False) for m in model.modules()):
+        log.warning("CUDA graphs off for this model: its MoE layers read expert counts on the host each step "
+                    "(engine/models/moe.py), which a graph cannot replay; decode runs eagerly")
+        return GraphMode.NONE
+    return mode
+
+
 def build(config: EngineConfig) -> EngineParts:
     model_dir = Path(config.model)
     full = load_model_config(model_dir, config.dtype, config.device, config.kv_cache_dtype)
@@ -136,7 +147,8 @@ def build(config: EngineConfig) -> EngineParts:
     if profiled:
         num_blocks = gpu_memory.profiled_num_blocks(
             model, mc, config.device, config.gpu_memory_utilization, per_block,
-            step_token_budget(config, max_len), config.max_num_seqs, bs, max_len)
+            step_token_budget(config, max_len), config.max_num_seqs, bs, max_len,
+            graph_tokens=config.max_cudagraph_capture_size if config.cudagraph_mode is GraphMode.FULL_DECODE_ONLY else 0)
     else:
         num_blocks = config.num_gpu_blocks or int((config.kv_cache_memory_gib or CPU_KV_CACHE_GIB) * 2**30 // per_block)
         warn_unused_gpu_memory_utilization(config)
@@ -157,10 +169,12 @@ def build(config: EngineConfig) -> EngineParts:
     events, publisher = open_events(config.kv_events_config)
     pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy, num_blocks), config.enable_prefix_caching, events)
     kv = KVCacheManager(pool, bs, layout)
+    graph_mode = _graph_mode(config, model)
     runner = ModelRunner(model, mc, num_blocks, bs, config.device, hidden, group_decodes=backend.pads_decodes,
                          max_rows=config.max_num_seqs, max_model_len=max_len,
                          forward=CompiledForward(model, backend) if compiled else None,
-                         aux_layer_ids=plan.aux_layer_ids if plan is not None else (), layout=layout, peers=ranks)
+                         aux_layer_ids=plan.aux_layer_ids if plan is not None else (), layout=layout, peers=ranks,
+                         graph_mode=graph_mode, capture_sizes=config.cudagraph_capture_sizes or ())
     if config.device != "cpu":
         threads = None
     elif ranks is not None:  # rank 0 runs on its share of the CPUs; the governor does not move ranks
@@ -169,6 +183,7 @@ def build(config: EngineConfig) -> EngineParts:
         threads = cpu_threads.start(config.cpu_threads, config.adaptive_cpu_threads, cpu_runtime.describe())
     if compiled:
         _warm_up(runner, threads)
+    runner.capture_graphs()
     connector = make_connector(config, mc, model_dir, hidden, pool, events, runner) or NullConnector()
     sampler = Sampler(config.seed)
     spec = None

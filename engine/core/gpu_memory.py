@@ -76,12 +76,27 @@ def profile_forward(model: torch.nn.Module, cfg: ModelConfig, device: str, num_t
     return MemoryProfile(total=total, in_use=total - free, peak_activation=max(peak, 0))
 
 
+def graph_pool_bytes(profile: MemoryProfile, num_tokens: int, graph_tokens: int) -> int:
+    """What the CUDA graphs' shared pool is expected to hold: the activations of the largest captured
+    decode step, estimated from the profiled step's in proportion to their tokens (activations grow
+    with the token count; the pool outlives the step, so it is memory G1 cannot have). The capture
+    logs what it really took."""
+    return 0 if graph_tokens <= 0 else int(profile.peak_activation * min(1.0, graph_tokens / max(1, num_tokens)))
+
+
 def profiled_num_blocks(model: torch.nn.Module, cfg: ModelConfig, device: str, utilization: float,
-                        bytes_per_block: int, num_tokens: int, num_seqs: int, block_size: int, max_len: int) -> int:
+                        bytes_per_block: int, num_tokens: int, num_seqs: int, block_size: int, max_len: int,
+                        graph_tokens: int = 0) -> int:
+    """G1 blocks; `graph_tokens`: the largest CUDA-graph capture size (0: no graphs), whose pool is reserved."""
     profile = profile_forward(model, cfg, device, num_tokens, num_seqs, block_size, max_len)
-    budget = g1_budget_bytes(profile, utilization)
+    graphs = graph_pool_bytes(profile, num_tokens, graph_tokens)
+    budget = g1_budget_bytes(profile, utilization) - graphs
     gib = 2**30
-    log.info("GPU memory: %.1f GiB total, %.2f in use after loading, %.2f GiB peak activations at %d tokens; "
-             "G1 gets %.2f GiB (gpu_memory_utilization=%.2f)", profile.total / gib, profile.in_use / gib,
-             profile.peak_activation / gib, num_tokens, budget / gib, utilization)
+    if budget <= 0:
+        raise ValueError(f"no GPU memory left for the KV cache after {graphs / gib:.2f} GiB for CUDA graphs: lower "
+                         "--max-cudagraph-capture-size or raise --gpu-memory-utilization")
+    log.info("GPU memory: %.1f GiB total, %.2f in use after loading, %.2f GiB peak activations at %d tokens, "
+             "%.2f GiB for CUDA graphs up to %d rows; G1 gets %.2f GiB (gpu_memory_utilization=%.2f)",
+             profile.total / gib, profile.in_use / gib, profile.peak_activation / gib, num_tokens, graphs / gib,
+             graph_tokens, budget / gib, utilization)
     return budget // bytes_per_block

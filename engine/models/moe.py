@@ -90,6 +90,10 @@ def _(x, topk_ids, topk_weights, key, gelu):
 
 
 class Experts(nn.Module):
+    # The grouped path reads each expert's token count on the host (`_grouped`): no CUDA graph
+    # can replay that, so the engine runs a model holding these eagerly (engine/core/build.py).
+    syncs_with_host = True
+
     def __init__(self, num_experts: int, hidden: int, inter: int, gelu: bool = False) -> None:
         super().__init__()
         self.gelu = gelu  # GELU-tanh experts (Gemma 4); SiLU otherwise

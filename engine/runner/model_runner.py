@@ -13,6 +13,8 @@ import torch
 
 from engine.runner.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from engine.model_config import ModelConfig
+from engine.config import GraphMode
+from engine.runner.graphs import DecodeGraphs
 from engine.runner.input_batch import InputBatch
 from engine.kv.kv_groups import KVLayout
 from engine.sample.prompt_logprobs import PromptLogprob, PromptRows, prompt_logprobs
@@ -114,9 +116,12 @@ class ModelRunner:
                  hidden_spec: HiddenStatesSpec | None = None, group_decodes: bool = True, *, max_rows: int,
                  max_model_len: int, forward: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] | None = None,
                  aux_layer_ids: tuple[int, ...] = (), layout: KVLayout | None = None,
-                 peers: Peers | None = None, computes_logits: bool = True) -> None:
+                 peers: Peers | None = None, computes_logits: bool = True, graph_mode: GraphMode = GraphMode.NONE,
+                 capture_sizes: tuple[int, ...] = ()) -> None:
         """`peers`: the other tensor-parallel ranks (engine/parallel/ranks.py), sent each step before
-        this rank runs its shard; `computes_logits=False`: a worker rank, whose logits nobody reads."""
+        this rank runs its shard; `computes_logits=False`: a worker rank, whose logits nobody reads;
+        `graph_mode`/`capture_sizes`: decode steps through CUDA graphs (engine/runner/graphs.py),
+        which pad into one more G1 block than the scheduler's `num_blocks`."""
         self.model = model
         self.peers = peers
         self.computes_logits = computes_logits
@@ -128,10 +133,16 @@ class ModelRunner:
         # A block holds one KV group's layers, slot by slot (engine/kv/kv_groups.py); with one group,
         # every layer: [num_layers, 2, num_blocks, ...], which is what connectors copy from.
         self.layout = layout or KVLayout.single(cfg.num_layers, sources=cfg.kv_sources)
-        self.kv_cache = new_kv_cache(cfg, self.layout, num_blocks, block_size, device)
+        graphs = graph_mode is not GraphMode.NONE
+        self.kv_cache = new_kv_cache(cfg, self.layout, num_blocks + graphs, block_size, device)
         self.layer_caches = layer_cache_views(self.kv_cache, cfg, self.layout)
         self.layer_groups = tuple(g for g, _, _ in self.layout.placement())
-        self.batches = [InputBatch(max_rows, -(-max_model_len // block_size), device) for _ in self.layout.groups]
+        max_blocks = -(-max_model_len // block_size)
+        self.batches = [InputBatch(max_rows, max_blocks, device) for _ in self.layout.groups]
+        self.graphs = DecodeGraphs(graph_mode, capture_sizes, block_size=block_size, max_blocks=max_blocks,
+                                   pad_block=num_blocks, device=device, masks=group_decodes,
+                                   layer_groups=self.layer_groups if len(self.layout.groups) > 1 else ()) \
+            if graphs else None
         self.batch = self.batches[0]  # group 0's (connectors and drafts index that group)
         # Exported hidden states live in paged blocks beside the KV, so a prefix hit has them.
         self.hidden_spec = hidden_spec
@@ -147,6 +158,11 @@ class ModelRunner:
     def use_eager(self) -> None:
         """Runs the model as it is from now on (the compiled forward failed)."""
         self.forward = self.model
+
+    def capture_graphs(self) -> None:
+        """Captures the decode graphs (after warm-up: the forward is compiled, G1 in place)."""
+        if self.graphs is not None:
+            self.graphs.capture(self.forward, self.layer_caches)
 
     def release(self, req_id: RequestId) -> None:
         """The request finished: its input-batch row is free for another (on every rank)."""
@@ -174,7 +190,11 @@ class ModelRunner:
             filled = {rid: int(step.input_ids[pos]) for pos, rid in step.placeholders}
             self.peers.step(step.plan, step.tables, filled)
         capture = self.capture_ids
-        hidden, captured = self.forward(step.input_ids, step.positions, self.layer_caches, step.meta, capture)
+        if self.graphs is not None and self.graphs.fits(step.meta, step.input_ids.shape[0], bool(capture)):
+            hidden = self.graphs.run(self.forward, self.layer_caches, step.input_ids, step.positions, step.meta)
+            captured: list[torch.Tensor] = []
+        else:
+            hidden, captured = self.forward(step.input_ids, step.positions, self.layer_caches, step.meta, capture)
         if self.hidden_cache is not None:
             states = torch.stack([captured[capture.index(i)] for i in self.hidden_spec.layer_ids], dim=1)
             n, h = states.shape[1:]

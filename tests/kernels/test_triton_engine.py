@@ -31,3 +31,27 @@ def test_engine_on_triton_backend_gives_the_torch_backends_tokens(device, ckpt_d
             llm.close()
 
     assert tokens(TritonPagedAttention) == tokens(TorchPagedAttention)
+
+
+def test_triton_backend_through_the_graph_buffers_gives_its_plain_tokens(device, ckpt_dir, monkeypatch):
+    """The CUDA graphs' static decode metadata (engine/runner/graphs.py) as the Triton kernels take it:
+    padded rows at the pad block, tables as wide as max_model_len, rows in the plain path's order."""
+    from engine import LLM, SamplingParams
+    from engine.core import build
+    from engine.runner.attention_triton import TritonPagedAttention
+
+    monkeypatch.setattr(build, "attention_backend", lambda _device: TritonPagedAttention())
+    prompts = [{"prompt_token_ids": random_prompt(n, seed)} for seed, n in enumerate((5, 40, 21))]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    out, replays = {}, 0
+    for mode in ("none", "eager_replay"):
+        llm = LLM(str(ckpt_dir("llama")), dtype="float32", device=device.type, kv_cache_memory_gib=0.05,
+                  max_model_len=256, optimization_level=0, cudagraph_mode=mode,
+                  cudagraph_capture_sizes=(1, 4) if mode != "none" else None)
+        try:
+            out[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+            if llm.engine.runner.graphs is not None:
+                replays = sum(llm.engine.runner.graphs.stats().replays.values())
+        finally:
+            llm.close()
+    assert out["eager_replay"] == out["none"] and replays >= 4
