@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Async scheduling on the demo model: the synchronous engine against --async-scheduling.
 
+On a GPU (scripts/gpu-check.sh's async-scheduling step): `--model` the random Llama-3-8B-shaped
+checkpoint benchmarks/gpu.py writes, `--gpu-memory-utilization 0.4`.
+
 Workloads (random token ids >= 100, greedy, ignore_eos):
   decode64  64 requests, 32-token prompts, 256 output tokens each: batch-64 decode, where the
             per-step host work (schedule, input preparation, sampling, update) is the bubble.
@@ -65,6 +68,9 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3, help="interleaved runs; cells are medians (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
     p.add_argument("--threads", type=int, default=usable_cpus(), help="torch threads (default: all usable CPUs)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="each engine's share of the GPU (both live in this process: 0.4 each on a GPU; "
+                   "default: the engine's, which suits one engine)")
     p.add_argument("--out", default=str(RESULTS_DIR / "async_scheduling.json"), help="JSON results (default: %(default)s)")
     args = p.parse_args()
     preload_allocator()
@@ -74,13 +80,14 @@ def main() -> None:
     engines = {}
     for name, flag in (("sync", False), ("async", True)):
         log(f"loading {name}")
-        engines[name] = LLM(args.model, async_scheduling=flag)
+        kw = {} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization}
+        engines[name] = LLM(args.model, async_scheduling=flag, **kw)
     all_wl = workloads(engines["sync"].engine.model_config.vocab_size, args.seed)
     names = args.workloads.split(",")
     if set(names) - set(all_wl):
         p.error(f"--workloads: unknown {sorted(set(names) - set(all_wl))}")
     for llm in engines.values():  # warm-up: compiled graphs, kernels, allocator
-        measure(llm, make_workload(4, (16, 16), (8, 8), 1000, 1), "warm")
+        measure(llm, make_workload(4, (16, 16), (8, 8), llm.engine.model_config.vocab_size, 1), "warm")
     rows, results = [], {}
     for w in names:
         wl = all_wl[w]

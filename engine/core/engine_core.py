@@ -130,6 +130,7 @@ class EngineCore:
         self.sampler.prefetch([s.req for s in sched.scheduled if s.samples])
         forward_start = time.perf_counter()
         out, failed, sched = execute_isolating(self.runner, sched, tables)
+        self.runner.synchronize()
         self._timed(sched, time.perf_counter() - forward_start, not failed)
         updated += self._apply(sched, meta, self._sample(sched, out, failed))
         self.busy_seconds += time.perf_counter() - start
@@ -231,6 +232,7 @@ class EngineCore:
             forward_start = time.perf_counter()
             try:
                 out = self.runner.run(cur.inputs)
+                self.runner.synchronize()
             except FORWARD_ERRORS:
                 pass  # rerun below through execute_isolating, which finds the request(s) to blame
             self._timed(cur.sched, time.perf_counter() - forward_start, out is not None)

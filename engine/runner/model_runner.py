@@ -159,6 +159,12 @@ class ModelRunner:
         """Runs the model as it is from now on (the compiled forward failed)."""
         self.forward = self.model
 
+    def synchronize(self) -> None:
+        """Waits for the queued device work: on a GPU a forward returns once launched, and a step's
+        forward time (stats, the step-cost fits) must be the GPU's, not the launches'."""
+        if self.kv_cache.is_cuda:
+            torch.cuda.current_stream(self.kv_cache.device).synchronize()
+
     def capture_graphs(self) -> None:
         """Captures the decode graphs (after warm-up: the forward is compiled, G1 in place)."""
         if self.graphs is not None:
