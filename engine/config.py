@@ -362,9 +362,12 @@ class EngineConfig:
         except ValueError:
             raise ValueError(f"kv_load_failure_policy must be 'recompute' or 'fail'; got {policy!r}") from None
         if self.tensor_parallel_size > 1:
+            # Hidden-state export reads rank 0's residual stream, which the all-reduces make whole.
+            hidden_only = tc.get("kv_connector") == "HiddenStatesConnector" and "tiers" not in (
+                tc.get("kv_connector_extra_config") or {})
             refused = [name for name, on in (("KV offload", self.offload_enabled),
-                                             ("kv_transfer_config", self.kv_transfer_config),
-                                             ("speculative_config", self.speculative_config)) if on]
+                                             ("kv_transfer_config other than HiddenStatesConnector",
+                                              self.kv_transfer_config and not hidden_only)) if on]
             if refused:
                 raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not work with "
                                  f"{', '.join(refused)} yet (each rank would need its shard of those)")

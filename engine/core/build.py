@@ -127,10 +127,10 @@ def build(config: EngineConfig) -> EngineParts:
         hidden.check_model(mc.num_layers)
     plan = DraftPlan.make(config.speculative, config, mc) if config.speculative is not None else None
     one_group = _one_group_reason(config)
-    layout = kv_layout(mc, one_group)
-    if plan is not None and (plan.draft or plan.eagle3) and layout.groups[0].window:
+    if plan is not None and (plan.draft or plan.eagle3) and kv_layout(mc, one_group).groups[0].window:
         # A draft's KV (full attention) follows group 0's table, which then must keep its history.
-        layout = kv_layout(mc, "a draft's full-attention KV follows a sliding group's table")
+        one_group = "a draft's full-attention KV follows a sliding group's table"
+    layout = kv_layout(mc, one_group)  # the other tensor-parallel ranks get the same reason, so the same layout
     # G1 blocks carry the draft's KV beside the target's: both index the same block ids.
     per_block = kv_cache_bytes_per_block(mc, bs, len(hidden.layer_ids) if hidden else 0, layout.slots) + (
         plan.kv_bytes_per_block(bs) if plan is not None else 0)

@@ -1,6 +1,7 @@
 """Tensor parallelism (issue 41) against one rank: two gloo ranks on the tiny checkpoints give the
 same greedy tokens, and log-probs within 1e-4, with prefix caching, chunked prefill and
-preemption on, and with async scheduling; shapes that cannot be split, and combinations not built yet, are refused by name;
+preemption on, and with async scheduling; speculation gives the same tokens and hidden-state files
+the same states; shapes that cannot be split, and combinations not built yet, are refused by name;
 a rank that dies stops the engine with an error naming it, not a hang."""
 from __future__ import annotations
 
@@ -63,8 +64,8 @@ def test_two_ranks_give_one_ranks_tokens_and_logprobs(ckpt_dir, kind, extra):
     ("qwen3_moe", {"tensor_parallel_size": 2}, "Qwen3MoeForCausalLM cannot be sharded yet"),
     ("llama", {"tensor_parallel_size": 2, "kv_offloading_size": 0.01}, "KV offload"),
     ("llama", {"tensor_parallel_size": 2, "optimization_level": 1}, "optimization_level=1 does not work"),
-    ("llama", {"tensor_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-     "speculative_config"),
+    ("llama", {"tensor_parallel_size": 2, "kv_transfer_config": {"kv_connector": "OffloadingConnector"}},
+     "kv_transfer_config other than HiddenStatesConnector"),
 ])
 def test_what_cannot_be_sharded_is_refused_by_name(ckpt_dir, kind, extra, match):
     with pytest.raises(ValueError, match=match):
@@ -84,3 +85,70 @@ def test_a_dead_rank_stops_the_engine_with_its_name(ckpt_dir):
         assert time.monotonic() - start < 5
     finally:
         llm.close()
+
+
+@pytest.fixture(scope="module")
+def eagle3_draft(ckpt_dir, tmp_path_factory):
+    from checkpoints import build_eagle3_draft
+
+    path = tmp_path_factory.mktemp("tp-eagle3") / "draft"
+    build_eagle3_draft(ckpt_dir("llama"), path)
+    return path
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_speculation_under_two_ranks_gives_one_ranks_tokens(ckpt_dir, eagle3_draft, method):
+    """Proposers run on rank 0 (a draft model or EAGLE-3 head unsharded there: small by design);
+    the other ranks run verify steps as any multi-token step. Fixed proposal lengths: adaptive
+    ones follow measured step times, which differ between the two engines."""
+    target = str(ckpt_dir("llama"))
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    spec.update({"ngram": {"prompt_lookup_max": 3}, "draft_model": {"model": target},
+                 "eagle3": {"model": str(eagle3_draft)}}[method])
+    doc = [(7 * i) % 500 + 6 for i in range(30)]
+    prompts = [{"prompt_token_ids": doc * 3}, {"prompt_token_ids": doc[:20] * 2 + [5]}, {"prompt_token_ids": [9, 10, 11]}]
+    sp = SamplingParams(max_tokens=24, temperature=0, logprobs=1, ignore_eos=True)
+    outs, stats = {}, {}
+    for tp in (1, 2):
+        with LLM(target, dtype="float32", seed=0, num_gpu_blocks=64, speculative_config=spec,
+                 tensor_parallel_size=tp) as llm:
+            outs[tp] = llm.generate(prompts, sp, use_tqdm=False)
+            stats[tp] = llm.get_stats().spec_decode
+    assert stats[2]["num_drafts"] == stats[1]["num_drafts"] > 0, stats
+    if method == "draft_model":  # the target as its own draft: its proposals are accepted
+        assert stats[2]["num_accepted_tokens"] > 0, stats
+    for ra, rb in zip(outs[1], outs[2]):
+        a, b = ra.outputs[0], rb.outputs[0]
+        assert a.token_ids == b.token_ids
+        assert max(abs(la[t] - lb[t]) for la, lb in zip(a.logprobs, b.logprobs) for t in la) < LOGPROB_TOL
+
+
+# Hidden states are the residual stream, summed across ranks by the all-reduces: float32 partial
+# sums in another order than one GEMM's. Measured 4e-5 at most (1.6e-6 of the stream's scale, ~25
+# here) on 150-token prompts; 1e-4 absolute is the issue's bound.
+HIDDEN_TOL = 1e-4
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_hidden_state_files_under_two_ranks_equal_one_ranks(ckpt_dir, tmp_path, kind):
+    from safetensors.torch import load_file
+
+    from connectors.hidden_spec import speculative_config
+
+    prompts = [[(5 * i + n) % 400 + 6 for i in range(n)] for n in (1, 7, 40, 150)]
+    ids = [f"p{i}" for i in range(len(prompts))]
+    files = {}
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}"
+        with LLM(str(ckpt_dir(kind)), dtype="float32", num_gpu_blocks=200, max_num_batched_tokens=32,
+                 speculative_config=speculative_config([2, 0, 1]), tensor_parallel_size=tp,
+                 kv_transfer_config={"kv_connector": "HiddenStatesConnector",
+                                     "kv_connector_extra_config": {"shared_storage_path": str(out)}}) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False,
+                                request_ids=ids)
+        files[tp] = [load_file(o.kv_transfer_params["hidden_states_path"]) for o in outs]
+    for one, two in zip(files[1], files[2]):
+        assert one["token_ids"].tolist() == two["token_ids"].tolist()
+        assert one["hidden_states"].shape == two["hidden_states"].shape
+        assert (one["hidden_states"] - two["hidden_states"]).abs().max().item() < HIDDEN_TOL
