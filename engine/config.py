@@ -100,6 +100,8 @@ def resolve_device(name: str) -> str:
 
 
 OPT_LEVEL_ENV = "KVTIER_OPTIMIZATION_LEVEL"
+# An all-reduce across tensor-parallel ranks that waits longer means a rank hangs (a layer takes far less).
+DISTRIBUTED_TIMEOUT_S = 30.0
 
 
 def _optimization_level(level: int | None, device: str, enforce_eager: bool) -> int:
@@ -255,8 +257,12 @@ class EngineConfig:
         "after each attention and MLP block; engine/parallel/): rank 0 runs in the engine's process, every other "
         "rank in a worker process of its own, on CPU bound to cores of its own (--cpu-threads: each rank's "
         "threads). Dense Llama-family and Gemma 3 "
-        "models; not yet with KV offload or a KV connector or --speculative-config, and it runs eagerly "
+        "models; not yet with KV offload or a KV connector other than HiddenStatesConnector, and it runs eagerly "
         "(default: %(default)s)", aliases=("-tp",), metavar="N")
+    distributed_timeout_seconds: float = setting(
+        DISTRIBUTED_TIMEOUT_S, "how long an all-reduce across tensor-parallel ranks may wait before a rank counts as hung and the "
+        "engine fails (kvtier serve: 503, /health says which rank); a rank that exits is seen at once. Applies "
+        "with --tensor-parallel-size 2 and up (default: %(default)s)", metavar="SECONDS")
     disable_hybrid_kv_cache_manager: bool = setting(
         False, "lay G1 out as one KV group of every layer, each keeping its whole history (vLLM's flag), instead "
         "of a block table per kind of layer where sliding-window layers keep only their window")
@@ -303,6 +309,11 @@ class EngineConfig:
         object.__setattr__(self, "device", resolve_device(self.device))
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1; got {self.tensor_parallel_size}")
+        if not self.distributed_timeout_seconds > 0:
+            raise ValueError(f"distributed_timeout_seconds must be > 0; got {self.distributed_timeout_seconds}")
+        if self.tensor_parallel_size == 1 and self.distributed_timeout_seconds != DISTRIBUTED_TIMEOUT_S:
+            log.warning("distributed_timeout_seconds=%s does not apply: tensor_parallel_size is 1",
+                        self.distributed_timeout_seconds)
         if self.tensor_parallel_size > 1 and self.optimization_level:  # given here: refused, not ignored
             raise ValueError(f"optimization_level={self.optimization_level} does not work with tensor_parallel_size="
                              f"{self.tensor_parallel_size} yet (it runs eagerly): leave it out or give 0")

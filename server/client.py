@@ -55,6 +55,7 @@ class EngineClient:
         self.prep_timeout_s = prep_timeout_s  # a request's preparation in the core (server/core_prep.py)
         self.state = CoreState.STARTING
         self.died = False  # the core ended without being asked to (or hung): serve exits 1
+        self.death: str | None = None  # why the core died: /health says it
         self.dead = asyncio.Event()  # set with `died`
         self._last_beat = 0.0  # loop time of the last heartbeat
         self._loop_age = 0.0  # seconds since the core's step loop last went round, as it last said
@@ -254,7 +255,7 @@ class EngineClient:
             return
         log.error("%s; failing %d request(s); /health now reports unhealthy", why, len(self._queues))
         self.state = CoreState.DEAD
-        self.died = True
+        self.died, self.death = True, why
         self._fail_all(EngineDeadError(why))
         self.dead.set()
 

@@ -196,6 +196,7 @@ def run_core(llm_kwargs: dict[str, Any], to_core: str, from_core: str, logs: Log
                 loop.step()
             else:
                 eng.publish_pending_events()
+                eng.check_health()  # a tensor-parallel rank that exited fails the core now, not at the next request
             if not eng.has_unfinished() and os.getppid() != parent:  # the API process died without telling us
                 log.error("API process is gone; exiting")
                 status = 0

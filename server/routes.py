@@ -75,7 +75,8 @@ def build_app(api: API) -> FastAPI:
     async def health() -> Response:
         if api.client.state is CoreState.READY:
             return Response(status_code=200)
-        return error_response(APIError(503, f"engine core is {api.client.state.value}", "ServiceUnavailableError"))
+        why = f": {api.client.death}" if api.client.death else ""
+        return error_response(APIError(503, f"engine core is {api.client.state.value}{why}", "ServiceUnavailableError"))
 
     @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) name for /health
     async def ping() -> Response:

@@ -109,6 +109,11 @@ class EngineCore:
         self._release_finished()
         return found
 
+    def check_health(self) -> None:
+        """Raises when the engine cannot go on even while idle: a tensor-parallel rank that exited
+        (engine/parallel/ranks.RankFailed)."""
+        self.runner.check_peers()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._planned is not None or self._ran is not None
 

@@ -7,7 +7,7 @@ torch.distributed's global one, so several engines can live in one process). A w
 the next step on its pipe, not in a collective, so an idle engine hits no collective timeout.
 
 Failure: a worker that exits is seen before the next step (`RankFailed`, naming it); one that
-hangs (SIGSTOP) leaves rank 0 in an all-reduce until COLLECTIVE_TIMEOUT_S, then `RankFailed`.
+hangs (SIGSTOP) leaves rank 0 in an all-reduce until `distributed_timeout_seconds`, then `RankFailed`.
 `RankFailed` is not a request's error, so failure isolation does not retry it: the engine stops.
 """
 from __future__ import annotations
@@ -35,7 +35,6 @@ from engine.parallel.shm import AllReduce, ShmAllReduce
 
 log = logging.getLogger(__name__)
 
-COLLECTIVE_TIMEOUT_S = 30.0  # an all-reduce that waits longer means a rank hangs (a layer takes far less)
 START_TIMEOUT_S = 600.0  # a worker loading its shard
 REPO = Path(__file__).resolve().parents[2]  # where `engine` is imported from, for the workers' PYTHONPATH
 
@@ -61,6 +60,7 @@ class WorkerSpec(msgspec.Struct, tag="spec"):
     shm_name: str  # the shared-memory all-reduce's segment (engine/parallel/shm.py)
     cpus: tuple[int, ...]  # the CPUs it runs on (empty: all)
     threads: int | None  # its forward threads (None: one per CPU of `cpus`)
+    timeout_s: float  # the longest an all-reduce waits for the other ranks
 
 
 class Step(msgspec.Struct, tag="step"):
@@ -103,9 +103,9 @@ def cpu_sets(size: int) -> list[tuple[int, ...]]:
     return [tuple(cpus[r * per:(r + 1) * per]) for r in range(size)]
 
 
-def process_group(store_path: str, rank: int, size: int) -> Any:
+def process_group(store_path: str, rank: int, size: int, timeout_s: float) -> Any:
     store = dist.FileStore(store_path, size)
-    return dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
 
 
 class Ranks:
@@ -121,7 +121,8 @@ class Ranks:
         self._dir = tempfile.mkdtemp(prefix="kvtier-tp-")
         self._store = str(Path(self._dir) / "store")
         self.cpus = cpu_sets(size) if config.device == "cpu" else [()] * size
-        shm = ShmAllReduce(None, 0, size, dtype, COLLECTIVE_TIMEOUT_S)
+        self.timeout_s = config.distributed_timeout_seconds
+        shm = ShmAllReduce(None, 0, size, dtype, self.timeout_s)
         self._reduce = AllReduce(shm, None)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
         self._conns: list[Connection] = []
@@ -138,7 +139,7 @@ class Ranks:
                 conn.send_bytes(encode_message(WorkerSpec(
                     rank, size, config.model, config.dtype, config.device, config.kv_cache_dtype, config.block_size,
                     config.max_num_seqs, num_blocks, max_len, one_group, self._store, shm.name,
-                    self.cpus[rank], config.cpu_threads)))
+                    self.cpus[rank], config.cpu_threads, self.timeout_s)))
         except OSError as e:
             self.close()
             raise RankFailed(f"starting the tensor-parallel workers failed: {e}") from None
@@ -164,7 +165,7 @@ class Ranks:
             msg = to_rank0.decode(conn.recv_bytes())
             if isinstance(msg, Failed):
                 raise RankFailed(f"tensor-parallel rank {msg.rank} failed to start: {msg.error}")
-        self._reduce.pg = process_group(self._store, 0, self.size)
+        self._reduce.pg = process_group(self._store, 0, self.size, self.timeout_s)
 
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sums `t` over the ranks, in place."""
@@ -173,13 +174,13 @@ class Ranks:
             self._reduce(t)
             self.reduce_seconds += time.perf_counter() - start  # waits for the slowest rank included
         except RuntimeError as e:  # gloo's timeout, or a peer that closed its connection
-            self._check_alive()
+            self.check_alive()
             raise RankFailed(f"an all-reduce across the {self.size} tensor-parallel ranks failed (a rank hangs "
                              f"or died): {str(e).splitlines()[0][:200]}") from None
 
     def step(self, plan: RunPlan, tables: list, filled: dict[str, int]) -> None:
         """Sends a step to the workers, before rank 0 runs its shard of it."""
-        self._check_alive()
+        self.check_alive()
         released, self._released = self._released, []  # releases come from the bookkeeping thread too
         data = encode_message(Step(plan, [t if isinstance(t, tuple) else (t,) for t in tables], released, filled))
         for rank, conn in enumerate(self._conns, start=1):
@@ -192,7 +193,8 @@ class Ranks:
         """A finished request's rows: the workers drop theirs with the next step."""
         self._released.append(request_id)
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """RankFailed naming the first worker that exited (cheap: the engine calls it while idle too)."""
         for rank, proc in enumerate(self._procs, start=1):
             if proc.poll() is not None:
                 raise RankFailed(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.returncode}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from engine.parallel.ranks import (COLLECTIVE_TIMEOUT_S, Failed, Ready, Step, Stop, WorkerSpec, encode_message,
+from engine.parallel.ranks import (Failed, Ready, Step, Stop, WorkerSpec, encode_message,
                                    process_group, to_worker)
 from engine.parallel.shm import AllReduce, ShmAllReduce
 from engine.parallel.shard import TPShard
@@ -53,8 +53,8 @@ def serve(conn: Connection) -> None:
         conn.send_bytes(encode_message(Failed(spec.rank, f"{type(e).__name__}: {e}")))
         return
     conn.send_bytes(encode_message(Ready(spec.rank)))
-    pg = process_group(spec.store_path, spec.rank, spec.size)
-    shm = ShmAllReduce(spec.shm_name, spec.rank, spec.size, runner.cfg.dtype, COLLECTIVE_TIMEOUT_S)
+    pg = process_group(spec.store_path, spec.rank, spec.size, spec.timeout_s)
+    shm = ShmAllReduce(spec.shm_name, spec.rank, spec.size, runner.cfg.dtype, spec.timeout_s)
     shard.attach(model, AllReduce(shm, pg))
     while True:
         try:

@@ -31,6 +31,7 @@ class Peers(Protocol):
     """The other tensor-parallel ranks, as the runner drives them (engine/parallel/ranks.py)."""
     def step(self, plan: RunPlan, block_tables: list, filled: dict[RequestId, int]) -> None: ...
     def release(self, req_id: RequestId) -> None: ...
+    def check_alive(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -179,6 +180,11 @@ class ModelRunner:
     def _drop(self, req_id: RequestId) -> None:
         for batch in self.batches:
             batch.release(req_id)
+
+    def check_peers(self) -> None:
+        """Raises (engine/parallel/ranks.RankFailed) when another rank has exited."""
+        if self.peers is not None:
+            self.peers.check_alive()
 
     def close(self) -> None:
         """Stops the other ranks, if any."""
