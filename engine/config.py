@@ -256,7 +256,7 @@ class EngineConfig:
         1, "ranks the model is sharded over, Megatron-style (attention heads and MLP columns split, an all-reduce "
         "after each attention and MLP block; engine/parallel/): rank 0 runs in the engine's process, every other "
         "rank in a worker process of its own, on CPU bound to cores of its own (--cpu-threads: each rank's "
-        "threads). Dense Llama-family and Gemma 3 "
+        "threads). Llama-family (Qwen3-MoE too) and Gemma 3 "
         "models; not yet with KV offload or a KV connector other than HiddenStatesConnector, and it runs eagerly "
         "(default: %(default)s)", aliases=("-tp",), metavar="N")
     distributed_timeout_seconds: float = setting(

@@ -10,6 +10,7 @@ hidden state) the head is a small share of the weights; sampling then needs only
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
@@ -18,9 +19,13 @@ import torch
 from engine.model_config import ModelConfig
 
 # Dense models whose attention and MLP blocks have the Llama layout (q/k/v, o, gate/up, down).
+# Qwen3-MoE: its experts are tensor-parallel (each rank every expert's slice of moe_intermediate_size,
+# the router replicated), not expert-parallel: every rank routes each token the same way and does the
+# same share of work whatever the routing, and the all-reduce is the dense MLP's, one per layer.
 SHARDABLE = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                       "Gemma3ForCausalLM"})
+                       "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"})
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # the modules whose outputs are all-reduced
+MOE_BLOCK = "SparseMoeBlock"  # engine/models/moe.py: its output (the experts' partial sums) is all-reduced
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,9 @@ class TPShard:
                              f"{', '.join(sorted(SHARDABLE))})")
         if mc.layer_kv_shapes or mc.kv_sources:
             raise ValueError(f"tensor_parallel_size={n}: per-layer KV shapes or shared KV cannot be sharded yet")
-        for what, value in (("attention heads", mc.num_heads), ("intermediate_size", mc.intermediate_size)):
+        moe = getattr(mc.hf_config, "moe_intermediate_size", 0) if getattr(mc.hf_config, "num_experts", 0) else 0
+        for what, value in (("attention heads", mc.num_heads), ("intermediate_size", mc.intermediate_size),
+                            ("moe_intermediate_size", moe)):
             if value % n:
                 raise ValueError(f"tensor_parallel_size={n} does not divide the model's {what} ({value})")
         kv = mc.num_kv_heads
@@ -69,8 +76,12 @@ class TPShard:
         if self.trivial:
             return mc
         self.check(mc)
+        hf = mc.hf_config
+        if getattr(hf, "num_experts", 0):  # the MoE block reads its sizes from the checkpoint's config
+            hf = copy.deepcopy(hf)
+            hf.moe_intermediate_size //= self.size
         return replace(mc, num_heads=len(self.q_heads(mc)), num_kv_heads=len(self.kv_heads(mc)),
-                       intermediate_size=mc.intermediate_size // self.size)
+                       intermediate_size=mc.intermediate_size // self.size, hf_config=hf)
 
     def weights(self, mc: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]]
                 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -85,9 +96,14 @@ class TPShard:
                 "v_proj": (kv.start * d, len(kv) * d), "gate_proj": (self.rank * inter, inter),
                 "up_proj": (self.rank * inter, inter)}
         cols = {"o_proj": (q.start * d, len(q) * d), "down_proj": (self.rank * inter, inter)}
+        moe_full = getattr(mc.hf_config, "moe_intermediate_size", 0)
+        mi = moe_full // self.size
         for name, t in tensors:
             parts = name.split(".")
             module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
+            if ".experts." in name:
+                yield name, self._expert_part(name, t, moe_full, mi)
+                continue
             if module in rows:
                 start, length = rows[module]
                 t = t.narrow(0, start, length)
@@ -98,6 +114,23 @@ class TPShard:
                 t = torch.zeros_like(t)  # added once, by rank 0, before the all-reduce sums the ranks
             yield name, t.contiguous()
 
+    def _expert_part(self, name: str, t: torch.Tensor, full: int, mi: int) -> torch.Tensor:
+        """This rank's slice of an expert tensor: per-expert gate/up rows and down columns, or of the
+        fused `experts.gate_up_proj` [E, 2 * full, hidden] both halves' rows, `experts.down_proj`
+        [E, hidden, full] its columns."""
+        r = self.rank * mi
+        if name.endswith(("gate_proj.weight", "up_proj.weight")):
+            t = t.narrow(0, r, mi)
+        elif name.endswith("experts.gate_up_proj"):
+            t = torch.cat([t.narrow(1, r, mi), t.narrow(1, full + r, mi)], dim=1)
+        elif name.endswith("down_proj.weight"):
+            t = t.narrow(1, r, mi)
+        elif name.endswith("experts.down_proj"):
+            t = t.narrow(2, r, mi)
+        else:
+            raise ValueError(f"tensor-parallel sharding: unexpected expert weight {name!r}")
+        return t.contiguous()
+
     def attach(self, model: torch.nn.Module, all_reduce: Callable[[torch.Tensor], None]) -> int:
         """All-reduces (in place) the output of every row-parallel module; returns how many."""
         if self.trivial:
@@ -107,7 +140,7 @@ class TPShard:
 
         count = 0
         for name, module in model.named_modules():
-            if name.endswith(ROW_PARALLEL):
+            if name.endswith(ROW_PARALLEL) or type(module).__name__ == MOE_BLOCK:
                 module.register_forward_hook(hook)
                 count += 1
         return count

@@ -16,8 +16,8 @@ from engine.parallel.ranks import RankFailed
 
 # Dense architectures: GQA (llama), sliding windows (mistral_swa), q/k/v biases and tied embeddings
 # (qwen2), q/k norms and a head_dim apart from hidden/heads (qwen3), Gemma 3's norms, scaling and
-# soft-capping with a sliding layer (gemma3).
-KINDS = ["llama", "mistral_swa", "qwen2", "qwen3", "gemma3"]
+# soft-capping with a sliding layer (gemma3); and tensor-parallel experts (qwen3_moe).
+KINDS = ["llama", "mistral_swa", "qwen2", "qwen3", "gemma3", "qwen3_moe"]
 # Small steps and a small G1: prompts are chunked, repeated prefixes hit, and requests get preempted.
 SETTINGS = {"dtype": "float32", "num_gpu_blocks": 12, "max_num_batched_tokens": 32, "seed": 0, "max_num_seqs": 8}
 LOGPROB_TOL = 1e-4  # float32; the ranks' partial sums are added in another order than one GEMM's
@@ -61,7 +61,7 @@ def test_two_ranks_give_one_ranks_tokens_and_logprobs(ckpt_dir, kind, extra):
 
 @pytest.mark.parametrize("kind,extra,match", [
     ("llama", {"tensor_parallel_size": 3}, "does not divide the model's attention heads"),
-    ("qwen3_moe", {"tensor_parallel_size": 2}, "Qwen3MoeForCausalLM cannot be sharded yet"),
+    ("gemma4", {"tensor_parallel_size": 2}, "cannot be sharded yet"),
     ("llama", {"tensor_parallel_size": 2, "kv_offloading_size": 0.01}, "KV offload"),
     ("llama", {"tensor_parallel_size": 2, "optimization_level": 1}, "optimization_level=1 does not work"),
     ("llama", {"tensor_parallel_size": 2, "kv_transfer_config": {"kv_connector": "OffloadingConnector"}},
