@@ -48,11 +48,13 @@ class CoreState(enum.Enum):
 class EngineClient:
     def __init__(self, llm_kwargs: dict[str, Any], logs: LogSettings = LogSettings(),
                  heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-                 prep_timeout_s: float = RequestLimits.compile_timeout_s) -> None:
+                 prep_timeout_s: float = RequestLimits.compile_timeout_s, cpus: tuple[int, ...] = ()) -> None:
+        """`cpus`: the CPUs the core process is bound to (empty: this process's)."""
         if heartbeat_timeout_s <= 0:
             raise ValueError(f"heartbeat timeout must be > 0 seconds; got {heartbeat_timeout_s}")
         self.llm_kwargs, self.logs, self.heartbeat_timeout_s = llm_kwargs, logs, heartbeat_timeout_s
         self.prep_timeout_s = prep_timeout_s  # a request's preparation in the core (server/core_prep.py)
+        self.cpus = cpus
         self.state = CoreState.STARTING
         self.died = False  # the core ended without being asked to (or hung): serve exits 1
         self.death: str | None = None  # why the core died: /health says it
@@ -86,7 +88,8 @@ class EngineClient:
         ctx = mp.get_context("spawn")  # never fork a process that may hold torch threads
         self.proc = ctx.Process(target=core_main, name="kvtier-engine-core", daemon=True,
                                 args=(self.llm_kwargs, f"ipc://{self._ipc_dir}/to_core",
-                                      f"ipc://{self._ipc_dir}/from_core", self.logs, self.prep_timeout_s))
+                                      f"ipc://{self._ipc_dir}/from_core", self.logs, self.prep_timeout_s,
+                                      self.cpus))
         self.proc.start()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -258,6 +261,16 @@ class EngineClient:
         self.died, self.death = True, why
         self._fail_all(EngineDeadError(why))
         self.dead.set()
+
+    def fail(self, why: str) -> None:
+        """Ends this core from outside (a data-parallel sibling died): fails what is in flight, kills it."""
+        self._die(why)
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether this core has the request in flight (a data-parallel client asks each)."""
+        return request_id in self._queues or request_id in self._acks
 
     def _settle(self, request_id: str | None, err: BaseException | None) -> None:
         fut = self._acks.get(request_id) if request_id is not None else None

@@ -248,6 +248,9 @@ class Heartbeat:
 
 
 def core_main(llm_kwargs: dict[str, Any], to_core: str, from_core: str, logs: LogSettings,
-              prep_timeout_s: float) -> None:
-    """multiprocessing target: the exit code tells the API process how the core ended."""
+              prep_timeout_s: float, cpus: tuple[int, ...] = ()) -> None:
+    """multiprocessing target: the exit code tells the API process how the core ended. `cpus`:
+    the CPUs this core runs on (a data-parallel core's share; empty: the parent's)."""
+    if cpus:  # before torch starts its threads: they and any tensor-parallel ranks inherit the mask
+        os.sched_setaffinity(0, cpus)
     raise SystemExit(run_core(llm_kwargs, to_core, from_core, logs, prep_timeout_s))

@@ -35,6 +35,10 @@ DASHBOARD_HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nos
                      "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
                      "img-src 'self' data:; form-action 'none'; frame-ancestors 'none'"}
 
+# /v1/kv/stats under --data-parallel-size: each core's own figures beside the merged ones
+DP_STATS = ("num_running", "num_waiting", "prompt_tokens", "generation_tokens", "prefix_cache_queries",
+            "prefix_cache_hits", "kv_cache_usage")
+
 
 def build_app(api: API) -> FastAPI:
     app = FastAPI(title="kvtier", version=VERSION, docs_url="/docs", redoc_url=None)
@@ -154,7 +158,9 @@ def build_app(api: API) -> FastAPI:
                              "generation_tokens": st["generation_tokens"]},
                 "steps": {"busy_seconds": st["busy_seconds"], "forward_seconds": st["forward_seconds"],
                           "bubble_fraction": st["bubble_fraction"]},
-                "spec_decode": st.get("spec_decode")}
+                "spec_decode": st.get("spec_decode"),
+                **({"data_parallel": [{k: core[k] for k in DP_STATS} for core in st["data_parallel"]]}
+                   if "data_parallel" in st else {})}
 
     # -- generation ------------------------------------------------------------------------
     @app.post("/v1/completions")

@@ -154,6 +154,14 @@ def main(argv: list[str]) -> int:
         from policies import check_policy
 
         check_policy(kwargs["kv_eviction_policy"], "--kv-eviction-policy")
+        if ns.data_parallel_size > 1 and kwargs.get("kv_events_config"):
+            raise ValueError("--kv-events-config with --data-parallel-size > 1: every core would bind the same "
+                             "endpoint; not supported yet")
+        from engine.config import resolve_device
+
+        if ns.data_parallel_size > 1 and resolve_device(kwargs.get("device") or "auto") != "cpu":
+            raise ValueError("--data-parallel-size > 1 runs CPU engine cores only for now (on a GPU every core "
+                             "would take the same device)")
         from connectors.factory import check_shared_tiers, check_transfer_config, flag_tiers
         from kvstore.entry import load_secret
 
@@ -182,17 +190,30 @@ def main(argv: list[str]) -> int:
     return asyncio.run(_serve(ns, kwargs, settings, tokenizer, sock, API, http, logs, stats_log))
 
 
+def make_client(kwargs: dict[str, Any], settings: Any, logs: Any) -> Any:
+    """One engine core, or with --data-parallel-size N, N of them on disjoint CPU sets behind one client."""
+    from engine.parallel.ranks import cpu_sets
+    from server.client import EngineClient
+    from server.dp_client import DataParallelClient
+
+    n = settings.data_parallel_size
+    args = (kwargs, logs, settings.engine_heartbeat_timeout, settings.limits.compile_timeout_s)
+    if n == 1:
+        return EngineClient(*args)
+    return DataParallelClient([EngineClient(*args, cpus=cpus) for cpus in cpu_sets(n)])
+
+
 async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, tokenizer: Any,
                  sock: socket.socket, api_cls: Any, http: HttpSettings, logs: Any, stats_log: Any) -> int:
     import uvicorn
 
-    from server.client import CoreState, EngineClient, StartupError
+    from server.client import CoreState, StartupError
     from server.stats_log import run_stats_log
 
     _Server = _uvicorn_server()
     from server.routes import build_app
 
-    client = EngineClient(kwargs, logs, settings.engine_heartbeat_timeout, settings.limits.compile_timeout_s)
+    client = make_client(kwargs, settings, logs)
     log.info("starting the engine core for %s", settings.model_path)
     try:
         info = await client.start(settings.engine_start_timeout)

@@ -44,6 +44,10 @@ class ServerSettings:
     shutdown_timeout: float = _server(
         30.0, "on SIGTERM, how long in-flight requests may finish before they are aborted (default: %(default)s)",
         metavar="SECONDS")
+    data_parallel_size: int = _server(
+        1, "engine cores behind this server, each a process of its own on its share of the CPUs (and with "
+        "--tensor-parallel-size, its own ranks); a request goes to the core that got its prompt's prefix before, "
+        "else to the least loaded (default: %(default)s)", aliases=("-dp",), metavar="N")
     engine_start_timeout: float = _server(
         900.0, "how long the engine core may take to load the model (default: %(default)s)", metavar="SECONDS")
     engine_heartbeat_timeout: float = _server(
@@ -97,7 +101,8 @@ class ServerSettings:
             raise ValueError(f"--port must be in [0, 65535]; got {self.port}")
         for name, least, value in (("max_request_bytes", 1024, self.max_request_bytes),
                                    ("max_pending_requests", 1, self.max_pending_requests),
-                                   ("tokenizer_threads", 1, self.tokenizer_threads)):
+                                   ("tokenizer_threads", 1, self.tokenizer_threads),
+                                   ("data_parallel_size", 1, self.data_parallel_size)):
             if value < least:
                 raise ValueError(f"{name} must be >= {least}; got {value}")
         for name, value in (("chat_template_timeout_s", self.chat_template_timeout_s),

@@ -326,7 +326,7 @@ class EngineCore:
 
     def info(self) -> EngineInfo:
         return EngineInfo(self.max_model_len, self.model_config.vocab_size, self.pool.num_blocks,
-                          tuple(sorted(self.eos_token_ids)))
+                          tuple(sorted(self.eos_token_ids)), self.config.block_size)
 
     def prepare_request(self, params: SamplingParams) -> Prepared:
         """A request's slow part (bad words, a grammar), run off the step loop: `make_request(prepared=)`."""

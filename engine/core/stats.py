@@ -12,6 +12,7 @@ class EngineInfo:
     vocab_size: int
     num_gpu_blocks: int
     eos_token_ids: tuple[int, ...]
+    block_size: int  # tokens per KV block: prefix-affinity routing hashes whole blocks (server/dp_client.py)
 
 
 @dataclass(frozen=True)

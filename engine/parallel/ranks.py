@@ -97,7 +97,7 @@ def cpu_sets(size: int) -> list[tuple[int, ...]]:
     usable = usable_cpus()
     cpus = usable.cpus[:usable.count] if usable.cpus else tuple(range(usable.count))
     if len(cpus) < size:
-        log.warning("tensor_parallel_size=%d on %d usable CPUs: the ranks share them", size, len(cpus))
+        log.warning("%d ranks or engine cores on %d usable CPUs: they share them", size, len(cpus))
         return [tuple(cpus)] * size
     per = len(cpus) // size
     return [tuple(cpus[r * per:(r + 1) * per]) for r in range(size)]
