@@ -22,6 +22,7 @@ after the batch's files are on disk, so a rerun with the same DIR resumes:
   * leftover temp files (`.*.tmp-*`) of a killed run are deleted, and a torn or duplicated
     manifest line is dropped by rewriting the manifest atomically.
 One job at a time per DIR (a lock file enforces it: temp-file cleanup would race otherwise).
+--data-parallel-size N runs N engine processes under that job (server/extract_dp.py).
 
 Layers: --eagle3 (the default) is speculators' choice, [2, N//2, N-3] and then N, the last layer's
 output, last: speculators reads a file's last layer as the final state. --layout speculators also
@@ -51,6 +52,7 @@ import signal
 import sys
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help='for "messages" lines: do not append the assistant header (use when the '
                         "conversation already ends with the assistant's reply)")
     x.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    x.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="engines working through the input side by side, each a process on its share of the CPUs "
+                        "with its part of the lines (by id, so a duplicate id meets its first line); they append "
+                        "to the one manifest, and a rerun resumes as with one (default: %(default)s)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="logging verbosity (default: %(default)s)")
     return p
@@ -356,8 +362,11 @@ def _setup(ns: argparse.Namespace) -> tuple[Path, Path, list[int]]:
     if ns.kv_transfer_config is not None or ns.speculative_config is not None:
         raise ConfigError("--kv-transfer-config and --speculative-config are built by extract (from --layers/"
                           "--eagle3 and --output); drop them (the offload flags still work)")
-    if ns.max_tokens < 0 or ns.batch_size < 1:
-        raise ConfigError("--max-tokens must be >= 0 and --batch-size >= 1")
+    if ns.max_tokens < 0 or ns.batch_size < 1 or ns.data_parallel_size < 1:
+        raise ConfigError("--max-tokens must be >= 0, --batch-size and --data-parallel-size >= 1")
+    if ns.data_parallel_size > 1 and ns.layout == "speculators":
+        raise ConfigError("--layout speculators with --data-parallel-size > 1 is not supported yet (the dataset "
+                          "is written from every line's row in one process)")
     if ns.layout == "speculators":
         from server.extract_layout import check_pyarrow
 
@@ -405,16 +414,37 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def _run_locked(ns: argparse.Namespace, src: Path, out: Path, layer_ids: list[int]) -> int:
+    for tmp in out.glob(TEMP_GLOB):  # a killed run's half-written files (we hold the lock: none are live)
+        tmp.unlink(missing_ok=True)
+    if ns.data_parallel_size == 1:
+        return run_shard(ns, src, out, layer_ids, 0, 1)
+    from server.extract_dp import run_data_parallel
+
+    return run_data_parallel(ns, src, out, layer_ids)
+
+
+def shard_of(lineno: int, raw: bytes, shards: int) -> int:
+    """Which data-parallel shard takes a line: by its id, so a duplicate id lands where its first
+    line is (and fails there); a line without a readable id by its number."""
+    if shards == 1:
+        return 0
+    try:
+        obj = json.loads(raw)
+        return zlib.crc32(line_id(obj, lineno).encode()) % shards if isinstance(obj, dict) else lineno % shards
+    except (json.JSONDecodeError, UnicodeDecodeError, LineError):
+        return lineno % shards
+
+
+def run_shard(ns: argparse.Namespace, src: Path, out: Path, layer_ids: list[int], shard: int, shards: int) -> int:
+    """The job over this shard's lines (all of them with one shard)."""
     from tqdm import tqdm
 
     from connectors.hidden_spec import speculative_config
     from engine import LLM
 
-    for tmp in out.glob(TEMP_GLOB):  # a killed run's half-written files (we hold the lock: none are live)
-        tmp.unlink(missing_ok=True)
     manifest = Manifest(out, layer_ids)
     try:
-        manifest.load()
+        manifest.load(repair=shards == 1)
         llm = LLM(**{**llm_kwargs(ns), "speculative_config": speculative_config(layer_ids),
                      "kv_transfer_config": _transfer_config(ns, out)})
     except (ValueError, OSError) as e:  # LayerMismatch included
@@ -422,14 +452,16 @@ def _run_locked(ns: argparse.Namespace, src: Path, out: Path, layer_ids: list[in
     _start_up_done()
     job = Extractor(ns, llm, out, layer_ids, manifest)
     fh = open(src, "rb")  # noqa: SIM115 - closed in the finally below, with the engine
-    total_lines = sum(1 for _ in fh)
+    total_lines = sum(1 for lineno, raw in enumerate(fh, 1) if shard_of(lineno, raw, shards) == shard)
     fh.seek(0)
-    bar = tqdm(total=total_lines, unit="line", desc="extract", disable=ns.no_progress, dynamic_ncols=True,
-               file=sys.stderr)
+    bar = tqdm(total=total_lines, unit="line", desc="extract" if shards == 1 else f"extract dp{shard}",
+               disable=ns.no_progress, dynamic_ncols=True, file=sys.stderr, position=shard)
     interrupted, rows = False, None
     try:
         batch: list[Item] = []
         for lineno, raw in enumerate(fh, 1):  # bytes: a line that is not UTF-8 fails alone
+            if shard_of(lineno, raw, shards) != shard:
+                continue
             item = job.prepare(lineno, raw)
             if item is not None:
                 batch.append(item)
@@ -451,7 +483,8 @@ def _run_locked(ns: argparse.Namespace, src: Path, out: Path, layer_ids: list[in
         manifest.close()
         llm.close()
     t, secs = job.totals, time.perf_counter() - job.start
-    print(f"{PROG}: {t.done} done, {t.skipped} skipped (already complete; {t.recovered} recovered from files), "
+    who = "" if shards == 1 else f" (data-parallel shard {shard} of {shards})"
+    print(f"{PROG}{who}: {t.done} done, {t.skipped} skipped (already complete; {t.recovered} recovered from files), "
           f"{t.failed} failed; {t.tokens:,} tokens in {secs:.1f} s ({t.tokens / max(secs, 1e-9):,.0f} tokens/s) "
           f"-> {out}" + (f" ({rows} speculators rows)" if rows is not None else "")
           + (" [interrupted]" if interrupted else ""), flush=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 MANIFEST = "manifest.jsonl"
 
@@ -54,9 +54,12 @@ class Manifest:
     def __init__(self, out: Path, layer_ids: list[int]) -> None:
         self.out, self.path, self.layer_ids = out, out / MANIFEST, layer_ids
         self.entries: dict[str, dict[str, Any]] = {}
-        self._fh: IO[str] | None = None
+        self._fd: int | None = None
 
-    def load(self) -> None:
+    def load(self, repair: bool = True) -> None:
+        """The complete entries; with `repair`, the file is rewritten without the torn, duplicated
+        or stale lines (a data-parallel shard loads without: the parent repaired it, and another
+        shard's append may be half-read here)."""
         from connectors.hidden_states import file_name
 
         if not self.path.exists():
@@ -77,7 +80,7 @@ class Manifest:
                 dirty = True  # dropped: torn, duplicated, or its file is gone or damaged (recomputed)
                 continue
             self.entries[e["id"]] = e
-        if dirty:
+        if dirty and repair:
             self._rewrite()
 
     def _rewrite(self) -> None:
@@ -92,14 +95,16 @@ class Manifest:
     def append(self, entries: list[dict[str, Any]]) -> None:
         if not entries:
             return
-        if self._fh is None:
-            self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across batches; close()
-        self._fh.write("".join(json.dumps(e) + "\n" for e in entries))  # one write: at most one torn line
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        if self._fd is None:  # O_APPEND and one write(2) a batch: shards of a data-parallel run append side by side
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        data = "".join(json.dumps(e) + "\n" for e in entries).encode()
+        if os.write(self._fd, data) != len(data):  # a full disk: the rest would tear a line
+            raise OSError(f"short write to {self.path}")
+        os.fsync(self._fd)
         for e in entries:
             self.entries[e["id"]] = e
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
