@@ -54,7 +54,7 @@ class EngineParts:
     pool: BlockPool
     kv: KVCacheManager
     runner: ModelRunner
-    threads: cpu_threads.ThreadGovernor | None  # the adaptive thread count (CPU)
+    threads: cpu_threads.ThreadGovernor | cpu_threads.FixedThreads | None  # what keeps the thread count (CPU)
     events: EventBuffer | None
     publisher: ZmqEventPublisher | None
     connector: KVConnector
@@ -88,7 +88,7 @@ def _fit_max_len(config: EngineConfig, layout: KVLayout, num_blocks: int, max_le
     return max_len
 
 
-def _warm_up(runner: ModelRunner, threads: cpu_threads.ThreadGovernor | None) -> None:
+def _warm_up(runner: ModelRunner, threads: cpu_threads.ThreadGovernor | cpu_threads.FixedThreads | None) -> None:
     """Compiles now (logged), not in the first request's step; at each thread count the CPU may use."""
     try:
         if threads is not None:

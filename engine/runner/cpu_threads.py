@@ -133,8 +133,11 @@ class ThreadGovernor:
 
     def __init__(self, usable: UsableCpus, threads: int, set_threads: Callable[[int], None],
                  read: Callable[[str], str] = lambda p: Path(p).read_text(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, get_threads: Callable[[], int] | None = None) -> None:
+        """`get_threads`: torch's count now, re-set to ours at each tick when another engine in this
+        process changed it (it is process-wide)."""
         self.usable, self.max_threads, self.threads = usable, max(1, threads), max(1, threads)
+        self._get = get_threads
         self.levels = levels(self.max_threads)
         self._set, self._read, self._clock = set_threads, read, clock
         self._room_s = 0.0  # seconds in a row with room for one more thread
@@ -143,6 +146,8 @@ class ThreadGovernor:
         self.changes = 0
 
     def tick(self) -> None:
+        if self._get is not None and self._get() != self.threads:
+            self._set(self.threads)
         now = self._clock()
         if now < self._next:
             return
@@ -192,9 +197,25 @@ class ThreadGovernor:
         self._set(threads)
 
 
-def start(cpu_threads: int | None, adaptive: bool, runtime: str) -> ThreadGovernor | None:
+class FixedThreads:
+    """An engine's fixed thread count, re-set before a step when another engine in this process
+    (a benchmark's, a test's) changed torch's, which is process-wide: a tensor-parallel rank 0 left
+    at another engine's 2 threads on its 1 core ran 3.5x slower, fighting its worker for a core."""
+
+    def __init__(self, threads: int, set_threads: Callable[[int], None], get_threads: Callable[[], int]) -> None:
+        self.threads, self._set, self._get = threads, set_threads, get_threads
+
+    def tick(self) -> None:
+        if self._get() != self.threads:
+            self._set(self.threads)
+
+    def warm_up(self, run: Callable[[], None]) -> None:
+        run()
+
+
+def start(cpu_threads: int | None, adaptive: bool, runtime: str) -> ThreadGovernor | FixedThreads:
     """Sets the forward's thread count (module docstring) on the calling thread, logs it with
-    `runtime` (the allocator and binding line) and returns the governor, if one runs."""
+    `runtime` (the allocator and binding line) and returns what keeps it: the governor, or a fixed count."""
     import torch
 
     usable = usable_cpus()
@@ -204,4 +225,6 @@ def start(cpu_threads: int | None, adaptive: bool, runtime: str) -> ThreadGovern
     governed = adaptive and threads > 1
     log.info("CPU: %d forward threads, %s%s; %s", threads, usable.describe(),
              "; fewer while other processes load those CPUs" if governed else "", runtime)
-    return ThreadGovernor(usable, threads, torch.set_num_threads) if governed else None
+    if governed:
+        return ThreadGovernor(usable, threads, torch.set_num_threads, get_threads=torch.get_num_threads)
+    return FixedThreads(threads, torch.set_num_threads, torch.get_num_threads)

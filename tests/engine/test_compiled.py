@@ -56,7 +56,7 @@ def test_one_graph_serves_every_step_and_tokens_equal_eager(ckpt_dir, tmp_path, 
             assert _tokens(llm, PROMPTS, 24) == want, f"round {round_}"
         assert _tokens(llm, PROMPTS[:1], 5) == [want[0][:5]]  # one request alone: 1-token steps
         # one graph per thread count the CPU governor may switch to (engine/runner/cpu_threads.py)
-        levels = len(llm.engine.threads.levels) if llm.engine.threads is not None else 1
+        levels = len(getattr(llm.engine.threads, "levels", (1,)))
     assert graphs_at_start - graphs == levels, "the model should compile at start-up, not in a request's step"
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_at_start
     assert compiled_at_start == 1

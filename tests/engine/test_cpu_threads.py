@@ -143,10 +143,11 @@ def test_start_takes_omp_num_threads_or_the_flag(monkeypatch):
     before = torch.get_num_threads()
     try:
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        assert ct.start(None, True, "x") is None and torch.get_num_threads() == 1  # one thread: nothing to govern
+        fixed = ct.start(None, True, "x")  # one thread: nothing to govern, only to keep
+        assert isinstance(fixed, ct.FixedThreads) and fixed.threads == 1 and torch.get_num_threads() == 1
         gov = ct.start(2, True, "x")
-        assert gov is not None and gov.max_threads == 2 and torch.get_num_threads() == 2
-        assert ct.start(2, False, "x") is None
+        assert isinstance(gov, ct.ThreadGovernor) and gov.max_threads == 2 and torch.get_num_threads() == 2
+        assert isinstance(ct.start(2, False, "x"), ct.FixedThreads)
     finally:
         torch.set_num_threads(before)
 
@@ -233,3 +234,27 @@ def test_an_idle_stretch_with_room_counts_whole():
     proc.advance(60.0, own_cpus=0.0, other_cpus=0.02)  # idle, the neighbour gone
     gov.tick()
     assert gov.threads == 2 and changes == [1, 2]
+
+
+def test_an_engine_takes_its_thread_count_back_from_another_in_the_process(ckpt_dir):
+    """torch's thread count is process-wide: an engine of 1 thread beside one of 2 (a benchmark, a
+    tensor-parallel rank 0 beside a TP=1 engine) must not run its steps at the other's count."""
+    import torch
+
+    from engine import LLM, SamplingParams
+
+    before = torch.get_num_threads()
+    kw = dict(dtype="float32", num_gpu_blocks=64, optimization_level=0, adaptive_cpu_threads=False)
+    one, two = (LLM(str(ckpt_dir("llama")), cpu_threads=n, **kw) for n in (1, 2))
+    seen: dict[str, list[int]] = {"one": [], "two": []}
+    try:
+        for name, llm in (("one", one), ("two", two), ("one", one)):
+            model = llm.engine.runner.model
+            hook = model.register_forward_pre_hook(lambda *_a, name=name: seen[name].append(torch.get_num_threads()))
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+            hook.remove()
+        assert set(seen["one"]) == {1} and set(seen["two"]) == {2}, seen
+    finally:
+        one.close()
+        two.close()
+        torch.set_num_threads(before)
