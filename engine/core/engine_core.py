@@ -343,6 +343,8 @@ class EngineCore:
             raise RuntimeError("a request is running twice")
         if self.kv.num_requests() > len(self.scheduler.requests) + len(self.scheduler.deferred):
             raise RuntimeError("block tables outlive their requests")
+        if self.runner.graphs is not None:
+            self.runner.graphs.check_integrity()
         for batch in self.runner.batches:
             batch.check_integrity()
             if not batch.request_ids() <= set(self.scheduler.requests) | set(self.scheduler.deferred):
