@@ -21,7 +21,7 @@ after the batch's files are on disk, so a rerun with the same DIR resumes:
     recomputing, or recomputed when the check fails;
   * leftover temp files (`.*.tmp-*`) of a killed run are deleted, and a torn or duplicated
     manifest line is dropped by rewriting the manifest atomically.
-One job at a time per DIR (a lock file enforces it: temp-file cleanup would race otherwise).
+One job at a time per DIR (a lock file enforces it: temp-file cleanup would race otherwise);
 --data-parallel-size N runs N engine processes under that job (server/extract_dp.py).
 
 Layers: --eagle3 (the default) is speculators' choice, [2, N//2, N-3] and then N, the last layer's
@@ -52,7 +52,6 @@ import signal
 import sys
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -416,23 +415,10 @@ def run(ns: argparse.Namespace) -> int:
 def _run_locked(ns: argparse.Namespace, src: Path, out: Path, layer_ids: list[int]) -> int:
     for tmp in out.glob(TEMP_GLOB):  # a killed run's half-written files (we hold the lock: none are live)
         tmp.unlink(missing_ok=True)
+    from server.extract_dp import run_data_parallel  # here: it imports this module
     if ns.data_parallel_size == 1:
         return run_shard(ns, src, out, layer_ids, 0, 1)
-    from server.extract_dp import run_data_parallel
-
     return run_data_parallel(ns, src, out, layer_ids)
-
-
-def shard_of(lineno: int, raw: bytes, shards: int) -> int:
-    """Which data-parallel shard takes a line: by its id, so a duplicate id lands where its first
-    line is (and fails there); a line without a readable id by its number."""
-    if shards == 1:
-        return 0
-    try:
-        obj = json.loads(raw)
-        return zlib.crc32(line_id(obj, lineno).encode()) % shards if isinstance(obj, dict) else lineno % shards
-    except (json.JSONDecodeError, UnicodeDecodeError, LineError):
-        return lineno % shards
 
 
 def run_shard(ns: argparse.Namespace, src: Path, out: Path, layer_ids: list[int], shard: int, shards: int) -> int:
@@ -441,6 +427,7 @@ def run_shard(ns: argparse.Namespace, src: Path, out: Path, layer_ids: list[int]
 
     from connectors.hidden_spec import speculative_config
     from engine import LLM
+    from server.extract_dp import shard_of
 
     manifest = Manifest(out, layer_ids)
     try:
@@ -483,8 +470,7 @@ def run_shard(ns: argparse.Namespace, src: Path, out: Path, layer_ids: list[int]
         manifest.close()
         llm.close()
     t, secs = job.totals, time.perf_counter() - job.start
-    who = "" if shards == 1 else f" (data-parallel shard {shard} of {shards})"
-    print(f"{PROG}{who}: {t.done} done, {t.skipped} skipped (already complete; {t.recovered} recovered from files), "
+    print(f"{PROG}{'' if shards == 1 else f' (data-parallel shard {shard} of {shards})'}: {t.done} done, {t.skipped} skipped (already complete; {t.recovered} recovered from files), "
           f"{t.failed} failed; {t.tokens:,} tokens in {secs:.1f} s ({t.tokens / max(secs, 1e-9):,.0f} tokens/s) "
           f"-> {out}" + (f" ({rows} speculators rows)" if rows is not None else "")
           + (" [interrupted]" if interrupted else ""), flush=True)

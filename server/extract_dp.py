@@ -5,14 +5,16 @@ repairs the manifest before they start; a shard loads it without repairing."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import multiprocessing as mp
 import os
 import sys
+import zlib
 from pathlib import Path
 
 from engine.parallel.ranks import cpu_sets
-from server.extract import PROG, ConfigError, run_shard
+from server.extract import PROG, ConfigError, LineError, line_id, run_shard
 from server.extract_manifest import Manifest
 
 
@@ -67,3 +69,15 @@ def shard_main(ns: argparse.Namespace, src: Path, out: Path, layer_ids: list[int
     except KeyboardInterrupt:
         code = 130
     raise SystemExit(code)
+
+
+def shard_of(lineno: int, raw: bytes, shards: int) -> int:
+    """Which data-parallel shard takes a line: by its id, so a duplicate id lands where its first
+    line is (and fails there); a line without a readable id by its number."""
+    if shards == 1:
+        return 0
+    try:
+        obj = json.loads(raw)
+        return zlib.crc32(line_id(obj, lineno).encode()) % shards if isinstance(obj, dict) else lineno % shards
+    except (json.JSONDecodeError, UnicodeDecodeError, LineError):
+        return lineno % shards

@@ -53,6 +53,25 @@ def temp_files(out: Path) -> list[Path]:
     return list(out.glob(".*.tmp-*"))
 
 
+def kill_after_first_commit(argv: list[str], env: dict[str, str], out: Path) -> None:
+    """Runs the extract command and SIGKILLs it once its first batch is in the manifest: later files
+    may then exist with their manifest lines unwritten."""
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (out / "manifest.jsonl").exists() and (out / "manifest.jsonl").stat().st_size:
+                break
+            time.sleep(0.005)
+        assert proc.poll() is None, f"finished before the kill: {proc.stdout.read().decode()[-2000:]}"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_mixed_inputs_match_the_offline_api(ckpt_dir, tmp_path):
     model, layer_ids = ckpt_dir(KIND), [0, LAYERS, 1]
     text, ids = "hello world what is the capital of france ?", random_prompt(40, 5100)
@@ -231,21 +250,7 @@ def test_sigkill_then_rerun_completes_every_line_once(ckpt_dir, tmp_path):
     argv = [sys.executable, "-m", "server.cli", "extract", str(ckpt_dir(KIND)), "--input", str(src),
             "--output", str(out), *ENGINE, "--batch-size", "8", "--layers", "1,2", "--max-num-batched-tokens", "32"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            # Once the first batch is committed: later files may exist with their manifest lines unwritten.
-            if (out / "manifest.jsonl").exists() and (out / "manifest.jsonl").stat().st_size:
-                break
-            time.sleep(0.005)
-        assert proc.poll() is None, f"finished before the kill: {proc.stdout.read().decode()[-2000:]}"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    kill_after_first_commit(argv, env, out)
     assert len(manifest(out)) < len(prompts)  # killed mid-job
 
     done = subprocess.run(argv, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 
 from checkpoints import random_prompt
 from safetensors.torch import load_file
-from test_extract import ENGINE, KIND, REPO, manifest, temp_files, write_jsonl
+from test_extract import ENGINE, KIND, REPO, kill_after_first_commit, manifest, temp_files, write_jsonl
 
 # float32; each engine batches other lines beside a line, so a GEMM may round differently (measured:
 # equal bits on this suite's prompts; 1e-4 as the tensor-parallel hidden-state bound).
@@ -56,20 +55,7 @@ def test_killed_data_parallel_job_resumes_every_line_once(ckpt_dir, tmp_path):
     out = tmp_path / "out"
     argv = _argv(ckpt_dir(KIND), src, out, "--data-parallel-size", "2", "--batch-size", "8",
                  "--max-num-batched-tokens", "32")
-    proc = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if (out / "manifest.jsonl").exists() and (out / "manifest.jsonl").stat().st_size:
-                break
-            time.sleep(0.005)
-        assert proc.poll() is None, f"finished before the kill: {proc.stdout.read().decode()[-2000:]}"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    kill_after_first_commit(argv, _env(), out)
     time.sleep(0.5)  # the shards die with their parent (PR_SET_PDEATHSIG)
     assert len(manifest(out)) < len(prompts)  # killed mid-job
     done = subprocess.run(argv, check=False, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
