@@ -61,11 +61,24 @@ def has_controls(params: SamplingParams) -> bool:
     return bool(params.logit_bias or params.allowed_token_ids or params.bad_words)
 
 
+BAD_WORDS_CHUNK = 1024  # texts per native encode: each call holds the GIL briefly, so the step loop keeps it
+
+
 def bad_word_ids(words: list[str] | None, tokenizer: Any) -> BadWords:
     """Each word's token sequences: as written and, where it tokenizes differently, after a
-    space (the word in the middle of a text); no special tokens."""
-    return BadWords(tuple(tokenizer.encode(text, add_special_tokens=False))
-                    for word in words or () for text in (word.lstrip(), " " + word.lstrip()))
+    space (the word in the middle of a text); no special tokens.
+
+    A fast tokenizer encodes them in chunks through its Rust backend (which releases the GIL):
+    word by word, 50,000 words took 1.6 s of Python on the engine core's preparation thread and
+    slowed the step loop beside it through the GIL."""
+    texts = [text for word in words or () for text in (word.lstrip(), " " + word.lstrip())]
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # absent on slow (Python) tokenizers
+    if backend is None:
+        return BadWords(tuple(tokenizer.encode(t, add_special_tokens=False)) for t in texts)
+    ids: list[tuple[int, ...]] = []
+    for i in range(0, len(texts), BAD_WORDS_CHUNK):
+        ids += (tuple(e.ids) for e in backend.encode_batch(texts[i:i + BAD_WORDS_CHUNK], add_special_tokens=False))
+    return BadWords(ids)
 
 
 def check_controls(params: SamplingParams, vocab_size: int) -> None:

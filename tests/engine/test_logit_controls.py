@@ -52,6 +52,37 @@ def test_bad_words_are_tokenized_as_written_and_after_a_space(tokenizer):
     assert tuple(tokenizer.encode("hello world", add_special_tokens=False)) in seqs
 
 
+def _byte_level_bpe():
+    """A small byte-level BPE (GPT-2 style: a leading space changes the tokens), trained here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [" ".join(f"w{i} paris hello world" for i in range(j, j + 50)) for j in range(0, 2000, 50)]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+@pytest.mark.parametrize("which", ["word_level", "byte_level_bpe"])
+def test_bad_words_in_chunks_equal_encoding_them_one_by_one(tokenizer, which):
+    """The chunked Rust-backend path (engine/sample/logit_controls.py) against tokenizer.encode per
+    text, across chunk boundaries; and a slow tokenizer (no backend) takes the per-word path."""
+    from engine.sample import logit_controls
+
+    tok = tokenizer if which == "word_level" else _byte_level_bpe()
+    words = [f"w{i}" for i in range(2 * logit_controls.BAD_WORDS_CHUNK + 7)] + ["paris", " hello world", "héllo"]
+    want = BadWords(tuple(tok.encode(t, add_special_tokens=False)) for w in words for t in (w.lstrip(), " " + w.lstrip()))
+    got = bad_word_ids(words, tok)
+    assert got.sequences == want.sequences
+    assert which == "word_level" or len(got) > len(words)  # the BPE knows w0..w2054: no duplicates
+
+    class Slow:  # what a tokenizer without `backend_tokenizer` offers
+        encode = tok.encode
+    assert bad_word_ids(words, Slow()).sequences == want.sequences
+
+
 @pytest.mark.parametrize("bad", [{"logit_bias": {1: 101}}, {"logit_bias": {"1": 5}}, {"allowed_token_ids": []},
                                  {"bad_words": [""]}, {"logit_bias": {True: 1}}])
 def test_bad_settings_are_value_errors(bad):
