@@ -37,7 +37,7 @@ from engine.core.request import Request, RequestId, RequestStatus
 from engine.core.expensive import ExpensiveWork
 from engine.core.step_io import ScheduledRequest, SchedulerOutput, StepResult
 from engine.sample.stop import append_tokens
-from engine.core.waiting import WaitingQueue
+from engine.core.waiting import BlockHolders, WaitingQueue
 from kvstore.keys import BlockKey
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,7 @@ class Scheduler:
         finishes_prompt = False  # a prompt completes in this step
         inflight = self._inflight_keys()
         held: list[Request] = []  # waiting requests that sit this step out (see the module docstring)
+        holders = BlockHolders(self.waiting, lambda r: bool(self.kv.block_table(r)))
         out.prompt_logprobs_allowance = self.expensive.begin_step(
             self.running, self.waiting, lambda r: bool(inflight) and not inflight.keys().isdisjoint(self.kv.prompt_keys(r)))
         i = 0
@@ -163,8 +164,10 @@ class Scheduler:
                 if srpt:
                     self._passed_over.pop(req.request_id, None)  # counts steps sat out in a row
                 i += 1
-        # A step that had to preempt admits nobody new: memory is already short.
-        while not out.preempted and len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        # A step that had to preempt admits nobody new (memory is already short), unless nothing runs
+        # in it: then the blocks the preemption gave back go to the queue now, not after an idle step.
+        while ((not out.preempted or not out.scheduled) and len(self.waiting) and budget > 0
+               and len(self.running) < self.max_num_seqs):
             req = self.waiting.peek()
             fresh = not self.kv.block_table(req)  # else resuming after an async load
             lookup = fresh and not req.wants_prompt_logprobs  # those need every prompt position's logits
@@ -181,6 +184,9 @@ class Scheduler:
                     # with its load done then needs no more blocks to be admitted, so loads that
                     # land together on a full G1 cannot deadlock the queue.
                     if not self.kv.allocate_slots(req, req.num_tokens - num_cached, hits):
+                        if holders.behind():  # see BlockHolders
+                            held.append(self.waiting.pop())
+                            continue
                         break
                     self.waiting.pop()
                     self._count_prefix(req, num_cached)
@@ -196,14 +202,19 @@ class Scheduler:
             n = self.expensive.cut(req, min(self._chunk(remaining), budget))
             if n == 0:
                 held.append(self.waiting.pop())
+                holders.admitted(not fresh)  # out of the queue for this step all the same
                 continue
             if n < remaining and not self.enable_chunked_prefill:
                 break
             if srpt and n < remaining and finishes_prompt:  # leave the step to the prompts it finishes
                 break
             if not self._allocate(req, n, hits):
+                if fresh and holders.behind():
+                    held.append(self.waiting.pop())
+                    continue
                 break
             self.waiting.pop()
+            holders.admitted(not fresh)
             if fresh:
                 self._count_prefix(req, num_cached)
             req.num_computed_tokens = num_cached

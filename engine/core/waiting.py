@@ -4,6 +4,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Callable
 
 from engine.config import SchedulingPolicy
 from engine.core.request import Request
@@ -57,3 +58,26 @@ class WaitingQueue:
 
     def __len__(self) -> int:
         return len(self._heap) if self.policy is SchedulingPolicy.PRIORITY else len(self._fifo)
+
+
+class BlockHolders:
+    """One admission pass's count of waiting requests that hold G1 blocks (resuming after an async
+    load: their whole prompt's blocks were allocated when it started). While one waits, a fresh
+    request at the head that cannot get blocks steps aside instead of stopping admission: the
+    blocks it waits for are held by the requests queued behind it, so stopping would stall the
+    engine. Counted on first need (a pass usually never asks)."""
+
+    def __init__(self, waiting: WaitingQueue, holds_blocks: Callable[[Request], bool]) -> None:
+        self._waiting, self._holds = waiting, holds_blocks
+        self._count: int | None = None
+
+    def behind(self) -> bool:
+        """Whether a waiting request holds blocks (the head, which has none, asks)."""
+        if self._count is None:
+            self._count = sum(1 for r in self._waiting if self._holds(r))
+        return self._count > 0
+
+    def admitted(self, held_blocks: bool) -> None:
+        """A request left the queue for this pass."""
+        if held_blocks and self._count is not None:
+            self._count -= 1

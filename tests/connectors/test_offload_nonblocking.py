@@ -11,6 +11,7 @@ xfail reason).
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -190,5 +191,52 @@ def test_idle_engine_sleeps_while_a_load_is_in_flight(model_dir, tmp_path):
         assert load_s >= SLOW_S * (hit_tokens(len(LONG)) // OB)
         # Polling would be ~2000 steps per second; the signal wait is <= 20 per second.
         assert idle_steps <= load_s / eng.IDLE_WAIT_S + 5, (idle_steps, load_s)
+    finally:
+        llm.close()
+
+
+def test_a_preempted_request_ahead_of_a_landed_load_does_not_block_it(model_dir, tmp_path):
+    """A load lands (the loaded request waits at the queue's front, holding its whole prompt's
+    blocks) in the step where the running request needs a block G1 no longer has: it preempts
+    itself and goes to the front, ahead of the loaded one, and then needs one block more than is
+    free. The loaded request must go first (it needs no block to start); stopping at the queue's
+    head stalled the engine ('scheduler made no progress'). Seen first under tensor parallelism,
+    whose loads land later than one rank's."""
+    runner_prompt, loaded_prompt = random_prompt(40, 7430), random_prompt(257, 7431)  # 3 + 17 G1 blocks
+    ref = reference(model_dir, [runner_prompt, loaded_prompt], max_tokens=16)
+    disk = tmp_path / "g3"
+    a = offload_llm(model_dir, kv_offload_disk=str(disk))
+    run(a, [loaded_prompt])
+    a.close()
+    llm = offload_llm(model_dir, kv_offload_disk=str(disk), num_gpu_blocks=20)
+    eng = llm.engine
+    try:
+        g3 = eng.connector.tier("G3").backend
+        real_get_into, gate = g3.get_into, threading.Event()
+
+        def gated_get_into(keys, outs):
+            gate.wait(30)
+            return real_get_into(keys, outs)
+
+        g3.get_into = gated_get_into
+        runner = eng.make_request("runner", runner_prompt, greedy(16))
+        eng.add_request(runner)
+        eng.step()  # its prompt: 3 blocks
+        loaded = eng.make_request("loaded", loaded_prompt, greedy(16))
+        eng.add_request(loaded)
+        with deadline(60, "the runner's decode"):
+            while runner.num_computed_tokens < 48:  # its next token needs a 4th block; G1 has none free
+                eng.step()
+        assert loaded.status is WAITING and eng.kv.pool.num_free_blocks() == 0
+        gate.set()
+        eng.connector.flush()  # the load lands at the next step's poll
+        eng.step()
+        assert runner.status is RequestStatus.PREEMPTED  # ahead of the loaded request now
+        with deadline(60, "the step loop"):
+            while not (runner.status.finished and loaded.status.finished):
+                eng.step()
+        assert [runner.output_token_ids, loaded.output_token_ids] == ref
+        assert loaded.cached_by_tier == {"G3": hit_tokens(len(loaded_prompt))}
+        check_integrity(llm)
     finally:
         llm.close()
