@@ -92,6 +92,12 @@ class KVConnector(ABC):
         of N tokens is served by full groups' blocks before N and sliding groups' window before N."""
         raise NotImplementedError(f"{type(self).__name__} does not take several KV groups")
 
+    def shard_over(self, peers: Any) -> None:
+        """Called once on rank 0 of a tensor-parallel engine, before any request: `peers`
+        (connectors/sharded.TransferPeers) runs this connector's plans on the other ranks. A
+        connector that moves KV must move every rank's shard of it; the default refuses."""
+        raise ValueError(f"{type(self).__name__} does not work with tensor parallelism")
+
     # ---- scheduler side ----------------------------------------------------------------
     @abstractmethod
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:

@@ -50,6 +50,9 @@ class ConnectorContext:
     # What the namespace is (model, dtype, fingerprint inputs): G3/G4 record it for `kvtier kv`
     # (kvstore.namespace_info); informational only
     namespace_info: dict[str, Any] | None = field(default=None, repr=False)
+    # This process's share of the G2 and disk sizes given: 1 / tensor_parallel_size (each rank
+    # stores its shard of every block in tiers of its own)
+    size_share: float = 1.0
 
 
 def validate_transfer_config(tc: dict[str, Any]) -> dict[str, Any]:
@@ -225,7 +228,7 @@ def _host(ctx: ConnectorContext, size_gib: float, policy: PolicySpecLike | None)
     from kvstore.host import HostTier
     from policies import make_policy
 
-    slots = int(size_gib * 2**30) // ctx.layout.encoded_bytes
+    slots = int(size_gib * ctx.size_share * 2**30) // ctx.layout.encoded_bytes
     if slots < 1:
         raise ValueError(f"kv_offloading_size={size_gib} GiB holds no offload block of "
                          f"{ctx.layout.encoded_bytes / 2**20:.1f} MiB; raise it or lower the offload block size")
@@ -239,10 +242,10 @@ def _disk(ctx: ConnectorContext, path: Path, size_gib: float, policy: PolicySpec
     from kvstore.disk import DiskBackend
 
     # The connector tells G3's policy of each read it used (touch_blocks), so reads are not uses.
-    disk = DiskBackend(path, int(size_gib * 2**30), ctx.fingerprint, policy=policy or ctx.eviction_policy,
+    disk = DiskBackend(path, int(size_gib * ctx.size_share * 2**30), ctx.fingerprint, policy=policy or ctx.eviction_policy,
                        secret=ctx.kv_secret, entry_bytes=ctx.layout.encoded_bytes, touch_on_read=False,
                        info=ctx.namespace_info)
-    log.info("disk tier: %s (%.1f GiB, %d entries found)", path, size_gib, len(disk))
+    log.info("disk tier: %s (%.1f GiB, %d entries found)", path, size_gib * ctx.size_share, len(disk))
     return disk
 
 
@@ -442,6 +445,12 @@ def _plugin_kind(name: str, module_path: str | None) -> ConnectorKind:
     return ConnectorKind(check=check, shared_tiers=lambda tc: [],
                          kv_groups=lambda tc: bool(cls().supports_kv_groups),
                          build=lambda ctx, tc: cls()(ctx))  # type: ignore[call-arg]
+
+
+def builds_tiered(tc: dict[str, Any] | None, offload_enabled: bool) -> bool:
+    """Whether the config builds the tiered offload connector (over the flags' tiers or a "tiers" list)."""
+    tc = tc or {}
+    return connector_kind(tc) is TIERED and (offload_enabled or "tiers" in _extra(tc))
 
 
 def connector_kind(tc: dict[str, Any]) -> ConnectorKind:

@@ -144,6 +144,10 @@ class HiddenStatesConnector(KVConnector):
         return {"hidden_states_path": str(path)}
 
     # ---- worker side -------------------------------------------------------------------
+    def shard_over(self, peers) -> None:
+        """Nothing to share out: rank 0's residual stream is whole after each layer's all-reduce,
+        so rank 0 alone writes the files (docs/parallel.md)."""
+
     def register_hidden_cache(self, hidden_cache: torch.Tensor) -> None:
         self.hidden_cache = hidden_cache
 

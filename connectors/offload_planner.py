@@ -32,6 +32,7 @@ from kvstore.host import HostTier
 from kvstore.keys import BlockKey, group_key, token_digest
 from policies import BlockInfo
 
+RESTORE_KEYS = 4096  # keys remembered for storing again (OffloadPlanner.restore)
 Cand = tuple[int, BlockKey, bytes, BlockKey | None]  # (offload block index, key, token digest, previous block's key)
 
 
@@ -49,6 +50,28 @@ def _use(request: RequestView) -> BlockInfo:
     """The request's side of what the tiers' policies get for its blocks (depth and parent are
     each block's)."""
     return BlockInfo(arrival=request.arrival_time, priority=request.priority, session=request.session)
+
+
+def leading_run(g2: HostTier | None, tiers: list[StorageTier], cands: list[Cand]) -> tuple[list[Chunk], dict[str, int]]:
+    """The leading run of `cands` found below G1: in G2, then each tier for what the ones above
+    lack; and how many candidates each tier that was asked lacked. Also a tensor-parallel
+    worker's view of a load rank 0 planned (connectors/sharded.py): its own tiers, same rule."""
+    found: list[Chunk] = []
+    misses: dict[str, int] = {}
+    rest = cands
+    if g2 is not None:
+        n = g2.lookup([c[1] for c in cands], [c[2] for c in cands])
+        found = [Chunk(j, key, dig, HOST, parent) for j, key, dig, parent in cands[:n]]
+        misses[HOST] = len(cands) - n
+        rest = cands[n:]
+    for tier in tiers:
+        if not rest:
+            break
+        n = tier.lookup([c[1] for c in rest])
+        found += [Chunk(j, key, dig, tier.name, parent) for j, key, dig, parent in rest[:n]]
+        misses[tier.name] = len(rest) - n
+        rest = rest[n:]
+    return found, misses
 
 
 class OffloadPlanner:
@@ -73,6 +96,9 @@ class OffloadPlanner:
         self._loads_left: dict[str, int] = {}  # req id -> its group loads not finished yet
         self._load_dst0: dict[str, tuple[BlockId, ...]] = {}  # req id -> group 0's destination blocks
         self._load_bad: dict[str, int] = {}  # req id -> first failed position in group 0's destination
+        # Keys G2 here holds that another tensor-parallel rank lacks (connectors/sharded.py): stored
+        # again, on every rank, the next time a request computes them (ordered: oldest first)
+        self._restore: dict[BlockKey, None] = {}
 
     def set_windows(self, windows: tuple[int, ...]) -> None:
         self.windows, self.grouped = windows, True
@@ -98,22 +124,12 @@ class OffloadPlanner:
                            tuple(request.all_token_ids[j * t:(j + 1) * t]), self.layout.block_size)
 
     def _run(self, cands: list[Cand], count: bool) -> list[Chunk]:
-        """The leading run of `cands` found below G1: in G2, then each tier for what the ones above
-        lack. `count`: add the misses to the per-tier counters."""
-        found: list[Chunk] = []
-        t, rest = self.layout.tokens, cands
-        if self.g2 is not None:
-            n = self.g2.lookup([c[1] for c in cands], [c[2] for c in cands])
-            found = [Chunk(j, key, dig, HOST, parent) for j, key, dig, parent in cands[:n]]
-            self.tier_misses[HOST] += (len(cands) - n) * t * count
-            rest = cands[n:]
-        for tier in self.tiers:
-            if not rest:
-                break
-            n = tier.lookup([c[1] for c in rest])
-            found += [Chunk(j, key, dig, tier.name, parent) for j, key, dig, parent in rest[:n]]
-            self.tier_misses[tier.name] += (len(rest) - n) * t * count
-            rest = rest[n:]
+        """The leading run of `cands` found below G1 (`leading_run`). `count`: add the misses to
+        the per-tier counters."""
+        found, misses = leading_run(self.g2, self.tiers, cands)
+        if count:
+            for name, n in misses.items():
+                self.tier_misses[name] += n * self.layout.tokens
         return found
 
     def _first_chunk(self, group: int, end_token: int) -> int:
@@ -247,9 +263,18 @@ class OffloadPlanner:
             self._stored_upto[req.request_id] = max(start, done_chunks)
         return meta
 
+    def restore(self, keys: list[BlockKey]) -> None:
+        """Another rank lacks these though this rank's G2 may hold them: store them again when
+        next computed (the ranks that hold them skip the copy)."""
+        for key in keys:
+            self._restore[key] = None
+        while len(self._restore) > RESTORE_KEYS:
+            del self._restore[next(iter(self._restore))]
+
     def _store(self, meta: ConnectorMeta, req: RequestView, key: BlockKey, dig: bytes, src: tuple[BlockId, ...],
                info: BlockInfo, announce: bool) -> None:
-        if key in self._inflight or (self.g2 is not None and self.g2.contains(key)):
+        again = self._restore.pop(key, False) is None
+        if key in self._inflight or (self.g2 is not None and self.g2.contains(key) and not again):
             return
         if self.write_back is not None:
             # WriteBackTracker builds its StoreJob without `blocks`: write-back stores go unannounced.

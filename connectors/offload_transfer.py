@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -70,6 +71,9 @@ class TransferEngine:
         self.load_seconds = 0.0  # wall time of load jobs on the transfer thread
         self.load_bytes = 0  # KV bytes those jobs placed into G1
         self.g2_copies = 0  # copy operations G2 loads took (fewer: longer consecutive runs)
+        # A tensor-parallel worker's: rank 0's load plan -> this rank's (its own G2 slots and
+        # tiers; connectors/sharded.py). Runs on the transfer thread; must not raise.
+        self.relocate: Callable[[LoadJob], LoadJob] | None = None
 
     # ---- the connector's side --------------------------------------------------------
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
@@ -96,6 +100,10 @@ class TransferEngine:
         self._done.put(item)
         self._progress.set()
 
+    def wake(self) -> None:
+        """Ends a `wait_for_progress` now (another rank reported a transfer: connectors/sharded.py)."""
+        self._progress.set()
+
     def wait_for_progress(self, timeout: float) -> None:
         # A set that lands between wait() and clear() is not lost: its item is already queued,
         # and the engine drains the queue before it waits again.
@@ -104,6 +112,8 @@ class TransferEngine:
 
     # ---- loads and stores (transfer thread) -----------------------------------------
     def run_load(self, job: LoadJob) -> None:
+        if self.relocate is not None:
+            job = self.relocate(job)
         landed = landed_g2 = 0  # destination blocks filled, from the first: everything after is reported failed
         last_tier = HOST  # the tier of the last block placed
         first_tier: str | None = None  # the storage tier of the first block placed

@@ -26,6 +26,7 @@ reports the blocks it did not fill: the engine recomputes those tokens or fails 
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 from connectors.base import ConnectorMeta, FinishedTransfers, KVConnector
@@ -34,6 +35,7 @@ from connectors.offload_plans import LoadDone, StoreDone, WritePolicy
 from connectors.offload_planner import OffloadPlanner
 from connectors.offload_transfer import HOST, TransferEngine
 from connectors.pd import PDRequest, PDRole, prefill_response
+from connectors.sharded import ShardedTransfer, TransferPeers, relocate
 from connectors.storage_tier import StorageTier, TierMode
 from connectors.writeback import WriteBackTracker
 from kvstore.g1 import BlockPool
@@ -66,6 +68,21 @@ class TieredOffloadConnector(KVConnector):
         self.namespace = namespace  # the model's KV namespace (hex): what a decode's kv_transfer_params must name
         self._promised = False  # a prefill answered since the last wait_for_outputs: its blocks must reach G4
         self._short: set[str] = set()  # decode requests already logged as finding less than promised
+        self.sharded: ShardedTransfer | None = None  # rank 0 of a tensor-parallel engine (shard_over)
+
+    def shard_over(self, peers: TransferPeers) -> None:
+        """Rank 0 of a tensor-parallel engine: every plan runs on the other ranks too, over their
+        own tiers, and a transfer is done once every rank has done it (connectors/sharded.py)."""
+        if self.write_back is not None:
+            raise ValueError("write_policy=write_back does not work with tensor parallelism yet (a write-back "
+                             "copies on the step loop, which the other ranks would have to join); use write_through")
+        self.sharded = ShardedTransfer(peers, self.layout.g1_blocks, self.planner.restore, self.transfer.wake)
+
+    def as_peer(self) -> TransferEngine:
+        """A tensor-parallel worker's side: the transfer engine that runs rank 0's plans over this
+        rank's tiers (each load looked up again in them: `sharded.relocate`)."""
+        self.transfer.relocate = partial(relocate, g2=self.g2, tiers=self.tiers)
+        return self.transfer
 
     def tier(self, name: str) -> StorageTier:
         """The storage tier called `name` (KeyError naming the ones there are)."""
@@ -129,7 +146,8 @@ class TieredOffloadConnector(KVConnector):
 
     def get_finished(self) -> FinishedTransfers:
         received: set[str] = set()
-        for done in self.transfer.drain():
+        reports = self.transfer.drain()
+        for done in reports if self.sharded is None else self.sharded.combine(reports):
             if isinstance(done, LoadDone):
                 failed = self.planner.load_done(done)
                 if failed is None:  # the request's other KV groups are still loading
@@ -164,10 +182,14 @@ class TieredOffloadConnector(KVConnector):
     def start_load_kv(self, meta: ConnectorMeta) -> None:
         for job in meta.loads:
             self.transfer.start_load(job)
+        if self.sharded is not None:
+            self.sharded.send(meta.loads, [])
 
     def wait_for_save(self, meta: ConnectorMeta) -> None:
         for job in meta.stores:
             self.transfer.start_store(job)
+        if self.sharded is not None:
+            self.sharded.send([], meta.stores)
 
     # ---- lifecycle ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -189,8 +211,10 @@ class TieredOffloadConnector(KVConnector):
         return out
 
     def flush(self) -> None:
-        """Wait until every queued store and tier write has finished."""
+        """Wait until every queued store and tier write has finished (on every rank)."""
         self.transfer.flush()
+        if self.sharded is not None:
+            self.sharded.flush()
 
     def close(self) -> None:
         self.transfer.close()
@@ -198,3 +222,5 @@ class TieredOffloadConnector(KVConnector):
     def check_integrity(self) -> None:
         if self.write_back is not None:
             self.write_back.check_integrity()
+        if self.sharded is not None:
+            self.sharded.check_integrity()

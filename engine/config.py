@@ -373,15 +373,25 @@ class EngineConfig:
         except ValueError:
             raise ValueError(f"kv_load_failure_policy must be 'recompute' or 'fail'; got {policy!r}") from None
         if self.tensor_parallel_size > 1:
-            # Hidden-state export reads rank 0's residual stream, which the all-reduces make whole.
-            hidden_only = tc.get("kv_connector") == "HiddenStatesConnector" and "tiers" not in (
-                tc.get("kv_connector_extra_config") or {})
-            refused = [name for name, on in (("KV offload", self.offload_enabled),
-                                             ("kv_transfer_config other than HiddenStatesConnector",
-                                              self.kv_transfer_config and not hidden_only)) if on]
-            if refused:
-                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not work with "
-                                 f"{', '.join(refused)} yet (each rank would need its shard of those)")
+            self._check_tp_connector(tc)
+
+    def _check_tp_connector(self, tc: dict[str, Any]) -> None:
+        """What a tensor-parallel engine's connector may be: the tiered offload connector (each rank
+        moves its shard: connectors/sharded.py) or hidden-state export (rank 0's residual stream,
+        whole after the all-reduces)."""
+        from connectors.factory import builds_tiered, connector_kind, HIDDEN_STATES
+
+        tiered = builds_tiered(tc, self.offload_enabled)
+        hidden = bool(tc) and connector_kind(tc) is HIDDEN_STATES and not self.offload_enabled
+        refused = [name for name, on in (
+            ("kv_transfer_config other than the tiered offload connector or HiddenStatesConnector",
+             tc and not (tiered or hidden)),
+            ("write_policy=write_back (use write_through)",
+             tiered and (tc.get("kv_connector_extra_config") or {}).get("write_policy") == "write_back"),
+            ("KV offload together with hidden-state extraction", tiered and self.hidden_states is not None)) if on]
+        if refused:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not work with "
+                             f"{'; '.join(refused)} yet")
 
     def _resolve_graphs(self) -> None:
         """cudagraph_mode and the capture sizes, resolved; a given value that cannot apply is refused."""
@@ -430,7 +440,12 @@ class EngineConfig:
 
     @property
     def offload_enabled(self) -> bool:
-        return bool(self.kv_offloading_size) or self.kv_offload_disk is not None or bool(self.kv_offload_remote)
+        return offload_flags_on(self.kv_offloading_size, self.kv_offload_disk, self.kv_offload_remote)
+
+
+def offload_flags_on(offloading_size: float | None, disk: str | None, remote: str | None) -> bool:
+    """Whether the offload flags set up any tier below G1."""
+    return bool(offloading_size) or disk is not None or bool(remote)
 
 
 # The settings that are JSON objects (a dict, or a JSON string of one).

@@ -16,7 +16,7 @@ from connectors.base import KVConnector, NullConnector
 from connectors.factory import supports_kv_groups
 from engine.config import CPU_KV_CACHE_GIB, EngineConfig, GraphMode
 from engine.core import gpu_memory
-from engine.core.connector_setup import make_connector
+from engine.core.connector_setup import OffloadSettings, make_connector
 from engine.core.request_factory import RequestFactory
 from engine.core.scheduler import Scheduler
 from engine.core.setup import (attention_backend, eos_ids, kv_layout, step_token_budget,
@@ -184,7 +184,8 @@ def build(config: EngineConfig) -> EngineParts:
     if compiled:
         _warm_up(runner, threads)
     runner.capture_graphs()
-    connector = make_connector(config, mc, model_dir, hidden, pool, events, runner) or NullConnector()
+    connector = make_connector(OffloadSettings.of(config), mc, model_dir, hidden, pool, events, runner,
+                               tp_size=shard.size, peers=ranks) or NullConnector()
     sampler = Sampler(config.seed)
     spec = None
     if plan is not None:

@@ -1,25 +1,70 @@
-"""The engine's KV connector from its config: offload tiers, a kv_transfer_config, or none."""
+"""The engine's KV connector from its config: offload tiers, a kv_transfer_config, or none.
+
+Under tensor parallelism every rank builds the offload tiers for its own shard: the namespace
+names the layout (`tp{size}.{rank}`), so no rank, and no engine of another TP size, reads
+another's entries; the G2 and G3 sizes given are the engine's, split evenly across the ranks (as
+vLLM's kv_offloading_size is)."""
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from connectors.base import KVConnector
 from connectors.codec import BlockLayout
-from connectors.factory import ConnectorContext, build_connector, has_hidden_states_connector
+from connectors.factory import ConnectorContext, build_connector, builds_tiered, has_hidden_states_connector
 from connectors.hidden_spec import HiddenStatesSpec
-from engine.config import EngineConfig
+from connectors.sharded import TransferPeers
+from engine.config import EngineConfig, offload_flags_on
 from engine.model_config import ModelConfig
 from engine.kv.fingerprint import fingerprint_description, namespace_digest
 from engine.runner.model_runner import ModelRunner
 from kvstore.events import EventBuffer
 from kvstore.g1 import BlockPool
 
+log = logging.getLogger(__name__)
 
-def make_connector(cfg: EngineConfig, mc: ModelConfig, model_dir: Path, hidden_spec: HiddenStatesSpec | None,
-                   pool: BlockPool, events: EventBuffer | None, runner: ModelRunner) -> KVConnector | None:
-    """Builds the connector (None when nothing asks for one) and registers the runner's caches."""
+
+class OffloadSettings(msgspec.Struct, frozen=True):
+    """The engine settings the connector is built from (EngineConfig's, by the same names): what a
+    tensor-parallel worker gets to build its own tiers (engine/parallel/ranks.WorkerSpec)."""
+
+    enable_prefix_caching: bool
+    block_size: int
+    kv_namespace: str | None
+    kv_offload_block_size: int
+    kv_eviction_policy: str | dict[str, Any]
+    kv_offloading_size: float | None
+    kv_offload_disk: str | None
+    kv_offload_disk_size: float
+    kv_offload_remote: str | None
+    kv_transfer_config: dict[str, Any] | None
+    kv_offload_secret: bytes | None
+    kv_offload_remote_trusted: bool
+
+    @classmethod
+    def of(cls, cfg: EngineConfig) -> OffloadSettings:
+        return cls(**{f: getattr(cfg, f) for f in cls.__struct_fields__})
+
+    @property
+    def offload_enabled(self) -> bool:
+        return offload_flags_on(self.kv_offloading_size, self.kv_offload_disk, self.kv_offload_remote)
+
+    @property
+    def tiered(self) -> bool:
+        """Whether these settings build the tiered offload connector (which every rank runs a share of)."""
+        return builds_tiered(self.kv_transfer_config, self.offload_enabled)
+
+
+def make_connector(cfg: OffloadSettings, mc: ModelConfig, model_dir: Path, hidden_spec: HiddenStatesSpec | None,
+                   pool: BlockPool, events: EventBuffer | None, runner: ModelRunner,
+                   rank: int = 0, tp_size: int = 1, peers: TransferPeers | None = None) -> KVConnector | None:
+    """Builds the connector (None when nothing asks for one) and registers the runner's caches.
+    `rank` / `tp_size`: which tensor-parallel shard this process holds (its tiers' namespace);
+    `peers`: on rank 0 of several, the other ranks, which run the connector's plans too."""
     tc = dict(cfg.kv_transfer_config or {})
     if not (cfg.offload_enabled or tc):
         if hidden_spec is not None:
@@ -45,6 +90,9 @@ def make_connector(cfg: EngineConfig, mc: ModelConfig, model_dir: Path, hidden_s
     if grouped:  # an entry holds one group's layers: a namespace per layout
         fp = hashlib.sha256(fp + repr([(g.layer_ids, g.window, g.per_slot) for g in groups]).encode()).digest()[:16]
         info["kv_groups"] = [{"layers": list(g.layer_ids), "window": g.window} for g in groups]
+    if tp_size > 1:  # this rank's shard of each block: a namespace of its own
+        fp = hashlib.sha256(fp + f"tp{tp_size}.{rank}".encode()).digest()[:16]
+        info["tensor_parallel"] = {"size": tp_size, "rank": rank}
     # Connectors may override the offload block size in their extra config ("block_size").
     # The cache tensor's own shape: with per-layer head sizes it is rows of the widest layer, and
     # layers that reuse another's KV have no slot (engine/kv/kv_groups.py).
@@ -56,10 +104,12 @@ def make_connector(cfg: EngineConfig, mc: ModelConfig, model_dir: Path, hidden_s
                            cfg.kv_offload_disk, cfg.kv_offload_disk_size, extra, events,
                            hidden_spec=hs, model_name=model_dir.name, remote_url=cfg.kv_offload_remote,
                            kv_secret=cfg.kv_offload_secret, remote_trusted=cfg.kv_offload_remote_trusted,
-                           namespace_info=info)
+                           namespace_info=info, size_share=1 / tp_size)
     connector = build_connector(ctx, tc)
     if connector is not None and grouped:
         connector.set_kv_groups(tuple(g.window for g in groups))
+    if connector is not None and peers is not None:
+        connector.shard_over(peers)
     if connector is not None:
         connector.register_kv_caches(runner.kv_cache)
         if runner.hidden_cache is not None:

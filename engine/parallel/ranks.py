@@ -15,12 +15,15 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import queue
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Union
@@ -29,13 +32,18 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from connectors.offload_plans import LoadDone, LoadJob, StoreDone, StoreJob
 from engine.config import EngineConfig
+from engine.core.connector_setup import OffloadSettings
 from engine.core.step_io import RunPlan
 from engine.parallel.shm import AllReduce, ShmAllReduce
+from engine.parallel.transfers import FlushTransfers, Flushed, Transfers, TransfersDone, reports_of, to_wire
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 600.0  # a worker loading its shard
+START_TIMEOUT_S = 600.0  # a worker loading its shard (and the longest a flush of its transfers waits)
+STOP_TIMEOUT_S = 5.0  # a worker exiting when told to
+OFFLOAD_STOP_TIMEOUT_S = 30.0  # ... when it first finishes its tier writes
 REPO = Path(__file__).resolve().parents[2]  # where `engine` is imported from, for the workers' PYTHONPATH
 
 
@@ -61,6 +69,7 @@ class WorkerSpec(msgspec.Struct, tag="spec"):
     cpus: tuple[int, ...]  # the CPUs it runs on (empty: all)
     threads: int | None  # its forward threads (None: one per CPU of `cpus`)
     timeout_s: float  # the longest an all-reduce waits for the other ranks
+    offload: OffloadSettings | None = None  # the offload tiers: each rank builds its own (connectors/sharded.py)
 
 
 class Step(msgspec.Struct, tag="step"):
@@ -84,8 +93,8 @@ class Failed(msgspec.Struct, tag="failed"):
 
 
 encode_message = msgspec.msgpack.Encoder().encode
-to_worker = msgspec.msgpack.Decoder(Union[WorkerSpec, Step, Stop])  # what a worker reads
-to_rank0 = msgspec.msgpack.Decoder(Union[Ready, Failed])  # what rank 0 reads at start-up
+to_worker = msgspec.msgpack.Decoder(Union[WorkerSpec, Step, Stop, Transfers, FlushTransfers])  # what a worker reads
+to_rank0 = msgspec.msgpack.Decoder(Union[Ready, Failed, TransfersDone, Flushed])  # what rank 0 reads
 
 
 def cpu_sets(size: int) -> list[tuple[int, ...]]:
@@ -124,9 +133,18 @@ class Ranks:
         self.timeout_s = config.distributed_timeout_seconds
         shm = ShmAllReduce(None, 0, size, dtype, self.timeout_s)
         self._reduce = AllReduce(shm, None)
+        settings = OffloadSettings.of(config)
+        offload = settings if settings.tiered else None  # hidden-state export is rank 0's alone
+        self._stop_timeout_s = OFFLOAD_STOP_TIMEOUT_S if offload is not None else STOP_TIMEOUT_S
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
         self._conns: list[Connection] = []
         self._procs: list[subprocess.Popen] = []
+        self._released: list[str] = []
+        self._send_lock = threading.Lock()  # steps (engine thread) and transfers (bookkeeping thread)
+        self._reports: queue.SimpleQueue[tuple[int, LoadDone | StoreDone]] = queue.SimpleQueue()
+        self._wake: Callable[[], None] = lambda: None
+        self._flushed = threading.Condition()
+        self._flush_count = 0  # Flushed replies received
         try:
             for rank in range(1, size):
                 ours, theirs = socket.socketpair()
@@ -139,11 +157,10 @@ class Ranks:
                 conn.send_bytes(encode_message(WorkerSpec(
                     rank, size, config.model, config.dtype, config.device, config.kv_cache_dtype, config.block_size,
                     config.max_num_seqs, num_blocks, max_len, one_group, self._store, shm.name,
-                    self.cpus[rank], config.cpu_threads, self.timeout_s)))
+                    self.cpus[rank], config.cpu_threads, self.timeout_s, offload)))
         except OSError as e:
             self.close()
             raise RankFailed(f"starting the tensor-parallel workers failed: {e}") from None
-        self._released: list[str] = []
         self.reduce_seconds = 0.0  # rank 0's time in all-reduces (benchmarks/parallel.py)
         log.info("tensor parallelism: %d ranks (workers %s)%s", size, ", ".join(str(p.pid) for p in self._procs),
                  "; CPUs " + " | ".join(",".join(map(str, c)) for c in self.cpus) if any(self.cpus) else "")
@@ -166,6 +183,60 @@ class Ranks:
             if isinstance(msg, Failed):
                 raise RankFailed(f"tensor-parallel rank {msg.rank} failed to start: {msg.error}")
         self._reduce.pg = process_group(self._store, 0, self.size, self.timeout_s)
+        for rank, conn in enumerate(self._conns, start=1):  # from now on the workers speak only to report
+            threading.Thread(target=self._read, args=(rank, conn), name=f"kvtier-rank{rank}-reports",
+                             daemon=True).start()
+
+    def _read(self, rank: int, conn: Connection) -> None:
+        """A worker's reports (its transfers, its flushes), until it goes away."""
+        while True:
+            try:
+                msg = to_rank0.decode(conn.recv_bytes())
+            except (EOFError, OSError):
+                return  # it exited or we closed: check_alive reports a death
+            if isinstance(msg, TransfersDone):
+                for report in reports_of(msg):
+                    self._reports.put((rank, report))
+                self._wake()
+            elif isinstance(msg, Flushed):
+                with self._flushed:
+                    self._flush_count += 1
+                    self._flushed.notify_all()
+
+    # ---- connectors.sharded.TransferPeers --------------------------------------------------
+    def send_transfers(self, loads: list[LoadJob], stores: list[StoreJob]) -> None:
+        self._send_all(encode_message(to_wire(loads, stores)))
+
+    def drain_transfers(self) -> list[tuple[int, LoadDone | StoreDone]]:
+        out = []
+        while True:
+            try:
+                out.append(self._reports.get_nowait())
+            except queue.Empty:
+                return out
+
+    def flush_transfers(self) -> None:
+        with self._flushed:
+            want = self._flush_count + len(self._conns)
+        self._send_all(encode_message(FlushTransfers()))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        with self._flushed:
+            while self._flush_count < want:
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    raise RankFailed(f"the tensor-parallel ranks did not finish their transfers within {START_TIMEOUT_S:.0f} s")
+                self._flushed.wait(0.1)
+
+    def set_waker(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+
+    def _send_all(self, data: bytes) -> None:
+        with self._send_lock:
+            for rank, conn in enumerate(self._conns, start=1):
+                try:
+                    conn.send_bytes(data)
+                except OSError as e:
+                    raise RankFailed(f"tensor-parallel rank {rank} is gone: {e}") from None
 
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sums `t` over the ranks, in place."""
@@ -182,12 +253,7 @@ class Ranks:
         """Sends a step to the workers, before rank 0 runs its shard of it."""
         self.check_alive()
         released, self._released = self._released, []  # releases come from the bookkeeping thread too
-        data = encode_message(Step(plan, [t if isinstance(t, tuple) else (t,) for t in tables], released, filled))
-        for rank, conn in enumerate(self._conns, start=1):
-            try:
-                conn.send_bytes(data)
-            except OSError as e:
-                raise RankFailed(f"tensor-parallel rank {rank} is gone: {e}") from None
+        self._send_all(encode_message(Step(plan, [t if isinstance(t, tuple) else (t,) for t in tables], released, filled)))
 
     def release(self, request_id: str) -> None:
         """A finished request's rows: the workers drop theirs with the next step."""
@@ -200,14 +266,16 @@ class Ranks:
                 raise RankFailed(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.returncode}")
 
     def close(self) -> None:
+        """Stops the workers; with offload, each finishes its transfers and tier writes first."""
         for conn in self._conns:
             try:
-                conn.send_bytes(encode_message(Stop()))
+                with self._send_lock:
+                    conn.send_bytes(encode_message(Stop()))
             except OSError:
                 pass  # already gone
         for proc in self._procs:
             try:
-                proc.wait(5)
+                proc.wait(self._stop_timeout_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

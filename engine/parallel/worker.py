@@ -1,20 +1,28 @@
 """A worker rank's process (`python -m engine.parallel.worker FD`, started by `ranks.Ranks`): gets
 its `WorkerSpec` on the socket FD, loads its shard, says `Ready`, joins the process group, then
-runs each `Step` rank 0 sends until `Stop` or until rank 0 goes away."""
+runs each `Step` rank 0 sends until `Stop` or until rank 0 goes away.
+
+With offload tiers it also runs rank 0's load and store plans (`Transfers`) over tiers of its own
+(connectors/sharded.py): a reporter thread sends `TransfersDone` as its transfer engine finishes them."""
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
 
+from connectors.offload_transfer import TransferEngine
 from engine.parallel.ranks import (Failed, Ready, Step, Stop, WorkerSpec, encode_message,
                                    process_group, to_worker)
 from engine.parallel.shm import AllReduce, ShmAllReduce
 from engine.parallel.shard import TPShard
+from engine.parallel.transfers import FlushTransfers, Flushed, Transfers, done_of, load_of, store_of
+
+REPORT_WAIT_S = 0.2  # the reporter's longest sleep between checks for finished transfers
 
 log = logging.getLogger("engine.parallel.worker")
 
@@ -37,18 +45,71 @@ def build(spec: WorkerSpec):
     runner = ModelRunner(model, mc, spec.num_blocks, spec.block_size, spec.device, group_decodes=backend.pads_decodes,
                          max_rows=spec.max_num_seqs, max_model_len=spec.max_len,
                          layout=kv_layout(mc, spec.one_group), computes_logits=False)
-    return shard, model, runner
+    return shard, model, runner, _offload(spec, mc, model_dir, runner)
+
+
+def _offload(spec: WorkerSpec, mc, model_dir: Path, runner) -> TransferEngine | None:
+    """This rank's offload tiers and the transfer engine over them, when the engine offloads."""
+    if spec.offload is None:
+        return None
+    from connectors.tiered import TieredOffloadConnector
+    from engine.core.connector_setup import make_connector
+    from kvstore.g1 import BlockPool
+    from policies import make_policy
+
+    # The connector's scheduler side is rank 0's; this pool only satisfies its constructor.
+    pool = BlockPool(spec.num_blocks, make_policy("lru", spec.num_blocks), True, None)
+    connector = make_connector(spec.offload, mc, model_dir, None, pool, None, runner, spec.rank, spec.size)
+    if not isinstance(connector, TieredOffloadConnector):
+        raise ValueError(f"the offload settings rank 0 sent build {type(connector).__name__}, not the tiered offload "
+                         "connector")
+    return connector.as_peer()
+
+
+class Reporter:
+    """Sends rank 0 this rank's finished transfers (a thread), and the answer to a flush."""
+
+    def __init__(self, rank: int, conn: Connection, transfer: TransferEngine) -> None:
+        self.rank, self.conn, self.transfer = rank, conn, transfer
+        self._lock = threading.Lock()  # drain-and-send is one step: reports never pass a Flushed
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvtier-transfer-reports", daemon=True)
+        self._thread.start()
+
+    def _send_done(self) -> None:
+        with self._lock:
+            done = self.transfer.drain()
+            if done:
+                self.conn.send_bytes(encode_message(done_of(self.rank, done)))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.transfer.wait_for_progress(REPORT_WAIT_S)
+            try:
+                self._send_done()
+            except OSError:
+                return  # rank 0 is gone; the main loop sees it too
+
+    def flushed(self) -> None:
+        """Every transfer sent so far has finished: report them, then say so."""
+        self.transfer.flush()
+        self._send_done()
+        with self._lock:
+            self.conn.send_bytes(encode_message(Flushed(self.rank)))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(1.0)
+        self.transfer.close()
 
 
 def serve(conn: Connection) -> None:
-    from engine.core.isolation import FORWARD_ERRORS
-
     spec = to_worker.decode(conn.recv_bytes())
     if not isinstance(spec, WorkerSpec):
         raise SystemExit(f"tensor-parallel worker: expected its spec first, got {type(spec).__name__}")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {spec.rank} %(levelname)s %(name)s: %(message)s")
     try:
-        shard, model, runner = build(spec)
+        shard, model, runner, transfer = build(spec)
     except (OSError, ValueError, RuntimeError, ImportError, KeyError) as e:  # told to rank 0, which raises it
         conn.send_bytes(encode_message(Failed(spec.rank, f"{type(e).__name__}: {e}")))
         return
@@ -56,6 +117,17 @@ def serve(conn: Connection) -> None:
     pg = process_group(spec.store_path, spec.rank, spec.size, spec.timeout_s)
     shm = ShmAllReduce(spec.shm_name, spec.rank, spec.size, runner.cfg.dtype, spec.timeout_s)
     shard.attach(model, AllReduce(shm, pg))
+    reporter = Reporter(spec.rank, conn, transfer) if transfer is not None else None
+    try:
+        _loop(conn, runner, transfer, reporter)
+    finally:
+        if reporter is not None:
+            reporter.close()  # finishes the tier writes: a G3 entry outlives the engine
+
+
+def _loop(conn: Connection, runner, transfer: TransferEngine | None, reporter: Reporter | None) -> None:
+    from engine.core.isolation import FORWARD_ERRORS
+
     while True:
         try:
             msg = to_worker.decode(conn.recv_bytes())
@@ -63,6 +135,17 @@ def serve(conn: Connection) -> None:
             return  # rank 0 is gone
         if isinstance(msg, Stop):
             return
+        if isinstance(msg, Transfers | FlushTransfers):
+            if transfer is None or reporter is None:
+                raise SystemExit("tensor-parallel worker: got offload transfers but was started without offload")
+            if isinstance(msg, FlushTransfers):
+                reporter.flushed()
+                continue
+            for w in msg.loads:
+                transfer.start_load(load_of(w))
+            for st in msg.stores:
+                transfer.start_store(store_of(st))
+            continue
         if not isinstance(msg, Step):
             raise SystemExit(f"tensor-parallel worker: unexpected {type(msg).__name__}")
         for rid in msg.released:

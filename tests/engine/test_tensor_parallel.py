@@ -62,10 +62,7 @@ def test_two_ranks_give_one_ranks_tokens_and_logprobs(ckpt_dir, kind, extra):
 @pytest.mark.parametrize("kind,extra,match", [
     ("llama", {"tensor_parallel_size": 3}, "does not divide the model's attention heads"),
     ("gemma4", {"tensor_parallel_size": 2}, "cannot be sharded yet"),
-    ("llama", {"tensor_parallel_size": 2, "kv_offloading_size": 0.01}, "KV offload"),
     ("llama", {"tensor_parallel_size": 2, "optimization_level": 1}, "optimization_level=1 does not work"),
-    ("llama", {"tensor_parallel_size": 2, "kv_transfer_config": {"kv_connector": "OffloadingConnector"}},
-     "kv_transfer_config other than HiddenStatesConnector"),
 ])
 def test_what_cannot_be_sharded_is_refused_by_name(ckpt_dir, kind, extra, match):
     with pytest.raises(ValueError, match=match):
