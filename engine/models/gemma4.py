@@ -131,6 +131,9 @@ class Gemma4DecoderLayer(nn.Module):
         if self.moe:
             self.router = Gemma4Router(cfg)
             self.experts = Experts(hf.num_experts, h, hf.moe_intermediate_size, gelu=True)
+            # Under tensor parallelism each rank's experts give a partial sum, normed below before it
+            # joins the MLP's: it is all-reduced first (engine/parallel/shard.py).
+            self.experts.tp_reduce_output = True
             self.post_feedforward_layernorm_1 = Gemma4RMSNorm(h, eps)
             self.post_feedforward_layernorm_2 = Gemma4RMSNorm(h, eps)
             self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(h, eps)

@@ -23,9 +23,12 @@ from engine.model_config import ModelConfig
 # the router replicated), not expert-parallel: every rank routes each token the same way and does the
 # same share of work whatever the routing, and the all-reduce is the dense MLP's, one per layer.
 SHARDABLE = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                       "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"})
+                       "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma4ForCausalLM"})
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")  # the modules whose outputs are all-reduced
 MOE_BLOCK = "SparseMoeBlock"  # engine/models/moe.py: its output (the experts' partial sums) is all-reduced
+# A module a model marks so (Gemma 4's experts, whose partial sums are normed before they join the
+# MLP's): its output is all-reduced too.
+REDUCE_OUTPUT = "tp_reduce_output"
 
 
 @dataclass(frozen=True)
@@ -43,17 +46,15 @@ class TPShard:
         if mc.architecture not in SHARDABLE:
             raise ValueError(f"tensor_parallel_size={n}: {mc.architecture} cannot be sharded yet (supported: "
                              f"{', '.join(sorted(SHARDABLE))})")
-        if mc.layer_kv_shapes or mc.kv_sources:
-            raise ValueError(f"tensor_parallel_size={n}: per-layer KV shapes or shared KV cannot be sharded yet")
         moe = getattr(mc.hf_config, "moe_intermediate_size", 0) if getattr(mc.hf_config, "num_experts", 0) else 0
         for what, value in (("attention heads", mc.num_heads), ("intermediate_size", mc.intermediate_size),
                             ("moe_intermediate_size", moe)):
             if value % n:
                 raise ValueError(f"tensor_parallel_size={n} does not divide the model's {what} ({value})")
-        kv = mc.num_kv_heads
-        if kv % n and n % kv:
-            raise ValueError(f"tensor_parallel_size={n}: the model's {kv} KV heads can be neither split nor "
-                             "replicated evenly over the ranks")
+        for kv in sorted({mc.kv_shape(i)[0] for i in range(mc.num_layers)}):
+            if kv % n and n % kv:
+                raise ValueError(f"tensor_parallel_size={n}: the model's {kv} KV heads can be neither split nor "
+                                 "replicated evenly over the ranks")
 
     @property
     def trivial(self) -> bool:
@@ -63,8 +64,9 @@ class TPShard:
         per = mc.num_heads // self.size
         return range(self.rank * per, (self.rank + 1) * per)
 
-    def kv_heads(self, mc: ModelConfig) -> range:
-        kv = mc.num_kv_heads
+    def kv_heads(self, mc: ModelConfig, layer: int = 0) -> range:
+        """The KV heads of `layer` this rank holds (layers differ in Gemma 4)."""
+        kv = mc.kv_shape(layer)[0]
         if kv >= self.size:
             per = kv // self.size
             return range(self.rank * per, (self.rank + 1) * per)
@@ -80,8 +82,10 @@ class TPShard:
         if getattr(hf, "num_experts", 0):  # the MoE block reads its sizes from the checkpoint's config
             hf = copy.deepcopy(hf)
             hf.moe_intermediate_size //= self.size
+        shapes = tuple((len(self.kv_heads(mc, i)), mc.kv_shape(i)[1]) for i in range(mc.num_layers))
         return replace(mc, num_heads=len(self.q_heads(mc)), num_kv_heads=len(self.kv_heads(mc)),
-                       intermediate_size=mc.intermediate_size // self.size, hf_config=hf)
+                       intermediate_size=mc.intermediate_size // self.size, hf_config=hf,
+                       layer_kv_shapes=shapes if mc.layer_kv_shapes else ())
 
     def weights(self, mc: ModelConfig, tensors: Iterator[tuple[str, torch.Tensor]]
                 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -89,14 +93,8 @@ class TPShard:
         if self.trivial:
             yield from tensors
             return
-        d = mc.head_dim
-        q, kv = self.q_heads(mc), self.kv_heads(mc)
-        inter = mc.intermediate_size // self.size
-        rows = {"q_proj": (q.start * d, len(q) * d), "k_proj": (kv.start * d, len(kv) * d),
-                "v_proj": (kv.start * d, len(kv) * d), "gate_proj": (self.rank * inter, inter),
-                "up_proj": (self.rank * inter, inter)}
-        cols = {"o_proj": (q.start * d, len(q) * d), "down_proj": (self.rank * inter, inter)}
-        moe_full = getattr(mc.hf_config, "moe_intermediate_size", 0)
+        q = self.q_heads(mc)
+        moe_full = getattr(mc.hf_config, "moe_intermediate_size", 0) or 0
         mi = moe_full // self.size
         for name, t in tensors:
             parts = name.split(".")
@@ -104,13 +102,23 @@ class TPShard:
             if ".experts." in name:
                 yield name, self._expert_part(name, t, moe_full, mi)
                 continue
-            if module in rows:
-                start, length = rows[module]
-                t = t.narrow(0, start, length)
-            elif module in cols and kind == "weight":
-                start, length = cols[module]
-                t = t.narrow(1, start, length)
-            elif module in cols and kind == "bias" and self.rank:
+            layer = _layer_of(parts)
+            if module in ("q_proj", "o_proj") and kind == "weight":  # a layer's own head size (Gemma 4)
+                d = t.shape[0 if module == "q_proj" else 1] // mc.num_heads
+                t = t.narrow(0 if module == "q_proj" else 1, q.start * d, len(q) * d)
+            elif module == "q_proj":  # its bias
+                d = t.shape[0] // mc.num_heads
+                t = t.narrow(0, q.start * d, len(q) * d)
+            elif module in ("k_proj", "v_proj"):
+                kv, d = self.kv_heads(mc, layer), mc.kv_shape(layer)[1]
+                t = t.narrow(0, kv.start * d, len(kv) * d)
+            elif module in ("gate_proj", "up_proj"):  # MLP columns: a double-wide layer's too
+                per = t.shape[0] // self.size
+                t = t.narrow(0, self.rank * per, per)
+            elif module == "down_proj" and kind == "weight":
+                per = t.shape[1] // self.size
+                t = t.narrow(1, self.rank * per, per)
+            elif module in ("o_proj", "down_proj") and kind == "bias" and self.rank:
                 t = torch.zeros_like(t)  # added once, by rank 0, before the all-reduce sums the ranks
             yield name, t.contiguous()
 
@@ -140,7 +148,15 @@ class TPShard:
 
         count = 0
         for name, module in model.named_modules():
-            if name.endswith(ROW_PARALLEL) or type(module).__name__ == MOE_BLOCK:
+            if name.endswith(ROW_PARALLEL) or type(module).__name__ == MOE_BLOCK or getattr(module, REDUCE_OUTPUT, False):
                 module.register_forward_hook(hook)
                 count += 1
         return count
+
+
+def _layer_of(parts: list[str]) -> int:
+    """The decoder layer a checkpoint tensor name belongs to (`...layers.L....`); 0 outside layers."""
+    for i, p in enumerate(parts[:-1]):
+        if p == "layers" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return 0

@@ -18,12 +18,14 @@ SETTINGS = {"dtype": "float32", "num_gpu_blocks": 12, "max_num_batched_tokens": 
 DOCS = [[(7 * i + 31 * d) % 500 + 6 for i in range(90)] for d in range(3)]
 PROMPTS = [{"prompt_token_ids": d + [11]} for d in DOCS] * 2
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+# Gemma 4 keeps sliding and full layers in KV groups of their own (each offloaded as its own entries).
+BLOCKS = {"gemma4": {"num_gpu_blocks": 24}}
 ROUND_TOKENS = 3 * 80  # the offload blocks of one round's prompts: 5 blocks of 16 tokens each (the 6th holds the last token)
 
 
 def run(ckpt, **extra) -> tuple[list[list[int]], dict, int]:
     """Tokens, the connector's stats, and the loads some rank filled less of than rank 0."""
-    with LLM(str(ckpt), **SETTINGS, **extra) as llm:
+    with LLM(str(ckpt), **{**SETTINGS, **extra}) as llm:
         tokens = [llm.generate([p], PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
         connector = llm.engine.connector
         stats = connector.stats() if extra else {}
@@ -32,8 +34,20 @@ def run(ckpt, **extra) -> tuple[list[list[int]], dict, int]:
 
 
 @pytest.fixture(scope="module")
-def reference(ckpt_dir):
-    return run(ckpt_dir("llama"))[0]
+def references(ckpt_dir):
+    """kind -> the tokens of one rank with offload off."""
+    got: dict[str, list[list[int]]] = {}
+
+    def get(kind: str) -> list[list[int]]:
+        if kind not in got:
+            got[kind] = run(ckpt_dir(kind), **BLOCKS.get(kind, {}))[0]
+        return got[kind]
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references("llama")
 
 
 def namespaces(root) -> dict[int | None, str]:
@@ -45,12 +59,14 @@ def namespaces(root) -> dict[int | None, str]:
     return out
 
 
-@pytest.mark.parametrize("tier,extra", [("G2", {"kv_offloading_size": 0.01}), ("G3", {"kv_offload_disk": None})],
-                         ids=["g2", "g3"])
-def test_tier_hits_on_two_ranks_give_the_tokens_of_offload_off(ckpt_dir, reference, tmp_path, tier, extra):
+@pytest.mark.parametrize("kind,tier,extra", [("llama", "G2", {"kv_offloading_size": 0.01}),
+                                             ("llama", "G3", {"kv_offload_disk": None}),
+                                             ("gemma4", "G2", {"kv_offloading_size": 0.01})],
+                         ids=["g2", "g3", "gemma4-g2"])
+def test_tier_hits_on_two_ranks_give_the_tokens_of_offload_off(ckpt_dir, references, tmp_path, kind, tier, extra):
     extra = {k: v or str(tmp_path / "g3") for k, v in extra.items()}
-    tokens, stats, short = run(ckpt_dir("llama"), tensor_parallel_size=2, **extra)
-    assert tokens == reference
+    tokens, stats, short = run(ckpt_dir(kind), tensor_parallel_size=2, **extra, **BLOCKS.get(kind, {}))
+    assert tokens == references(kind)
     assert stats[tier]["hit_tokens"] == ROUND_TOKENS  # the whole second round came from the tier
     assert stats["load_failures"] == 0 and short == 0
 
