@@ -154,9 +154,10 @@ class VllmEngine:
     """Drives the worker below in the vLLM venv; vllm is never imported in this process."""
 
     def __init__(self, python: str, model: str, dtype: str, seed: int, threads: int, wl: Workload, warmup: int,
-                 kv_gib: float, extra_env: list[str], workdir: Path, prefill: list[int] | None = None):
+                 kv_gib: float, extra_env: list[str], workdir: Path, prefill: list[int] | None = None,
+                 tensor_parallel_size: int = 1):
         spec = {"model": model, "dtype": dtype, "seed": seed, "warmup": warmup, "prompts": wl.prompts,
-                "outputs": wl.outputs, "prefill": prefill}
+                "outputs": wl.outputs, "prefill": prefill, "tensor_parallel_size": tensor_parallel_size}
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "spec.json").write_text(json.dumps(spec))
         self.worker = JsonWorker([python, str(THROUGHPUT), "--_vllm-worker", str(workdir / "spec.json")],
@@ -192,7 +193,8 @@ def vllm_worker(spec_path: str, reply_fd: int) -> None:
 
         spec = json.loads(Path(spec_path).read_text())
         t0 = time.perf_counter()
-        llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=spec["seed"])
+        llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=spec["seed"],
+                  tensor_parallel_size=spec.get("tensor_parallel_size", 1))
         warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         for w in range(spec["warmup"]):
             llm.generate([{"prompt_token_ids": list(range(MIN_TOKEN_ID + 16 * w, MIN_TOKEN_ID + 16 * w + 16))}] * 2,
