@@ -21,9 +21,7 @@ from engine.parallel.ranks import RankFailed
 # embeddings (gemma4); and tensor-parallel experts (qwen3_moe, and gemma4_moe's beside its MLPs).
 KINDS = ["llama", "mistral_swa", "qwen2", "qwen3", "gemma3", "qwen3_moe", "gemma4", "gemma4_moe"]
 # Gemma 4 keeps sliding and full layers in KV groups of their own: 12 blocks would not hold one prompt.
-# Gemma 3 with async scheduling and speculation: 64-token steps, else nothing is preempted.
-PER_KIND = {"gemma4": {"num_gpu_blocks": 24}, "gemma4_moe": {"num_gpu_blocks": 24},
-            "gemma3": {"max_num_batched_tokens": 64}}
+PER_KIND = {"gemma4": {"num_gpu_blocks": 24}, "gemma4_moe": {"num_gpu_blocks": 24}}
 # Small steps and a small G1: prompts are chunked, repeated prefixes hit, and requests get preempted.
 SETTINGS = {"dtype": "float32", "num_gpu_blocks": 12, "max_num_batched_tokens": 32, "seed": 0, "max_num_seqs": 8}
 LOGPROB_TOL = 1e-4  # float32; the ranks' partial sums are added in another order than one GEMM's
@@ -46,22 +44,23 @@ def run(ckpt, **extra):
     return outs, stats
 
 
-# TP=2 runs with async scheduling and ngram speculation on (fixed proposal lengths: adaptive ones
-# follow measured step times, which differ between engines), against TP=1 with both off: greedy
-# tokens and log-probs do not depend on either. Llama runs once more with both off on two ranks.
+# Each kind's two-rank run twice: plainly (preemption is deterministic then, and asserted), and with
+# async scheduling and ngram speculation on (fixed proposal lengths: adaptive ones follow measured
+# step times, which differ between engines; whether async bookkeeping preempts depends on timing).
+# The one-rank reference has both off: greedy tokens and log-probs depend on neither.
 ALL_ON = {"async_scheduling": True,
           "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False,
                                  "prompt_lookup_max": 3, "prompt_lookup_min": 1}}
 
 
-@pytest.mark.parametrize("kind,extra", [(k, ALL_ON) for k in KINDS] + [("llama", {})],
-                         ids=[*KINDS, "llama-sync-no-spec"])
+@pytest.mark.parametrize("kind,extra", [(k, e) for k in KINDS for e in ({}, ALL_ON)],
+                         ids=[f"{k}-{m}" for k in KINDS for m in ("plain", "async-ngram")])
 def test_two_ranks_give_one_ranks_tokens_and_logprobs(ckpt_dir, kind, extra):
     blocks = PER_KIND.get(kind, {})
     one, _ = run(ckpt_dir(kind), **blocks)
     two, stats = run(ckpt_dir(kind), tensor_parallel_size=2, **extra, **blocks)
-    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0  # the paths this is meant to cover ran
-    assert "speculative_config" not in extra or stats.spec_decode["num_drafts"] > 0
+    assert stats.prefix_cache_hits > 0  # the paths this is meant to cover ran
+    assert stats.num_preemptions > 0 if not extra else stats.spec_decode["num_drafts"] > 0
     for ra, rb in zip(one, two):
         a, b = ra.outputs[0], rb.outputs[0]
         assert a.token_ids == b.token_ids
