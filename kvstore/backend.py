@@ -21,6 +21,11 @@ from policies import BlockInfo
 
 Buffer = Any  # bytes, bytearray, memoryview: anything exposing the buffer protocol
 
+# The bytes one read or write of a storage tier groups: G3's file size and its reads' size, and
+# how many blocks a parallel tier's reader and writer hand a backend per call. Measured in
+# docs/performance/tier-io.md: per-file and per-call overhead stops mattering at a few MiB.
+IO_BYTES = 4 * 2**20
+
 
 class BackendError(RuntimeError):
     """The backend cannot serve the call at all (closed, misconfigured, unreachable).

@@ -1,7 +1,12 @@
-"""G3: the local-disk tier, a `StorageBackend` over one file per block.
+"""G3: the local-disk tier, a `StorageBackend` over files of I/O size, each a run of blocks.
 
 Layout (`kvstore.disk_layout`): `{root}/{namespace.hex()}/{key.hex()[:2]}/{key.hex()}.kvb`,
-directories 0700 and files 0600. `namespace` is the model fingerprint digest, so another model or dtype on the
+directories 0700 and files 0600. A file holds the entries one `put` call stored, back to back, up
+to `file_bytes` (`IO_BYTES` by default), and is named by its first key (`kvstore.disk_index`): the
+OS and the disk see MiB-sized files and reads, while every key stays its own entry, found, checked
+and served on its own (a prefix hits at block granularity inside a file). A `get_into` of several
+keys reads each run of neighbouring entries of one file in one `preadv`, straight into the
+caller's buffers. `namespace` is the model fingerprint digest, so another model or dtype on the
 same root lives in another directory and can never be served.
 `namespace.json` in a namespace's directory says which model it is (`kvstore.namespace_info`, for
 `kvtier kv inspect`); the tier writes it at start-up and never reads it.
@@ -14,9 +19,12 @@ unkeyed ones included, is treated as corrupt, and so is a keyed entry when no se
 Guarantees:
 - Writes are atomic: a unique temp file in the entry's directory, optional fsync, then
   `os.replace`. A killed writer leaves at most a temp file, which start-up removes.
-- Start-up rebuilds the index from the headers (magic, version, namespace, key matching the
-  file name, header checksum, file size); bad files are counted in `stats.corrupt`, removed
-  and logged. Entries re-enter the LRU order oldest write first.
+- Start-up rebuilds the index from the headers (magic, version, namespace, the first key matching
+  the file name, header checksum, sizes); bad files are counted in `stats.corrupt`, removed and
+  logged, and a file damaged after its first entry keeps the entries before the damage. Entries
+  re-enter the LRU order oldest write first.
+- Eviction removes the victim's whole file; a key deleted, replaced or found damaged alone leaves
+  a hole counted in `used_bytes` until its file's last entry goes.
 - Every read verifies the payload checksum (or MAC); a mismatch, truncation or IO error is counted,
   removed, logged and reported as a miss. Bytes that failed verification are never served.
 - Entries are opened without following links and without blocking (`disk_layout.open_regular`):
@@ -41,10 +49,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore.backend import (BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_infos, check_keys,
-                             check_outs)
+from kvstore.backend import (IO_BYTES, BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_infos,
+                             check_keys, check_outs)
+from kvstore.disk_files import read_run, runs, scan_file, write_file
+from kvstore.disk_index import DiskIndex, FileName, Loc
 from kvstore.disk_layout import (entry_key, entry_path, fsync_dir, list_files, open_regular, pid_alive, reason,
-                                 remove_entry_path, temp_path, temp_writer, unlink_quietly, write_all)
+                                 remove_entry_path, temp_path, temp_writer, unlink_quietly)
 # MAGIC, HEADER_SIZE and encode_header are also imported from here (the format's old home).
 from kvstore.entry import HEADER_SIZE, MAGIC, CorruptEntry, EntryCodec, EntryHeader, check_secret, encode_header  # noqa: F401
 from kvstore.keys import KEY_BYTES, BlockKey
@@ -74,6 +84,7 @@ class DiskConfig:
     # What the namespace is (model, dtype, ...): written to {root}/{namespace}/namespace.json for
     # the `kvtier kv` tools (kvstore.namespace_info); informational, never read back by the tier.
     info: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
+    file_bytes: int = IO_BYTES  # the most bytes one file gathers from a put (a single entry may exceed it)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
@@ -85,6 +96,8 @@ class DiskConfig:
             raise ValueError(f"capacity_bytes must be >= 0, got {self.capacity_bytes}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.file_bytes < 1:
+            raise ValueError(f"file_bytes must be >= 1, got {self.file_bytes}")
         if self.entry_bytes is not None and self.entry_bytes < 1:
             raise ValueError(f"entry_bytes must be >= 1 or None, got {self.entry_bytes}")
 
@@ -98,16 +111,16 @@ class DiskBackend(StorageBackend):
         self, root: Path | str, capacity_bytes: int, namespace: bytes, policy: PolicySpecLike = "lru",
         fsync: bool = False, retry_after_s: float = 30.0, secret: bytes | None = None,
         entry_bytes: int | None = None, touch_on_read: bool = True, info: Mapping[str, Any] | None = None,
+        file_bytes: int = IO_BYTES,
     ) -> None:
         self.config = DiskConfig(Path(root), capacity_bytes, namespace, policy, fsync, retry_after_s, secret,
-                                 entry_bytes, touch_on_read, info)
+                                 entry_bytes, touch_on_read, info, file_bytes)
         self._codec = EntryCodec(secret)
         self.directory = self.config.root / namespace.hex()
         self.stats = BackendStats()
         self._dir = str(self.directory)
         self._policy = make_policy(policy, None if entry_bytes is None else capacity_bytes // (HEADER_SIZE + entry_bytes))
-        self._index: dict[BlockKey, int] = {}  # key -> file size (header + payload)
-        self._used = 0  # bytes of indexed entries
+        self._index = DiskIndex()
         self._reserved = 0  # bytes claimed by writes in flight
         self._lock = threading.Lock()  # index, policy, counters, and publishing/unlinking files
         self._closed = False
@@ -123,10 +136,10 @@ class DiskBackend(StorageBackend):
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._index.used
 
     def occupancy(self) -> tuple[int, int | None]:
-        return self._used, self.config.capacity_bytes
+        return self._index.used, self.config.capacity_bytes
 
     @property
     def writable(self) -> bool:
@@ -143,25 +156,24 @@ class DiskBackend(StorageBackend):
 
     def get(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
         check_keys(keys)
-        self._check_open()
-        return [self._fetch(k, None) for k in keys]  # type: ignore[misc]
+        got = self._read(keys, None)
+        return [bytes(g) if g is not None else None for g in got]
 
     def get_into(self, keys: Sequence[BlockKey], outs: Sequence[Buffer]) -> list[bool]:
         views = check_outs(keys, outs)
-        self._check_open()
-        return [self._fetch(k, v) is True for k, v in zip(keys, views)]
+        return [g is not None for g in self._read(keys, views)]
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer]) -> list[bool]:
         views = check_blocks(keys, blocks)
         self._check_open()
-        return [self._store(k, v, None) for k, v in zip(keys, views)]
+        return self._store(keys, views, None)
 
     def put_blocks(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer], infos: Sequence[BlockInfo]) -> list[bool]:
         """`put`, the policy getting each block's BlockInfo at its insert (not a later touch)."""
         check_infos(keys, infos)
         views = check_blocks(keys, blocks)
         self._check_open()
-        return [self._store(k, v, i) for k, v, i in zip(keys, views, infos)]
+        return self._store(keys, views, infos)
 
     def delete(self, keys: Sequence[BlockKey]) -> None:
         check_keys(keys)
@@ -169,7 +181,7 @@ class DiskBackend(StorageBackend):
             self._check_open()
             for key in keys:
                 if key in self._index:
-                    self._drop(key)
+                    self._drop_key(key)
 
     def close(self) -> None:
         # Writes are synchronous within `put`, so there is nothing pending to flush.
@@ -183,15 +195,9 @@ class DiskBackend(StorageBackend):
             for shard, name in self._listing():
                 if (key := entry_key(name)) is not None:
                     on_disk[key] = os.path.getsize(os.path.join(shard, name))
-            if on_disk != self._index:
-                extra = sorted(k.hex() for k in on_disk.keys() - self._index.keys())
-                missing = sorted(k.hex() for k in self._index.keys() - on_disk.keys())
-                sizes = sorted(k.hex() for k in on_disk.keys() & self._index.keys() if on_disk[k] != self._index[k])
-                raise RuntimeError(f"index and files differ: unindexed {extra}, missing {missing}, size {sizes}")
-            if self._used != sum(self._index.values()):
-                raise RuntimeError(f"used_bytes {self._used} != {sum(self._index.values())} indexed")
-            if self._reserved < 0 or self._used + self._reserved > self.config.capacity_bytes:
-                raise RuntimeError(f"{self._used} used + {self._reserved} reserved > {self.config.capacity_bytes}")
+            self._index.check_integrity(on_disk)
+            if self._reserved < 0 or self._index.used + self._reserved > self.config.capacity_bytes:
+                raise RuntimeError(f"{self._index.used} used + {self._reserved} reserved > {self.config.capacity_bytes}")
             check_candidates(self._policy, self._index.keys(), f"G3 {self._dir}")
 
     # ---- start-up --------------------------------------------------------------------
@@ -210,35 +216,42 @@ class DiskBackend(StorageBackend):
             self._write_failed(PermissionError(f"{self._dir} is not writable"), "read-only directory")
 
     def _scan(self) -> None:
-        found: list[tuple[int, BlockKey, int]] = []  # (mtime, key, size)
+        found: list[tuple[int, FileName, int, list[tuple[BlockKey, int, int]]]] = []  # (mtime, name, size, entries)
         for shard, name in self._listing(regular_only=False):  # strangers at entry names are removed
             path = os.path.join(shard, name)
             if (key := entry_key(name)) is not None:
                 try:
                     if name[:2] != os.path.basename(shard):
                         raise CorruptEntry("file in the wrong shard directory")
-                    size, mtime = self._check_header_file(path, key)
+                    size, mtime, entries, damage = scan_file(self._codec, self.config.namespace, path, key)
                 except FileNotFoundError:
                     continue
                 except (CorruptEntry, OSError) as e:
                     self._remove_bad(path, reason(e))
                     continue
-                found.append((mtime, key, size))
+                if damage is not None:
+                    self.stats.corrupt += 1
+                    size = entries[-1][1] + entries[-1][2]
+                    logger.warning("G3 %s: %s; keeping the %d entries before it", path, damage, len(entries))
+                    try:
+                        os.truncate(path, size)  # files are never appended to: cut the damage off
+                    except OSError as e:
+                        self._remove_bad(path, f"cannot cut its damaged tail: {reason(e)}")
+                        continue
+                found.append((mtime, key, size, entries))
             elif (pid := temp_writer(name)) is not None:
                 if pid != os.getpid() and pid_alive(pid):
                     continue  # another live process is writing it
                 self._remove_bad(path, "temp file of an interrupted write")
             # anything else is not ours: left alone
-        found.sort()
-        for _, key, size in found:  # oldest write first, so LRU order survives a restart
-            self._index[key] = size
-            self._policy.insert(key)
-            self._used += size
-        while self._used > self.config.capacity_bytes and self._evict_one():
+        found.sort(key=lambda f: f[0])
+        for _, name, size, entries in found:  # oldest write first, so LRU order survives a restart
+            self._add_file(name, size, entries, None)
+        while self._index.used > self.config.capacity_bytes and self._evict_one():
             pass  # the capacity shrank since the last run
         logger.info(
-            "G3 %s: %d entries, %d bytes indexed; %d bad files removed%s",
-            self._dir, len(self._index), self._used, self.stats.corrupt,
+            "G3 %s: %d entries in %d files, %d bytes indexed; %d bad files removed%s",
+            self._dir, len(self._index), len(self._index.files()), self._index.used, self.stats.corrupt,
             "; entries MAC'd with the KV secret" if self._codec.keyed else "",
         )
 
@@ -248,67 +261,62 @@ class DiskBackend(StorageBackend):
         self._shards.update(shard for shard, _ in out)
         return out
 
-    def _check_header_file(self, path: str, key: BlockKey) -> tuple[int, int]:
-        fd, st = open_regular(path)
-        try:
-            head = self._validate(os.read(fd, HEADER_SIZE), key, st.st_size)
-        finally:
-            os.close(fd)
-        return HEADER_SIZE + head.payload_len, st.st_mtime_ns
-
-    def _validate(self, raw: bytes, key: BlockKey, file_size: int) -> EntryHeader:
-        head = self._codec.open_header(raw)
-        if head.namespace != self.config.namespace:
-            raise CorruptEntry("namespace (model fingerprint) differs from its directory's")
-        if head.key != key:
-            raise CorruptEntry(f"holds key {head.key.hex()}, not the one its name says")
-        if file_size != HEADER_SIZE + head.payload_len:
-            raise CorruptEntry(f"size {file_size}, header says {HEADER_SIZE + head.payload_len} (torn)")
-        return head
-
     # ---- reads -----------------------------------------------------------------------
 
-    def _fetch(self, key: BlockKey, out: memoryview | None) -> bytes | bool | None:
-        """Bytes (get), True (get_into filled `out`), or None (miss)."""
+    def _read(self, keys: Sequence[BlockKey], outs: Sequence[memoryview] | None) -> list[memoryview | bytearray | None]:
+        """Each key's payload, read into outs[i] (get_into) or a new buffer (get); None = miss.
+        Neighbouring entries of one file are read together."""
+        got: list[memoryview | bytearray | None] = [None] * len(keys)
+        by_file: dict[FileName, list[tuple[int, Loc]]] = {}
         with self._lock:
             self._check_open()
-            size = self._index.get(key)
-            if size is None or (out is not None and HEADER_SIZE + out.nbytes != size):
-                self.stats.misses += 1
-                return None
-        path = self._path(key)
-        ident = None
+            for i, key in enumerate(keys):
+                loc = self._index.get(key)
+                if loc is None or (outs is not None and HEADER_SIZE + outs[i].nbytes != loc.size):
+                    self.stats.misses += 1
+                    continue
+                by_file.setdefault(loc.file, []).append((i, loc))
+        good: list[int] = []
+        for name, wanted in by_file.items():
+            wanted.sort(key=lambda w: w[1].offset)
+            targets = {i: (outs[i] if outs is not None else memoryview(bytearray(loc.size - HEADER_SIZE)))
+                       for i, loc in wanted}
+            for i in self._read_file(name, wanted, targets, keys):
+                got[i] = targets[i] if outs is not None else targets[i].obj
+                good.append(i)
+        with self._lock:
+            self.stats.hits += len(good)
+            self.stats.bytes_read += sum(len(got[i]) for i in good)  # type: ignore[arg-type]
+            if self.config.touch_on_read:
+                for i in sorted(good):  # uses in the caller's order
+                    if keys[i] in self._policy:
+                        self._policy.touch(keys[i])
+        return got
+
+    def _read_file(self, name: FileName, wanted: list[tuple[int, Loc]], targets: dict[int, memoryview],
+                   keys: Sequence[BlockKey]) -> list[int]:
+        """Reads `wanted` (by offset) of one file, each run of adjacent entries in one preadv;
+        returns the indices that were read and verified."""
+        path = self._path(name)
         try:
             fd, st = open_regular(path)
-            with open(fd, "rb") as f:
-                ident = (st.st_dev, st.st_ino)
-                head = self._validate(f.read(HEADER_SIZE), key, st.st_size)
-                n = head.payload_len
-                if out is None:
-                    data = f.read(n)
-                    got = len(data)
-                elif out.nbytes != n:  # replaced since we looked: a different value, not damage
-                    with self._lock:
-                        self.stats.misses += 1
-                    return None
-                else:
-                    data = out
-                    got = f.readinto(out)  # buffered readinto loops until full or EOF
-                if got != n:
-                    raise CorruptEntry(f"truncated payload ({got} of {n} bytes)")
-                self._codec.check_payload(head, data)
         except FileNotFoundError:
-            self._vanished(key, path)
-            return None
-        except (CorruptEntry, OSError) as e:
-            self._corrupt(key, path, ident, reason(e))
-            return None
-        with self._lock:
-            self.stats.hits += 1
-            self.stats.bytes_read += n
-            if self.config.touch_on_read and key in self._policy:
-                self._policy.touch(key)
-        return data if out is None else True
+            self._vanished(name, path, len(wanted))
+            return []
+        except OSError as e:  # a stranger at the path (NotRegularFile), an I/O error: the file is lost
+            self._file_lost(name, path, len(wanted), reason(e))
+            return []
+        ident, good = (st.st_dev, st.st_ino), []
+        try:
+            for run in runs(wanted):
+                for i, loc, err in read_run(fd, run, targets, keys, self._codec, self.config.namespace):
+                    if err is None:
+                        good.append(i)
+                    else:
+                        self._corrupt(keys[i], loc, path, ident, err)
+        finally:
+            os.close(fd)
+        return good
 
     def touch(self, keys: Sequence[BlockKey], priority: int) -> None:
         """Passes the using request's priority to this tier's eviction policy."""
@@ -328,14 +336,25 @@ class DiskBackend(StorageBackend):
                 if key in self._policy:
                     self._policy.touch_block(key, info)
 
-    def _vanished(self, key: BlockKey, path: str) -> None:
-        # Removed behind our back (not by us: we unlink under the lock): a plain miss.
+    def _vanished(self, name: FileName, path: str, n: int) -> None:
+        # Removed behind our back (not by us: we unlink under the lock): misses.
         with self._lock:
-            self.stats.misses += 1
-            if key in self._index and not os.path.exists(path):
-                self._drop(key, unlink=False)
+            self.stats.misses += n
+            if self._index.has_file(name) and not os.path.exists(path):
+                for key in self._index.drop_file(name):
+                    self._policy.remove(key)
 
-    def _corrupt(self, key: BlockKey, path: str, ident: tuple[int, int] | None, reason: str) -> None:
+    def _file_lost(self, name: FileName, path: str, n: int, reason: str) -> None:
+        with self._lock:
+            self.stats.misses += n
+            self.stats.corrupt += n
+            if self._index.has_file(name):
+                for key in self._index.drop_file(name):
+                    self._policy.remove(key)
+                self._unlink(name)
+        logger.warning("G3 unreadable file %s (its entries are misses, removed): %s", path, reason)
+
+    def _corrupt(self, key: BlockKey, loc: Loc, path: str, ident: tuple[int, int] | None, reason: str) -> None:
         with self._lock:
             self.stats.misses += 1
             self.stats.corrupt += 1
@@ -344,30 +363,49 @@ class DiskBackend(StorageBackend):
                 same = ident is None or (st.st_dev, st.st_ino) == ident
             except OSError:
                 same = True
-            # Remove only the file we read: a put may have published a good one since.
-            if same and key in self._index:
-                self._drop(key)
-        logger.warning("G3 corrupt entry %s (served as a miss, removed): %s", path, reason)
+            # Drop only the entry we read: a put may have published a good one since.
+            if same and self._index.get(key) == loc:
+                self._drop_key(key)
+        logger.warning("G3 corrupt entry %s in %s (served as a miss, removed): %s", key.hex(), path, reason)
 
     # ---- writes ----------------------------------------------------------------------
 
-    def _store(self, key: BlockKey, view: memoryview, info: BlockInfo | None) -> bool:
-        size = HEADER_SIZE + view.nbytes
+    def _store(self, keys: Sequence[BlockKey], views: list[memoryview], infos: Sequence[BlockInfo] | None) -> list[bool]:
+        """Writes the blocks as files of up to `file_bytes` each, in the order given."""
+        out = [False] * len(keys)
+        limit = min(self.config.file_bytes, self.config.capacity_bytes)
+        group: list[int] = []
+        size = 0
+        for i, (key, view) in enumerate(zip(keys, views)):
+            n = HEADER_SIZE + view.nbytes
+            if group and (size + n > limit or key in (keys[j] for j in group)):
+                self._store_file(group, keys, views, infos, out)
+                group, size = [], 0
+            group.append(i)
+            size += n
+        if group:
+            self._store_file(group, keys, views, infos, out)
+        return out
+
+    def _store_file(self, group: list[int], keys: Sequence[BlockKey], views: list[memoryview],
+                    infos: Sequence[BlockInfo] | None, out: list[bool]) -> None:
+        size = sum(HEADER_SIZE + views[i].nbytes for i in group)
         if size > self.config.capacity_bytes:
-            return False
-        header = self._codec.seal(self.config.namespace, key, view)  # hashing outside the lock
+            return
+        headers = [self._codec.seal(self.config.namespace, keys[i], views[i]) for i in group]  # hashing outside the lock
         with self._lock:
             self._check_open()
             if not self._writes_allowed() or not self._reserve(size):
-                return False
+                return
+        name = keys[group[0]]
         try:
-            tmp = self._write_temp(key, header, view)
+            tmp = self._write_temp(name, [b for h, i in zip(headers, group) for b in (memoryview(h), views[i])])
         except OSError as e:
             with self._lock:
                 self._reserved -= size
                 self._write_failed(e, "write")
-            return False
-        path = self._path(key)
+            return
+        path = self._path(name)
         with self._lock:
             self._reserved -= size
             try:
@@ -376,22 +414,34 @@ class DiskBackend(StorageBackend):
             except OSError as e:
                 self._write_failed(e, "publish")
                 unlink_quietly(tmp)
-                return False
-            old = self._index.get(key)
-            if old is not None:
-                self._used -= old
-                self._policy.touch(key) if info is None else self._policy.touch_block(key, info)
-            else:
-                self._policy.insert(key) if info is None else self._policy.insert_block(key, info)
-            self._index[key] = size
-            self._used += size
-            self.stats.bytes_written += view.nbytes  # payload bytes, as bytes_read counts them
+                return
+            entries, offset = [], 0
+            for i in group:
+                entries.append((keys[i], offset, HEADER_SIZE + views[i].nbytes))
+                offset += HEADER_SIZE + views[i].nbytes
+            self._add_file(name, size, entries, None if infos is None else [infos[i] for i in group])
+            self.stats.bytes_written += size - HEADER_SIZE * len(group)  # payload bytes, as bytes_read counts them
             if self._warned:
                 logger.info("G3 %s: writes work again", self._dir)
                 self._warned = False
         if self.config.fsync:
             fsync_dir(os.path.dirname(path))
-        return True
+        for i in group:
+            out[i] = True
+
+    def _add_file(self, name: FileName, size: int, entries: list[tuple[BlockKey, int, int]],
+                  infos: Sequence[BlockInfo] | None) -> None:
+        gone, emptied = self._index.add_file(name, size, entries)
+        for key in gone:
+            self._policy.remove(key)
+        for f in emptied:
+            self._unlink(f)
+        for j, (key, _, _) in enumerate(entries):
+            info = None if infos is None else infos[j]
+            if key in self._policy:
+                self._policy.touch(key) if info is None else self._policy.touch_block(key, info)
+            else:
+                self._policy.insert(key) if info is None else self._policy.insert_block(key, info)
 
     def _publish(self, tmp: str, path: str) -> None:
         try:
@@ -406,8 +456,8 @@ class DiskBackend(StorageBackend):
             remove_entry_path(path)
             os.replace(tmp, path)
 
-    def _write_temp(self, key: BlockKey, header: bytes, view: memoryview) -> str:
-        tmp = temp_path(self._dir, key)
+    def _write_temp(self, name: FileName, parts: list[memoryview]) -> str:
+        tmp = temp_path(self._dir, name)
         shard = os.path.dirname(tmp)
         if shard not in self._shards:
             try:
@@ -416,20 +466,9 @@ class DiskBackend(StorageBackend):
                 pass
             self._shards.add(shard)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            write_file(tmp, parts, self.config.fsync)
         except OSError:
             self._shards.discard(shard)  # maybe removed behind our back: recreate next time
-            raise
-        try:
-            try:
-                write_all(fd, memoryview(header))
-                write_all(fd, view)
-                if self.config.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError:
-            unlink_quietly(tmp)
             raise
         return tmp
 
@@ -454,7 +493,7 @@ class DiskBackend(StorageBackend):
             logger.debug("G3 %s: %s failed again (%s)", self._dir, what, err)
 
     def _reserve(self, size: int) -> bool:
-        while self._used + self._reserved + size > self.config.capacity_bytes:
+        while self._index.used + self._reserved + size > self.config.capacity_bytes:
             if not self._evict_one():
                 return False
         self._reserved += size
@@ -463,22 +502,30 @@ class DiskBackend(StorageBackend):
     # ---- helpers (callers hold the lock, except during __init__) -------------------------
 
     def _evict_one(self) -> bool:
+        """Evicts the policy's victim with the rest of its file."""
         victims = self._policy.evict(1)
         if victims is None:
             return False
-        self._drop(victims[0])
-        self.stats.evictions += 1
+        name = self._index.get(victims[0]).file  # type: ignore[union-attr]
+        keys = self._index.drop_file(name)
+        for key in keys:
+            if key != victims[0]:
+                self._policy.remove(key)
+        self._unlink(name)
+        self.stats.evictions += len(keys)
         return True
 
-    def _drop(self, key: BlockKey, unlink: bool = True) -> None:
-        self._used -= self._index.pop(key)
+    def _drop_key(self, key: BlockKey) -> None:
         if key in self._policy:
             self._policy.remove(key)
-        if unlink:
-            try:
-                remove_entry_path(self._path(key))
-            except OSError as e:  # e.g. a read-only file system: the file outlives its entry
-                logger.debug("G3 cannot remove %s: %s", self._path(key), e)
+        if (emptied := self._index.drop_key(key)) is not None:
+            self._unlink(emptied)
+
+    def _unlink(self, name: FileName) -> None:
+        try:
+            remove_entry_path(self._path(name))
+        except OSError as e:  # e.g. a read-only file system: the file outlives its entries
+            logger.debug("G3 cannot remove %s: %s", self._path(name), e)
 
     def _remove_bad(self, path: str, reason: str) -> None:
         self.stats.corrupt += 1
@@ -488,8 +535,8 @@ class DiskBackend(StorageBackend):
         except OSError as e:
             logger.debug("G3 cannot remove %s: %s", path, e)
 
-    def _path(self, key: BlockKey) -> str:
-        return entry_path(self._dir, key)
+    def _path(self, name: FileName) -> str:
+        return entry_path(self._dir, name)
 
     def _check_open(self) -> None:
         if self._closed:

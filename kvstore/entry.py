@@ -168,6 +168,19 @@ def looks_keyed(raw: Buffer) -> bool:
     return magic == MAGIC and version == FORMAT_VERSION and header_len == HEADER_SIZE and alg == ALG_HMAC_SHA256
 
 
+def entry_length(raw: Buffer) -> int | None:
+    """Header plus payload bytes of the entry `raw` starts with, from its header's length field,
+    or None if it does not start like an entry. Nothing is verified: it lets a tool count a G3
+    file's entries without reading them."""
+    raw = bytes(raw[:_HEAD.size])
+    if len(raw) < _HEAD.size:
+        return None
+    magic, version, header_len = _HEAD.unpack_from(raw)[:3]
+    if magic != MAGIC or version != FORMAT_VERSION or header_len != HEADER_SIZE:
+        return None
+    return HEADER_SIZE + _HEAD.unpack_from(raw)[6]
+
+
 def encode_header(namespace: bytes, key: bytes, payload: Buffer, alg: int | None = None) -> bytes:
     """An unkeyed header (what a process without a secret writes)."""
     return _UNKEYED.seal(namespace, key, payload, alg)

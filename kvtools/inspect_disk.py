@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.disk_layout import NAMESPACE_RE, entry_key, list_files, open_regular, pid_alive, remove_entry_path, temp_writer
-from kvstore.entry import HEADER_SIZE, CorruptEntry, EntryCodec
+from kvstore.entry import HEADER_SIZE, CorruptEntry, EntryCodec, entry_length
 from kvtools.inspect_report import (ClearReport, NamespaceUsage, Problem, Summary, TierUnavailable, Unverifiable,
                                     VerifyReport, check_entry)
 from kvstore.keys import BlockKey
@@ -118,7 +118,7 @@ def inspect_dir(root: Path, namespace: bytes | None = None, now: float | None = 
             if not stat.S_ISREG(st.st_mode):  # a FIFO, link or directory at an entry's name
                 walk.foreign += 1
                 continue
-            usage.add(st.st_size, now - st.st_mtime)
+            usage.add(st.st_size, now - st.st_mtime, _count_entries(f.path, st.st_size))
         usages.append(usage)
     notes = tuple(f"{p.where}: {p.reason}" for p in walk.errors)
     return Summary(TIER, str(root), "written", tuple(usages), in_flight, stale, walk.foreign, notes)
@@ -127,31 +127,54 @@ def inspect_dir(root: Path, namespace: bytes | None = None, now: float | None = 
 Ident = tuple[int, int]  # (st_dev, st_ino): which file a path named when it was read
 
 
-def _read_check(codec: EntryCodec, ns: bytes, f: _File) -> tuple[str | None, Ident | None]:
-    """Read and check one entry file as the tier does: (None, its identity) when good, (why, its
-    identity if it was opened) when bad. Raises Unverifiable, and FileNotFoundError if it is gone."""
+def _count_entries(path: str, size: int) -> int:
+    """The entries a G3 file holds (a run of them, back to back), from their headers' length
+    fields alone: 1 where the file cannot be read or walked."""
+    try:
+        fd, _ = open_regular(path)
+    except OSError:
+        return 1
+    n, offset = 0, 0
+    try:
+        while offset < size and (length := entry_length(os.pread(fd, HEADER_SIZE, offset))) is not None:
+            n, offset = n + 1, offset + length
+    except OSError:
+        pass  # counted so far; verify reports the damage
+    finally:
+        os.close(fd)
+    return max(n, 1)
+
+
+def _read_check(codec: EntryCodec, ns: bytes, f: _File) -> tuple[str | None, Ident | None, int]:
+    """Read and check one G3 file's entries as the tier does: (None, its identity, entries) when
+    all are good, (why, its identity if it was opened, entries) at the first bad one. Raises
+    Unverifiable, and FileNotFoundError if it is gone."""
     if f.name[:2] != f.shard:
-        return "file in the wrong shard directory", None
+        return "file in the wrong shard directory", None, 1
     assert f.key is not None
     try:
         fd, st = open_regular(f.path)  # never blocks on a FIFO, never follows a link
     except FileNotFoundError:
         raise
     except OSError as e:
-        return f"cannot open: {e.strerror or e}", None
+        return f"cannot open: {e.strerror or e}", None, 1
+    n, offset = 0, 0
     with open(fd, "rb") as fh:
         ident = (st.st_dev, st.st_ino)
         try:
-            head = check_entry(codec, fh.read(HEADER_SIZE), ns, f.key, st.st_size)
-            data = fh.read(head.payload_len)
-            if len(data) != head.payload_len:
-                raise CorruptEntry(f"truncated payload ({len(data)} of {head.payload_len} bytes)")
-            codec.check_payload(head, data)
+            while offset < st.st_size or n == 0:
+                head = check_entry(codec, fh.read(HEADER_SIZE), ns, None if n else f.key, st.st_size - offset,
+                                   exact=False)
+                data = fh.read(head.payload_len)
+                if len(data) != head.payload_len:
+                    raise CorruptEntry(f"truncated payload ({len(data)} of {head.payload_len} bytes)")
+                codec.check_payload(head, data)
+                n, offset = n + 1, offset + HEADER_SIZE + head.payload_len
         except CorruptEntry as e:
-            return str(e), ident
+            return (str(e) if not n else f"entry {n + 1} (byte {offset}): {e}"), ident, n + 1
         except OSError as e:  # EIO and the like: the tier removes such a file too
-            return f"read error: {e.strerror or e}", ident
-    return None, ident
+            return f"read error: {e.strerror or e}", ident, n + 1
+    return None, ident, n
 
 
 def _remove(path: str, ident: Ident | None) -> str | None:
@@ -193,16 +216,16 @@ def verify_dir(root: Path, codec: EntryCodec, remove: bool = False, namespace: b
                                     None, remove))
                 continue
             try:
-                reason, ident = _read_check(codec, ns, f)
+                reason, ident, entries = _read_check(codec, ns, f)
             except FileNotFoundError:  # evicted since the listing: not an entry any more
                 continue
             except Unverifiable as e:
                 checked += 1
                 unverified.append(f"{f.path}: {e}")
                 continue
-            checked += 1
+            checked += entries
             if reason is None:
-                good += 1
+                good += entries
             else:
                 bad.append(_bad(f.path, reason, ident, remove))
     bad.extend(walk.errors)  # a directory that could not be listed was not verified

@@ -95,18 +95,21 @@ def parse_target(spec: str) -> DirTarget | RedisTarget:
     return DirTarget(Path(spec).expanduser())
 
 
-def check_entry(codec: EntryCodec, raw: bytes, namespace: bytes, key: bytes, size: int) -> EntryHeader:
-    """The header checks the tiers make (`DiskBackend._validate`, `RedisBackend._open`): format and
-    header sum/MAC, the namespace and key the entry is stored under, its total `size`. Raises
-    CorruptEntry, or Unverifiable for a keyed entry when `codec` has no secret."""
+def check_entry(codec: EntryCodec, raw: bytes, namespace: bytes, key: bytes | None, size: int,
+                exact: bool = True) -> EntryHeader:
+    """The header checks the tiers make (`kvstore.disk_files.check_entry`, `RedisBackend._open`):
+    format and header sum/MAC, the namespace and key the entry is stored under (None: any, for a
+    G3 file's entries after its first), its total `size` (with `exact` False, the most it may
+    have: the bytes left in a G3 file). Raises CorruptEntry, or Unverifiable for a keyed entry
+    when `codec` has no secret."""
     if not codec.keyed and looks_keyed(raw):
         raise Unverifiable("keyed entry (MAC'd with a KV secret); no secret given to check it")
     head = codec.open_header(raw)
     if head.namespace != namespace:
         raise CorruptEntry(f"written for namespace {head.namespace.hex()}, stored under {namespace.hex()}")
-    if head.key != key:
+    if key is not None and head.key != key:
         raise CorruptEntry(f"holds key {head.key.hex()}, not the one it is stored under")
-    if size != HEADER_SIZE + head.payload_len:
+    if size != HEADER_SIZE + head.payload_len and (exact or size < HEADER_SIZE + head.payload_len):
         raise CorruptEntry(f"size {size}, header says {HEADER_SIZE + head.payload_len} (torn or truncated)")
     return head
 
@@ -121,11 +124,11 @@ class NamespaceUsage:
     bytes: int = 0
     ages: dict[str, int] = field(default_factory=empty_ages)
 
-    def add(self, size: int, age_s: float | None) -> None:
-        self.entries += 1
+    def add(self, size: int, age_s: float | None, entries: int = 1) -> None:
+        self.entries += entries
         self.bytes += size
         label = age_bucket(age_s)
-        self.ages[label] = self.ages.get(label, 0) + 1
+        self.ages[label] = self.ages.get(label, 0) + entries
 
     @property
     def model(self) -> str:

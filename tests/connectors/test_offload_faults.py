@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-import kvstore.disk as disk_module
+import kvstore.disk_files as disk_module
 from checkpoints import random_prompt
 from connectors.backend import BackendError
 from offload_helpers import (

@@ -32,6 +32,9 @@ def entry_path(b: DiskBackend, k: bytes) -> Path:
 
 
 def disk(tmp_path: Path, capacity: int = 64 << 20, ns: bytes = NS, **kw) -> DiskBackend:
+    """One entry per file unless `file_bytes` says otherwise: these tests damage and age single
+    entries' files (tests/kvstore/test_disk_files.py covers files of several)."""
+    kw.setdefault("file_bytes", 1)
     return DiskBackend(tmp_path / "g3", capacity_bytes=capacity, namespace=ns, **kw)
 
 
@@ -74,29 +77,101 @@ class LRUModel:
         return self.d.get(k)
 
 
-@pytest.mark.parametrize("kind", ["disk", "memory"])
+class FileModel:
+    """G3 as plain dicts: a `put` groups its blocks into files of up to `file_bytes` (a repeated key
+    starts a new file), a file is named by its first key and replaces one of that name, keys are
+    in LRU order, eviction drops the victim's whole file, and a file's bytes count until its last
+    key goes (a deleted or rewritten key leaves a hole)."""
+
+    def __init__(self, capacity: int, file_bytes: int) -> None:
+        self.capacity, self.file_bytes = capacity, file_bytes
+        self.d: OrderedDict[bytes, bytes] = OrderedDict()  # LRU order, oldest first
+        self.file_of: dict[bytes, bytes] = {}
+        self.files: dict[bytes, tuple[int, set[bytes]]] = {}
+
+    @property
+    def used(self) -> int:
+        return sum(size for size, _ in self.files.values())
+
+    def _forget(self, k: bytes) -> None:
+        self.d.pop(k)
+        live = self.files[self.file_of.pop(k)][1]
+        live.discard(k)
+        if not live:
+            self.files = {n: f for n, f in self.files.items() if f[1]}
+
+    def _drop_file(self, name: bytes) -> None:
+        for k in self.files.pop(name)[1]:
+            del self.d[k], self.file_of[k]
+
+    def delete(self, k: bytes) -> None:
+        if k in self.d:
+            self._forget(k)
+
+    def put(self, ks: list[bytes], vs: list[bytes]) -> list[bool]:
+        out, group, size = [], [], 0
+        limit = min(self.file_bytes, self.capacity)
+        for k, v in zip(ks, vs):
+            n = HEADER_SIZE + len(v)
+            if group and (size + n > limit or k in dict(group)):
+                out += self._put_file(group)
+                group, size = [], 0
+            group.append((k, v))
+            size += n
+        return out + self._put_file(group) if group else out
+
+    def _put_file(self, group: list[tuple[bytes, bytes]]) -> list[bool]:
+        size = sum(HEADER_SIZE + len(v) for _, v in group)
+        if size > self.capacity:
+            return [False] * len(group)
+        while self.used + size > self.capacity:
+            self._drop_file(self.file_of[next(iter(self.d))])
+        name = group[0][0]
+        if name in self.files:
+            self._drop_file(name)
+        for k, _ in group:
+            if k in self.d:
+                self._forget(k)
+        self.files[name] = (size, {k for k, _ in group})
+        for k, v in group:
+            self.d[k] = v
+            self.file_of[k] = name
+        return [True] * len(group)
+
+    def get(self, k: bytes) -> bytes | None:
+        if k in self.d:
+            self.d.move_to_end(k)
+        return self.d.get(k)
+
+
+@pytest.mark.parametrize("kind", ["disk", "disk-files", "memory"])
 @pytest.mark.parametrize("seed", range(3))
 def test_matches_reference_model(tmp_path: Path, kind: str, seed: int) -> None:
+    """Against plain dicts; "disk" stores one entry per file, "disk-files" several."""
     rng = random.Random(seed)
     capacity = 6 * (HEADER_SIZE + 1500)  # a handful of entries: eviction all the time
-    if kind == "disk":
-        b, model = disk(tmp_path, capacity), LRUModel(capacity, HEADER_SIZE, frees_old_first=False)
-    else:
+    if kind == "memory":
         b, model = MemoryBackend(capacity), LRUModel(capacity, 0, frees_old_first=True)
+    else:
+        file_bytes = 1 if kind == "disk" else 4 * (HEADER_SIZE + 1500)
+        b, model = disk(tmp_path, capacity, file_bytes=file_bytes), FileModel(capacity, file_bytes)
     keys = [key(i) for i in range(12)]
     for step in range(300):
         r = rng.random()
-        ks = rng.sample(keys, rng.choice([1, 1, 1, 3]))
+        ks = rng.sample(keys, rng.choice([1, 1, 1, 3, 5]))
         where = f"seed {seed} step {step}"
         if r < 0.45:
             vs = [rng.randbytes(rng.choice([0, 10, 700, 1500, 3000, 7 * 1500])) for _ in ks]
-            assert b.put(ks, vs) == [model.put(k, v) for k, v in zip(ks, vs)], where
+            want = model.put(ks, vs) if isinstance(model, FileModel) else [model.put(k, v) for k, v in zip(ks, vs)]
+            assert b.put(ks, vs) == want, where
         elif r < 0.75:
             assert b.get(ks) == [model.get(k) for k in ks], where
         elif r < 0.85:
             b.delete(ks)
             for k in ks:
-                if k in model.d:
+                if isinstance(model, FileModel):
+                    model.delete(k)
+                elif k in model.d:
                     model._pop(k)
         elif r < 0.93:
             assert b.exists(ks) == [k in model.d for k in ks], where
@@ -236,7 +311,6 @@ DAMAGE = {
     "truncated-payload": lambda b, k, o: _truncate(entry_path(b, k), HEADER_SIZE + 2500),
     "truncated-header": lambda b, k, o: _truncate(entry_path(b, k), 10),
     "zero-length": lambda b, k, o: _truncate(entry_path(b, k), 0),
-    "appended-bytes": lambda b, k, o: _append(entry_path(b, k), b"junk"),
     "swapped": lambda b, k, o: os.replace(entry_path(b, o), entry_path(b, k)),  # o's file now named k
 }
 
@@ -264,6 +338,23 @@ def test_corrupt_entry_is_never_served(tmp_path: Path, caplog, damage: str, when
     assert b.exists([bad]) == [False] and b.get([bad]) == [None] and b.stats.corrupt == 1
     b.check_integrity()
     assert b.put([bad], [payload(bad)]) == [True] and b.get([bad]) == [payload(bad)]
+
+
+def test_bytes_after_a_files_last_entry_are_cut_at_restart_and_its_entries_kept(tmp_path: Path, caplog) -> None:
+    """A file is a run of entries: junk appended to one damages none of them (each is checked on
+    its own), so they are served; start-up counts the junk and cuts it off."""
+    keys = [key(i) for i in range(4)]
+    b = disk(tmp_path)
+    assert b.put(keys, [payload(k) for k in keys]) == [True] * 4
+    _append(entry_path(b, keys[1]), b"junk")
+    assert b.get(keys) == [payload(k) for k in keys] and b.stats.corrupt == 0
+    b.close()
+    with caplog.at_level(logging.WARNING, logger="kvstore.disk"):
+        b = disk(tmp_path)
+    assert b.stats.corrupt == 1 and "unreadable" in caplog.text
+    assert entry_path(b, keys[1]).stat().st_size == HEADER_SIZE + 5000
+    assert b.get(keys) == [payload(k) for k in keys]
+    b.check_integrity()
 
 
 def test_get_into_verifies_in_the_callers_buffer(tmp_path: Path) -> None:

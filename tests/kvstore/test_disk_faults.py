@@ -26,9 +26,10 @@ REPO = Path(__file__).resolve().parents[2]
 WRITER = r"""
 import os, random, sys, time
 import kvstore.disk as disk
+import kvstore.disk_files as files
 root, ns, start, stall = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 b = disk.DiskBackend(root, 1 << 40, ns)
-write_all = disk.write_all
+write_all = files.write_all
 def stalling(fd, view):
     if view.nbytes > 1000:
         write_all(fd, view[: view.nbytes // 2])
@@ -38,7 +39,7 @@ def stalling(fd, view):
 i = start
 while True:
     if i == stall:
-        disk.write_all = stalling
+        files.write_all = stalling
     k = i.to_bytes(16, "little")
     assert b.put([k], [random.Random(k).randbytes(64 * 1024 + (i * 7919) % (1 << 20))]) == [True]
     print(i, flush=True)
@@ -79,7 +80,7 @@ def run_and_kill(root: Path, start: int, kill_after: int, stall: int = -1) -> in
 
 def check_after_crash(root: Path, acknowledged: set[int], upto: int) -> DiskBackend:
     torn = list(root.rglob("*.tmp"))
-    b = DiskBackend(root, 1 << 40, NS)
+    b = DiskBackend(root, 1 << 40, NS, file_bytes=1)
     assert not list(root.rglob("*.tmp")), "start-up must remove the temp files of interrupted writes"
     assert b.stats.corrupt == len(torn)
     served = 0
@@ -255,14 +256,14 @@ def read_only(tmp_path: Path, monkeypatch):
 def test_read_only_directory_at_startup(read_only, caplog) -> None:
     root, make_read_only = read_only
     keys = [crash_key(i) for i in range(4)]
-    b = DiskBackend(root, 64 << 20, NS)
+    b = DiskBackend(root, 64 << 20, NS, file_bytes=1)
     assert b.put(keys, [crash_payload(i)[:5000] for i in range(4)]) == [True] * 4
     b.close()
     bad = b.directory / keys[3].hex()[:2] / f"{keys[3].hex()}.kvb"
     bad.write_bytes(b"garbage" + bad.read_bytes()[7:])
     make_read_only()
     with caplog.at_level(logging.WARNING, logger="kvstore.disk"):
-        b = DiskBackend(root, 64 << 20, NS)  # a read-only tier, not a crash
+        b = DiskBackend(root, 64 << 20, NS, file_bytes=1)  # a read-only tier, not a crash
     assert not b.writable and "writes disabled" in caplog.text
     assert b.stats.corrupt == 1 and "bad magic" in caplog.text  # counted and logged, even if not removable
     assert b.get(keys) == [crash_payload(i)[:5000] for i in range(3)] + [None]

@@ -84,7 +84,7 @@ def _bounded(fn: Callable[[], object]) -> object:
 
 
 def _filled(root: Path) -> DiskBackend:
-    b = DiskBackend(root, 1 << 20, NS)
+    b = DiskBackend(root, 1 << 20, NS, file_bytes=1)
     assert b.put([A, B], [PAYLOAD[A], PAYLOAD[B]]) == [True, True]
     return b
 
@@ -118,7 +118,7 @@ def test_strangers_at_entry_names_are_removed_at_start_up(tmp_path, caplog, kind
     b.close()
     _plant(path, kind, tmp_path)
     with caplog.at_level(logging.WARNING, logger="kvstore.disk"):
-        again = _bounded(lambda: DiskBackend(tmp_path / "g3", 1 << 20, NS))
+        again = _bounded(lambda: DiskBackend(tmp_path / "g3", 1 << 20, NS, file_bytes=1))
     assert isinstance(again, DiskBackend)
     assert not os.path.lexists(path)
     assert again.exists([A, B]) == [False, True] and again.get([B]) == [PAYLOAD[B]]
@@ -128,7 +128,7 @@ def test_strangers_at_entry_names_are_removed_at_start_up(tmp_path, caplog, kind
 
 def test_a_directory_where_a_write_lands_is_removed_and_writes_go_on(tmp_path, caplog) -> None:
     """rename() cannot replace a directory: that failure used to disable every G3 write for 30 s."""
-    b = DiskBackend(tmp_path / "g3", 1 << 20, NS)
+    b = DiskBackend(tmp_path / "g3", 1 << 20, NS, file_bytes=1)
     assert b.put([B], [PAYLOAD[B]]) == [True]
     path = entry_path(b._dir, A)
     os.makedirs(os.path.join(path, "sub"))

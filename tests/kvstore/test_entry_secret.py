@@ -40,7 +40,7 @@ def payload(k: bytes, size: int = 5000) -> bytes:
 
 
 def disk(tmp_path: Path, secret: bytes | None = SECRET) -> DiskBackend:
-    return DiskBackend(tmp_path / "g3", capacity_bytes=64 << 20, namespace=NS, secret=secret)
+    return DiskBackend(tmp_path / "g3", capacity_bytes=64 << 20, namespace=NS, secret=secret, file_bytes=1)  # damage is planted per entry file
 
 
 def entry_path(b: DiskBackend, k: bytes) -> Path:

@@ -76,7 +76,7 @@ def test_kvtier_lists_the_kv_command(capsys):
 def test_the_real_command_line_exit_codes(tmp_path, capsys):
     """One subprocess (`python -m server.cli`, through `entry()`): exit 1 with a bad entry; then in
     process, `--remove` (1: it found one) and a clean directory (0)."""
-    tier = DiskBackend(tmp_path, 1 << 20, NS)
+    tier = DiskBackend(tmp_path, 1 << 20, NS, file_bytes=1)
     k = bytes(range(16))
     tier.put([k], [b"x" * 500])
     tier.close()

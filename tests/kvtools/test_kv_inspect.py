@@ -33,6 +33,9 @@ def dead_pid() -> int:
 
 
 def open_tier(root: Path, ns: bytes, info: dict | None = None, **kw) -> DiskBackend:
+    """One entry per file unless `file_bytes` says otherwise: these tests plant damage per entry
+    (test_files_of_several_entries_are_walked_entry_by_entry covers files of several)."""
+    kw.setdefault("file_bytes", 1)
     return DiskBackend(root, 64 << 20, ns, info=info, **kw)
 
 
@@ -269,3 +272,23 @@ def test_symlinked_namespace_dir_is_not_followed(tmp_path, capsys):
     code, out, _ = run_cli(capsys, "clear", str(root), "--json")
     assert code == 0 and json.loads(out)["removed"] == 0 and json.loads(out)["foreign"] == 1
     assert len(list((elsewhere / NS_A.hex()).rglob("*.kvb"))) == 2
+
+
+def test_files_of_several_entries_are_walked_entry_by_entry(tmp_path):
+    """A G3 file holding a run of entries: inspect and verify count its entries; damage in its
+    third entry makes the file bad, named with the entry, and --remove takes the whole file."""
+    tier = open_tier(tmp_path, NS_A, INFO_A, file_bytes=1 << 20)
+    data = {key(i): value(i) for i in range(5)}
+    assert all(tier.put(list(data), list(data.values())))
+    path = path_of(tmp_path, NS_A, key(0))
+    assert [p for p in tmp_path.rglob("*.kvb")] == [path]
+    assert inspect_dir(tmp_path).entries == 5
+    report = verify_dir(tmp_path, EntryCodec())
+    assert (report.checked, report.good, report.bad) == (5, 5, ())
+    raw = bytearray(path.read_bytes())
+    third = 2 * (len(raw) // 5)
+    raw[third + len(raw) // 10] ^= 1  # inside the third entry's payload
+    path.write_bytes(bytes(raw))
+    report = verify_dir(tmp_path, EntryCodec(), remove=True)
+    assert report.good == 0 and [p.where for p in report.bad] == [str(path)] and "entry 3" in report.bad[0].reason
+    assert not path.exists()

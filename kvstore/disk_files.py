@@ -1,0 +1,110 @@
+"""G3's file I/O: scanning a file's entries, cutting reads into runs, writing a file.
+
+No bookkeeping: `kvstore.disk` decides what to read and write and keeps the index.
+"""
+from __future__ import annotations
+
+import os
+
+from kvstore.disk_index import FileName, Loc
+from kvstore.disk_layout import open_regular, write_all
+from kvstore.entry import HEADER_SIZE, CorruptEntry, EntryCodec, EntryHeader
+from kvstore.keys import BlockKey
+
+# Two iovecs per entry (header, payload) in one preadv.
+MAX_RUN = max(1, (os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024) // 2)
+
+
+def check_entry(head: EntryHeader, namespace: bytes, key: BlockKey | None, offset: int, file_size: int) -> None:
+    """CorruptEntry unless the entry at `offset` belongs to `namespace`, holds `key` (None: any)
+    and fits in a file of `file_size` bytes."""
+    if head.namespace != namespace:
+        raise CorruptEntry("namespace (model fingerprint) differs from its directory's")
+    if key is not None and head.key != key:
+        raise CorruptEntry(f"holds key {head.key.hex()}, not the one its name says")
+    if offset + HEADER_SIZE + head.payload_len > file_size:
+        raise CorruptEntry(f"file size {file_size}, header says {offset + HEADER_SIZE + head.payload_len} (torn)")
+
+
+def scan_file(codec: EntryCodec, namespace: bytes, path: str,
+              name: FileName) -> tuple[int, int, list[tuple[BlockKey, int, int]], str | None]:
+    """(size, mtime, entries as (key, offset, size), damage) of a file, from its headers.
+    CorruptEntry if its first entry is bad; damage further in ends the entries there and is
+    described in `damage`."""
+    fd, st = open_regular(path)
+    entries: list[tuple[BlockKey, int, int]] = []
+    offset, damage = 0, None
+    try:
+        while offset < st.st_size:
+            try:
+                head = codec.open_header(os.pread(fd, HEADER_SIZE, offset))
+                check_entry(head, namespace, name if offset == 0 else None, offset, st.st_size)
+            except CorruptEntry as e:
+                if not entries:
+                    raise
+                damage = f"entries from byte {offset} on are unreadable ({e})"
+                break
+            entries.append((BlockKey(head.key), offset, HEADER_SIZE + head.payload_len))
+            offset += HEADER_SIZE + head.payload_len
+    finally:
+        os.close(fd)
+    if not entries:
+        raise CorruptEntry("empty file")
+    return st.st_size, st.st_mtime_ns, entries, damage
+
+
+def runs(wanted: list[tuple[int, Loc]]) -> list[list[tuple[int, Loc]]]:
+    """`wanted` (sorted by offset) cut into runs of adjacent entries: one preadv each."""
+    out: list[list[tuple[int, Loc]]] = []
+    for w in wanted:
+        last = out[-1][-1][1] if out else None
+        if last is not None and last.offset + last.size == w[1].offset and len(out[-1]) < MAX_RUN:
+            out[-1].append(w)
+        else:
+            out.append([w])
+    return out
+
+
+def write_file(path: str, parts: list[memoryview], fsync: bool) -> None:
+    """Creates `path` (which must not exist) holding `parts` in order; removes it on failure."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            for part in parts:
+                write_all(fd, part)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise
+
+
+def read_run(fd: int, run: list[tuple[int, Loc]], targets: dict[int, memoryview], keys: list[BlockKey] | tuple,
+             codec: EntryCodec, namespace: bytes) -> list[tuple[int, Loc, str | None]]:
+    """Reads a run of adjacent entries in one preadv, each payload straight into its target, and
+    checks each: (index, loc, None) if it is `keys[index]`'s, (index, loc, why not) if not."""
+    heads = [bytearray(HEADER_SIZE) for _ in run]
+    iov = [b for (i, _), h in zip(run, heads) for b in (h, targets[i])]
+    start = run[0][1].offset
+    try:
+        n, err = os.preadv(fd, iov, start), "truncated"
+    except OSError as e:
+        n, err = 0, e.strerror or str(e)
+    out: list[tuple[int, Loc, str | None]] = []
+    for (i, loc), h in zip(run, heads):
+        try:
+            if loc.offset + loc.size - start > n:
+                raise CorruptEntry(err)
+            head = codec.open_header(h)
+            check_entry(head, namespace, keys[i], 0, loc.size)
+            codec.check_payload(head, targets[i])
+        except CorruptEntry as e:
+            out.append((i, loc, str(e)))
+            continue
+        out.append((i, loc, None))
+    return out

@@ -1,0 +1,141 @@
+"""G3 files holding runs of entries (issue 43): every entry found, read and checked on its own,
+neighbours read in one call, damage confined to the entry it hits, restart reuse, whole-file eviction."""
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+import kvstore.disk_files as disk_files
+from kvstore.disk import HEADER_SIZE, DiskBackend
+
+NS = bytes.fromhex("00112233445566778899aabbccddeeff")
+SIZE = 3000
+KEYS = [bytes([i + 1]) * 16 for i in range(8)]
+
+
+def payload(k: bytes) -> bytes:
+    return random.Random(k).randbytes(SIZE)
+
+
+def disk(tmp_path: Path, **kw) -> DiskBackend:
+    kw.setdefault("file_bytes", 1 << 20)
+    return DiskBackend(tmp_path / "g3", capacity_bytes=kw.pop("capacity", 64 << 20), namespace=NS, **kw)
+
+
+def file_of(b: DiskBackend, first: bytes) -> Path:
+    return b.directory / first.hex()[:2] / f"{first.hex()}.kvb"
+
+
+@pytest.fixture
+def stored(tmp_path: Path) -> DiskBackend:
+    b = disk(tmp_path)
+    assert b.put(KEYS, [payload(k) for k in KEYS]) == [True] * 8
+    assert list(b.directory.rglob("*.kvb")) == [file_of(b, KEYS[0])]  # one file of eight entries
+    return b
+
+
+def count_preadv(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = os.preadv
+
+    def counting(fd, buffers, offset, *a):
+        calls.append(sum(memoryview(x).nbytes for x in buffers))
+        return real(fd, buffers, offset, *a)
+
+    monkeypatch.setattr(disk_files.os, "preadv", counting)
+    return calls
+
+
+def test_every_entry_of_a_file_is_found_and_read_alone(stored: DiskBackend, monkeypatch) -> None:
+    calls = count_preadv(monkeypatch)
+    assert stored.exists(KEYS) == [True] * 8
+    for n in range(1, 9):  # a prefix ending at every entry boundary inside the file
+        bufs = [bytearray(SIZE) for _ in range(n)]
+        assert stored.get_into(KEYS[:n], bufs) == [True] * n
+        assert [bytes(x) for x in bufs] == [payload(k) for k in KEYS[:n]]
+    assert calls == [n * (HEADER_SIZE + SIZE) for n in range(1, 9)]  # one read per call, only the bytes asked for
+    calls.clear()
+    assert stored.get(KEYS[3:6]) == [payload(k) for k in KEYS[3:6]]  # a middle run: its byte range only
+    assert calls == [3 * (HEADER_SIZE + SIZE)]
+    calls.clear()
+    assert stored.get([KEYS[1], KEYS[6], KEYS[2]]) == [payload(KEYS[i]) for i in (1, 6, 2)]
+    assert sorted(calls) == [HEADER_SIZE + SIZE, 2 * (HEADER_SIZE + SIZE)]  # 1-2 adjacent, 6 alone
+    stored.check_integrity()
+
+
+def test_a_damaged_entry_is_a_miss_and_its_neighbours_are_served(stored: DiskBackend) -> None:
+    path = file_of(stored, KEYS[0])
+    with open(path, "r+b") as f:
+        f.seek(3 * (HEADER_SIZE + SIZE) + HEADER_SIZE + 100)  # inside entry 3's payload
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    got = stored.get(KEYS)
+    assert got == [None if i == 3 else payload(k) for i, k in enumerate(KEYS)]
+    assert stored.stats.corrupt == 1 and stored.exists(KEYS)[3] is False
+    assert len(stored) == 7 and stored.used_bytes == path.stat().st_size  # a hole until the file goes
+    stored.check_integrity()
+    assert stored.put([KEYS[3]], [payload(KEYS[3])]) == [True]  # stored again: a file of its own
+    assert stored.get(KEYS) == [payload(k) for k in KEYS]
+    stored.check_integrity()
+
+
+def test_restart_reuses_files_of_several_entries(tmp_path: Path, stored: DiskBackend) -> None:
+    more = [bytes([0x40 + i]) * 16 for i in range(3)]
+    assert stored.put(more, [payload(k) for k in more]) == [True] * 3
+    stored.close()
+    again = disk(tmp_path)
+    assert len(again) == 11 and again.stats.corrupt == 0
+    assert again.get(KEYS + more) == [payload(k) for k in KEYS + more]
+    again.check_integrity()
+
+
+def test_a_torn_file_keeps_the_entries_before_the_tear(tmp_path: Path, stored: DiskBackend) -> None:
+    stored.close()
+    path = file_of(stored, KEYS[0])
+    os.truncate(path, 5 * (HEADER_SIZE + SIZE) + HEADER_SIZE + 10)  # inside entry 5
+    again = disk(tmp_path)
+    assert again.stats.corrupt == 1 and len(again) == 5
+    assert again.get(KEYS) == [payload(k) for k in KEYS[:5]] + [None] * 3
+    assert path.stat().st_size == 5 * (HEADER_SIZE + SIZE)  # the torn tail is cut off
+    again.check_integrity()
+
+
+def test_a_stranger_at_a_files_path_loses_its_entries_only(tmp_path: Path, stored: DiskBackend) -> None:
+    other = [bytes([0x60 + i]) * 16 for i in range(2)]
+    assert stored.put(other, [payload(k) for k in other]) == [True] * 2
+    path = file_of(stored, KEYS[0])
+    path.unlink()
+    os.mkfifo(path, 0o600)  # opened without blocking, never read
+    assert stored.get([KEYS[2], *other]) == [None, *(payload(k) for k in other)]
+    assert not path.exists() and stored.exists(KEYS) == [False] * 8
+    stored.check_integrity()
+
+
+def test_eviction_removes_the_victims_whole_file(tmp_path: Path) -> None:
+    per = HEADER_SIZE + SIZE
+    b = disk(tmp_path, capacity=10 * per, file_bytes=4 * per)
+    assert b.put(KEYS, [payload(k) for k in KEYS]) == [True] * 8  # files of 4 + 4
+    b.get(KEYS[:4])  # the first file's entries are the most recently used
+    newer = [bytes([0x70 + i]) * 16 for i in range(3)]
+    assert b.put(newer, [payload(k) for k in newer]) == [True] * 3  # needs 3 entries' room: one file goes
+    assert b.exists(KEYS) == [True] * 4 + [False] * 4  # the second file held the least recently used entry
+    b.get(KEYS[1:2])  # just used, but its file holds the least recently used entry (KEYS[0])
+    last = [bytes([0x78 + i]) * 16 for i in range(4)]
+    assert b.put(last, [payload(k) for k in last]) == [True] * 4
+    assert b.exists(KEYS) == [False] * 8 and b.exists(newer + last) == [True] * 7
+    assert b.stats.evictions == 8 and b.used_bytes == 7 * per
+    b.check_integrity()
+
+
+def test_a_put_is_cut_into_files_of_at_most_file_bytes(tmp_path: Path) -> None:
+    per = HEADER_SIZE + SIZE
+    b = disk(tmp_path, file_bytes=3 * per)
+    assert b.put(KEYS, [payload(k) for k in KEYS]) == [True] * 8
+    sizes = sorted(p.stat().st_size for p in b.directory.rglob("*.kvb"))
+    assert sizes == [2 * per, 3 * per, 3 * per]
+    assert b.get(KEYS) == [payload(k) for k in KEYS]
+    b.check_integrity()
