@@ -28,6 +28,7 @@ Decisions the kit enforces (see `StorageBackend` for the whole contract):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from connectors.backend import BackendError, StorageBackend

@@ -166,12 +166,16 @@ def _flag_stack(ctx: ConnectorContext) -> tuple[Any, list[Any]]:
     g2 = _host(ctx, ctx.offloading_size_gib, extra.get("g2_eviction_policy")) if ctx.offloading_size_gib else None
     tiers = []
     if ctx.disk_path is not None:
-        disk = _disk(ctx, Path(ctx.disk_path), ctx.disk_size_gib, extra.get("g3_eviction_policy"))
         from connectors.stack import PARALLEL_OPTIONS
+        from kvstore.backend import IO_BYTES
 
+        io_bytes = int(float(extra["g3_io_mib"]) * 2**20) if "g3_io_mib" in extra else IO_BYTES
+        if io_bytes < 1:
+            raise ValueError(f"g3_io_mib must be > 0; got {extra['g3_io_mib']}")
+        disk = _disk(ctx, Path(ctx.disk_path), ctx.disk_size_gib, extra.get("g3_eviction_policy"), io_bytes)
         tiers.append(_parallel(ctx, "G3", disk, {
             "read_threads": extra.get("g3_read_threads", PARALLEL_OPTIONS["read_threads"]),
-            "read_timeout_s": extra.get("g3_timeout_s", PARALLEL_OPTIONS["read_timeout_s"])}))
+            "read_timeout_s": extra.get("g3_timeout_s", PARALLEL_OPTIONS["read_timeout_s"])}, io_bytes))
     if ctx.remote_url:
         ttl = extra.get("g4_ttl_s")
         _shared_mode(ctx, "G4")
@@ -208,11 +212,12 @@ def _explicit_stack(ctx: ConnectorContext) -> tuple[Any, list[Any]]:
     return g2, tiers
 
 
-def _parallel(ctx: ConnectorContext, name: str, backend: Any, opts: dict[str, Any]) -> Any:
+def _parallel(ctx: ConnectorContext, name: str, backend: Any, opts: dict[str, Any], io_bytes: int | None = None) -> Any:
     from connectors.storage_tier import StorageTier
 
+    io = {} if io_bytes is None else {"io_bytes": io_bytes}
     return StorageTier.parallel(name, backend, read_threads=int(opts["read_threads"]),
-                                read_timeout_s=float(opts["read_timeout_s"]), events=ctx.events)
+                                read_timeout_s=float(opts["read_timeout_s"]), events=ctx.events, **io)
 
 
 def _batched(ctx: ConnectorContext, name: str, backend: Any, min_uses: int) -> Any:
@@ -238,13 +243,14 @@ def _host(ctx: ConnectorContext, size_gib: float, policy: PolicySpecLike | None)
     return g2
 
 
-def _disk(ctx: ConnectorContext, path: Path, size_gib: float, policy: PolicySpecLike | None) -> Any:
+def _disk(ctx: ConnectorContext, path: Path, size_gib: float, policy: PolicySpecLike | None,
+          file_bytes: int | None = None) -> Any:
     from kvstore.disk import DiskBackend
 
     # The connector tells G3's policy of each read it used (touch_blocks), so reads are not uses.
     disk = DiskBackend(path, int(size_gib * ctx.size_share * 2**30), ctx.fingerprint, policy=policy or ctx.eviction_policy,
                        secret=ctx.kv_secret, entry_bytes=ctx.layout.encoded_bytes, touch_on_read=False,
-                       info=ctx.namespace_info)
+                       info=ctx.namespace_info, **({} if file_bytes is None else {"file_bytes": file_bytes}))
     log.info("disk tier: %s (%.1f GiB, %d entries found)", path, size_gib * ctx.size_share, len(disk))
     return disk
 

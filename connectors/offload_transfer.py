@@ -61,15 +61,17 @@ class TransferEngine:
         self._reads = DaemonPool(read_threads, "kvtier-read", initializer=one_torch_thread)
         # G1 loads copy with as many threads as the forward uses (this, the constructing thread's, count).
         self._copy_pool = CopyPool(torch.get_num_threads())
-        # Read targets when there is no G2: a parallel tier has 2 * read_threads reads in flight,
+        # Read targets when there is no G2: a parallel tier has 2 * read_threads calls in flight,
         # a batched one two batches.
-        bounce = max([2 * read_threads, *(2 * t.remote.batch for t in tiers if t.remote is not None)])
+        bounce = max([1, *(2 * t.read_threads * t.io_chunks(layout.encoded_bytes) for t in tiers if t.remote is None),
+                      *(2 * t.remote.batch for t in tiers if t.remote is not None)])
         self._bounce: list[torch.Tensor | None] = [None] * bounce
         self._done: queue.SimpleQueue[LoadDone | StoreDone] = queue.SimpleQueue()
         self._progress = threading.Event()  # set with every _done item: the idle engine waits on it
         self.tier_hits: dict[str, int] = dict.fromkeys([HOST, *(t.name for t in tiers)], 0)  # tokens served
         self.load_seconds = 0.0  # wall time of load jobs on the transfer thread
         self.load_bytes = 0  # KV bytes those jobs placed into G1
+        self.copy_seconds = 0.0  # of load_seconds, the copies of storage-tier hits into G1
         self.g2_copies = 0  # copy operations G2 loads took (fewer: longer consecutive runs)
         # A tensor-parallel worker's: rank 0's load plan -> this rank's (its own G2 slots and
         # tiers; connectors/sharded.py). Runs on the transfer thread; must not raise.
@@ -204,34 +206,37 @@ class TransferEngine:
         return done
 
     def _load_parallel(self, i: int, chunks: list[Chunk], job: LoadJob) -> tuple[int, bool]:
-        """Reads a parallel tier's chunks with up to `read_threads` reads in flight (a disk
-        serves several queued reads faster than one at a time) and scatters them in order. Each
-        read lands in a G2 slot when G2 exists (the promotion) or else in a bounce buffer.
-        Returns the G1 blocks filled and whether every chunk landed; stops at the first chunk
-        that is missing, bad or late."""
+        """Reads a parallel tier's chunks in calls of `tier.io_chunks(...)` neighbours (G3 reads
+        each call's run of one file in one preadv), `2 * read_threads` calls in flight (a disk
+        serves queued reads faster than one at a time), and scatters them in order while later
+        calls read. Each chunk lands in a G2 slot when G2 exists (the promotion) or else in a
+        bounce buffer. Returns the G1 blocks filled and whether every chunk landed; stops at the
+        first chunk that is missing, bad or late."""
         tier = self.tiers[i]
+        per = tier.io_chunks(self.layout.encoded_bytes)
         window_size = 2 * tier.read_threads
-        window: deque[tuple[Chunk, int | None, torch.Tensor, Future]] = deque()
-        todo = iter(enumerate(chunks))
+        window: deque[tuple[list[Chunk], list[int | None], list[torch.Tensor], Future]] = deque()
+        calls = iter(enumerate(chunks[j:j + per] for j in range(0, len(chunks), per)))
         landed, ok, timed_out = 0, True, False
         while True:
             while ok and len(window) < window_size:
-                nxt = next(todo, None)
+                nxt = next(calls, None)
                 if nxt is None:
                     break
-                j, c = nxt
-                slot = self.g2.prepare_store(c.key, c.digest) if self.g2 is not None else None
-                buf = self.g2.slot_view(slot) if slot is not None else self._bounce_buffer(j % window_size)
-                window.append((c, slot, buf, self._reads.submit(tier.backend.get_into, [c.key],
-                                                                [memoryview(buf.numpy())])))
+                n, run = nxt
+                slots = [self.g2.prepare_store(c.key, c.digest) if self.g2 is not None else None for c in run]
+                bufs = [self.g2.slot_view(s) if s is not None else self._bounce_buffer((n % window_size) * per + k)
+                        for k, s in enumerate(slots)]
+                window.append((run, slots, bufs, self._reads.submit(tier.backend.get_into, [c.key for c in run],
+                                                                    [memoryview(b.numpy()) for b in bufs])))
             if not window:
                 return landed, ok
-            c, slot, buf, fut = window.popleft()
+            run, slots, bufs, fut = window.popleft()
             try:
-                reason = None if fut.result(timeout=tier.read_timeout_s if not timed_out else 0)[0] else "miss"
-                reason = reason or check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
+                got = fut.result(timeout=tier.read_timeout_s if not timed_out else 0)
+                reasons = [None if hit else "miss" for hit in got]
             except FutureTimeout:
-                # The read may still land in `buf` later: a G2 slot used as its target stays
+                # The read may still land in its buffers later: G2 slots used as its targets stay
                 # reserved (lost) and the bounce buffers are dropped, so nothing reuses them.
                 # After one timeout the rest of the window is not waited for.
                 if not timed_out:
@@ -243,14 +248,16 @@ class TransferEngine:
                 continue
             except Exception as e:  # a plugin backend may raise anything: a miss, never wrong KV
                 log.warning("%s read failed, treating it as a miss: %s: %s", tier.name, type(e).__name__, e)
-                reason = "error"
-            if reason not in (None, "miss", "error"):
-                log.warning("%s entry rejected: %s", tier.name, reason)
-            self._promote(i, c, slot, buf, reason is None, job.chunk_info(c))
-            if ok and reason is None:
-                landed += self._land(i, c, buf, job)
-            else:
-                ok = False  # later reads in flight still finish (and may still be promoted)
+                reasons = ["error"] * len(run)
+            for c, slot, buf, reason in zip(run, slots, bufs, reasons):
+                reason = reason or check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
+                if reason not in (None, "miss", "error"):
+                    log.warning("%s entry rejected: %s", tier.name, reason)
+                self._promote(i, c, slot, buf, reason is None, job.chunk_info(c))
+                if ok and reason is None:
+                    landed += self._land(i, c, buf, job)
+                else:
+                    ok = False  # later reads in flight still finish (and may still be promoted)
 
     def _load_batched(self, i: int, chunks: list[Chunk], job: LoadJob) -> tuple[int, bool]:
         """Reads a batched tier's chunks (one round trip per batch), promotes them, and
@@ -294,7 +301,9 @@ class TransferEngine:
         """A checked hit from tier i: scatter it into G1, count it, tell the tier it was used (the
         chunk's BlockInfo) and the batched tiers below that it was reused. Returns the G1 blocks filled."""
         tier = self.tiers[i]
+        t0 = time.perf_counter()
         n = self._scatter(buf, c.index, job)
+        self.copy_seconds += time.perf_counter() - t0
         self.tier_hits[tier.name] += n * self.layout.block_size * (job.group == 0)
         tier.touch([c.key], [job.chunk_info(c)])
         self._note_use(self.tiers[i + 1:], c.key, lambda: bytes(buf.numpy()), c.blocks)

@@ -38,6 +38,7 @@ HOST = "host"
 FLAG_STACK_KEYS = {
     "g2_eviction_policy": "G2's eviction policy", "g3_eviction_policy": "G3's eviction policy",
     "g3_timeout_s": "G3 read timeout", "g3_read_threads": "G3 reads in flight",
+    "g3_io_mib": "G3 file size and read size, MiB",
     "g4_prefix": "G4 key prefix", "g4_ttl_s": "G4 entry TTL", "g4_timeout_s": "G4 socket timeout",
     "g4_min_uses": "uses before a block is written to G4",
 }

@@ -6,8 +6,9 @@ served it), and a stored block goes to every tier (written at once to parallel t
 batched tiers, which write it once it has been used `min_uses` times).
 
 Two read/write modes, one per kind of store:
-- `PARALLEL` (a local disk, a plugin): one key per read, `read_threads` reads in flight, each
-  bounded by `read_timeout_s`; writes in order on one thread, straight from the pinned G2 slot,
+- `PARALLEL` (a local disk, a plugin): reads of up to `io_bytes` of neighbouring blocks per call,
+  `2 * read_threads` calls in flight, each bounded by `read_timeout_s`; writes in order on one
+  thread, straight from the pinned G2 slot, the writes queued meanwhile in one call,
   at most `max_pending_writes` queued (past that a store waits on the transfer thread; the
   step loop's write-back drops instead).
 - `BATCHED` (a remote store: one round trip per batch): reads of up to `RemoteTier.batch` keys
@@ -23,8 +24,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from connectors.backend import BackendError, StorageBackend
+from kvstore.backend import IO_BYTES
 from connectors.remote_tier import RemoteTier, leading_hits
 from kvstore.threads import one_torch_thread
 from kvstore.events import BlockStored, ChunkBlocks, EventBuffer, TierKind
@@ -46,15 +48,34 @@ class TierMode(Enum):
     BATCHED = "batched"
 
 
+@dataclass(frozen=True)
+class _Write:
+    key: BlockKey
+    buf: torch.Tensor  # valid until done() is called
+    done: Callable[[], None]
+    info: BlockInfo
+    blocks: ChunkBlocks | None
+
+
 class OrderedWriter:
-    """A parallel tier's writes: one thread, in order, bounded."""
+    """A parallel tier's writes: one thread, in order, bounded. Writes queued while the thread
+    was busy go to the backend together in one `put_blocks` call of up to `batch_bytes` (at least
+    one write): G3 makes each call's blocks one file, so a prefill's blocks reach the disk in
+    files of I/O size rather than one small file each."""
 
     kind = TierKind.LOCAL_STORAGE  # what its KV events call it
 
-    def __init__(self, name: str, backend: StorageBackend, max_pending: int, events: EventBuffer | None) -> None:
-        self.name, self.backend, self.events = name, backend, events
-        self._io = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{name.lower()}-write", initializer=one_torch_thread)
+    def __init__(self, name: str, backend: StorageBackend, max_pending: int, events: EventBuffer | None,
+                 batch_bytes: int = IO_BYTES) -> None:
+        self.name, self.backend, self.events, self.batch_bytes = name, backend, events, batch_bytes
         self._slots = threading.BoundedSemaphore(max_pending)
+        self._queue: deque[_Write] = deque()
+        self._cv = threading.Condition()
+        self._busy = False
+        self._closed = False
+        self.batches = 0  # put_blocks calls made
+        self._thread = threading.Thread(target=self._run, name=f"kvtier-{name.lower()}-write", daemon=True)
+        self._thread.start()
 
     def submit(self, key: BlockKey, buf: torch.Tensor, done: Callable[[], None], wait: bool,
                info: BlockInfo, blocks: ChunkBlocks | None = None) -> bool:
@@ -64,28 +85,57 @@ class OrderedWriter:
         if not self._slots.acquire(blocking=wait):
             done()
             return False
-        self._io.submit(self._write, key, buf, done, info, blocks)
+        with self._cv:
+            self._queue.append(_Write(key, buf, done, info, blocks))
+            self._cv.notify_all()
         return True
 
-    def _write(self, key: BlockKey, buf: torch.Tensor, done: Callable[[], None], info: BlockInfo,
-               blocks: ChunkBlocks | None) -> None:
+    def _run(self) -> None:
+        one_torch_thread()
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                batch, size = [self._queue.popleft()], 0
+                size = batch[0].buf.numel()
+                while self._queue and size + self._queue[0].buf.numel() <= self.batch_bytes:
+                    size += self._queue[0].buf.numel()
+                    batch.append(self._queue.popleft())
+                self._busy = True
+            try:
+                self._write(batch)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _write(self, batch: list[_Write]) -> None:
         try:
-            # With its BlockInfo: the storing request's priority (and the rest) reaches the tier's policy.
-            stored = self.backend.put_blocks([key], [memoryview(buf.numpy())], [info])[0]
-            if stored and self.events is not None and blocks is not None:
-                self.events.append(BlockStored.of(blocks, self.kind))
+            # With their BlockInfos: the storing requests' priorities (and the rest) reach the tier's policy.
+            stored = self.backend.put_blocks([w.key for w in batch], [memoryview(w.buf.numpy()) for w in batch],
+                                             [w.info for w in batch])
+            self.batches += 1
+            for w, ok in zip(batch, stored):
+                if ok and self.events is not None and w.blocks is not None:
+                    self.events.append(BlockStored.of(w.blocks, self.kind))
         except (BackendError, OSError) as e:
-            log.warning("%s write failed (block stays in the tiers above): %s", self.name, e)
+            log.warning("%s write failed (blocks stay in the tiers above): %s", self.name, e)
         finally:
-            done()
-            self._slots.release()
+            for w in batch:
+                w.done()
+                self._slots.release()
 
     def flush(self) -> None:
-        self._io.submit(lambda: None).result()
+        with self._cv:
+            self._cv.wait_for(lambda: not self._queue and not self._busy)
 
     def close(self) -> None:
         self.flush()
-        self._io.shutdown(wait=True)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()
 
 
 @dataclass(eq=False)
@@ -97,20 +147,28 @@ class StorageTier:
     read_timeout_s: float = 10.0  # PARALLEL: a read later than this is a miss
     remote: RemoteTier | None = None  # BATCHED: the reuse-gated batched writer and reader
     writer: OrderedWriter | None = field(default=None, repr=False)  # PARALLEL
+    io_bytes: int = IO_BYTES  # PARALLEL: the bytes one read or write call groups
 
     def __post_init__(self) -> None:
         if self.read_threads < 1:
             raise ValueError(f"{self.name}: read_threads must be >= 1; got {self.read_threads}")
         if self.read_timeout_s <= 0:
             raise ValueError(f"{self.name}: read_timeout_s must be > 0; got {self.read_timeout_s}")
+        if self.io_bytes < 1:
+            raise ValueError(f"{self.name}: io_bytes must be >= 1; got {self.io_bytes}")
         if (self.mode is TierMode.BATCHED) != (self.remote is not None):
             raise ValueError(f"{self.name}: a batched tier needs its RemoteTier, a parallel one none")
 
     @classmethod
     def parallel(cls, name: str, backend: StorageBackend, *, read_threads: int = 4, read_timeout_s: float = 10.0,
-                 max_pending_writes: int = 64, events: EventBuffer | None = None) -> StorageTier:
-        writer = OrderedWriter(name, backend, max_pending_writes, events)
-        return cls(name, backend, TierMode.PARALLEL, read_threads, read_timeout_s, writer=writer)
+                 max_pending_writes: int = 64, events: EventBuffer | None = None,
+                 io_bytes: int = IO_BYTES) -> StorageTier:
+        writer = OrderedWriter(name, backend, max_pending_writes, events, io_bytes)
+        return cls(name, backend, TierMode.PARALLEL, read_threads, read_timeout_s, writer=writer, io_bytes=io_bytes)
+
+    def io_chunks(self, chunk_bytes: int) -> int:
+        """How many chunks of `chunk_bytes` one read call asks for (at least one)."""
+        return max(1, self.io_bytes // chunk_bytes)
 
     @classmethod
     def batched(cls, name: str, remote: RemoteTier) -> StorageTier:

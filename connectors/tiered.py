@@ -196,6 +196,7 @@ class TieredOffloadConnector(KVConnector):
         t, p = self.transfer, self.planner
         out: dict[str, Any] = {"lookup_tokens": p.lookup_tokens, "load_failures": self.load_failures,
                                "load_seconds": t.load_seconds, "load_bytes": t.load_bytes,
+                               "load_copy_seconds": t.copy_seconds,
                                "g2_load_copies": t.g2_copies, "write_policy": self.write_policy.value}
         if self.write_back is not None:
             out.update(writeback_blocks=self.write_back.written, writeback_dropped=self.write_back.dropped,

@@ -45,6 +45,8 @@ class BackendStats:
     evictions: int = 0
     corrupt: int = 0  # entries found damaged, torn or mismatched: never served, removed
     write_errors: int = 0
+    read_seconds: float = 0.0  # time in read system calls (summed over threads), where the backend measures it
+    check_seconds: float = 0.0  # time verifying what was read (checksums, MACs), likewise
 
 
 class StorageBackend(ABC):

@@ -306,16 +306,21 @@ class DiskBackend(StorageBackend):
         except OSError as e:  # a stranger at the path (NotRegularFile), an I/O error: the file is lost
             self._file_lost(name, path, len(wanted), reason(e))
             return []
-        ident, good = (st.st_dev, st.st_ino), []
+        ident, good, read_s, check_s = (st.st_dev, st.st_ino), [], 0.0, 0.0
         try:
             for run in runs(wanted):
-                for i, loc, err in read_run(fd, run, targets, keys, self._codec, self.config.namespace):
+                checked, r, c = read_run(fd, run, targets, keys, self._codec, self.config.namespace)
+                read_s, check_s = read_s + r, check_s + c
+                for i, loc, err in checked:
                     if err is None:
                         good.append(i)
                     else:
                         self._corrupt(keys[i], loc, path, ident, err)
         finally:
             os.close(fd)
+        with self._lock:
+            self.stats.read_seconds += read_s
+            self.stats.check_seconds += check_s
         return good
 
     def touch(self, keys: Sequence[BlockKey], priority: int) -> None:

@@ -39,6 +39,11 @@ TRUNCATE_AT = (1, 3)  # a truncated file
 SWAP_AT = ((2, 2), (2, 6))  # two entries whose files are swapped
 
 
+# One entry per G3 file (g3_io_mib below one block), as these tests damage single entries by their
+# files (tests/connectors/test_offload_files.py covers files holding runs of blocks).
+PER_ENTRY_FILES = {"kv_transfer_config": {"kv_connector_extra_config": {"g3_io_mib": 1e-4}}}
+
+
 @pytest.fixture(scope="module")
 def ref(model_dir):
     return reference(model_dir, PROMPTS)
@@ -51,7 +56,7 @@ def entry_path(disk: Path, prompt: list[int], chunk: int) -> Path:
 
 
 def fill(model_dir, disk: Path, ref) -> None:
-    llm = offload_llm(model_dir, kv_offload_disk=str(disk))
+    llm = offload_llm(model_dir, kv_offload_disk=str(disk), **PER_ENTRY_FILES)
     try:
         assert tokens(run(llm, PROMPTS)) == ref
     finally:
@@ -91,7 +96,7 @@ def test_corrupt_truncated_and_swapped_entries_are_never_served(model_dir, ref, 
     damaged = {p: p.read_bytes() for p in (flipped, truncated, s1, s2)}
 
     caplog.set_level(logging.WARNING)
-    llm = offload_llm(model_dir, kv_offload_disk=str(disk))
+    llm = offload_llm(model_dir, kv_offload_disk=str(disk), **PER_ENTRY_FILES)
     try:
         # start-up found the torn file and the swapped pair (their headers name other keys);
         # the flipped payload passes the header checks and is only caught when read
@@ -112,7 +117,7 @@ def test_corrupt_truncated_and_swapped_entries_are_never_served(model_dir, ref, 
     finally:
         llm.close()
     # the recomputed blocks were written back: a third engine is served every block again
-    llm = offload_llm(model_dir, kv_offload_disk=str(disk))
+    llm = offload_llm(model_dir, kv_offload_disk=str(disk), **PER_ENTRY_FILES)
     try:
         outs = run(llm, PROMPTS)
         assert tokens(outs) == ref
@@ -129,7 +134,7 @@ def test_control_resealed_damage_would_change_the_outputs(model_dir, ref, tmp_pa
     disk = tmp_path / "g3"
     fill(model_dir, disk, ref)
     flip_kv_byte(entry_path(disk, PROMPTS[FLIP_AT[0]], FLIP_AT[1]), reseal=True)
-    llm = offload_llm(model_dir, kv_offload_disk=str(disk))
+    llm = offload_llm(model_dir, kv_offload_disk=str(disk), **PER_ENTRY_FILES)
     try:
         outs = run(llm, PROMPTS[:1])
         assert load_kinds(outs) == [{"G3": hit_tokens(len(PROMPTS[0]))}]  # served in full
@@ -144,7 +149,7 @@ def test_failed_load_is_not_counted_as_tier_hits(model_dir, ref, tmp_path):
     disk = tmp_path / "g3"
     fill(model_dir, disk, ref)
     flip_kv_byte(entry_path(disk, PROMPTS[0], 2))  # blocks 0 and 1 load, block 2 fails
-    llm = offload_llm(model_dir, kv_offload_disk=str(disk))
+    llm = offload_llm(model_dir, kv_offload_disk=str(disk), **PER_ENTRY_FILES)
     try:
         outs = run(llm, PROMPTS[:1])
         assert tokens(outs) == ref[:1]

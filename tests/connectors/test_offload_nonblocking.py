@@ -57,8 +57,8 @@ def test_slow_g3_load_does_not_stall_running_requests(model_dir, tmp_path):
         real_get_into, reads = g3.get_into, []
 
         def slow_get_into(keys, outs):
-            reads.append(time.perf_counter())
-            time.sleep(SLOW_S)
+            reads.extend([time.perf_counter()] * len(keys))
+            time.sleep(SLOW_S * len(keys))
             return real_get_into(keys, outs)
 
         g3.get_into = slow_get_into
@@ -176,7 +176,7 @@ def test_idle_engine_sleeps_while_a_load_is_in_flight(model_dir, tmp_path):
         real_get_into = g3.get_into
 
         def slow_get_into(keys, outs):
-            time.sleep(SLOW_S)
+            time.sleep(SLOW_S * len(keys))
             return real_get_into(keys, outs)
 
         g3.get_into = slow_get_into

@@ -29,6 +29,11 @@ SECRET = "a fleet-wide kv secret"
 PLANTS = {(0, 1): "header-kept", (1, 3): "xxh3", (2, 2): "keyed-byte-unkeyed-sums"}
 
 
+# One entry per G3 file (g3_io_mib below one block), as these tests damage single entries by their
+# files (tests/connectors/test_offload_files.py covers files holding runs of blocks).
+PER_ENTRY_FILES = {"kv_transfer_config": {"kv_connector_extra_config": {"g3_io_mib": 1e-4}}}
+
+
 @pytest.fixture(scope="module")
 def ref(model_dir):
     return reference(model_dir, PROMPTS)
@@ -66,7 +71,7 @@ def plant(path: Path, how: str) -> None:
 
 
 def fill(model_dir, disk: Path, ref, secret_file: str) -> None:
-    llm = offload_llm(model_dir, kv_offload_disk=str(disk), kv_offload_secret_file=secret_file)
+    llm = offload_llm(model_dir, kv_offload_disk=str(disk), **PER_ENTRY_FILES, kv_offload_secret_file=secret_file)
     try:
         assert tokens(run(llm, PROMPTS)) == ref
     finally:
@@ -83,7 +88,7 @@ def test_planted_g3_entries_are_counted_misses_and_deleted(model_dir, ref, tmp_p
         plant(path, how)
         planted[path] = path.read_bytes()
     caplog.set_level(logging.DEBUG)
-    llm = offload_llm(model_dir, kv_offload_disk=str(disk), kv_offload_secret_file=secret_file)
+    llm = offload_llm(model_dir, kv_offload_disk=str(disk), **PER_ENTRY_FILES, kv_offload_secret_file=secret_file)
     try:
         assert llm.engine.connector.tier("G3").backend.stats.corrupt == 2  # the two re-sealed headers, at start-up
         outs = run(llm, PROMPTS)
@@ -99,7 +104,7 @@ def test_planted_g3_entries_are_counted_misses_and_deleted(model_dir, ref, tmp_p
         llm.close()
     assert SECRET not in caplog.text
     # the recomputed blocks were written back, keyed: a third engine is served every block
-    llm = offload_llm(model_dir, kv_offload_disk=str(disk), kv_offload_secret_file=secret_file)
+    llm = offload_llm(model_dir, kv_offload_disk=str(disk), **PER_ENTRY_FILES, kv_offload_secret_file=secret_file)
     try:
         outs = run(llm, PROMPTS)
         assert tokens(outs) == ref
@@ -113,7 +118,7 @@ def test_engine_without_the_secret_is_not_served_keyed_entries(model_dir, ref, t
     monkeypatch.delenv("KVTIER_KV_SECRET", raising=False)
     disk = tmp_path / "g3"
     fill(model_dir, disk, ref, secret_file)
-    llm = offload_llm(model_dir, kv_offload_disk=str(disk))
+    llm = offload_llm(model_dir, kv_offload_disk=str(disk), **PER_ENTRY_FILES)
     try:
         outs = run(llm, PROMPTS)
         assert tokens(outs) == ref and load_kinds(outs) == [{}, {}, {}]
@@ -127,7 +132,7 @@ def test_secret_from_the_environment_reads_what_the_file_wrote(model_dir, ref, t
     disk = tmp_path / "g3"
     fill(model_dir, disk, ref, secret_file)
     monkeypatch.setenv("KVTIER_KV_SECRET", SECRET)
-    llm = offload_llm(model_dir, kv_offload_disk=str(disk))
+    llm = offload_llm(model_dir, kv_offload_disk=str(disk), **PER_ENTRY_FILES)
     try:
         outs = run(llm, PROMPTS)
         assert tokens(outs) == ref
