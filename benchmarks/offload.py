@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 t, out = ttft(llm, prompt, salt)
                 after = llm.get_stats().tiers
                 per_mode[tier].append(t)
-                hits[tier] = out.cached_tokens_by_tier.get(tier, 0)
+                hits[tier] = out.cached_tokens_by_tier.get("G3" if tier in DISK_TIERS else tier, 0)
                 # The load itself, timed on the transfer thread: bytes placed in G1 per second.
                 secs = after["load_seconds"] - before["load_seconds"]
                 bw[tier].append((after["load_bytes"] - before["load_bytes"]) / secs / 1e9 if secs else 0.0)

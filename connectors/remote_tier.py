@@ -170,4 +170,5 @@ class RemoteTier:
         describe = getattr(self.backend, "describe", None)
         return {"hit_tokens": self.hit_tokens, "miss_tokens": self.miss_tokens, "written_blocks": self.written_blocks,
                 "dropped_writes": self.dropped_writes, "failed_writes": self.failed_writes,
+                "queued_write_bytes": self._pending_bytes,
                 "min_uses": self.min_uses, **(describe() if describe else {})}

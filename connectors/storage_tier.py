@@ -74,6 +74,8 @@ class OrderedWriter:
         self._busy = False
         self._closed = False
         self.batches = 0  # put_blocks calls made
+        self.queued_bytes = 0  # of writes accepted and not yet written (backpressure, in /v1/kv/stats)
+        self.dropped = 0  # writes refused because the queue was full (the step loop's write-backs)
         self._thread = threading.Thread(target=self._run, name=f"kvtier-{name.lower()}-write", daemon=True)
         self._thread.start()
 
@@ -83,9 +85,11 @@ class OrderedWriter:
         `blocks` names to KV events (None: not announced). False, with `done()` already called,
         when `wait` is False and the queue is full."""
         if not self._slots.acquire(blocking=wait):
+            self.dropped += 1
             done()
             return False
         with self._cv:
+            self.queued_bytes += buf.numel()
             self._queue.append(_Write(key, buf, done, info, blocks))
             self._cv.notify_all()
         return True
@@ -125,6 +129,8 @@ class OrderedWriter:
             for w in batch:
                 w.done()
                 self._slots.release()
+            with self._cv:
+                self.queued_bytes -= sum(w.buf.numel() for w in batch)
 
     def flush(self) -> None:
         with self._cv:
@@ -197,7 +203,9 @@ class StorageTier:
         used = occ() if occ is not None else None
         size = {} if used is None else {"used_bytes": used[0], "capacity_bytes": used[1]}
         count = {"entries": len(self.backend)} if hasattr(self.backend, "__len__") else {}
-        return {"backend": name, **(vars(s) if s is not None else {}), **size, **count}
+        queue = {} if self.writer is None else {"queued_write_bytes": self.writer.queued_bytes,
+                                                "dropped_writes": self.writer.dropped}
+        return {"backend": name, **(vars(s) if s is not None else {}), **size, **count, **queue}
 
     def flush(self) -> None:
         if self.writer is not None:

@@ -132,7 +132,14 @@ class _EngineCollector(Collector):
                                  labels=lab + ["tier"])
         size = GaugeMetricFamily(P + "offload_capacity_bytes", "Bytes an offload tier may store (bounded tiers that "
                                  "report it).", labels=lab + ["tier"])
+        queued = GaugeMetricFamily(P + "offload_queued_write_bytes", "Bytes waiting to be written to an offload tier "
+                                   "(its write backlog).", labels=lab + ["tier"])
+        dropped = CounterMetricFamily(P + "offload_dropped_writes", "Writes an offload tier's full queue refused.",
+                                      labels=lab + ["tier"])
         for tier, t in tier_entries(tiers).items():
+            if "queued_write_bytes" in t:
+                queued.add_metric(m + [tier], t["queued_write_bytes"])
+                dropped.add_metric(m + [tier], t.get("dropped_writes", 0))
             info.add_metric(m + [tier, str(t.get("backend", "unknown"))], 1)
             hits.add_metric(m + [tier], t.get("hit_tokens", 0))
             miss.add_metric(m + [tier], t.get("miss_tokens", 0))
@@ -147,7 +154,7 @@ class _EngineCollector(Collector):
                 used.add_metric(m + [tier], t["used_bytes"])
             if t.get("capacity_bytes") is not None:  # None: unbounded
                 size.add_metric(m + [tier], t["capacity_bytes"])
-        yield from (info, hits, miss, moved, bad, evict, held, cap, used, size)
+        yield from (info, hits, miss, moved, bad, evict, held, cap, used, size, queued, dropped)
 
 
 class Metrics:
