@@ -175,7 +175,8 @@ def _flag_stack(ctx: ConnectorContext) -> tuple[Any, list[Any]]:
         disk = _disk(ctx, Path(ctx.disk_path), ctx.disk_size_gib, extra.get("g3_eviction_policy"), io_bytes)
         tiers.append(_parallel(ctx, "G3", disk, {
             "read_threads": extra.get("g3_read_threads", PARALLEL_OPTIONS["read_threads"]),
-            "read_timeout_s": extra.get("g3_timeout_s", PARALLEL_OPTIONS["read_timeout_s"])}, io_bytes))
+            "read_timeout_s": extra.get("g3_timeout_s", PARALLEL_OPTIONS["read_timeout_s"]),
+            "min_uses": extra.get("g3_min_uses", PARALLEL_OPTIONS["min_uses"])}, io_bytes))
     if ctx.remote_url:
         ttl = extra.get("g4_ttl_s")
         _shared_mode(ctx, "G4")
@@ -217,7 +218,8 @@ def _parallel(ctx: ConnectorContext, name: str, backend: Any, opts: dict[str, An
 
     io = {} if io_bytes is None else {"io_bytes": io_bytes}
     return StorageTier.parallel(name, backend, read_threads=int(opts["read_threads"]),
-                                read_timeout_s=float(opts["read_timeout_s"]), events=ctx.events, **io)
+                                read_timeout_s=float(opts["read_timeout_s"]), events=ctx.events,
+                                min_uses=int(opts["min_uses"]), **io)
 
 
 def _batched(ctx: ConnectorContext, name: str, backend: Any, min_uses: int) -> Any:

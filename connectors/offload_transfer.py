@@ -130,9 +130,13 @@ class TransferEngine:
                         break
                     run.append((c, job.g2_slots[c.key]))
                 landed = landed_g2 = self._scatter_g2(run, job)
-                for c, slot in run:  # a reuse: counts towards the batched tiers' min_uses
+                for c, slot in run:  # a reuse: counts towards every tier's min_uses
                     self._note_use(self.tiers, c.key, lambda slot=slot: bytes(self.g2.slot_view(slot).numpy()),  # type: ignore[union-attr]
                                    c.blocks)
+                    for tier in self.tiers:
+                        if tier.min_uses > 1 and tier.admit(c.key):
+                            self._write_from_g2(tier, c.key, self.g2.slot_view(slot), False,  # type: ignore[union-attr]
+                                                job.chunk_info(c), c.blocks)
                 complete = len(run) == len(g2_chunks)
                 for i, tier in enumerate(self.tiers):
                     chunks = [c for c in job.chunks if c.tier == tier.name]
@@ -418,7 +422,7 @@ class TransferEngine:
                 self._gather(job.src, buf, job)
             self.g2.complete_store(job.key, True, job.info, job.blocks)
             for tier in self.tiers:
-                if tier.writer is not None:
+                if tier.writer is not None and tier.admit(job.key):
                     self._write_from_g2(tier, job.key, buf, wait_for_write_slot, job.info, job.blocks)
             self._note_use(self.tiers, job.key, lambda: bytes(buf.numpy()), job.blocks)
             return True
@@ -428,7 +432,7 @@ class TransferEngine:
         self._note_use(self.tiers, job.key, lambda: bytes(buf.numpy()), job.blocks)
         taken = any(t.remote is not None for t in self.tiers)
         for tier in self.tiers:
-            if tier.writer is not None:
+            if tier.writer is not None and tier.admit(job.key):
                 taken = tier.writer.submit(job.key, buf, lambda: None, wait_for_write_slot, job.info,
                                            job.blocks) or taken
         return taken

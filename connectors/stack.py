@@ -38,7 +38,7 @@ HOST = "host"
 FLAG_STACK_KEYS = {
     "g2_eviction_policy": "G2's eviction policy", "g3_eviction_policy": "G3's eviction policy",
     "g3_timeout_s": "G3 read timeout", "g3_read_threads": "G3 reads in flight",
-    "g3_io_mib": "G3 file size and read size, MiB",
+    "g3_io_mib": "G3 file size and read size, MiB", "g3_min_uses": "uses before a block is written to G3",
     "g4_prefix": "G4 key prefix", "g4_ttl_s": "G4 entry TTL", "g4_timeout_s": "G4 socket timeout",
     "g4_min_uses": "uses before a block is written to G4",
 }
@@ -47,8 +47,8 @@ CONNECTOR_KEYS = {"write_policy", "block_size"}
 TIERS_KEY = "tiers"
 # Options a storage tier takes by its mode (not passed to the backend), with their defaults.
 MODE_KEY = "mode"
-PARALLEL_OPTIONS = {"read_threads": 4, "read_timeout_s": 10.0}
-BATCHED_OPTIONS = {"min_uses": 1}
+PARALLEL_OPTIONS = {"read_threads": 4, "read_timeout_s": 10.0, "min_uses": 1}
+BATCHED_OPTIONS = {"min_uses": 1}  # both modes take min_uses: admission after that many uses
 BATCHED_BY_DEFAULT = {"redis"}
 _BUILTIN_OPTIONS = {
     HOST: {"size_gib", "eviction_policy"},
@@ -147,7 +147,7 @@ def _storage_spec(name: str, spec: TierSpec) -> StorageSpec:
     if mode not in ("parallel", "batched"):
         raise ValueError(f"tier {spec.backend!r}: \"mode\" must be \"parallel\" or \"batched\"; got {mode!r}")
     mine, other = (BATCHED_OPTIONS, PARALLEL_OPTIONS) if mode == "batched" else (PARALLEL_OPTIONS, BATCHED_OPTIONS)
-    wrong = sorted(set(spec.options) & set(other))
+    wrong = sorted(set(spec.options) & (set(other) - set(mine)))
     if wrong:
         raise ValueError(f"tier option(s) {wrong} of {spec.backend!r} apply to {'parallel' if mode == 'batched' else 'batched'} "
                          f"tiers; this one is {mode} (set \"mode\" to change it)")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -41,6 +41,9 @@ from kvstore.keys import BlockKey
 from policies import BlockInfo
 
 log = logging.getLogger(__name__)
+
+
+USES_REMEMBERED = 1 << 20  # keys whose use counts a tier with min_uses > 1 keeps (LRU)
 
 
 class TierMode(Enum):
@@ -154,12 +157,19 @@ class StorageTier:
     remote: RemoteTier | None = None  # BATCHED: the reuse-gated batched writer and reader
     writer: OrderedWriter | None = field(default=None, repr=False)  # PARALLEL
     io_bytes: int = IO_BYTES  # PARALLEL: the bytes one read or write call groups
+    # PARALLEL: admission. A block is written once it has been used (stored or reused from G2) this
+    # many times; 1 writes every stored block (benchmarks/admission.py measures the choice).
+    min_uses: int = 1
+    _uses: OrderedDict[BlockKey, int] = field(default_factory=OrderedDict, repr=False)
+    _uses_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         if self.read_threads < 1:
             raise ValueError(f"{self.name}: read_threads must be >= 1; got {self.read_threads}")
         if self.read_timeout_s <= 0:
             raise ValueError(f"{self.name}: read_timeout_s must be > 0; got {self.read_timeout_s}")
+        if self.min_uses < 1:
+            raise ValueError(f"{self.name}: min_uses must be >= 1; got {self.min_uses}")
         if self.io_bytes < 1:
             raise ValueError(f"{self.name}: io_bytes must be >= 1; got {self.io_bytes}")
         if (self.mode is TierMode.BATCHED) != (self.remote is not None):
@@ -168,9 +178,29 @@ class StorageTier:
     @classmethod
     def parallel(cls, name: str, backend: StorageBackend, *, read_threads: int = 4, read_timeout_s: float = 10.0,
                  max_pending_writes: int = 64, events: EventBuffer | None = None,
-                 io_bytes: int = IO_BYTES) -> StorageTier:
+                 io_bytes: int = IO_BYTES, min_uses: int = 1) -> StorageTier:
         writer = OrderedWriter(name, backend, max_pending_writes, events, io_bytes)
-        return cls(name, backend, TierMode.PARALLEL, read_threads, read_timeout_s, writer=writer, io_bytes=io_bytes)
+        return cls(name, backend, TierMode.PARALLEL, read_threads, read_timeout_s, writer=writer, io_bytes=io_bytes,
+                   min_uses=min_uses)
+
+    def admit(self, key: BlockKey) -> bool:
+        """A use of `key` (a store or a reuse): whether to write it to this parallel tier now. With
+        min_uses 1, always; else once its uses reach min_uses and the tier lacks it. Uses are
+        remembered for the last USES_REMEMBERED keys."""
+        if self.min_uses <= 1:
+            return True
+        with self._uses_lock:
+            n = self._uses.pop(key, 0) + 1
+            self._uses[key] = n
+            if len(self._uses) > USES_REMEMBERED:
+                self._uses.popitem(last=False)
+        if n < self.min_uses:
+            return False
+        try:
+            return not self.backend.exists([key])[0]
+        except Exception as e:  # a plugin may raise anything: then write (a write that fails is logged)
+            log.warning("%s exists failed: %s: %s", self.name, type(e).__name__, e)
+            return True
 
     def io_chunks(self, chunk_bytes: int) -> int:
         """How many chunks of `chunk_bytes` one read call asks for (at least one)."""

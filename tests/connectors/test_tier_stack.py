@@ -141,7 +141,7 @@ BAD_STACKS = [
     ({"tiers": [{"backend": "disk"}]}, "path"),
     ({"tiers": [{"backend": "host"}]}, "size_gib"),
     ({"tiers": [plugin_tier(Path("/tmp/x")), {"backend": "host", "size_gib": 1}]}, "first entry"),
-    ({"tiers": [plugin_tier(Path("/tmp/x"), min_uses=2)]}, "min_uses.*batched"),
+    ({"tiers": [plugin_tier(Path("/tmp/x"), min_uses=0)]}, "min_uses"),  # both modes take min_uses (admission)
     ({"tiers": [plugin_tier(Path("/tmp/x"), mode="batched", read_threads=2)]}, "read_threads.*parallel"),
     ({"tiers": [plugin_tier(Path("/tmp/x"), mode="fast")]}, "mode"),
     ({"tiers": [plugin_tier(Path(f"/tmp/{i}")) for i in range(7)]}, "at most 6"),
