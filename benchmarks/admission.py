@@ -30,10 +30,9 @@ REPO = _HERE.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.policies import DEFAULT_TRACE, GENERATED  # noqa: E402  (the traces policies.py replays)
 from benchmarks.traces import TraceSpec, generate  # noqa: E402
 
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic.jsonl"
-GENERATED = "multiturn"
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "admission.json"
 RULES = ("always", "uses:2", "uses:3", "evicted", "oracle")
 HITS_WITHIN = 0.03

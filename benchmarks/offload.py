@@ -177,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a tmpfs for the G3-tmpfs mode (default %(default)s)")
     ap.add_argument("--g3-io-mib", type=float, default=None,
                     help="G3 file and read size in MiB (kv_connector_extra_config g3_io_mib; default: the engine's)")
+    ap.add_argument("--g3-read-threads", type=int, default=None,
+                    help="G3 reader threads (kv_connector_extra_config g3_read_threads; default: the engine's)")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "offload.json", help="JSON results (default %(default)s)")
     args = ap.parse_args(argv)
     wanted = [t.strip() for t in args.tiers.split(",") if t.strip()]
@@ -199,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="kvtier-offload-bench-")  # G3 files are removed at the end
     work = Path(tmp.name)
     shm = tempfile.TemporaryDirectory(prefix="kvtier-offload-bench-", dir=args.tmpfs_dir) if "G3-tmpfs" in wanted else None
-    g3_dirs = {"G3": work / "g3", **({"G3-tmpfs": Path(shm.name) / "g3"} if shm else {})}
-    g3_extra = {} if args.g3_io_mib is None else {
-        "kv_transfer_config": {"kv_connector_extra_config": {"g3_io_mib": args.g3_io_mib}}}
+    g3_dirs = {**({"G3": work / "g3"} if "G3" in wanted else {}), **({"G3-tmpfs": Path(shm.name) / "g3"} if shm else {})}
+    g3_cfg = {k: v for k, v in (("g3_io_mib", args.g3_io_mib), ("g3_read_threads", args.g3_read_threads)) if v is not None}
+    g3_extra = {"kv_transfer_config": {"kv_connector_extra_config": g3_cfg}} if g3_cfg else {}
     # G1 only (cold + G1 hit); G2 only; G3 only. Sizes hold the longest prompt with room to spare.
     per_token = None
     redis = None if args.redis_url or "G4" not in wanted else LocalRedis(work / "redis")
@@ -220,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     # the whole history of every layer with a cache of its own, per token
     per_token = sum(2 * w for i, w in enumerate(mc.kv_widths) if mc.kv_source(i) == i) * mc.dtype.itemsize
     results: dict[str, Any] = {"lengths": lengths, "offload_block_size": args.offload_block_size, "runs": {},
-                               "g3_io_mib": args.g3_io_mib, "tiers": wanted}
+                               "g3_io_mib": args.g3_io_mib, "g3_read_threads": args.g3_read_threads, "tiers": wanted}
     rows = []
     for n in lengths:
         per_mode: dict[str, list[float]] = {"cold": [], "G1": [], **{t: [] for t in lower}}

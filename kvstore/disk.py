@@ -51,10 +51,10 @@ from typing import Any
 
 from kvstore.backend import (IO_BYTES, BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_infos,
                              check_keys, check_outs)
-from kvstore.disk_files import read_run, runs, scan_file, write_file
+from kvstore.disk_files import read_run, runs, scan_file, write_temp
 from kvstore.disk_index import DiskIndex, FileName, Loc
 from kvstore.disk_layout import (entry_key, entry_path, fsync_dir, list_files, open_regular, pid_alive, reason,
-                                 remove_entry_path, temp_path, temp_writer, unlink_quietly)
+                                 remove_entry_path, temp_writer, unlink_quietly)
 # MAGIC, HEADER_SIZE and encode_header are also imported from here (the format's old home).
 from kvstore.entry import HEADER_SIZE, MAGIC, CorruptEntry, EntryCodec, EntryHeader, check_secret, encode_header  # noqa: F401
 from kvstore.keys import KEY_BYTES, BlockKey
@@ -216,7 +216,7 @@ class DiskBackend(StorageBackend):
             self._write_failed(PermissionError(f"{self._dir} is not writable"), "read-only directory")
 
     def _scan(self) -> None:
-        found: list[tuple[int, FileName, int, list[tuple[BlockKey, int, int]]]] = []  # (mtime, name, size, entries)
+        found: list[tuple[int, FileName, int, list[tuple[BlockKey, int, int]], tuple[int, int] | None]] = []
         for shard, name in self._listing(regular_only=False):  # strangers at entry names are removed
             path = os.path.join(shard, name)
             if (key := entry_key(name)) is not None:
@@ -238,15 +238,15 @@ class DiskBackend(StorageBackend):
                     except OSError as e:
                         self._remove_bad(path, f"cannot cut its damaged tail: {reason(e)}")
                         continue
-                found.append((mtime, key, size, entries))
+                found.append((mtime, key, size, entries, _ident(path)))
             elif (pid := temp_writer(name)) is not None:
                 if pid != os.getpid() and pid_alive(pid):
                     continue  # another live process is writing it
                 self._remove_bad(path, "temp file of an interrupted write")
             # anything else is not ours: left alone
         found.sort(key=lambda f: f[0])
-        for _, name, size, entries in found:  # oldest write first, so LRU order survives a restart
-            self._add_file(name, size, entries, None)
+        for _, name, size, entries, ident in found:  # oldest write first, so LRU order survives a restart
+            self._add_file(name, size, entries, None, ident)
         while self._index.used > self.config.capacity_bytes and self._evict_one():
             pass  # the capacity shrank since the last run
         logger.info(
@@ -268,6 +268,7 @@ class DiskBackend(StorageBackend):
         Neighbouring entries of one file are read together."""
         got: list[memoryview | bytearray | None] = [None] * len(keys)
         by_file: dict[FileName, list[tuple[int, Loc]]] = {}
+        idents: dict[FileName, tuple[int, int] | None] = {}
         with self._lock:
             self._check_open()
             for i, key in enumerate(keys):
@@ -276,12 +277,13 @@ class DiskBackend(StorageBackend):
                     self.stats.misses += 1
                     continue
                 by_file.setdefault(loc.file, []).append((i, loc))
+                idents[loc.file] = self._index.ident(loc.file)
         good: list[int] = []
         for name, wanted in by_file.items():
             wanted.sort(key=lambda w: w[1].offset)
             targets = {i: (outs[i] if outs is not None else memoryview(bytearray(loc.size - HEADER_SIZE)))
                        for i, loc in wanted}
-            for i in self._read_file(name, wanted, targets, keys):
+            for i in self._read_file(name, wanted, targets, keys, idents[name]):
                 got[i] = targets[i] if outs is not None else targets[i].obj
                 good.append(i)
         with self._lock:
@@ -294,9 +296,10 @@ class DiskBackend(StorageBackend):
         return got
 
     def _read_file(self, name: FileName, wanted: list[tuple[int, Loc]], targets: dict[int, memoryview],
-                   keys: Sequence[BlockKey]) -> list[int]:
+                   keys: Sequence[BlockKey], expected: tuple[int, int] | None) -> list[int]:
         """Reads `wanted` (by offset) of one file, each run of adjacent entries in one preadv;
-        returns the indices that were read and verified."""
+        returns the indices that were read and verified. `expected`: the file's identity when
+        the reads were planned; another file there now (replaced since) is a miss, not damage."""
         path = self._path(name)
         try:
             fd, st = open_regular(path)
@@ -307,6 +310,14 @@ class DiskBackend(StorageBackend):
             self._file_lost(name, path, len(wanted), reason(e))
             return []
         ident, good, read_s, check_s = (st.st_dev, st.st_ino), [], 0.0, 0.0
+        if expected is not None and ident != expected:
+            with self._lock:
+                replaced = self._index.ident(name) != expected
+                self.stats.misses += len(wanted) if replaced else 0
+            if replaced:  # by this process's put since the reads were planned: a miss, not damage
+                os.close(fd)
+                return []
+            # else something outside put another file there: read it, the checks judge it
         try:
             for run in runs(wanted):
                 checked, r, c = read_run(fd, run, targets, keys, self._codec, self.config.namespace)
@@ -404,7 +415,8 @@ class DiskBackend(StorageBackend):
                 return
         name = keys[group[0]]
         try:
-            tmp = self._write_temp(name, [b for h, i in zip(headers, group) for b in (memoryview(h), views[i])])
+            tmp = write_temp(self._dir, name, [b for h, i in zip(headers, group) for b in (memoryview(h), views[i])],
+                             self.config.fsync, self._shards)
         except OSError as e:
             with self._lock:
                 self._reserved -= size
@@ -424,7 +436,7 @@ class DiskBackend(StorageBackend):
             for i in group:
                 entries.append((keys[i], offset, HEADER_SIZE + views[i].nbytes))
                 offset += HEADER_SIZE + views[i].nbytes
-            self._add_file(name, size, entries, None if infos is None else [infos[i] for i in group])
+            self._add_file(name, size, entries, None if infos is None else [infos[i] for i in group], _ident(path))
             self.stats.bytes_written += size - HEADER_SIZE * len(group)  # payload bytes, as bytes_read counts them
             if self._warned:
                 logger.info("G3 %s: writes work again", self._dir)
@@ -435,8 +447,8 @@ class DiskBackend(StorageBackend):
             out[i] = True
 
     def _add_file(self, name: FileName, size: int, entries: list[tuple[BlockKey, int, int]],
-                  infos: Sequence[BlockInfo] | None) -> None:
-        gone, emptied = self._index.add_file(name, size, entries)
+                  infos: Sequence[BlockInfo] | None, ident: tuple[int, int] | None) -> None:
+        gone, emptied = self._index.add_file(name, size, entries, ident)
         for key in gone:
             self._policy.remove(key)
         for f in emptied:
@@ -461,21 +473,6 @@ class DiskBackend(StorageBackend):
             remove_entry_path(path)
             os.replace(tmp, path)
 
-    def _write_temp(self, name: FileName, parts: list[memoryview]) -> str:
-        tmp = temp_path(self._dir, name)
-        shard = os.path.dirname(tmp)
-        if shard not in self._shards:
-            try:
-                os.mkdir(shard, 0o700)
-            except FileExistsError:
-                pass
-            self._shards.add(shard)
-        try:
-            write_file(tmp, parts, self.config.fsync)
-        except OSError:
-            self._shards.discard(shard)  # maybe removed behind our back: recreate next time
-            raise
-        return tmp
 
     def _writes_allowed(self) -> bool:
         if self._disabled_until is None:
@@ -547,3 +544,11 @@ class DiskBackend(StorageBackend):
         if self._closed:
             raise BackendError(f"DiskBackend {self._dir} is closed")
 
+
+def _ident(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the file at `path` (not following a link); None if it cannot be stat'ed."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino

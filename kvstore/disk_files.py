@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 
 from kvstore.disk_index import FileName, Loc
-from kvstore.disk_layout import open_regular, write_all
+from kvstore.disk_layout import open_regular, temp_path, write_all
 from kvstore.entry import HEADER_SIZE, CorruptEntry, EntryCodec, EntryHeader
 from kvstore.keys import BlockKey
 
@@ -65,6 +65,26 @@ def runs(wanted: list[tuple[int, Loc]]) -> list[list[tuple[int, Loc]]]:
         else:
             out.append([w])
     return out
+
+
+def write_temp(ns_dir: str, name: FileName, parts: list[memoryview], fsync: bool, shards: set[str]) -> str:
+    """Writes `parts` to a fresh temp file in file `name`'s shard directory (made if not in
+    `shards`, the shard directories known to exist) and returns its path, for the caller to
+    publish. Raises OSError, leaving no temp file behind."""
+    tmp = temp_path(ns_dir, name)
+    shard = os.path.dirname(tmp)
+    if shard not in shards:
+        try:
+            os.mkdir(shard, 0o700)
+        except FileExistsError:
+            pass
+        shards.add(shard)
+    try:
+        write_file(tmp, parts, fsync)
+    except OSError:
+        shards.discard(shard)  # maybe removed behind our back: recreate next time
+        raise
+    return tmp
 
 
 def write_file(path: str, parts: list[memoryview], fsync: bool) -> None:

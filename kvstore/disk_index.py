@@ -25,9 +25,13 @@ class Loc(NamedTuple):
     size: int  # header + payload
 
 
+Ident = tuple[int, int]  # (st_dev, st_ino) of a file as published or scanned
+
+
 @dataclass
 class _File:
     size: int
+    ident: Ident | None
     live: set[BlockKey] = field(default_factory=set)
 
 
@@ -64,12 +68,19 @@ class DiskIndex:
         f = self._files.get(name)
         return [] if f is None else sorted(f.live, key=lambda k: self._loc[k].offset)
 
-    def add_file(self, name: FileName, size: int, entries: Iterable[tuple[BlockKey, int, int]]) -> tuple[list[BlockKey], list[FileName]]:
+    def ident(self, name: FileName) -> Ident | None:
+        """The identity the file had when indexed: a read that opens another one (replaced since by
+        a file of the same name) must not read the old offsets in it."""
+        f = self._files.get(name)
+        return None if f is None else f.ident
+
+    def add_file(self, name: FileName, size: int, entries: Iterable[tuple[BlockKey, int, int]],
+                 ident: Ident | None = None) -> tuple[list[BlockKey], list[FileName]]:
         """Index a file of `size` bytes holding `entries` (key, offset, size). A file of the same
         name is replaced (its keys not in the new one are gone); a key held elsewhere moves here.
         Returns (keys no longer stored, files left empty: the caller removes those)."""
         gone = self.drop_file(name) if name in self._files else []
-        new = _File(size)
+        new = _File(size, ident)
         self._files[name] = new
         self._used += size
         emptied: list[FileName] = []

@@ -139,3 +139,26 @@ def test_a_put_is_cut_into_files_of_at_most_file_bytes(tmp_path: Path) -> None:
     assert sizes == [2 * per, 3 * per, 3 * per]
     assert b.get(KEYS) == [payload(k) for k in KEYS]
     b.check_integrity()
+
+
+def test_a_file_replaced_by_a_put_after_a_read_was_planned_is_a_miss_not_damage(tmp_path: Path, monkeypatch) -> None:
+    """A put that replaces a file (same first key, other entries) between a read's planning and its
+    open: the old offsets now hold other entries. A miss, not corruption, and nothing valid dropped."""
+    import kvstore.disk as disk_module
+
+    b = disk(tmp_path)
+    assert b.put(KEYS[:4], [payload(k) for k in KEYS[:4]]) == [True] * 4
+    others = [KEYS[0]] + [bytes([0x50 + i]) * 16 for i in range(3)]
+    real, fired = disk_module.open_regular, []
+
+    def racing(path):
+        if not fired:
+            fired.append(path)
+            assert b.put(others, [payload(k) for k in others]) == [True] * 4  # same file name
+        return real(path)
+
+    monkeypatch.setattr(disk_module, "open_regular", racing)
+    assert b.get([KEYS[2]]) == [None] and fired
+    assert b.stats.corrupt == 0
+    assert b.get(others) == [payload(k) for k in others]
+    b.check_integrity()
