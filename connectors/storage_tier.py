@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from connectors.backend import BackendError, StorageBackend
+from connectors.backend import StorageBackend
 from kvstore.backend import IO_BYTES
 from connectors.remote_tier import RemoteTier, leading_hits
 from kvstore.threads import one_torch_thread
@@ -126,8 +126,8 @@ class OrderedWriter:
             for w, ok in zip(batch, stored):
                 if ok and self.events is not None and w.blocks is not None:
                     self.events.append(BlockStored.of(w.blocks, self.kind))
-        except (BackendError, OSError) as e:
-            log.warning("%s write failed (blocks stay in the tiers above): %s", self.name, e)
+        except Exception as e:  # a plugin may raise anything: the writes are lost, never the thread
+            log.warning("%s write failed (blocks stay in the tiers above): %s: %s", self.name, type(e).__name__, e)
         finally:
             for w in batch:
                 w.done()

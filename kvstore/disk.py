@@ -391,13 +391,16 @@ class DiskBackend(StorageBackend):
         out = [False] * len(keys)
         limit = min(self.config.file_bytes, self.config.capacity_bytes)
         group: list[int] = []
+        in_group: set[BlockKey] = set()  # a repeated key starts a new file: the later value wins
         size = 0
         for i, (key, view) in enumerate(zip(keys, views)):
             n = HEADER_SIZE + view.nbytes
-            if group and (size + n > limit or key in (keys[j] for j in group)):
+            if group and (size + n > limit or key in in_group):
                 self._store_file(group, keys, views, infos, out)
                 group, size = [], 0
+                in_group.clear()
             group.append(i)
+            in_group.add(key)
             size += n
         if group:
             self._store_file(group, keys, views, infos, out)

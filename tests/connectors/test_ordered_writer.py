@@ -51,3 +51,19 @@ def test_queued_writes_go_together_in_order_bounded_by_bytes_and_the_backlog_is_
     assert sorted(done) == list(range(7)) and writer.queued_bytes == 0
     assert backend.get([key(i) for i in range(6)]) == [bytes(b.numpy()) for b in bufs[:6]]
     tier.close()
+
+
+class Raising(MemoryBackend):
+    def put_blocks(self, keys, blocks, infos):
+        raise ValueError("a plugin bug")
+
+
+def test_a_backend_that_raises_loses_the_writes_not_the_writer(caplog):
+    tier = StorageTier.parallel("G3", Raising(1 << 20))
+    done: list[int] = []
+    for i in range(3):
+        assert tier.writer.submit(key(i), torch.zeros(10, dtype=torch.uint8), lambda i=i: done.append(i), True, INFO)
+    tier.flush()  # returns: the writer thread survived the exception
+    assert sorted(done) == [0, 1, 2] and tier.writer.queued_bytes == 0
+    assert "a plugin bug" in caplog.text
+    tier.close()

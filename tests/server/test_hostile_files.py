@@ -5,6 +5,7 @@ the server within its drain time. Before the fix, the FIFO's open() blocked a G3
 forever and SIGTERM never finished."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -66,8 +67,12 @@ def _plant(path: Path, kind: str) -> None:
 
 def test_strangers_at_live_g3_entries_are_misses_and_sigterm_still_ends(ckpt_dir, tmp_path):
     disk = tmp_path / "g3"
+    # One entry per G3 file (g3_io_mib below one block): the strangers replace single entries' files
+    # (tests/kvstore/test_disk_files.py covers a stranger at a file of several).
+    one_per_file = json.dumps({"kv_connector_extra_config": {"g3_io_mib": 1e-4}})
     srv = start_server(str(ckpt_dir("llama")), "--num-gpu-blocks", str(G1_BLOCKS), "--dtype", "float32",
-                       "--kv-offload-disk", str(disk), "--kv-offload-disk-size", "0.1")
+                       "--kv-offload-disk", str(disk), "--kv-offload-disk-size", "0.1",
+                       "--kv-transfer-config", one_per_file)
     try:
         with srv.client(timeout=60) as c:
             first = [_complete(c, p)["choices"][0]["token_ids"] for p in PROMPTS]
