@@ -51,10 +51,10 @@ from typing import Any
 
 from kvstore.backend import (IO_BYTES, BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_infos,
                              check_keys, check_outs)
-from kvstore.disk_files import read_run, runs, scan_file, write_temp
+from kvstore.disk_files import file_ident, read_run, runs, scan_directory, write_temp
 from kvstore.disk_index import DiskIndex, FileName, Loc
-from kvstore.disk_layout import (entry_key, entry_path, fsync_dir, list_files, open_regular, pid_alive, reason,
-                                 remove_entry_path, temp_writer, unlink_quietly)
+from kvstore.disk_layout import (entry_key, entry_path, fsync_dir, list_files, open_regular, reason,
+                                 remove_entry_path, unlink_quietly)
 # MAGIC, HEADER_SIZE and encode_header are also imported from here (the format's old home).
 from kvstore.entry import HEADER_SIZE, MAGIC, CorruptEntry, EntryCodec, EntryHeader, check_secret, encode_header  # noqa: F401
 from kvstore.keys import KEY_BYTES, BlockKey
@@ -216,37 +216,10 @@ class DiskBackend(StorageBackend):
             self._write_failed(PermissionError(f"{self._dir} is not writable"), "read-only directory")
 
     def _scan(self) -> None:
-        found: list[tuple[int, FileName, int, list[tuple[BlockKey, int, int]], tuple[int, int] | None]] = []
-        for shard, name in self._listing(regular_only=False):  # strangers at entry names are removed
-            path = os.path.join(shard, name)
-            if (key := entry_key(name)) is not None:
-                try:
-                    if name[:2] != os.path.basename(shard):
-                        raise CorruptEntry("file in the wrong shard directory")
-                    size, mtime, entries, damage = scan_file(self._codec, self.config.namespace, path, key)
-                except FileNotFoundError:
-                    continue
-                except (CorruptEntry, OSError) as e:
-                    self._remove_bad(path, reason(e))
-                    continue
-                if damage is not None:
-                    self.stats.corrupt += 1
-                    size = entries[-1][1] + entries[-1][2]
-                    logger.warning("G3 %s: %s; keeping the %d entries before it", path, damage, len(entries))
-                    try:
-                        os.truncate(path, size)  # files are never appended to: cut the damage off
-                    except OSError as e:
-                        self._remove_bad(path, f"cannot cut its damaged tail: {reason(e)}")
-                        continue
-                found.append((mtime, key, size, entries, _ident(path)))
-            elif (pid := temp_writer(name)) is not None:
-                if pid != os.getpid() and pid_alive(pid):
-                    continue  # another live process is writing it
-                self._remove_bad(path, "temp file of an interrupted write")
-            # anything else is not ours: left alone
-        found.sort(key=lambda f: f[0])
-        for _, name, size, entries, ident in found:  # oldest write first, so LRU order survives a restart
-            self._add_file(name, size, entries, None, ident)
+        found, bad = scan_directory(self._listing(regular_only=False), self._codec, self.config.namespace)
+        self.stats.corrupt += bad
+        for f in sorted(found, key=lambda f: f.mtime):  # oldest write first, so LRU order survives a restart
+            self._add_file(f.name, f.size, f.entries, None, f.ident)
         while self._index.used > self.config.capacity_bytes and self._evict_one():
             pass  # the capacity shrank since the last run
         logger.info(
@@ -439,7 +412,7 @@ class DiskBackend(StorageBackend):
             for i in group:
                 entries.append((keys[i], offset, HEADER_SIZE + views[i].nbytes))
                 offset += HEADER_SIZE + views[i].nbytes
-            self._add_file(name, size, entries, None if infos is None else [infos[i] for i in group], _ident(path))
+            self._add_file(name, size, entries, None if infos is None else [infos[i] for i in group], file_ident(path))
             self.stats.bytes_written += size - HEADER_SIZE * len(group)  # payload bytes, as bytes_read counts them
             if self._warned:
                 logger.info("G3 %s: writes work again", self._dir)
@@ -532,14 +505,6 @@ class DiskBackend(StorageBackend):
         except OSError as e:  # e.g. a read-only file system: the file outlives its entries
             logger.debug("G3 cannot remove %s: %s", self._path(name), e)
 
-    def _remove_bad(self, path: str, reason: str) -> None:
-        self.stats.corrupt += 1
-        logger.warning("G3 removing bad file %s: %s", path, reason)
-        try:
-            remove_entry_path(path)
-        except OSError as e:
-            logger.debug("G3 cannot remove %s: %s", path, e)
-
     def _path(self, name: FileName) -> str:
         return entry_path(self._dir, name)
 
@@ -547,11 +512,3 @@ class DiskBackend(StorageBackend):
         if self._closed:
             raise BackendError(f"DiskBackend {self._dir} is closed")
 
-
-def _ident(path: str) -> tuple[int, int] | None:
-    """(st_dev, st_ino) of the file at `path` (not following a link); None if it cannot be stat'ed."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino

@@ -1,17 +1,22 @@
-"""G3's file I/O: scanning a file's entries, cutting reads into runs, writing a file.
+"""G3's file I/O: scanning the directory at start-up, cutting reads into runs, writing a file.
 
 No bookkeeping: `kvstore.disk` decides what to read and write and keeps the index.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from kvstore.disk_index import FileName, Loc
-from kvstore.disk_layout import open_regular, temp_path, write_all
+from kvstore.disk_layout import (entry_key, open_regular, pid_alive, reason, remove_entry_path, temp_path, temp_writer,
+                                 write_all)
 from kvstore.entry import HEADER_SIZE, CorruptEntry, EntryCodec, EntryHeader
 from kvstore.keys import BlockKey
+
+logger = logging.getLogger("kvstore.disk")  # the tier's own logger: its warnings read as the tier's
 
 # Two iovecs per entry (header, payload) in one preadv.
 MAX_RUN = max(1, (os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024) // 2)
@@ -53,6 +58,69 @@ def scan_file(codec: EntryCodec, namespace: bytes, path: str,
     if not entries:
         raise CorruptEntry("empty file")
     return st.st_size, st.st_mtime_ns, entries, damage
+
+
+class ScannedFile(NamedTuple):
+    name: FileName
+    size: int
+    mtime: int  # ns
+    entries: list[tuple[BlockKey, int, int]]  # (key, offset, size)
+    ident: tuple[int, int] | None
+
+
+def scan_directory(listing: list[tuple[str, str]], codec: EntryCodec, namespace: bytes) -> tuple[list[ScannedFile], int]:
+    """Start-up: the good G3 files among `listing` ((shard directory, file name) pairs), and how many
+    bad ones were found. Bad files (and temp files of writers that are gone) are removed and logged;
+    a file damaged after its first entry keeps the entries before the damage and loses the rest
+    (cut off: files are never appended to). Names that are not kvtier's are left alone."""
+    found: list[ScannedFile] = []
+    bad = 0
+
+    def remove(path: str, why: str) -> None:
+        nonlocal bad
+        bad += 1
+        logger.warning("G3 removing bad file %s: %s", path, why)
+        try:
+            remove_entry_path(path)
+        except OSError as e:
+            logger.debug("G3 cannot remove %s: %s", path, e)
+
+    for shard, name in listing:
+        path = os.path.join(shard, name)
+        if (key := entry_key(name)) is not None:
+            try:
+                if name[:2] != os.path.basename(shard):
+                    raise CorruptEntry("file in the wrong shard directory")
+                size, mtime, entries, damage = scan_file(codec, namespace, path, key)
+            except FileNotFoundError:
+                continue
+            except (CorruptEntry, OSError) as e:
+                remove(path, reason(e))
+                continue
+            if damage is not None:
+                bad += 1
+                size = entries[-1][1] + entries[-1][2]
+                logger.warning("G3 %s: %s; keeping the %d entries before it", path, damage, len(entries))
+                try:
+                    os.truncate(path, size)
+                except OSError as e:
+                    remove(path, f"cannot cut its damaged tail: {reason(e)}")
+                    continue
+            found.append(ScannedFile(key, size, mtime, entries, file_ident(path)))
+        elif (pid := temp_writer(name)) is not None:
+            if pid != os.getpid() and pid_alive(pid):
+                continue  # another live process is writing it
+            remove(path, "temp file of an interrupted write")
+    return found, bad
+
+
+def file_ident(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the file at `path` (not following a link); None if it cannot be stat'ed."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def runs(wanted: list[tuple[int, Loc]]) -> list[list[tuple[int, Loc]]]:
