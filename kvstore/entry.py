@@ -35,6 +35,7 @@ import stat
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore.backend import Buffer
 
@@ -54,12 +55,14 @@ _BIND = struct.Struct("<16s16sQ")  # what the keyed payload MAC binds besides th
 ALG_XXH3 = 1
 ALG_BLAKE2B = 2
 ALG_HMAC_SHA256 = 3
-# unkeyed algorithm -> (16-byte payload checksum, 8-byte header checksum)
-_SUMS: dict[int, tuple[Callable[[Buffer], bytes], Callable[[Buffer], bytes]]] = {
-    ALG_BLAKE2B: (lambda b: hashlib.blake2b(b, digest_size=16).digest(), lambda b: hashlib.blake2b(b, digest_size=8).digest()),
+# unkeyed algorithm -> (a new 16-byte payload hasher, 8-byte header checksum). Payload sums go
+# through hasher objects: their update releases the GIL (xxhash's one-shot digest holds it), so
+# reader threads check beside each other and beside the copies into G1.
+_SUMS: dict[int, tuple[Callable[[], Any], Callable[[Buffer], bytes]]] = {
+    ALG_BLAKE2B: (lambda: hashlib.blake2b(digest_size=16), lambda b: hashlib.blake2b(b, digest_size=8).digest()),
 }
 if xxhash is not None:
-    _SUMS[ALG_XXH3] = (xxhash.xxh3_128_digest, xxhash.xxh3_64_digest)
+    _SUMS[ALG_XXH3] = (xxhash.xxh3_128, xxhash.xxh3_64_digest)
 DEFAULT_ALG = ALG_XXH3 if xxhash is not None else ALG_BLAKE2B
 
 ENV_SECRET = "KVTIER_KV_SECRET"
@@ -109,7 +112,7 @@ class EntryCodec:
                               self._payload_mac(namespace, key, view))
             return head + self._header_mac(head)
         alg = DEFAULT_ALG if alg is None else alg
-        head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, alg, namespace, key, view.nbytes, _SUMS[alg][0](view))
+        head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, alg, namespace, key, view.nbytes, _payload_sum(alg, view))
         return head + _SUMS[alg][1](head)
 
     def open_header(self, raw: Buffer) -> EntryHeader:
@@ -143,7 +146,7 @@ class EntryCodec:
         if self._key is not None:
             if self._payload_mac(head.namespace, head.key, memoryview(payload)) != head.payload_sum:
                 raise CorruptEntry("payload MAC mismatch")
-        elif _SUMS[head.alg][0](payload) != head.payload_sum:
+        elif _payload_sum(head.alg, payload) != head.payload_sum:
             raise CorruptEntry("payload checksum mismatch")
 
     def _payload_mac(self, namespace: bytes, key: bytes, view: memoryview) -> bytes:
@@ -153,6 +156,12 @@ class EntryCodec:
 
     def _header_mac(self, head: bytes) -> bytes:
         return hmac.digest(self._head_key, head, "sha256")[:8]
+
+
+def _payload_sum(alg: int, payload: Buffer) -> bytes:
+    h = _SUMS[alg][0]()
+    h.update(payload)
+    return h.digest()
 
 
 _UNKEYED = EntryCodec()

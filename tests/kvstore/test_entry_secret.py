@@ -190,3 +190,20 @@ def test_group_or_world_readable_secret_file_warns(tmp_path: Path, caplog) -> No
     with caplog.at_level(logging.WARNING, logger="kvstore.entry"):
         load_secret(_secret_file(tmp_path, SECRET, 0o600), {})
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize("alg", ["xxh3", "blake2b"])
+def test_unkeyed_payload_sums_are_the_formats_one_shot_digests(alg: str) -> None:
+    """The payload sum is computed through a hasher object (its update releases the GIL); the
+    stored sum must stay the one-shot digest earlier versions wrote (xxh3-128, blake2b-128), or
+    every G3 directory and G4 store written before would read as damaged."""
+    payload = random.Random(5).randbytes(300_000)
+    if alg == "xxh3":
+        xxhash = pytest.importorskip("xxhash")
+        code, want = ALG_XXH3, xxhash.xxh3_128_digest(payload)
+    else:
+        code, want = ALG_BLAKE2B, hashlib.blake2b(payload, digest_size=16).digest()
+    head = encode_header(b"n" * 16, b"k" * 16, payload, code)
+    assert head[HEADER_SIZE - 8 - 16:HEADER_SIZE - 8] == want
+    parsed = EntryCodec().open_header(head)
+    EntryCodec().check_payload(parsed, payload)
