@@ -148,6 +148,12 @@ class CircuitBreaker:
             self.state, self._until = BreakerState.OPEN, self.clock() + self._pause
 
 
+# What one recv takes off a connection's socket. redis-py's 64 KiB default cut every 720 KiB block
+# into a dozen recv + parser-feed rounds in Python under the GIL: at 8k tokens (demo model, AMD
+# EPYC, 2 cores, loopback Redis) a G4 load took 0.38 s that way and 0.32 s with 1 MiB reads.
+SOCKET_READ_BYTES = 2**20
+
+
 def connect(url: str, timeout_s: float) -> Any:
     """A redis-py client for a G4 URL (cluster or not), credentials from the URL or the environment,
     `timeout_s` on every socket operation and no retries (the caller decides what a failure means)."""
@@ -158,7 +164,7 @@ def connect(url: str, timeout_s: float) -> Any:
     username = unquote(parts.username) if parts.username else os.environ.get(ENV_USER) or None
     password = unquote(parts.password) if parts.password else os.environ.get(ENV_PASSWORD) or None
     common = dict(username=username, password=password, socket_timeout=timeout_s,
-                  socket_connect_timeout=timeout_s, retry_on_timeout=False)
+                  socket_connect_timeout=timeout_s, retry_on_timeout=False, socket_read_size=SOCKET_READ_BYTES)
     tls = parts.scheme.startswith("rediss")
     if parts.scheme.endswith("+cluster"):
         hosts = parts.netloc.rsplit("@", 1)[-1].split(",")
@@ -225,6 +231,11 @@ class RedisBackend(StorageBackend):
                 out[:] = v
             filled.append(ok)
         return filled
+
+    def get_views(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
+        """Each checked payload as a view of the reply's bytes: no copy."""
+        check_keys(keys)
+        return self._fetch(list(keys))
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer]) -> list[bool]:
         check_keys(keys)
