@@ -226,6 +226,16 @@ class BackendConformance(ConcurrencyChecks):
             f"get_into of a {len(big)}-byte block did not fill the buffer with the stored bytes"
         )
 
+    def test_get_views(self, backend: StorageBackend) -> None:
+        k, empty, unknown = key_of("get-views"), key_of("get-views/empty"), key_of("get-views/unknown")
+        value = value_of(k, 0, 5000)
+        self._put_ok(backend, [k, empty], [value, b""], "blocks")
+        got = backend.get_views([unknown, k, empty, k])
+        _check_result(got, 4, "get_views", (memoryview, type(None)))
+        assert got[0] is None, "get_views of an unknown key must be None"
+        assert [bytes(v) for v in got[1:]] == [value, b"", value], (  # type: ignore[union-attr]
+            "get_views of [unknown, 5000-byte value, empty value, the same again] returned wrong bytes")
+
     # ---- bad input -------------------------------------------------------------------
 
     def test_mismatched_lengths_raise(self, backend: StorageBackend) -> None:

@@ -90,6 +90,19 @@ class RemoteTier:
                 self._set(k, WRITTEN)  # it is there: never upload it again from here
         return got
 
+    def read_views(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
+        """`read` with no target: each block's bytes as the backend received them (no copy for
+        Redis), None for a miss. For a load with no G2 slot to fill."""
+        try:
+            got = self.backend.get_views(list(keys))
+        except (BackendError, OSError) as e:
+            log.warning("%s read failed, treating as a miss: %s", self.name, e)
+            return [None] * len(keys)
+        for k, v in zip(keys, got):
+            if v is not None:
+                self._set(k, WRITTEN)
+        return got
+
     # -- writes --------------------------------------------------------------------------------
     def note_use(self, key: BlockKey, data: Callable[[], bytes], blocks: ChunkBlocks | None = None) -> None:
         """Counts a use of `key`; queues `data()` for the tier when the count reaches min_uses.

@@ -126,6 +126,12 @@ class StorageBackend(ABC):
             filled.append(ok)
         return filled
 
+    def get_views(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
+        """`get`, as read-only views of the bytes the backend holds or received, where it can
+        give them without a copy (a remote store's replies); None for a miss. Valid until the
+        caller drops them. This default wraps `get`."""
+        return [None if v is None else memoryview(v) for v in self.get(keys)]
+
     def occupancy(self) -> tuple[int, int | None] | None:
         """(bytes stored, capacity in bytes or None if unbounded), as /v1/kv/stats and the dashboard
         show it; None (the default) when the backend cannot tell cheaply (a shared Redis)."""
