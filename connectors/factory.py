@@ -169,21 +169,35 @@ def _flag_stack(ctx: ConnectorContext) -> tuple[Any, list[Any]]:
         from connectors.stack import PARALLEL_OPTIONS
         from kvstore.backend import IO_BYTES
 
-        io_bytes = int(float(extra["g3_io_mib"]) * 2**20) if "g3_io_mib" in extra else IO_BYTES
+        io_bytes = int(_number(extra, "g3_io_mib", IO_BYTES / 2**20, float) * 2**20)
         if io_bytes < 1:
             raise ValueError(f"g3_io_mib must be > 0; got {extra['g3_io_mib']}")
         disk = _disk(ctx, Path(ctx.disk_path), ctx.disk_size_gib, extra.get("g3_eviction_policy"), io_bytes)
         tiers.append(_parallel(ctx, "G3", disk, {
-            "read_threads": extra.get("g3_read_threads", PARALLEL_OPTIONS["read_threads"]),
-            "read_timeout_s": extra.get("g3_timeout_s", PARALLEL_OPTIONS["read_timeout_s"]),
-            "min_uses": extra.get("g3_min_uses", PARALLEL_OPTIONS["min_uses"])}, io_bytes))
+            "read_threads": _number(extra, "g3_read_threads", PARALLEL_OPTIONS["read_threads"], int),
+            "read_timeout_s": _number(extra, "g3_timeout_s", PARALLEL_OPTIONS["read_timeout_s"], float),
+            "min_uses": _number(extra, "g3_min_uses", PARALLEL_OPTIONS["min_uses"], int)}, io_bytes))
     if ctx.remote_url:
-        ttl = extra.get("g4_ttl_s")
         _shared_mode(ctx, "G4")
         redis = _redis(ctx, str(ctx.remote_url), str(extra.get("g4_prefix", "kvtier")),
-                       None if ttl is None else float(ttl), float(extra.get("g4_timeout_s", 0.5)))
-        tiers.append(_batched(ctx, "G4", redis, int(extra.get("g4_min_uses", 1))))
+                       _number(extra, "g4_ttl_s", None, float), _number(extra, "g4_timeout_s", 0.5, float))
+        tiers.append(_batched(ctx, "G4", redis, _number(extra, "g4_min_uses", 1, int)))
     return g2, tiers
+
+
+def _number(extra: dict[str, Any], key: str, default: Any, kind: type) -> Any:
+    """extra[key] (else `default`) as `kind`; a ValueError naming the key when it is not one."""
+    value = extra.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be {'an integer' if kind is int else 'a number'}; "
+                         f"got {value!r}")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be {'an integer' if kind is int else 'a number'}; "
+                         f"got {value!r}") from None
 
 
 def _explicit_stack(ctx: ConnectorContext) -> tuple[Any, list[Any]]:

@@ -193,6 +193,17 @@ def test_flat_extra_keys_are_checked_too(model_dir, tmp_path):
         offload_llm(model_dir, kv_offloading_size=0.05, kv_transfer_config=tc)
 
 
+@pytest.mark.parametrize("key,value,remote", [
+    ("g3_io_mib", "lots", False), ("g3_read_threads", 2.5, False), ("g3_timeout_s", "soon", False),
+    ("g3_min_uses", True, False), ("g4_timeout_s", [1], True), ("g4_min_uses", "twice", True)])
+def test_a_flat_key_that_is_not_a_number_is_refused_naming_it(model_dir, tmp_path, key, value, remote):
+    tc = {"kv_connector": "TieredOffloadConnector", "kv_connector_extra_config": {key: value}}
+    where = {"kv_offload_remote": "redis://127.0.0.1:1", "kv_offload_remote_trusted": True} if remote else {
+        "kv_offload_disk": str(tmp_path / "d")}
+    with pytest.raises(ValueError, match=rf"kv_connector_extra_config\['{key}'\] must be an? (integer|number)"):
+        offload_llm(model_dir, kv_transfer_config=tc, **where)
+
+
 def test_tiers_take_their_own_eviction_policies(model_dir, tmp_path):
     """Issue 18: G2 and G3 each get the policy their tier entry names (mapping or JSON form),
     whatever G1's is."""
