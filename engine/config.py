@@ -205,9 +205,10 @@ class EngineConfig:
         metavar="NAME|JSON")
     kv_cache_dtype: str = setting(
         "auto", "what the KV cache stores K and V as (vLLM's flag): auto is the weights' dtype; bfloat16 or "
-        "float16 halve G1 (and the offload tiers' entries) for float32 weights, attention reading them back in "
-        "the weights' dtype. Offload tiers keep each dtype's KV apart. fp8/int8 are not supported "
-        "(default: %(default)s)", metavar="{" + ",".join(KV_CACHE_DTYPES) + "}", check=check_kv_cache_dtype)
+        "float16 halve G1 (and the offload tiers' entries) for float32 weights; fp8 (= fp8_e4m3) or fp8_e5m2 "
+        "store one byte per value, scaled per layer (the checkpoint's k_scale/v_scale, else calibrated at "
+        "start-up), attention reading them back in the weights' dtype. Offload tiers keep each dtype's KV "
+        "apart (default: %(default)s)", metavar="{" + ",".join(KV_CACHE_DTYPES) + "}", check=check_kv_cache_dtype)
     seed: int = setting(0, "seed for unseeded sampling (default: %(default)s)")
     device: str = setting("auto", "where the model runs: auto takes CUDA when torch sees a GPU (default: "
                           "%(default)s)", choices=("auto", "cpu", "cuda"))

@@ -22,25 +22,51 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-# vLLM's --kv-cache-dtype values kvtier stores (besides auto: the weights' dtype). The others vLLM
-# takes (fp8*, int8) need scaled quantization kernels, and are refused by name rather than ignored.
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
-_SCALED_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "int8")
+# vLLM's --kv-cache-dtype values kvtier stores (besides auto: the weights' dtype). fp8 is vLLM's
+# alias of fp8_e4m3 (float8_e4m3fn: 3 mantissa bits, up to 448); fp8_e5m2 keeps float16's range
+# with 2 mantissa bits. Both are scaled per layer (engine/runner/kv_quant.py). The others vLLM
+# takes (fp8_inc, fp8_ds_mla, int8) are refused by name rather than ignored.
+KV_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+KV_CACHE_DTYPES = ("auto", *KV_DTYPES)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_OTHER_VLLM_KV_DTYPES = ("fp8_inc", "fp8_ds_mla", "int8")
+
+
+@dataclass(frozen=True)
+class KVScale:
+    """A layer's fp8 KV scales: its cache holds K / k and V / v (1.0 for any other cache;
+    engine/runner/kv_quant.py)."""
+
+    k: float = 1.0
+    v: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.k > 0 and self.v > 0) or float("inf") in (self.k, self.v):
+            raise ValueError(f"KV scales must be positive and finite; got k={self.k}, v={self.v}")
+
+
+UNSCALED = KVScale()
 
 
 def check_kv_cache_dtype(name: object) -> str:
-    """ValueError unless `name` is one of KV_CACHE_DTYPES (the message says why fp8 is not)."""
+    """ValueError unless `name` is one of KV_CACHE_DTYPES (naming vLLM's others as not built)."""
     if name in KV_CACHE_DTYPES:
         return name  # type: ignore[return-value]
-    why = " (a quantized KV cache needs scaling kernels kvtier does not have)" if name in _SCALED_KV_DTYPES else ""
+    why = " (vLLM's Gaudi, MLA and int8 schemes are not built)" if name in _OTHER_VLLM_KV_DTYPES else ""
     raise ValueError(f"kv_cache_dtype {name!r} is not supported{why}; choose one of {', '.join(KV_CACHE_DTYPES)}")
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype | None:
     """The KV cache's dtype when it differs from the weights', else None (auto, or the same)."""
-    if check_kv_cache_dtype(name) == "auto" or DTYPES[name] == model_dtype:
+    if check_kv_cache_dtype(name) == "auto" or KV_DTYPES[name] == model_dtype:
         return None
-    return DTYPES[name]
+    return KV_DTYPES[name]
 
 
 def resolve_dtype(name: str, checkpoint_dtype: Any, device: str = "cpu", native_bf16: bool | None = None) -> torch.dtype:
@@ -98,6 +124,8 @@ class ModelConfig:
     # --kv-cache-dtype: what G1 (and every tier below it) stores K and V as when that differs from
     # `dtype`; None: the weights' dtype. Attention reads it back to `dtype` (engine/runner/attention.py).
     cache_dtype: torch.dtype | None = None
+    # An fp8 cache's per-layer scales (engine/runner/kv_quant.py); empty otherwise.
+    kv_scales: tuple[KVScale, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("layer_kv_shapes", "kv_sources"):
@@ -143,6 +171,8 @@ class ModelConfig:
             # KV stored in another dtype is other bytes: its G3/G4 entries get a namespace of their
             # own. Absent when the KV has the weights' dtype, so existing namespaces are unchanged.
             **({"kv_dtype": str(self.cache_dtype)} if self.cache_dtype is not None else {}),
+            # fp8 bytes mean K / scale: other scales, other values.
+            **({"kv_scales": [[s.k, s.v] for s in self.kv_scales]} if self.kv_scales else {}),
             # A layer's KV depends on the windows of the layers below it: same weights with another
             # window must not share G3/G4 entries. Absent for full-attention models, so their
             # namespaces (and existing caches) are unchanged.

@@ -24,12 +24,13 @@ from engine.core.setup import (attention_backend, eos_ids, kv_layout, step_token
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_events import ZmqEventPublisher, open_events
 from engine.kv.kv_groups import KVLayout
-from engine.model_config import ModelConfig, load_model_config
+from engine.model_config import FP8_DTYPES, ModelConfig, load_model_config
 from engine.parallel.ranks import Ranks
 from engine.parallel.shard import TPShard
 from engine.runner import cpu_runtime, cpu_threads
 from engine.runner.compiled import COMPILE_ERRORS, CompiledForward
-from engine.runner.loader import load_model, load_tokenizer
+from engine.runner import kv_quant
+from engine.runner.loader import load_model, load_tokenizer, weight_files
 from engine.runner.model_runner import ModelRunner, kv_cache_bytes_per_block
 from engine.sample.sampler import Sampler
 from engine.sample.stop import detokenize
@@ -118,6 +119,9 @@ def build(config: EngineConfig) -> EngineParts:
     shard = TPShard(0, config.tensor_parallel_size)
     if not shard.trivial and config.device != "cpu":
         raise ValueError(f"tensor_parallel_size={shard.size}: tensor parallelism runs on CPU ranks (gloo) for now")
+    if not shard.trivial and full.kv_dtype in FP8_DTYPES:
+        raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype} with tensor_parallel_size={shard.size}: an fp8 "
+                         "cache's scales are calibrated on one rank's whole model, which tensor parallelism splits")
     mc = shard.config(full)  # this rank's heads and MLP columns
     tokenizer = load_tokenizer(model_dir)
     eos = eos_ids(model_dir, tokenizer)
@@ -162,6 +166,7 @@ def build(config: EngineConfig) -> EngineParts:
         if ranks is not None:
             ranks.connect()
             shard.attach(model, ranks.all_reduce)
+        mc = kv_quant.prepare(model, mc, model_dir, weight_files(model_dir), tokenizer, bs, config.device)
     except BaseException:
         if ranks is not None:
             ranks.close()

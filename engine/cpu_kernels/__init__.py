@@ -87,16 +87,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                          f"head_dim {head_dim}, block_size {bs}")
 
 
+# The kernels' code for a cache dtype (bits 1-3 of their dtype code); float32 is 0.
+_CACHE_CODES = {torch.float32: 0, torch.bfloat16: 2, torch.float8_e4m3fn: 4, torch.float8_e5m2: 8}
+
+
 def cache_supported(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """Whether the attention kernels take q (and out) of `q_dtype` over a cache of `cache_dtype`:
-    float32 or bfloat16 alike, or a bfloat16 cache under float32 q (--kv-cache-dtype bfloat16)."""
-    return (q_dtype, cache_dtype) in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                      (torch.float32, torch.bfloat16))
+    float32 or bfloat16 alike, a bfloat16 cache under float32 q (--kv-cache-dtype bfloat16), or an
+    fp8 cache under either."""
+    if q_dtype not in (torch.float32, torch.bfloat16) or cache_dtype not in _CACHE_CODES:
+        return False
+    return not (q_dtype == torch.bfloat16 and cache_dtype == torch.float32)
 
 
 def _dtypes(q: torch.Tensor, cache: torch.Tensor) -> int:
-    """The kernels' dtype code: bit 0 q/out bfloat16, bit 1 the cache bfloat16."""
-    return int(q.dtype == torch.bfloat16) | int(cache.dtype == torch.bfloat16) << 1
+    """The kernels' dtype code: bit 0 q/out bfloat16, bits 1-3 the cache's (`_CACHE_CODES`)."""
+    return int(q.dtype == torch.bfloat16) | _CACHE_CODES[cache.dtype]
 
 
 def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:

@@ -26,7 +26,7 @@ MARCH = "native"  # tests also build for a baseline x86-64 to cover the kernels'
 # Per-source flags: the elementwise ops must round like torch's (no fused multiply-adds).
 SOURCES = {_HERE / "paged_attention.cpp": (), _HERE / "prefill_attention.cpp": (),
            _HERE / "elementwise.cpp": ("-ffp-contract=off",)}
-ABI_VERSION = 6
+ABI_VERSION = 7
 BUILD_TIMEOUT_S = 120
 
 

@@ -168,6 +168,8 @@ void attend(const typename IO::T* q, const typename KV::T* kc, const typename KV
 
 inline V16 loadv(const float* p) { return V16::load(p); }
 inline V16 loadv(const uint16_t* p) { return V16::load_bf16(p); }
+inline V16 loadv(const kvt::fp8e4m3* p) { return V16::load_e4m3(p); }
+inline V16 loadv(const kvt::fp8e5m2* p) { return V16::load_e5m2(p); }
 
 // The same contract as `attend` for head sizes that are a multiple of 16, with the keys of a
 // block in SIMD lanes: a head's 16 dot products are summed by one transpose-and-add tree
@@ -184,6 +186,7 @@ void attend_lanes(const typename IO::T* q, const typename KV::T* kc, const typen
   float* acc = qf + nh * D;  // [nh, D]
   float* m = acc + nh * D;   // [nh]
   float* l = m + nh;         // [nh]
+  float* wide = l + nh;      // [16, 2, D]: an fp8 slice's keys and values, widened
   for (int h = 0; h < nh; ++h)
     for (int d = 0; d < D; ++d) qf[h * D + d] = IO::load(q + int64_t(h0 + h) * D, d) * s.scale;
   std::fill(acc, acc + nh * D, 0.0f);
@@ -214,6 +217,7 @@ void attend_lanes(const typename IO::T* q, const typename KV::T* kc, const typen
           krow[j] = kc + base + t;
           vrow[j] = vc + base + t;
         }
+        auto heads = [&](const auto* const* kr, const auto* const* vr) {
         for (int hh = 0; hh < G; ++hh) {
           const int h = (kvh - kv0) * G + hh;
           if (more) pf.issue();
@@ -221,8 +225,8 @@ void attend_lanes(const typename IO::T* q, const typename KV::T* kc, const typen
           for (int c = 0; c < C; ++c) qv[c] = V16::load(qf + h * D + c * 16);
 #pragma GCC unroll 16
           for (int j = 0; j < 16; ++j) {
-            V16 a = qv[0] * loadv(krow[j]);
-            for (int c = 1; c < C; ++c) a = V16::fmadd(qv[c], loadv(krow[j] + c * 16), a);
+            V16 a = qv[0] * loadv(kr[j]);
+            for (int c = 1; c < C; ++c) a = V16::fmadd(qv[c], loadv(kr[j] + c * 16), a);
             dots[j] = a;
           }
           V16 sc = V16::hsum16(dots);
@@ -237,9 +241,27 @@ void attend_lanes(const typename IO::T* q, const typename KV::T* kc, const typen
           for (int c = 0; c < C; ++c) o[c] = V16::load(acc + h * D + c * 16) * V16::set1(corr);
           for (int j = 0; j < nk; ++j) {
             const V16 pj = V16::lane(p, j);
-            for (int c = 0; c < C; ++c) o[c] = V16::fmadd(pj, loadv(vrow[j] + c * 16), o[c]);
+            for (int c = 0; c < C; ++c) o[c] = V16::fmadd(pj, loadv(vr[j] + c * 16), o[c]);
           }
           for (int c = 0; c < C; ++c) o[c].store(acc + h * D + c * 16);
+        }
+        };
+        if constexpr (kvt::widened<KV>()) {
+          // fp8: each key's K and V widened once into `wide`, not once per query head reading them.
+          const float* kw[16];
+          const float* vw[16];
+          for (int j = 0; j < 16; ++j) {
+            float* kd = wide + j * 2 * D;
+            for (int c = 0; c < C; ++c) {
+              loadv(krow[j] + c * 16).store(kd + c * 16);
+              loadv(vrow[j] + c * 16).store(kd + D + c * 16);
+            }
+            kw[j] = kd;
+            vw[j] = kd + D;
+          }
+          heads(kw, vw);
+        } else {
+          heads(krow, vrow);
         }
       }
     }
@@ -267,7 +289,8 @@ void run(const void* q, const void* k, const void* v, void* out, const int64_t* 
   const int nh = per_item * (s.heads / s.kv_heads);
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scratch(size_t(2 * nh * s.head_dim + nh * s.block_size + s.block_size * s.head_dim + 3 * nh));
+    std::vector<float> scratch(size_t(2 * nh * s.head_dim + nh * s.block_size + s.block_size * s.head_dim + 3 * nh +
+                                      32 * s.head_dim));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t i = it / splits;
@@ -298,9 +321,9 @@ void dispatch(const void* q, const void* k, const void* v, void* out, const int6
 
 extern "C" {
 
-// dtypes: bit 0 set = q/out bfloat16 (else float32), bit 1 set = the cache bfloat16 (else float32);
-// a float32 cache under bfloat16 q is not built. Returns 0, or -1 for shapes or dtypes the kernel
-// does not take (the caller checks them first).
+// dtypes: bit 0 set = q/out bfloat16 (else float32); bits 1-3 the cache: 1 bfloat16, 2 fp8 e4m3,
+// 4 fp8 e5m2, none float32; a float32 cache under bfloat16 q is not built. Returns 0, or -1 for
+// shapes or dtypes the kernel does not take (the caller checks them first).
 int kvt_paged_attention(int dtypes, const void* q, int64_t q_row_stride, const void* k_cache,
                         const void* v_cache, int64_t block_stride, int64_t token_stride, void* out,
                         int64_t out_row_stride, const int64_t* rows, const int64_t* tables, int64_t table_stride,
@@ -316,11 +339,19 @@ int kvt_paged_attention(int dtypes, const void* q, int64_t q_row_stride, const v
     dispatch<F32, BF16>(q, k_cache, v_cache, out, rows, tables, lens, n, s, threads);
   else if (dtypes == 0)
     dispatch<F32, F32>(q, k_cache, v_cache, out, rows, tables, lens, n, s, threads);
+  else if (dtypes == 4)
+    dispatch<F32, kvt::E4M3>(q, k_cache, v_cache, out, rows, tables, lens, n, s, threads);
+  else if (dtypes == 5)
+    dispatch<BF16, kvt::E4M3>(q, k_cache, v_cache, out, rows, tables, lens, n, s, threads);
+  else if (dtypes == 8)
+    dispatch<F32, kvt::E5M2>(q, k_cache, v_cache, out, rows, tables, lens, n, s, threads);
+  else if (dtypes == 9)
+    dispatch<BF16, kvt::E5M2>(q, k_cache, v_cache, out, rows, tables, lens, n, s, threads);
   else
     return -1;
   return 0;
 }
 
-int kvt_abi_version() { return 6; }
+int kvt_abi_version() { return 7; }
 
 }  // extern "C"

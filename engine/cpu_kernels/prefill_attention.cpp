@@ -226,7 +226,8 @@ int kvt_prefill_attention(int dtypes, const void* q, int64_t q_row_stride, const
                           int64_t ntables, int heads,
                           int kv_heads, int head_dim, int block_size, float scale, int64_t window, int threads) {
   if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > 16 || head_dim <= 0 || block_size <= 0 ||
-      (block_size % L != 0 && L % block_size != 0) || dtypes == 1 || dtypes < 0 || dtypes > 3)
+      (block_size % L != 0 && L % block_size != 0) || (dtypes != 0 && dtypes != 2 && dtypes != 3 && dtypes != 4 &&
+                                                       dtypes != 5 && dtypes != 8 && dtypes != 9))
     return -1;
   for (int64_t i = 0; i < nseq; ++i) {
     const int64_t* r = seqs + 4 * i;
@@ -239,6 +240,14 @@ int kvt_prefill_attention(int dtypes, const void* q, int64_t q_row_stride, const
     dispatch<BF16, BF16>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
   else if (dtypes == 2)
     dispatch<F32, BF16>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
+  else if (dtypes == 4)
+    dispatch<F32, kvt::E4M3>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
+  else if (dtypes == 5)
+    dispatch<BF16, kvt::E4M3>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
+  else if (dtypes == 8)
+    dispatch<F32, kvt::E5M2>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
+  else if (dtypes == 9)
+    dispatch<BF16, kvt::E5M2>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
   else
     dispatch<F32, F32>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
   return 0;

@@ -48,6 +48,21 @@ struct V16 {
   static inline V16 load_bf16(const uint16_t* p) {
     return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))};
   }
+  // fp8 bytes through float16: e5m2 is a float16's top byte; e4m3's sign, exponent and mantissa
+  // shifted into a float16's place read 2^-8 of the value (bias 15, not 7), so times 256, exactly.
+  // Its NaN (0x7f) reads 480 there, beyond the format's 448: those lanes become NaN, as in E4M3.
+  static inline V16 load_e4m3(const fp8e4m3* p) {
+    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8);
+    const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7);
+    const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, mag)), _mm512_set1_ps(256.0f));
+    const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_abs_ps(f), _mm512_set1_ps(480.0f), _CMP_EQ_OQ);
+    return {_mm512_mask_mov_ps(f, nan, _mm512_set1_ps(NAN))};
+  }
+  static inline V16 load_e5m2(const fp8e5m2* p) {
+    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return {_mm512_cvtph_ps(_mm256_slli_epi16(x, 8))};
+  }
   static inline V16 lane(V16 x, int j) { return {_mm512_permutexvar_ps(_mm512_set1_epi32(j), x.v)}; }
   inline float hmax() const { return _mm512_reduce_max_ps(v); }
   static inline bool all_one(V16 x) { return _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(1.0f), _CMP_EQ_OQ) == 0xffff; }
@@ -118,6 +133,8 @@ struct V16 {
   friend inline V16 operator*(V16 a, V16 b) { return map([&](int i) { return a.v[i] * b.v[i]; }); }
   friend inline V16 operator/(V16 a, V16 b) { return map([&](int i) { return a.v[i] / b.v[i]; }); }
   static inline V16 load_bf16(const uint16_t* p) { return map([&](int i) { return bf16_to_f32(p[i]); }); }
+  static inline V16 load_e4m3(const fp8e4m3* p) { return map([&](int i) { return E4M3::load(p, i); }); }
+  static inline V16 load_e5m2(const fp8e5m2* p) { return map([&](int i) { return E5M2::load(p, i); }); }
   static inline V16 lane(V16 x, int j) { return set1(x.v[j]); }
   inline float hmax() const { return *std::max_element(v, v + 16); }
   static inline bool all_one(V16 x) { return std::all_of(x.v, x.v + 16, [](float e) { return e == 1.0f; }); }

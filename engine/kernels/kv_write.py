@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 
 from engine.kernels._triton import check_device, next_pow2, tl, triton
+from engine.model_config import FP8_DTYPES
+from engine.runner.attention import quantize
 
 
 @triton.jit
@@ -34,12 +36,17 @@ def _kv_write_kernel(
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write `k/v [T, kv_heads, head_dim]` into `k_cache/v_cache` at `slot_mapping [T]` (int32/int64).
     A cache in another dtype (--kv-cache-dtype) gets them rounded by torch first: to nearest even,
-    as the other backends round (Triton's interpreter truncates in a kernel's cast)."""
+    as the other backends round (Triton's interpreter truncates in a kernel's cast); an fp8 one
+    gets them divided by `k_scale`/`v_scale` and saturated (engine/runner/attention.quantize),
+    and the kernel moves bytes."""
     check_device(k, v, k_cache, v_cache, slot_mapping)
-    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+    if k_cache.dtype in FP8_DTYPES:
+        k, v = quantize(k, k_cache.dtype, k_scale), quantize(v, v_cache.dtype, v_scale)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    elif k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
         k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     num_tokens, heads, dim = k.shape
     if v.shape != k.shape or k_cache.shape[2:] != (heads, dim) or v_cache.shape != k_cache.shape:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from engine.runner.attention import AttentionBackend, AttentionMetadata
-from engine.model_config import ModelConfig
+from engine.model_config import UNSCALED, KVScale, ModelConfig
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import _rotate_half
 from engine.models.moe import Experts
@@ -53,6 +53,7 @@ class Gemma4Attention(nn.Module):
         super().__init__()
         hf, h, eps, bias = cfg.hf_config, cfg.hidden_size, cfg.rms_norm_eps, cfg.attention_bias
         self.layer_idx, self.backend = layer_idx, backend
+        self.kv_scale = UNSCALED  # an fp8 cache's (engine/runner/kv_quant.py)
         self.num_heads = cfg.num_heads
         self.kv_heads, self.head_dim = cfg.kv_shape(layer_idx)
         self.window = cfg.sliding_windows[layer_idx]
@@ -68,6 +69,10 @@ class Gemma4Attention(nn.Module):
             self.v_norm = Gemma4RMSNorm(self.head_dim, eps, with_scale=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
 
+    def use_kv_scale(self, scale: KVScale) -> None:
+        """An fp8 cache's scales for this layer (engine/runner/kv_quant.py), set before compiling."""
+        self.kv_scale = scale
+
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata | None,
                 shared_kv: tuple[torch.Tensor, torch.Tensor] | None):
         """Returns the output and the (k, v) it attended with (a KV-sharing layer's are its
@@ -81,9 +86,10 @@ class Gemma4Attention(nn.Module):
             v = self.v_proj(x).view(n, self.kv_heads, self.head_dim) if self.v_proj is not None else k
             k, v = _rope(self.k_norm(k), cos, sin), self.v_norm(v)
         if meta is None:  # compiled (engine/runner/compiled.py)
-            out = torch.ops.kvtier.attention(q, k, v, self.layer_idx, 1.0, self.window)
+            out = torch.ops.kvtier.attention(q, k, v, self.layer_idx, 1.0, self.window, self.kv_scale.k,
+                                             self.kv_scale.v)
         else:
-            out = self.backend.forward(q, k, v, k_cache, v_cache, meta, 1.0, self.window)
+            out = self.backend.forward(q, k, v, k_cache, v_cache, meta, 1.0, self.window, self.kv_scale)
         return self.o_proj(out), (k, v)
 
 

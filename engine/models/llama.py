@@ -13,7 +13,7 @@ from torch import nn
 
 from engine import cpu_kernels
 from engine.runner.attention import AttentionBackend, AttentionMetadata
-from engine.model_config import ModelConfig
+from engine.model_config import UNSCALED, KVScale, ModelConfig
 from engine.models.moe import SparseMoeBlock, expert_weight_slot, is_moe_layer
 from engine.models.packed_linear import PackedLinear
 
@@ -95,7 +95,12 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.window = cfg.sliding_windows[layer_idx]  # 0: attends to the whole context
         self.backend = backend
+        self.kv_scale = UNSCALED  # an fp8 cache's (engine/runner/kv_quant.py)
         self.fused = False  # engine/cpu_kernels' fused ops (set by `use_fused_cpu_ops`)
+
+    def use_kv_scale(self, scale: KVScale) -> None:
+        """An fp8 cache's scales for this layer (engine/runner/kv_quant.py), set before compiling."""
+        self.kv_scale = scale
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         n = x.shape[0]
@@ -120,8 +125,10 @@ class Attention(nn.Module):
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
         if meta is None:  # compiled (engine/runner/compiled.py): the op finds the step's cache and metadata itself
-            return self.o_proj(torch.ops.kvtier.attention(q, k, v, self.layer_idx, self.scale, self.window))
-        return self.o_proj(self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window))
+            return self.o_proj(torch.ops.kvtier.attention(q, k, v, self.layer_idx, self.scale, self.window,
+                                                          self.kv_scale.k, self.kv_scale.v))
+        return self.o_proj(self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window,
+                                                self.kv_scale))
 
 
 class MLP(nn.Module):

@@ -10,6 +10,9 @@ and dims contiguous; tokens may be further apart (a layer's part of a wider row,
 The cache may have another dtype than q/k/v (--kv-cache-dtype): K and V are rounded to it when
 written and read back in q's dtype, so attention computes in the model's dtype over rounded keys
 and values. Every backend keeps that contract (the CPU kernels and Triton read the cache in place).
+An fp8 cache holds K / k_scale and V / v_scale (the layer's `KVScale`, engine/runner/kv_quant.py):
+attention multiplies the softmax scale by k_scale and the output by v_scale, which is attention
+over the dequantized keys and values without a dequantized copy.
 """
 from __future__ import annotations
 
@@ -19,6 +22,10 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+
+from engine.model_config import FP8_DTYPES, UNSCALED, KVScale
+
+
 
 
 @dataclass
@@ -108,12 +115,30 @@ class AttentionMetadata:
         return self._packed
 
 
+def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """`x / scale` in an fp8 `dtype`, saturated at its largest finite value (e5m2 would round
+    past it to inf; NaN stays NaN), as uint8 bytes: torch has no fp8 index_copy on CPU."""
+    big = torch.finfo(dtype).max
+    y = x if scale == 1.0 else x * (1.0 / scale)
+    return y.clamp(-big, big).to(dtype).view(torch.uint8)
+
+
+def as_stored(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as torch can index it: fp8 as its bytes (no fp8 index ops on CPU)."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Stores the step's K/V at their slots, rounded to the cache's dtype (a no-op cast when equal)."""
+             slot_mapping: torch.Tensor, kv_scale: KVScale = UNSCALED) -> None:
+    """Stores the step's K/V at their slots, rounded to the cache's dtype (a no-op cast when
+    equal); into an fp8 cache, divided by the layer's scales first."""
     kv_heads, head_dim = k_cache.shape[2:]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if k_cache.dtype in FP8_DTYPES:
+        k, v = quantize(k, k_cache.dtype, kv_scale.k), quantize(v, v_cache.dtype, kv_scale.v)
+    else:
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    as_stored(k_cache).view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    as_stored(v_cache).view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
 class AttentionBackend(ABC):
@@ -121,7 +146,9 @@ class AttentionBackend(ABC):
     layer's cache at `meta.slot_mapping`, then return the attention output `[num_tokens,
     num_heads * head_dim]` where each token attends causally to its own sequence's cache: to
     every earlier key, or with `window` > 0 (a sliding-window layer) to keys j with
-    position - window < j (the last `window` keys, its own included, as transformers masks)."""
+    position - window < j (the last `window` keys, its own included, as transformers masks).
+    `kv_scale`: what an fp8 cache's K and V are divided by when written (`write_kv`) and multiplied
+    by when read; other caches get `UNSCALED`."""
 
     # Whether decodes should come as groups of similar context length (a backend that pads every
     # row of a group to its longest): the model runner then bounds the padding. Kernels that take
@@ -139,7 +166,13 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,
+        kv_scale: KVScale = UNSCALED,
     ) -> torch.Tensor: ...
+
+
+def scale_values(out: torch.Tensor, kv_scale: KVScale) -> torch.Tensor:
+    """Attention's output over V / v_scale, times v_scale (in place; nothing when unscaled)."""
+    return out if kv_scale.v == 1.0 else out.mul_(kv_scale.v)
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -155,10 +188,11 @@ class TorchPagedAttention(AttentionBackend):
         buf = self._scratch.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != cache.dtype:
             buf = self._scratch[name] = torch.empty(numel, dtype=cache.dtype, device=cache.device)
+        src, dst = as_stored(cache), as_stored(buf)
         if cache.is_contiguous():
-            torch.index_select(cache.view(num_blocks, -1), 0, block_ids, out=buf[:numel].view(block_ids.numel(), -1))
+            torch.index_select(src.view(num_blocks, -1), 0, block_ids, out=dst[:numel].view(block_ids.numel(), -1))
         else:  # a layer's part of wider rows (engine/kv/kv_groups.py)
-            torch.index_select(cache, 0, block_ids, out=buf[:numel].view(-1, block_size, kv_heads, head_dim))
+            torch.index_select(src, 0, block_ids, out=dst[:numel].view(-1, block_size, kv_heads, head_dim))
         return buf[:numel].view(-1, kv_heads, head_dim)
 
     def _context(self, name: str, cache: torch.Tensor, seq: PrefillSeq) -> torch.Tensor:
@@ -168,15 +202,16 @@ class TorchPagedAttention(AttentionBackend):
             return cache[seq.first_block : seq.first_block + nb].flatten(0, 1)[: seq.context_len]
         return self._gather(name, cache, seq.block_ids_on(cache.device))[: seq.context_len]
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=0):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=0, kv_scale=UNSCALED):
         num_tokens, num_heads, head_dim = q.shape
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale)
+        scale *= kv_scale.k
         out = torch.empty_like(q)
         for seq in meta.prefills:
             self._prefill(q, k_cache, v_cache, seq, scale, out, window)
         for group in meta.decodes:
             out.index_copy_(0, group.query_idx, self._decode(q, k_cache, v_cache, group, scale, window))
-        return out.view(num_tokens, num_heads * head_dim)
+        return scale_values(out, kv_scale).view(num_tokens, num_heads * head_dim)
 
     def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq,
                  scale: float, out: torch.Tensor, window: int = 0) -> None:

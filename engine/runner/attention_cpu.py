@@ -5,14 +5,15 @@ chunks in one call, causal without computing the masked part, and with each row'
 depending only on the row and its keys, so rows computed after a prefix hit equal, bit for bit,
 the same rows of a fresh prefill (a prefix hit never changes an output). The torch path (SDPA
 over the context) is kept for shapes the prefill kernel does not take, and for caches the kernels
-do not read (a float16 one: `cpu_kernels.cache_supported`).
+do not read (a float16 one: `cpu_kernels.cache_supported`). An fp8 cache is read in place too,
+each element widened in registers (engine/cpu_kernels/dtypes.h).
 """
 from __future__ import annotations
 
 import torch
 
 from engine import cpu_kernels
-from engine.runner.attention import AttentionMetadata, TorchPagedAttention, write_kv
+from engine.runner.attention import UNSCALED, AttentionMetadata, TorchPagedAttention, scale_values, write_kv
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -20,12 +21,13 @@ class CpuPagedAttention(TorchPagedAttention):
 
     pads_decodes = False  # the kernel walks each row's own table; one call per layer balances best
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, window=0):
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, window=0, kv_scale=UNSCALED):
         if not cpu_kernels.cache_supported(q.dtype, k_cache.dtype):  # e.g. a float16 cache: the torch path
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window)
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, kv_scale)
         num_tokens, num_heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale)
+        scale *= kv_scale.k
         # q may be a view into the fused q/k/v output: the kernels take its row stride as is.
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for group in meta.decodes:
@@ -39,4 +41,4 @@ class CpuPagedAttention(TorchPagedAttention):
                 q = q.contiguous()
                 for seq in meta.prefills:
                     self._prefill(q, k_cache, v_cache, seq, scale, out, window)
-        return out.view(num_tokens, num_heads * head_dim)
+        return scale_values(out, kv_scale).view(num_tokens, num_heads * head_dim)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import kernels
-from engine.runner.attention import AttentionBackend, AttentionMetadata
+from engine.runner.attention import UNSCALED, AttentionBackend, AttentionMetadata, scale_values
 
 
 @dataclass(frozen=True)
@@ -83,12 +83,13 @@ class TritonPagedAttention(AttentionBackend):
         self._meta: AttentionMetadata | None = None
         self._plan: _StepPlan | None = None
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=0):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=0, kv_scale=UNSCALED):
         num_tokens, num_heads, head_dim = q.shape
         if meta is not self._meta:  # first layer of a step
             self._plan, self._meta = plan_step(meta, num_tokens, q.device), meta
         plan = self._plan
-        kernels.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        kernels.kv_write(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale.k, kv_scale.v)
+        scale *= kv_scale.k
         out = torch.empty_like(q)
         if plan.cu_seqlens_q is not None:
             qp = q if plan.prefill_rows is None else q.index_select(0, plan.prefill_rows)
@@ -103,4 +104,4 @@ class TritonPagedAttention(AttentionBackend):
                                       plan.decode_lens, scale, window=window,
                                       max_seq_len=plan.max_decode_blocks * block_size)
             out.index_copy_(0, plan.decode_rows, od)
-        return out.view(num_tokens, num_heads * head_dim)
+        return scale_values(out, kv_scale).view(num_tokens, num_heads * head_dim)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+from engine.model_config import UNSCALED, KVScale
 from engine.runner.attention import AttentionBackend, AttentionMetadata
 from engine.cache_dir import cache_root
 
@@ -52,21 +53,24 @@ def step_context(backend: AttentionBackend, caches: list[tuple[torch.Tensor, tor
 
 
 @torch.library.custom_op("kvtier::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int) -> torch.Tensor:
-    """`AttentionBackend.forward` for decoder layer `layer` (sliding `window`, 0 = none) of the
-    step in `step_context`: writes k/v into that layer's cache (state the graph does not see, so
-    nothing is declared mutated) and returns `[num_tokens, heads * head_dim]`."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int,
+              k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """`AttentionBackend.forward` for decoder layer `layer` (sliding `window`, 0 = none; an fp8
+    cache's `KVScale(k_scale, v_scale)`) of the step in `step_context`: writes k/v into that
+    layer's cache (state the graph does not see, so nothing is declared mutated) and returns
+    `[num_tokens, heads * head_dim]`."""
     ctx = getattr(_local, "step", None)
     if ctx is None:
         raise RuntimeError("kvtier::attention called outside a model step")
     k_cache, v_cache = ctx.caches[layer]
     if q.stride()[1:] != (q.shape[2], 1):  # the kernels need contiguous heads; inductor may lay q out otherwise
         q = q.contiguous()
-    return ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta.for_layer(layer), scale, window)
+    kv_scale = UNSCALED if k_scale == v_scale == 1.0 else KVScale(k_scale, v_scale)
+    return ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta.for_layer(layer), scale, window, kv_scale)
 
 
 @attention.register_fake
-def _(q, k, v, layer, scale, window):
+def _(q, k, v, layer, scale, window, k_scale=1.0, v_scale=1.0):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 

@@ -15,6 +15,7 @@ from engine.runner.attention import AttentionBackend
 from engine.model_config import ModelConfig
 from engine.models import SUPPORTED_ARCHITECTURES
 from engine.models.packed_linear import pack_linears, packing_available
+from engine.runner.kv_quant import is_scale_weight
 from engine.parallel.shard import TPShard
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,8 @@ def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max
     model.reset_rope(max_len, device)  # to_empty() left the rope buffers uninitialised
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    tensors = iter_safetensors(model_dir)
+    # KV scales (an fp8 cache's) are not weights: engine/runner/kv_quant.py reads them.
+    tensors = ((k, v) for k, v in iter_safetensors(model_dir) if not is_scale_weight(k))
     if shard is not None:
         tensors = shard.weights(full_config or cfg, tensors)
     model.load_weights((k, v.to(cfg.dtype)) for k, v in tensors)

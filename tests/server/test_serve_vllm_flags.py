@@ -230,7 +230,7 @@ def test_bad_values_exit_2_naming_the_flag(serve_main, capsys, model_dir, tls, t
     (tmp_path / "badvalue.yaml").write_text("max_model_len: lots\n")
     (tmp_path / "list.yaml").write_text("- max-model-len\n")
     cases = [
-        ([m, "--kv-cache-dtype", "fp8"], "--kv-cache-dtype: 'fp8' is not supported"),
+        ([m, "--kv-cache-dtype", "int8"], "--kv-cache-dtype: 'int8' is not supported"),
         ([m, "--allowed-origins", "https://a.example"], "--allowed-origins"),
         ([m, "--allowed-methods", '{"GET": 1}'], "--allowed-methods"),
         ([m, "--ssl-certfile", str(tmp_path / "missing.pem")], "--ssl-certfile"),
