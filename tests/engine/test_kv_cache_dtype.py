@@ -27,7 +27,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 BS, KVH, HEADS, D = 16, 2, 6, 64
 
 
-def mixed_step(seed: int):
+def mixed_step(seed: int, head_dim: int = D):
     """A step with a chunk after cached context, a fresh prompt and two decodes: its metadata,
     each row span's (first row, rows, context length, blocks), and float32 q/k/v."""
     g = torch.Generator().manual_seed(seed)
@@ -49,8 +49,8 @@ def mixed_step(seed: int):
     mask = (torch.arange(width * BS)[None, :] < lens[:, None])[:, None, None, :]
     meta = AttentionMetadata(torch.tensor(slots), prefills, [DecodeGroup(torch.tensor(rows), tables, lens, mask)])
     total = start + len(decodes)
-    q, k, v = (torch.randn(total, h, D, generator=g) for h in (HEADS, KVH, KVH))
-    context = torch.randn(2, 64, BS, KVH, D, generator=g)
+    q, k, v = (torch.randn(total, h, head_dim, generator=g) for h in (HEADS, KVH, KVH))
+    context = torch.randn(2, 64, BS, KVH, head_dim, generator=g)
     return meta, spans, q, k, v, context
 
 
