@@ -57,12 +57,16 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(REPO))
 
 from benchmarks._plots import plot_file  # noqa: E402
+from benchmarks.traces import BLOCK as BLOCK_TOKENS  # noqa: E402
 from benchmarks.traces import TraceSpec, generate, unbounded_hit_rate  # noqa: E402
 from policies import BlockInfo, EvictionPolicy, make_policy  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic.jsonl"
 GENERATED = "multiturn"
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "policies.json"
+# The demo model's cold prefill in float32 on an AMD EPYC (8,000 tokens in 21.12 s, docs/performance/tier-io.md):
+# what a hit token saves, for --kv-quant's seconds.
+PREFILL_TOKENS_PER_S = 379.0
 INF = float("inf")
 
 Trace = list[list[int]]
@@ -288,10 +292,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(default: depth)")
     ap.add_argument("--no-belady", action="store_true",
                     help="skip the offline Belady MIN reference")
+    ap.add_argument("--kv-quant", type=lambda s: _csv(float, s), default=None, metavar="RATIOS",
+                    help="also replay LRU at each capacity times each ratio: the blocks the same tier bytes "
+                         "hold with a smaller KV dtype (2: fp8 against bfloat16 KV, 4: against float32), "
+                         "with hit tokens and the prefill seconds they save (issue 44)")
+    ap.add_argument("--prefill-tokens-per-s", type=float, default=PREFILL_TOKENS_PER_S,
+                    help="prefill speed that turns hit tokens into seconds saved (default %(default)s: the demo "
+                         "model's 8,000-token cold prefill in float32 on an AMD EPYC, 21.12 s, "
+                         "docs/performance/tier-io.md)")
     args = ap.parse_args(argv)
     bad = set(args.priority_modes) - {"uniform", "depth", "shared"}
     if bad or not args.priority_modes:
         ap.error(f"--priority-modes: unknown {sorted(bad)}; choose from uniform, depth, shared")
+    if any(r < 1 for r in args.kv_quant or []) or args.prefill_tokens_per_s <= 0:
+        ap.error("--kv-quant ratios must be >= 1 and --prefill-tokens-per-s positive")
     if any(f <= 0 for f in args.fractions) or any(c < 1 for c in args.capacities or []):
         ap.error("capacities and fractions must be positive")
     if args.limit is not None and args.limit < 1:
@@ -354,6 +368,33 @@ def run_trace(name: str, trace: list[Request], args: argparse.Namespace, variant
             "distinct_blocks": distinct, "unbounded_hit_rate": unbounded, "results": results}
 
 
+def kv_quant_capacity(name: str, trace: list[Request], args: argparse.Namespace) -> list[dict]:
+    """LRU at each capacity (blocks of the model dtype's KV) and at capacity x ratio (the blocks
+    the same bytes hold with a smaller KV dtype): hit rate, hit tokens, prefill seconds saved."""
+    blocks = [r.ids for r in trace]
+    distinct = len({b for ids in blocks for b in ids})
+    caps = args.capacities or [max(1, round(f * distinct)) for f in args.fractions]
+    rows, out = [], []
+    for cap in caps:
+        base = None
+        for ratio in (1.0, *args.kv_quant):
+            held = round(cap * ratio)
+            r = replay(make_policy("lru", capacity=held), trace, held, UNIFORM)
+            tokens = r["hits"] * BLOCK_TOKENS
+            base = base or r
+            out.append({"capacity": cap, "ratio": ratio, "blocks": held, "hit_rate": r["hit_rate"], "hit_tokens": tokens,
+                        "prefill_s_saved": tokens / args.prefill_tokens_per_s})
+            rows.append(f"{cap:>9} {ratio:>6g}x {held:>8} {r['hit_rate']:>9.1%} {tokens:>14,} "
+                        f"{tokens / args.prefill_tokens_per_s:>14,.0f} {r['hits'] / max(base['hits'], 1):>8.2f}x")
+    print(f"trace {name}: LRU at equal tier bytes, KV {', '.join(f'{x:g}x' for x in args.kv_quant)} smaller "
+          f"({BLOCK_TOKENS}-token blocks; seconds at {args.prefill_tokens_per_s:g} prefill tokens/s)")
+    print(f"{'capacity':>9} {'ratio':>7} {'blocks':>8} {'hit rate':>9} {'hit tokens':>14} {'prefill s saved':>14} "
+          f"{'vs 1x':>9}")
+    print("\n".join(rows))
+    print()
+    return out
+
+
 def load_named(name: str, args: argparse.Namespace) -> list[Request]:
     if name != GENERATED:
         return load_trace(Path(name), args.limit, not args.no_session_hints)
@@ -371,7 +412,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    runs = [run_trace(name, load_named(name, args), args, variants) for name in args.trace]
+    runs = []
+    for name in args.trace:
+        trace = load_named(name, args)
+        runs.append(run_trace(name, trace, args, variants))
+        if args.kv_quant:
+            runs[-1]["kv_quant"] = kv_quant_capacity(name, trace, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"benchmark": "policies", "python": sys.version.split()[0],
                                     "argv": sys.argv[1:] if argv is None else argv, "traces": runs}, indent=2) + "\n")

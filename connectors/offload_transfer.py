@@ -394,7 +394,10 @@ class TransferEngine:
                 self.hidden_cache[dst[0]:dst[0] + n].copy_(hid)  # type: ignore[index]
         else:
             idx = torch.tensor(dst, dtype=torch.long, device=self.kv_cache.device)
-            self.kv_cache.index_copy_(2, idx, data[:, :, lo:])
+            cache, src = self.kv_cache, data[:, :, lo:]
+            if cache.is_floating_point() and cache.element_size() == 1:  # fp8: no fp8 index_copy_ on CPU
+                cache, src = cache.view(torch.uint8), src.view(torch.uint8)
+            cache.index_copy_(2, idx, src)
             if hid is not None:
                 self.hidden_cache.index_copy_(0, idx, hid)  # type: ignore[union-attr]
         return n

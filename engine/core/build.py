@@ -166,7 +166,7 @@ def build(config: EngineConfig) -> EngineParts:
         if ranks is not None:
             ranks.connect()
             shard.attach(model, ranks.all_reduce)
-        mc = kv_quant.prepare(model, mc, model_dir, weight_files(model_dir), tokenizer, bs, config.device)
+        mc = kv_quant.prepare(model, mc, model_dir, weight_files(model_dir), tokenizer, bs, config.device, max_len)
     except BaseException:
         if ranks is not None:
             ranks.close()

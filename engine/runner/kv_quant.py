@@ -136,15 +136,16 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def prepare(model: torch.nn.Module, mc: ModelConfig, model_dir: Path, files: list[str], tokenizer,
-            block_size: int, device: str) -> ModelConfig:
-    """For an fp8 cache: the layers' scales (the checkpoint's, else calibrated), given to the
-    model's attention modules, and `mc` carrying them (its fingerprint then names them)."""
+            block_size: int, device: str, max_len: int) -> ModelConfig:
+    """For an fp8 cache: the layers' scales (the checkpoint's, else calibrated on the text's first
+    `max_len` tokens at most: the model's rotary tables end there), given to the model's attention
+    modules, and `mc` carrying them (its fingerprint then names them)."""
     if mc.kv_dtype not in FP8_DTYPES:
         return mc
     scales = checkpoint_scales(model_dir, files, mc.num_layers)
     source = "the checkpoint's k_scale/v_scale"
     if scales is None:
-        ids = tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"][:max_len]
         scales = calibrate(model, mc, ids, block_size, device)
         source = f"calibrated on {len(ids)} tokens, {HEADROOM:g}x headroom"
     modules = attention_modules(model)

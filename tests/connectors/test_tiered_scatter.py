@@ -22,12 +22,12 @@ from policies import make_policy
 NUM_G1 = 64
 
 
-def make_connector(k: int, num_slots: int) -> TieredOffloadConnector:
+def make_connector(k: int, num_slots: int, dtype: torch.dtype = torch.float32) -> TieredOffloadConnector:
     layout = BlockLayout(num_layers=3, g1_blocks=k, block_size=4, kv_heads=2, head_dim=8,
-                         dtype=torch.float32, fingerprint="test")
+                         dtype=dtype, fingerprint="test")
     g2 = HostTier(num_slots, layout.encoded_bytes, make_policy("lru"))
     conn = TieredOffloadConnector(layout, BlockPool(NUM_G1, make_policy("lru")), g2, [])
-    conn.register_kv_caches(torch.zeros(3, 2, NUM_G1, 4, 2, 8))
+    conn.register_kv_caches(torch.zeros(3, 2, NUM_G1, 4, 2, 8, dtype=dtype))
     return conn
 
 
@@ -89,6 +89,25 @@ def test_batched_scatter_matches_per_block_copy(k: int, arrangement: str, partia
     assert torch.equal(conn.transfer.kv_cache, expected)
     assert conn.transfer.tier_hits["G2"] == len(dst) * conn.layout.block_size
     conn.g2.check_integrity()
+    conn.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_chunks_land_in_scattered_g1_blocks(dtype: torch.dtype) -> None:
+    """An fp8 cache (--kv-cache-dtype fp8*): chunks into non-consecutive G1 blocks (the
+    per-chunk copy, which torch does not do for fp8 on CPU) place the same bytes as one
+    block at a time."""
+    conn = make_connector(2, 8, dtype)
+    chunks = fill_g2(conn, 4, [2, 0, 3, 1])
+    dst = [40, 3, 17, 9, 30, 31, 5, 60]
+    expected = reference(conn, chunks, 0, dst)
+    assert conn.g2 is not None
+    slots = dict(zip([c.key for c in chunks], conn.g2.prepare_load([c.key for c in chunks]) or []))
+    conn.transfer.run_load(LoadJob("r", tuple(chunks), 0, tuple(BlockId(b) for b in dst), len(dst) * 4, slots))
+    assert conn.transfer.drain() == [LoadDone("r", (), group=0, num_filled=len(dst))]
+    got = conn.transfer.kv_cache
+    assert got is not None and got.dtype == dtype and got.view(torch.uint8).any()
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
     conn.close()
 
 
