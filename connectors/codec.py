@@ -38,8 +38,14 @@ class BlockLayout:
     # The hidden states' dtype when it is not the KV's (--kv-cache-dtype: the KV is stored in
     # another dtype than the model's, the hidden states are not). None: `dtype`.
     hidden_dtype: torch.dtype | None = None
+    # --kv-offload-dtype: G1's KV dtype when entries hold a narrower `dtype` (None: the same), and
+    # per cache slot the (k, v) scales an fp8 entry's values are divided by (empty: none).
+    g1_dtype: torch.dtype | None = None
+    kv_scales: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
+        if self.kv_scales and len(self.kv_scales) != self.num_layers:
+            raise ValueError(f"kv_scales needs one (k, v) pair per cache slot ({self.num_layers})")
         if self.hidden_layer_ids and self.kv_bytes % self.hidden_element.itemsize:
             raise ValueError(f"KV bytes per block ({self.kv_bytes}) must be a multiple of the hidden states' "
                              f"element size ({self.hidden_element.itemsize}) to view them in place")
@@ -78,12 +84,38 @@ class BlockLayout:
     def encoded_bytes(self) -> int:
         return HEADER_BYTES + self.payload_bytes
 
+    @property
+    def converts(self) -> bool:
+        """Whether entries hold G1's KV in another (narrower) dtype."""
+        return self.g1_dtype is not None and self.g1_dtype != self.dtype
+
+    def decode_factors(self, like: torch.Tensor) -> torch.Tensor:
+        """The scales as `[slots, 2, 1, ...]`, broadcasting over `like`'s blocks."""
+        f = torch.tensor(self.kv_scales, dtype=torch.float32, device=like.device)
+        return f.view(*f.shape, *([1] * (like.dim() - 2)))
+
+    def encode(self, g1: torch.Tensor) -> torch.Tensor:
+        """G1 blocks `[slots, 2, n, ...]` as an entry's KV: in `dtype`, divided by the scales and
+        saturated for fp8 (the scales are powers of two: exact)."""
+        if not self.kv_scales:
+            return g1.to(self.dtype)
+        big = torch.finfo(self.dtype).max
+        return (g1.float() / self.decode_factors(g1)).clamp_(-big, big).to(self.dtype)
+
+    def decode(self, entry: torch.Tensor) -> torch.Tensor:
+        """An entry's KV `[slots, 2, n, ...]` back in G1's dtype (exact: fp8 and bfloat16 values
+        are G1's, and the scales powers of two)."""
+        out = entry.to(self.g1_dtype or self.dtype)
+        return out.mul_(self.decode_factors(out)) if self.kv_scales else out
+
     def layout_id(self) -> bytes:
         desc: dict[str, Any] = {"shape": self.shape, "dtype": str(self.dtype), "fp": self.fingerprint, "v": VERSION}
         if self.hidden_layer_ids:
             desc["hidden"] = [list(self.hidden_layer_ids), self.hidden_size]
             if self.hidden_element != self.dtype:  # absent otherwise: existing layout ids are unchanged
                 desc["hidden_dtype"] = str(self.hidden_element)
+        if self.kv_scales:  # absent otherwise, as above
+            desc["kv_scales"] = [list(x) for x in self.kv_scales]
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).digest()[:16]
 
 

@@ -203,7 +203,7 @@ class TransferEngine:
                 src = rows[:, HEADER_BYTES:HEADER_BYTES + lay.kv_bytes].view(lay.dtype)
                 src = src.view(m, *lay.shape).permute(1, 2, 0, 3, 4, 5, 6)  # [L, 2, m, k, ...]
                 dst = self.kv_cache[:, :, first:first + m * k]
-                self._copy_pool.copy(dst.view(*dst.shape[:2], m, k, *dst.shape[3:]), src)
+                self._place(dst.view(*dst.shape[:2], m, k, *dst.shape[3:]), src)
                 if self.hidden_cache is not None:
                     hid = rows[:, HEADER_BYTES + lay.kv_bytes:HEADER_BYTES + lay.payload_bytes].view(lay.hidden_element)
                     self.hidden_cache[first:first + m * k].view(m, *lay.hidden_shape).copy_(
@@ -389,22 +389,37 @@ class TransferEngine:
         assert self.kv_cache is not None
         hid = hidden_payload(buf, self.layout)[lo:] if self.hidden_cache is not None else None
         if all(d == dst[0] + i for i, d in enumerate(dst)):  # the usual case: a strided copy,
-            self._copy_pool.copy(self.kv_cache[:, :, dst[0]:dst[0] + n], data[:, :, lo:])  # faster than index_copy_
+            self._place(self.kv_cache[:, :, dst[0]:dst[0] + n], data[:, :, lo:])  # faster than index_copy_
             if hid is not None:
                 self.hidden_cache[dst[0]:dst[0] + n].copy_(hid)  # type: ignore[index]
         else:
             idx = torch.tensor(dst, dtype=torch.long, device=self.kv_cache.device)
             cache, src = self.kv_cache, data[:, :, lo:]
-            if cache.is_floating_point() and cache.element_size() == 1:  # fp8: no fp8 index_copy_ on CPU
+            if self.layout.converts:
+                src = self.layout.decode(src)
+            elif cache.is_floating_point() and cache.element_size() == 1:  # fp8: no fp8 index_copy_ on CPU
                 cache, src = cache.view(torch.uint8), src.view(torch.uint8)
             cache.index_copy_(2, idx, src)
             if hid is not None:
                 self.hidden_cache.index_copy_(0, idx, hid)  # type: ignore[union-attr]
         return n
 
+    def _place(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """An entry's KV into G1 blocks (`dst` a view of them): a parallel copy, widened and
+        multiplied by the scales when entries hold a narrower dtype (--kv-offload-dtype)."""
+        self._copy_pool.copy(dst, src)
+        if self.layout.kv_scales:
+            dst.mul_(self.layout.decode_factors(dst))
+
     def _gather(self, src: list[BlockId], buf: torch.Tensor, job: StoreJob) -> None:
         assert self.kv_cache is not None
         write_header(buf, self.layout_id, job.digest, self.layout.payload_bytes)
+        if self.layout.converts:  # --kv-offload-dtype: narrowed on the way down
+            idx = torch.tensor(src, dtype=torch.long, device=self.kv_cache.device)
+            payload(buf, self.layout).copy_(self.layout.encode(self.kv_cache.index_select(2, idx)))
+            if self.hidden_cache is not None:
+                hidden_payload(buf, self.layout).copy_(self.hidden_cache.index_select(0, idx))
+            return
         if self.kv_cache.device.type == "cpu":  # straight into the buffer, no temporary
             idx = torch.tensor(src, dtype=torch.long)
             torch.index_select(self.kv_cache, 2, idx, out=payload(buf, self.layout))

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from connectors.hidden_spec import HiddenStatesSpec
-from engine.model_config import DTYPES, KV_CACHE_DTYPES, check_kv_cache_dtype
+from engine.model_config import (DTYPES, KV_CACHE_DTYPES, KV_OFFLOAD_DTYPES, check_kv_cache_dtype,
+                                 check_kv_offload_dtype)
 from engine.spec.config import SpeculativeConfig, parse_speculative_config
 from engine.sample.thinking import ReasoningConfig
 from policies import check_policy
@@ -230,6 +231,13 @@ class EngineConfig:
     kv_offload_block_size: int | None = setting(
         None, "tokens per offload block, a multiple of --block-size (default: --block-size; a hit recomputes the "
         "prompt tail that does not fill a block)", group=Group.OFFLOAD, metavar="TOKENS")
+    kv_offload_dtype: str = setting(
+        "auto", "what the offload tiers (G2, G3, G4) store K and V as (kvtier's own): auto is G1's "
+        "(--kv-cache-dtype); a narrower one (bfloat16 for float32 KV; fp8 = fp8_e4m3, fp8_e5m2, scaled per layer "
+        "as --kv-cache-dtype fp8 is) keeps G1 exact and rounds blocks on their way down, widening them on the way "
+        "up: the tiers hold more, and a hit from them changes the numerics (default: %(default)s: every tier "
+        "bit-exact)", group=Group.OFFLOAD, metavar="{" + ",".join(KV_OFFLOAD_DTYPES) + "}",
+        check=check_kv_offload_dtype)
     kv_transfer_config: dict[str, Any] | None = setting(
         None, "vLLM-style JSON: kv_connector, kv_role, kv_connector_extra_config, kv_connector_module_path, "
         "kv_load_failure_policy", group=Group.OFFLOAD, metavar="JSON")
@@ -341,6 +349,14 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if check_kv_offload_dtype(self.kv_offload_dtype) != "auto":
+            if not (offload_flags_on(self.kv_offloading_size, self.kv_offload_disk, self.kv_offload_remote)
+                    or self.kv_transfer_config):
+                raise ValueError(f"kv_offload_dtype {self.kv_offload_dtype} needs an offload tier "
+                                 "(--kv-offloading-size, --kv-offload-disk or --kv-offload-remote)")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_offload_dtype with tensor_parallel_size > 1 is not built: each rank would "
+                                 "need the whole model's scales")
         if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
             raise ValueError(f"kv_offloading_size must be >= 0 GiB; got {self.kv_offloading_size}")
         if self.kv_offload_disk_size <= 0:

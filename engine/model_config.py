@@ -62,6 +62,28 @@ def check_kv_cache_dtype(name: object) -> str:
     raise ValueError(f"kv_cache_dtype {name!r} is not supported{why}; choose one of {', '.join(KV_CACHE_DTYPES)}")
 
 
+# --kv-offload-dtype (kvtier's own): what the offload tiers store when it is not G1's KV dtype.
+KV_OFFLOAD_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def check_kv_offload_dtype(name: object) -> str:
+    if name not in KV_OFFLOAD_DTYPES:
+        raise ValueError(f"kv_offload_dtype {name!r} is not supported; choose one of {', '.join(KV_OFFLOAD_DTYPES)}")
+    return name  # type: ignore[return-value]
+
+
+def resolve_offload_dtype(name: str, g1_dtype: torch.dtype) -> torch.dtype | None:
+    """The offload tiers' KV dtype when it is not G1's, else None (auto, or the same). ValueError
+    for one that is not narrower than G1's: it would only round."""
+    if check_kv_offload_dtype(name) == "auto" or KV_DTYPES[name] == g1_dtype:
+        return None
+    dt = KV_DTYPES[name]
+    if dt.itemsize >= g1_dtype.itemsize:
+        raise ValueError(f"kv_offload_dtype {name} is not narrower than G1's KV ({str(g1_dtype)[6:]}): "
+                         "it would round the tiers' entries and save nothing")
+    return dt
+
+
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype | None:
     """The KV cache's dtype when it differs from the weights', else None (auto, or the same)."""
     if check_kv_cache_dtype(name) == "auto" or KV_DTYPES[name] == model_dtype:

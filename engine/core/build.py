@@ -16,7 +16,7 @@ from connectors.base import KVConnector, NullConnector
 from connectors.factory import supports_kv_groups
 from engine.config import CPU_KV_CACHE_GIB, EngineConfig, GraphMode
 from engine.core import gpu_memory
-from engine.core.connector_setup import OffloadSettings, make_connector
+from engine.core.connector_setup import OffloadQuant, OffloadSettings, make_connector
 from engine.core.request_factory import RequestFactory
 from engine.core.scheduler import Scheduler
 from engine.core.setup import (attention_backend, eos_ids, kv_layout, step_token_budget,
@@ -24,7 +24,7 @@ from engine.core.setup import (attention_backend, eos_ids, kv_layout, step_token
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_events import ZmqEventPublisher, open_events
 from engine.kv.kv_groups import KVLayout
-from engine.model_config import FP8_DTYPES, ModelConfig, load_model_config
+from engine.model_config import FP8_DTYPES, KVScale, ModelConfig, load_model_config, resolve_offload_dtype
 from engine.parallel.ranks import Ranks
 from engine.parallel.shard import TPShard
 from engine.runner import cpu_runtime, cpu_threads
@@ -113,6 +113,23 @@ def _graph_mode(config: EngineConfig, model: torch.nn.Module) -> GraphMode:
     return mode
 
 
+def _offload_quant(config: EngineConfig, mc: ModelConfig, model: torch.nn.Module, model_dir: Path, tokenizer,
+                   max_len: int) -> OffloadQuant | None:
+    """--kv-offload-dtype: the tiers' dtype and, for fp8, per-layer scales (computed before G1's
+    own fp8 scales are set: calibration needs unscaled attention)."""
+    dtype = resolve_offload_dtype(config.kv_offload_dtype, mc.kv_dtype)
+    if dtype is None:
+        return None
+    scales: tuple[KVScale, ...] = ()
+    if dtype in FP8_DTYPES:
+        scales, source = kv_quant.scales_for(model, mc, dtype, model_dir, weight_files(model_dir), tokenizer,
+                                             config.block_size, config.device, max_len)
+        log.info("offload tiers store %s KV: per-layer scales %s; %s", str(dtype)[6:], source, kv_quant.describe(scales))
+    else:
+        log.info("offload tiers store %s KV (G1: %s)", str(dtype)[6:], str(mc.kv_dtype)[6:])
+    return OffloadQuant(dtype, scales)
+
+
 def build(config: EngineConfig) -> EngineParts:
     model_dir = Path(config.model)
     full = load_model_config(model_dir, config.dtype, config.device, config.kv_cache_dtype)
@@ -166,6 +183,7 @@ def build(config: EngineConfig) -> EngineParts:
         if ranks is not None:
             ranks.connect()
             shard.attach(model, ranks.all_reduce)
+        offload = _offload_quant(config, mc, model, model_dir, tokenizer, max_len)
         mc = kv_quant.prepare(model, mc, model_dir, weight_files(model_dir), tokenizer, bs, config.device, max_len)
     except BaseException:
         if ranks is not None:
@@ -190,7 +208,7 @@ def build(config: EngineConfig) -> EngineParts:
         _warm_up(runner, threads)
     runner.capture_graphs()
     connector = make_connector(OffloadSettings.of(config), mc, model_dir, hidden, pool, events, runner,
-                               tp_size=shard.size, peers=ranks) or NullConnector()
+                               tp_size=shard.size, peers=ranks, offload=offload) or NullConnector()
     sampler = Sampler(config.seed)
     spec = None
     if plan is not None:

@@ -11,7 +11,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from dataclasses import dataclass
+
 import msgspec
+import torch
 
 from connectors.base import KVConnector
 from connectors.codec import BlockLayout
@@ -19,13 +22,30 @@ from connectors.factory import ConnectorContext, build_connector, builds_tiered,
 from connectors.hidden_spec import HiddenStatesSpec
 from connectors.sharded import TransferPeers
 from engine.config import EngineConfig, offload_flags_on
-from engine.model_config import ModelConfig
+from engine.model_config import KVScale, ModelConfig
 from engine.kv.fingerprint import fingerprint_description, namespace_digest
 from engine.runner.model_runner import ModelRunner
 from kvstore.events import EventBuffer
 from kvstore.g1 import BlockPool
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OffloadQuant:
+    """--kv-offload-dtype: the offload tiers' KV dtype (narrower than G1's) and, for fp8, per-layer
+    scales (engine/runner/kv_quant.py); entries are narrowed on the way down (connectors/codec.py)."""
+
+    dtype: torch.dtype
+    scales: tuple[KVScale, ...] = ()
+
+    def slot_scales(self, mc: ModelConfig, runner: ModelRunner) -> tuple[tuple[float, float], ...]:
+        """Per cache slot (a layer that owns its KV, in order, with one KV group), its (k, v)."""
+        if not self.scales:
+            return ()
+        if len(runner.layout.groups) > 1 or not mc.uniform_kv:
+            raise ValueError("kv_offload_dtype fp8 with several KV groups or per-layer KV shapes is not built")
+        return tuple((s.k, s.v) for i, s in enumerate(self.scales) if mc.kv_source(i) == i)
 
 
 class OffloadSettings(msgspec.Struct, frozen=True):
@@ -61,10 +81,12 @@ class OffloadSettings(msgspec.Struct, frozen=True):
 
 def make_connector(cfg: OffloadSettings, mc: ModelConfig, model_dir: Path, hidden_spec: HiddenStatesSpec | None,
                    pool: BlockPool, events: EventBuffer | None, runner: ModelRunner,
-                   rank: int = 0, tp_size: int = 1, peers: TransferPeers | None = None) -> KVConnector | None:
+                   rank: int = 0, tp_size: int = 1, peers: TransferPeers | None = None,
+                   offload: OffloadQuant | None = None) -> KVConnector | None:
     """Builds the connector (None when nothing asks for one) and registers the runner's caches.
     `rank` / `tp_size`: which tensor-parallel shard this process holds (its tiers' namespace);
-    `peers`: on rank 0 of several, the other ranks, which run the connector's plans too."""
+    `peers`: on rank 0 of several, the other ranks, which run the connector's plans too;
+    `offload`: the tiers' narrower KV dtype (--kv-offload-dtype)."""
     tc = dict(cfg.kv_transfer_config or {})
     if not (cfg.offload_enabled or tc):
         if hidden_spec is not None:
@@ -90,6 +112,9 @@ def make_connector(cfg: OffloadSettings, mc: ModelConfig, model_dir: Path, hidde
     if grouped:  # an entry holds one group's layers: a namespace per layout
         fp = hashlib.sha256(fp + repr([(g.layer_ids, g.window, g.per_slot) for g in groups]).encode()).digest()[:16]
         info["kv_groups"] = [{"layers": list(g.layer_ids), "window": g.window} for g in groups]
+    if offload is not None:  # other bytes for the same tokens: a namespace of their own
+        fp = hashlib.sha256(fp + repr((str(offload.dtype), [(x.k, x.v) for x in offload.scales])).encode()).digest()[:16]
+        info["offload_dtype"] = str(offload.dtype)
     if tp_size > 1:  # this rank's shard of each block: a namespace of its own
         fp = hashlib.sha256(fp + f"tp{tp_size}.{rank}".encode()).digest()[:16]
         info["tensor_parallel"] = {"size": tp_size, "rank": rank}
@@ -98,8 +123,10 @@ def make_connector(cfg: OffloadSettings, mc: ModelConfig, model_dir: Path, hidde
     # layers that reuse another's KV have no slot (engine/kv/kv_groups.py).
     slots, _, _, _, kv_heads, head_dim = runner.kv_cache.shape
     layout = BlockLayout(slots, cfg.kv_offload_block_size // cfg.block_size, cfg.block_size,
-                         kv_heads, head_dim, mc.kv_dtype, fp.hex(),
-                         hs.layer_ids if hs else (), mc.hidden_size if hs else 0, mc.dtype)
+                         kv_heads, head_dim, offload.dtype if offload else mc.kv_dtype, fp.hex(),
+                         hs.layer_ids if hs else (), mc.hidden_size if hs else 0, mc.dtype,
+                         g1_dtype=mc.kv_dtype if offload else None,
+                         kv_scales=offload.slot_scales(mc, runner) if offload else ())
     ctx = ConnectorContext(layout, pool, fp, cfg.kv_eviction_policy, cfg.kv_offloading_size,
                            cfg.kv_offload_disk, cfg.kv_offload_disk_size, extra, events,
                            hidden_spec=hs, model_name=model_dir.name, remote_url=cfg.kv_offload_remote,

@@ -135,26 +135,35 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return sorted(found, key=lambda m: m.layer_idx)
 
 
+def scales_for(model: torch.nn.Module, mc: ModelConfig, dtype: torch.dtype, model_dir: Path, files: list[str],
+               tokenizer, block_size: int, device: str, max_len: int) -> tuple[tuple[KVScale, ...], str]:
+    """Per-layer scales for fp8 `dtype`, and where they came from: the checkpoint's, else
+    calibrated on `CALIBRATION_TEXT`'s first `max_len` tokens at most (the model's rotary tables
+    end there). The model's attention must be unscaled."""
+    scales = checkpoint_scales(model_dir, files, mc.num_layers)
+    if scales is not None:
+        return scales, "the checkpoint's k_scale/v_scale"
+    ids = tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"][:max_len]
+    return calibrate(model, replace(mc, cache_dtype=dtype), ids, block_size, device), \
+        f"calibrated on {len(ids)} tokens, {HEADROOM:g}x headroom"
+
+
+def describe(scales: tuple[KVScale, ...]) -> str:
+    ks, vs = [s.k for s in scales], [s.v for s in scales]
+    return f"k {min(ks):g}..{max(ks):g}, v {min(vs):g}..{max(vs):g}"
+
+
 def prepare(model: torch.nn.Module, mc: ModelConfig, model_dir: Path, files: list[str], tokenizer,
             block_size: int, device: str, max_len: int) -> ModelConfig:
-    """For an fp8 cache: the layers' scales (the checkpoint's, else calibrated on the text's first
-    `max_len` tokens at most: the model's rotary tables end there), given to the model's attention
+    """For an fp8 cache: the layers' scales (`scales_for`), given to the model's attention
     modules, and `mc` carrying them (its fingerprint then names them)."""
     if mc.kv_dtype not in FP8_DTYPES:
         return mc
-    scales = checkpoint_scales(model_dir, files, mc.num_layers)
-    source = "the checkpoint's k_scale/v_scale"
-    if scales is None:
-        ids = tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"][:max_len]
-        scales = calibrate(model, mc, ids, block_size, device)
-        source = f"calibrated on {len(ids)} tokens, {HEADROOM:g}x headroom"
+    scales, source = scales_for(model, mc, mc.kv_dtype, model_dir, files, tokenizer, block_size, device, max_len)
     modules = attention_modules(model)
     if [m.layer_idx for m in modules] != list(range(mc.num_layers)):
         raise ValueError(f"{mc.architecture}: fp8 KV needs one attention module per layer")
     for m in modules:
         m.use_kv_scale(scales[m.layer_idx])
-    ks, vs = [s.k for s in scales], [s.v for s in scales]
-    log.info("fp8 KV cache (%s): per-layer scales %s; k %g..%g, v %g..%g", str(mc.kv_dtype)[6:], source,
-             min(ks), max(ks), min(vs), max(vs))
+    log.info("fp8 KV cache (%s): per-layer scales %s; %s", str(mc.kv_dtype)[6:], source, describe(scales))
     return replace(mc, kv_scales=scales)
-

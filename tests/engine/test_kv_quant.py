@@ -236,3 +236,58 @@ def test_speculation_and_hidden_states_with_fp8(ckpt_dir, tmp_path):
 def test_config_names_every_format():
     for name in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         assert EngineConfig(model="x", kv_cache_dtype=name).kv_cache_dtype == name
+
+
+@pytest.mark.parametrize("offload_dtype", ["fp8", "bfloat16"])
+def test_offload_dtype_hits_equal_an_engine_whose_prefix_kv_was_rounded_alike(ckpt_dir, tmp_path, offload_dtype):
+    """--kv-offload-dtype: G1 stays float32 and the tiers hold narrower entries. A hit from G2 (and,
+    in a new engine, from G3) gives the tokens and log-probs of an engine whose prefix KV was
+    rounded the same way in G1 (the oracle: a plain engine's G1 put through the layout's
+    encode/decode); an exact engine on the same G3 directory finds none of the narrow entries."""
+    model, g3 = str(ckpt_dir("llama")), str(tmp_path / "g3")
+    prompt = random_prompt(300, 7900)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+    def run(llm: LLM) -> tuple[dict, list[int], list]:
+        (o,) = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+        c = o.outputs[0]
+        return o.cached_tokens_by_tier, list(c.token_ids), [lp[t] for t, lp in zip(c.token_ids, c.logprobs)]
+
+    with LLM(model, dtype="float32", num_gpu_blocks=200, kv_offloading_size=0.05, kv_offload_disk=g3,
+             kv_offload_dtype=offload_dtype) as llm:
+        layout = llm.engine.connector.layout
+        assert llm.engine.runner.kv_cache.dtype == torch.float32 and layout.converts
+        assert layout.dtype == {"fp8": torch.float8_e4m3fn, "bfloat16": torch.bfloat16}[offload_dtype]
+        assert bool(layout.kv_scales) == (offload_dtype == "fp8")
+        run(llm)
+        llm.engine.flush_offload()
+        llm.engine.pool.reset_prefix_cache()
+        tiers, tokens, lps = run(llm)
+        assert tiers.get("G2", 0) >= 256, tiers
+    with LLM(model, dtype="float32", num_gpu_blocks=200) as llm:  # the oracle
+        run(llm)
+        cache = llm.engine.runner.kv_cache
+        cache.copy_(layout.decode(layout.encode(cache)))
+        tiers, want, want_lps = run(llm)
+        assert tiers.get("G1", 0) == 288, tiers  # the same prefix as the tier hit, rounded alike
+    assert tokens == want and lps == want_lps
+    with LLM(model, dtype="float32", num_gpu_blocks=200, kv_offload_disk=g3) as llm:
+        tiers, _, _ = run(llm)
+        assert not tiers, f"an exact engine was served {offload_dtype} entries: {tiers}"
+    with LLM(model, dtype="float32", num_gpu_blocks=200, kv_offload_disk=g3, kv_offload_dtype=offload_dtype) as llm:
+        tiers, again, again_lps = run(llm)
+        assert tiers.get("G3", 0) >= 256 and again == want and again_lps == want_lps, tiers
+
+
+def test_offload_dtype_settings_are_checked(ckpt_dir):
+    model = str(ckpt_dir("llama"))
+    with pytest.raises(ValueError, match="needs an offload tier"):
+        EngineConfig(model=model, kv_offload_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_offload_dtype 'int8' is not supported"):
+        EngineConfig(model=model, kv_offload_dtype="int8", kv_offloading_size=1)
+    with pytest.raises(ValueError, match="not narrower than G1's KV"):
+        LLM(model, dtype="float32", kv_cache_dtype="float16", kv_offload_dtype="bfloat16", kv_offloading_size=0.01,
+            num_gpu_blocks=32, kv_offload_block_size=16)
+    with pytest.raises(ValueError, match="fp8_e5m2 is not narrower than G1's KV"):  # G1 fp8 already
+        LLM(model, dtype="float32", kv_cache_dtype="fp8", kv_offload_dtype="fp8_e5m2", kv_offloading_size=0.01,
+            num_gpu_blocks=32)
