@@ -2,7 +2,7 @@
 """Times the Triton kernels (engine/kernels) against torch at realistic sizes, bf16, block size 16.
 
 - decode: batch 64 at 2k and 16k contexts, Llama-8B heads (32q/8kv x 128) and SmolLM heads
-  (9q/3kv x 64), vs the engine's torch backend (gather + masked SDPA) and vs SDPA (flash) on
+  (9q/3kv x 64), bf16 and fp8 (e4m3) caches, vs the engine's torch backend (gather + masked SDPA) and vs SDPA (flash) on
   dense contiguous K/V; achieved bandwidth = K/V bytes read / time, vs the measured
   device-to-device copy bandwidth.
 - prefill: a 2048-token chunk after 8k cached tokens (vs the engine's torch backend and SDPA
@@ -69,19 +69,24 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cuda: bool, **kw: An
     return (lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **kw)), "default"
 
 
-def paged_cache(batch: int, ctx: int, kv_heads: int, dim: int, dev: torch.device):
+def paged_cache(batch: int, ctx: int, kv_heads: int, dim: int, dev: torch.device,
+                kv_dtype: torch.dtype = torch.bfloat16):
     """Random K/V for `batch` sequences of `ctx` tokens at shuffled (non-contiguous) blocks."""
     nb = math.ceil(ctx / BS)
-    kc = torch.randn(batch * nb + 1, BS, kv_heads, dim, device=dev, dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
+    kc = torch.randn(batch * nb + 1, BS, kv_heads, dim, device=dev).to(kv_dtype)
+    vc = torch.randn(kc.shape, device=dev).to(kv_dtype)
     tables = (torch.randperm(batch * nb, device=dev) + 1).view(batch, nb)
     return kc, vc, tables
 
 
-def decode_case(name: str, batch: int, ctx: int, dev: torch.device, cuda: bool, copy_gbs: float | None) -> dict:
+def decode_case(name: str, batch: int, ctx: int, dev: torch.device, cuda: bool, copy_gbs: float | None,
+                kv_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """bf16 q over a `kv_dtype` cache (fp8: --kv-cache-dtype fp8, read in place; the dense SDPA
+    baseline gets the same values in bf16); bandwidth counts the cache's own bytes."""
     hq, hkv, dim = HEADS[name]
-    log(f"decode {name} B={batch} ctx={ctx}")
-    kc, vc, tables = paged_cache(batch, ctx, hkv, dim, dev)
+    fp8 = kv_dtype != torch.bfloat16
+    log(f"decode {name} B={batch} ctx={ctx}{' fp8' if fp8 else ''}")
+    kc, vc, tables = paged_cache(batch, ctx, hkv, dim, dev, kv_dtype)
     q = torch.randn(batch, hq, dim, device=dev, dtype=torch.bfloat16)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
     scale = dim ** -0.5
@@ -93,13 +98,14 @@ def decode_case(name: str, batch: int, ctx: int, dev: torch.device, cuda: bool, 
     kv = torch.randn(batch, hkv, dim, device=dev, dtype=torch.bfloat16)
     eng = bench(lambda: backend.forward(q, kv, kv, kc, vc, meta, scale), cuda)
     # Ideal unpaged baseline: dense K/V, contiguous per sequence.
-    kd = kc[tables.flatten()].view(batch, -1, hkv, dim)[:, :ctx].transpose(1, 2).contiguous()
-    vd = vc[tables.flatten()].view(batch, -1, hkv, dim)[:, :ctx].transpose(1, 2).contiguous()
+    kd = kc.to(torch.bfloat16)[tables.flatten()].view(batch, -1, hkv, dim)[:, :ctx].transpose(1, 2).contiguous()
+    vd = vc.to(torch.bfloat16)[tables.flatten()].view(batch, -1, hkv, dim)[:, :ctx].transpose(1, 2).contiguous()
     fn, backend_name = sdpa(q.unsqueeze(2), kd, vd, cuda, scale=scale)
     dense = bench(fn, cuda)
     err = (K.paged_decode(q, kc, vc, tables, lens, scale).float() - fn().squeeze(2).float()).abs().max().item()
-    gbs = 2 * batch * ctx * hkv * dim * 2 / (tri * 1e-6) / 1e9
-    return {"kernel": "decode", "case": f"{name} B={batch} ctx={ctx}", "triton_us": tri, "torch_us": eng,
+    gbs = 2 * batch * ctx * hkv * dim * kc.element_size() / (tri * 1e-6) / 1e9
+    case = f"{name} B={batch} ctx={ctx}{' ' + str(kv_dtype)[6:] if fp8 else ''}"
+    return {"kernel": "decode", "case": case, "triton_us": tri, "torch_us": eng,
             "sdpa_us": dense, "sdpa": backend_name, "max_abs_err": err, "achieved": f"{gbs:.0f} GB/s",
             "pct_copy_bw": 100 * gbs / copy_gbs if copy_gbs else None}
 
@@ -209,7 +215,8 @@ def main() -> None:
     else:  # batch/context, prefill cached/chunk/fresh, layers/blocks/blocks copied/tokens written
         decodes, (cached, chunk, fresh) = [(64, 2048), (64, 16384)], (8192, 2048, 8192)
         copies = (32, 2048, 256, [64, 2048])
-    rows = [decode_case(name, b, ctx, dev, cuda, copy_gbs) for name in HEADS for b, ctx in decodes]
+    rows = [decode_case(name, b, ctx, dev, cuda, copy_gbs, kv) for name in HEADS for b, ctx in decodes
+            for kv in (torch.bfloat16, torch.float8_e4m3fn)]  # fp8: issue 44's >= 70% of copy bandwidth
     rows += [prefill_case(name, q_len, ctx, dev, cuda) for name in HEADS
              for q_len, ctx in ((chunk, cached + chunk), (fresh, fresh))]
     layers, num_blocks, nsel, tokens = copies

@@ -15,7 +15,8 @@ Accuracy and tier engines run eagerly (a compile costs a minute per engine here)
 The settings: the weights' dtype (the control: kvtier's float32 KV is transformers' float32 up to
 float error), bfloat16 KV, fp8_e4m3 and fp8_e5m2 with calibrated per-layer scales (the default),
 and fp8_e4m3 with unit scales (what vLLM uses when a checkpoint has no k_scale/v_scale and
---calculate-kv-scales is off), which shows what calibration is worth.
+--calculate-kv-scales is off), which shows what calibration is worth. The tiers part also runs
+"fp8 offload": G1 exact, --kv-offload-dtype fp8.
 
 Speed (`--parts decode,tiers`) and capacity (`--parts capacity`):
 - one decode step at batch `--decode-batch`, every row `--decode-context` tokens deep in scattered
@@ -53,14 +54,16 @@ from _common import (RESULTS_DIR, log, machine_info, median, preload_allocator, 
                      set_torch_threads, usable_cpus, write_json)
 
 PARTS = ("accuracy", "capacity", "decode", "tiers")
-# name -> (--kv-cache-dtype, unit scales instead of calibrated ones)
+# name -> (--kv-cache-dtype, unit scales instead of calibrated ones, --kv-offload-dtype)
 SETTINGS = {
-    "model dtype": ("auto", False),
-    "bfloat16": ("bfloat16", False),
-    "fp8_e4m3": ("fp8_e4m3", False),
-    "fp8_e5m2": ("fp8_e5m2", False),
-    "fp8_e4m3 unit scales": ("fp8_e4m3", True),
+    "model dtype": ("auto", False, "auto"),
+    "bfloat16": ("bfloat16", False, "auto"),
+    "fp8_e4m3": ("fp8_e4m3", False, "auto"),
+    "fp8_e5m2": ("fp8_e5m2", False, "auto"),
+    "fp8_e4m3 unit scales": ("fp8_e4m3", True, "auto"),
+    "fp8 offload": ("auto", False, "fp8"),  # G1 exact, the tiers fp8 (tiers part only)
 }
+TIERS_ONLY = ("fp8 offload",)
 PPL_TARGET = 0.01  # fp8_e4m3 perplexity within 1% of the model dtype's (issue 44, point 1)
 BYTES_TARGET, TIME_TARGET = 0.55, 0.60  # tier hits: bytes and time against the model dtype's (point 2)
 CAPACITY_TARGET = 1.9
@@ -92,8 +95,10 @@ def engine(model: str, setting: str, **kw):
     minute per engine here, and only the decode step's time depends on it."""
     from engine import LLM
 
-    kv_dtype, unit = SETTINGS[setting]
+    kv_dtype, unit, offload_dtype = SETTINGS[setting]
     kw.setdefault("enforce_eager", True)
+    if offload_dtype != "auto":
+        kw["kv_offload_dtype"] = offload_dtype
     with scales_of(unit):
         return LLM(model, dtype="float32", kv_cache_dtype=kv_dtype, seed=0, **kw)
 
@@ -113,7 +118,7 @@ def accuracy(model: str, args, stream: list[int]) -> dict[str, Any]:
     score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=0)
     got: dict[str, dict[str, Any]] = {}
-    for name in args.settings:
+    for name in (n for n in args.settings if n not in TIERS_ONLY):
         log(f"accuracy: {name}")
         with engine(model, name, max_model_len=max(w, args.prompt_tokens + args.max_tokens) + 8,
                     num_gpu_blocks=2 * -(-max(w, len(prompts) * (args.prompt_tokens + args.max_tokens)) // 16)) as llm:
@@ -130,7 +135,7 @@ def accuracy(model: str, args, stream: list[int]) -> dict[str, Any]:
     hf.generation_config.eos_token_id = None
     own = []
     out: dict[str, Any] = {"prompts": len(prompts), "max_tokens": args.max_tokens,
-                           "ppl_tokens": got[args.settings[0]]["nll_tokens"], "settings": {}}
+                           "ppl_tokens": next(iter(got.values()))["nll_tokens"], "settings": {}}
     with torch.inference_mode():
         for p in prompts:
             ids = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
@@ -212,7 +217,7 @@ def tiers(model: str, args) -> dict[str, Any]:
 
     from offload import LocalRedis, drop_page_cache, ttft
 
-    names = [n for n in ("model dtype", "bfloat16", "fp8_e4m3") if n in args.settings]
+    names = [n for n in ("model dtype", "bfloat16", "fp8_e4m3", "fp8 offload") if n in args.settings]
     tmp = tempfile.TemporaryDirectory(prefix="kvtier-kvquant-bench-")
     work = Path(tmp.name)
     redis = LocalRedis(work / "redis")
@@ -341,11 +346,11 @@ def main() -> int:
               f"{tr['page_cache_dropped']})")
         print_table(["KV", "tier", "hit tokens", "MiB loaded", "TTFT s", f"bytes vs {names[0]}",
                      f"time vs {names[0]}"], rows)
-        if "fp8_e4m3" in tr:
-            for t, c in tr["fp8_e4m3"].items():
+        for n in (x for x in ("fp8_e4m3", "fp8 offload") if x in tr):
+            for t, c in tr[n].items():
                 b = tr[names[0]][t]
                 by, ti = c["loaded_bytes"] / max(b["loaded_bytes"], 1), c["median_ttft_s"] / b["median_ttft_s"]
-                print(f"fp8 {t} hit: {by:.0%} of the bytes, {ti:.0%} of the time (targets <= {BYTES_TARGET:.0%}, "
+                print(f"{n} {t} hit: {by:.0%} of the bytes, {ti:.0%} of the time (targets <= {BYTES_TARGET:.0%}, "
                       f"<= {TIME_TARGET:.0%}: {'met' if by <= BYTES_TARGET and ti <= TIME_TARGET else 'NOT met'})")
     path = write_json(args.out, results)
     log(f"wrote {path}")

@@ -76,7 +76,7 @@ class TransferEngine:
         self._progress = threading.Event()  # set with every _done item: the idle engine waits on it
         self.tier_hits: dict[str, int] = dict.fromkeys([HOST, *(t.name for t in tiers)], 0)  # tokens served
         self.load_seconds = 0.0  # wall time of load jobs on the transfer thread
-        self.load_bytes = 0  # KV bytes those jobs placed into G1
+        self.load_bytes = 0  # entry bytes those jobs placed into G1 (narrower than G1's with --kv-offload-dtype)
         self.copy_seconds = 0.0  # of load_seconds, the copies of storage-tier hits into G1
         self.g2_copies = 0  # copy operations G2 loads took (fewer: longer consecutive runs)
         # A tensor-parallel worker's: rank 0's load plan -> this rank's (its own G2 slots and
