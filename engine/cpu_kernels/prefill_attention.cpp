@@ -48,17 +48,27 @@ struct Item {
   int64_t row0;  // first row of the tile, relative to the chunk
 };
 
-// Keys [k0, k0 + n) of one kv head as a dense float [L, D] slice, rows n..L-1 zero (they may be
-// past the sequence's end: never-written cache, which must not reach a product even as 0 * NaN).
-template <class IO>
-inline void load_slice(const typename IO::T* src, int64_t stride, int n, int D, float* dst) {
-  kvt::load_rows<IO>(src, stride, n, D, dst);
+// The cache's element type, chosen at run time: it only decides how a slice is widened into
+// floats, so the tile code is compiled once per q type, not once per (q, cache) pair (with the
+// fp8 caches, seven pairs made the portable x86-64 build take minutes).
+enum class Cache { F32, BF16, E4M3, E5M2 };
+
+// Keys [k0, k0 + n) of one kv head as a dense float [L, D] slice (`at` elements into the cache),
+// rows n..L-1 zero (they may be past the sequence's end: never-written cache, which must not reach
+// a product even as 0 * NaN).
+inline void load_slice(Cache c, const void* cache, int64_t at, int64_t stride, int n, int D, float* dst) {
+  switch (c) {
+    case Cache::F32: kvt::load_rows<F32>(static_cast<const float*>(cache) + at, stride, n, D, dst); break;
+    case Cache::BF16: kvt::load_rows<BF16>(static_cast<const uint16_t*>(cache) + at, stride, n, D, dst); break;
+    case Cache::E4M3: kvt::load_rows<kvt::E4M3>(static_cast<const kvt::fp8e4m3*>(cache) + at, stride, n, D, dst); break;
+    case Cache::E5M2: kvt::load_rows<kvt::E5M2>(static_cast<const kvt::fp8e5m2*>(cache) + at, stride, n, D, dst); break;
+  }
   std::fill(dst + int64_t(n) * D, dst + int64_t(L) * D, 0.0f);
 }
 
 // IO is q's and out's element type, KV the cache's (a bfloat16 cache under float32 q with --kv-cache-dtype).
-template <class IO, class KV, int D_>
-void attend_tile(const typename IO::T* q, const typename KV::T* kc, const typename KV::T* vc, typename IO::T* out,
+template <class IO, int D_>
+void attend_tile(const typename IO::T* q, Cache cache, const void* kc, const void* vc, typename IO::T* out,
                  const int64_t* table, const Seq& sq, const Item& it, const Shape& s, float* scratch) {
   const int D = D_ > 0 ? D_ : s.head_dim;
   const int G = s.heads / s.kv_heads, BS = s.block_size;
@@ -91,8 +101,8 @@ void attend_tile(const typename IO::T* q, const typename KV::T* kc, const typena
     const int n = int(std::min<int64_t>(slice, sq.ctx - k0));
     const int64_t base = table[k0 / BS] * s.block_stride + (k0 % BS) * s.token_stride + int64_t(it.kvh) * D;
     // Dense float copies: the products then address K and V at fixed offsets, and bf16 is converted once.
-    load_slice<KV>(kc + base, s.token_stride, n, D, kbuf);
-    load_slice<KV>(vc + base, s.token_stride, n, D, vbuf);
+    load_slice(cache, kc, base, s.token_stride, n, D, kbuf);
+    load_slice(cache, vc, base, s.token_stride, n, D, vbuf);
     float keyf[L];  // slots past the slice's valid keys are masked for every row
     for (int j = 0; j < L; ++j) keyf[j] = j < n ? float(k0 + j) : INFINITY;
     // every key of the slice is visible to every row (none after a row, none out of a row's window)
@@ -173,11 +183,10 @@ void attend_tile(const typename IO::T* q, const typename KV::T* kc, const typena
   }
 }
 
-template <class IO, class KV, int D_>
-void run(const void* q, const void* k, const void* v, void* out, const Seq* seqs, int64_t nseq,
+template <class IO, int D_>
+void run(const void* q, Cache cache, const void* k, const void* v, void* out, const Seq* seqs, int64_t nseq,
          const int64_t* tables, const Shape& s, int threads) {
   using T = typename IO::T;
-  using C = typename KV::T;
   std::vector<Item> items;
   for (int64_t i = 0; i < nseq; ++i)
     for (int64_t r = 0; r < seqs[i].qlen; r += L)
@@ -196,21 +205,21 @@ void run(const void* q, const void* k, const void* v, void* out, const Seq* seqs
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       const Seq& sq = seqs[items[i].seq];
-      attend_tile<IO, KV, D_>(static_cast<const T*>(q), static_cast<const C*>(k), static_cast<const C*>(v),
-                          static_cast<T*>(out), tables + sq.table_offset, sq, items[i], s, scratch.data());
+      attend_tile<IO, D_>(static_cast<const T*>(q), cache, k, v, static_cast<T*>(out), tables + sq.table_offset, sq,
+                          items[i], s, scratch.data());
     }
   }
 }
 
-template <class IO, class KV>
-void dispatch(const void* q, const void* k, const void* v, void* out, const Seq* seqs, int64_t nseq,
+template <class IO>
+void dispatch(const void* q, Cache cache, const void* k, const void* v, void* out, const Seq* seqs, int64_t nseq,
               const int64_t* tables, const Shape& s, int threads) {
   if (s.head_dim == 64)
-    run<IO, KV, 64>(q, k, v, out, seqs, nseq, tables, s, threads);
+    run<IO, 64>(q, cache, k, v, out, seqs, nseq, tables, s, threads);
   else if (s.head_dim == 128)
-    run<IO, KV, 128>(q, k, v, out, seqs, nseq, tables, s, threads);
+    run<IO, 128>(q, cache, k, v, out, seqs, nseq, tables, s, threads);
   else
-    run<IO, KV, 0>(q, k, v, out, seqs, nseq, tables, s, threads);
+    run<IO, 0>(q, cache, k, v, out, seqs, nseq, tables, s, threads);
 }
 
 }  // namespace
@@ -236,20 +245,12 @@ int kvt_prefill_attention(int dtypes, const void* q, int64_t q_row_stride, const
   const Shape s{q_row_stride, out_row_stride, block_stride, token_stride, heads, kv_heads, head_dim, block_size, scale,
                 window};
   const Seq* sq = reinterpret_cast<const Seq*>(seqs);
-  if (dtypes == 3)
-    dispatch<BF16, BF16>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
-  else if (dtypes == 2)
-    dispatch<F32, BF16>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
-  else if (dtypes == 4)
-    dispatch<F32, kvt::E4M3>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
-  else if (dtypes == 5)
-    dispatch<BF16, kvt::E4M3>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
-  else if (dtypes == 8)
-    dispatch<F32, kvt::E5M2>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
-  else if (dtypes == 9)
-    dispatch<BF16, kvt::E5M2>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
+  const Cache cache = (dtypes & 14) == 2 ? Cache::BF16 : (dtypes & 14) == 4 ? Cache::E4M3
+                      : (dtypes & 14) == 8 ? Cache::E5M2 : Cache::F32;
+  if (dtypes & 1)
+    dispatch<BF16>(q, cache, k_cache, v_cache, out, sq, nseq, tables, s, threads);
   else
-    dispatch<F32, F32>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
+    dispatch<F32>(q, cache, k_cache, v_cache, out, sq, nseq, tables, s, threads);
   return 0;
 }
 

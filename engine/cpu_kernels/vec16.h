@@ -155,4 +155,26 @@ struct V16 {
 };
 #endif
 
+// fp8 rows widened 16 lanes at a time (the scalar table reads one byte at a time: a prefill over
+// an fp8 cache ran 1.5x slower than over float32). The same values either way: widening is exact.
+template <class KV, class Widen>
+inline void load_fp8_rows(const typename KV::T* src, int64_t stride, int n, int D, float* dst, Widen widen) {
+  for (int j = 0; j < n; ++j) {
+    const typename KV::T* row = src + j * stride;
+    const int whole = D / 16 * 16;
+    for (int d = 0; d < whole; d += 16) widen(row + d).store(dst + j * D + d);
+    for (int d = whole; d < D; ++d) dst[j * D + d] = KV::load(row, d);
+  }
+}
+
+template <>
+inline void load_rows<E4M3>(const fp8e4m3* src, int64_t stride, int n, int D, float* dst) {
+  load_fp8_rows<E4M3>(src, stride, n, D, dst, V16::load_e4m3);
+}
+
+template <>
+inline void load_rows<E5M2>(const fp8e5m2* src, int64_t stride, int n, int D, float* dst) {
+  load_fp8_rows<E5M2>(src, stride, n, D, dst, V16::load_e5m2);
+}
+
 }  // namespace kvt
