@@ -53,7 +53,7 @@ import torch  # noqa: E402
 from _common import (RESULTS_DIR, log, machine_info, median, preload_allocator, print_table,  # noqa: E402
                      set_torch_threads, usable_cpus, write_json)
 
-PARTS = ("accuracy", "capacity", "decode", "tiers")
+PARTS = ("accuracy", "perplexity", "capacity", "decode", "tiers")  # perplexity: accuracy's first half alone
 # name -> (--kv-cache-dtype, unit scales instead of calibrated ones, --kv-offload-dtype)
 SETTINGS = {
     "model dtype": ("auto", False, "auto"),
@@ -152,12 +152,16 @@ def accuracy(model: str, args, stream: list[int]) -> dict[str, Any]:
                                     num_gpu_blocks=2 * -(-max(w, len(prompts) * (args.prompt_tokens + args.max_tokens)) // 16)) as llm:
             outs = llm.generate([{"prompt_token_ids": x} for x in windows], score, use_tqdm=False)
             nll = [-e[t].logprob for o, x in zip(outs, windows) for e, t in zip(o.prompt_logprobs[1:], x[1:])]
-            gen = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+            gen = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False) \
+                if args.greedy else []
             cont = [(list(o.outputs[0].token_ids), [lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
                     for o in gen]
         lps = [x for _, lp in cont for x in lp]
         got[name] = {"ppl": math.exp(sum(nll) / len(nll)), "nll_tokens": len(nll), "cont": cont,
                      "nonfinite": sum(not math.isfinite(x) for x in nll + lps)}
+    if not args.greedy:
+        return {"prompts": 0, "max_tokens": 0, "ppl_tokens": next(iter(got.values()))["nll_tokens"],
+                "settings": {n: {"perplexity": g["ppl"], "nonfinite": g["nonfinite"]} for n, g in got.items()}}
     log("transformers float32 scores the continuations")
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa").eval()
     hf.generation_config.eos_token_id = None
@@ -306,6 +310,9 @@ def main() -> int:
     ap.add_argument("--decode-runs", type=int, default=7, help="decode steps per setting, after 2 warm-ups (default %(default)s)")
     ap.add_argument("--tier-tokens", type=int, default=8000, help="prompt tokens of a tier hit (default %(default)s)")
     ap.add_argument("--tier-runs", type=int, default=3, help="tier hits per setting and tier (default %(default)s)")
+    ap.add_argument("--headroom", type=float, default=None,
+                    help="calibration headroom for fp8 scales instead of engine/runner/kv_quant.py's HEADROOM "
+                         "(to compare rules)")
     ap.add_argument("--threads", type=int, default=usable_cpus(), help="torch threads (default: all cores)")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "kv_quant.json", help="JSON results (default %(default)s)")
     args = ap.parse_args()
@@ -329,16 +336,28 @@ def main() -> int:
     head = f"{machine['cpu_model']}, {machine['cpu_isa']}; {Path(args.model).name}, float32 weights"
     results: dict[str, Any] = {"benchmark": "kv_quant", "model": args.model, "parts": parts}
     ref = args.settings[0]
-    if "accuracy" in parts:
+    if args.headroom is not None:
+        from engine.runner import kv_quant
+
+        if args.headroom < 1:
+            ap.error("--headroom must be >= 1")
+        kv_quant.HEADROOM = args.headroom  # this process's engines calibrate with it
+        results["headroom"] = args.headroom
+    if "accuracy" in parts or "perplexity" in parts:
+        args.greedy = "accuracy" in parts
         acc = results["accuracy"] = accuracy(args.model, args, held_out_ids(AutoTokenizer.from_pretrained(args.model)))
         base = acc["settings"][ref]["perplexity"]
-        print(f"{head}; perplexity over {acc['ppl_tokens']} tokens of pydoc_data.topics; {acc['prompts']} continuations "
-              f"x {acc['max_tokens']} greedy tokens scored by transformers float32")
+        print(f"{head}; perplexity over {acc['ppl_tokens']} tokens of pydoc_data.topics" + (
+            f"; {acc['prompts']} continuations x {acc['max_tokens']} greedy tokens scored by transformers float32"
+            if args.greedy else ""))
         print_table(["KV", "perplexity", f"vs {ref}", "mean |Δ logprob|", "max |Δ logprob|", "greedy agreement",
                      "identical outputs", "NaN/inf"],
-                    [[n, f"{s['perplexity']:.4f}", f"{s['perplexity'] / base - 1:+.2%}", f"{s['mean_abs_dlogprob']:.4f}",
-                      f"{s['max_abs_dlogprob']:.3f}", f"{s['greedy_agreement']:.2%}",
-                      f"{s['identical_outputs']}/{acc['prompts']}", s["nonfinite"]] for n, s in acc["settings"].items()])
+                    [[n, f"{s['perplexity']:.4f}", f"{s['perplexity'] / base - 1:+.2%}",
+                      f"{s['mean_abs_dlogprob']:.4f}" if args.greedy else "-",
+                      f"{s['max_abs_dlogprob']:.3f}" if args.greedy else "-",
+                      f"{s['greedy_agreement']:.2%}" if args.greedy else "-",
+                      f"{s['identical_outputs']}/{acc['prompts']}" if args.greedy else "-", s["nonfinite"]]
+                     for n, s in acc["settings"].items()])
         if "fp8_e4m3" in acc["settings"]:
             d = acc["settings"]["fp8_e4m3"]["perplexity"] / base - 1
             print(f"fp8_e4m3 perplexity {d:+.2%} vs {ref} (target within {PPL_TARGET:.0%}: "
