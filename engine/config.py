@@ -20,7 +20,7 @@ import torch
 
 from connectors.hidden_spec import HiddenStatesSpec
 from engine.model_config import (DTYPES, KV_CACHE_DTYPES, KV_OFFLOAD_DTYPES, check_kv_cache_dtype,
-                                 check_kv_offload_dtype)
+                                 check_kv_offload_dtype, check_offload_dtype_use)
 from engine.spec.config import SpeculativeConfig, parse_speculative_config
 from engine.sample.thinking import ReasoningConfig
 from policies import check_policy
@@ -232,11 +232,10 @@ class EngineConfig:
         None, "tokens per offload block, a multiple of --block-size (default: --block-size; a hit recomputes the "
         "prompt tail that does not fill a block)", group=Group.OFFLOAD, metavar="TOKENS")
     kv_offload_dtype: str = setting(
-        "auto", "what the offload tiers (G2, G3, G4) store K and V as (kvtier's own): auto is G1's "
-        "(--kv-cache-dtype); a narrower one (bfloat16 for float32 KV; fp8 = fp8_e4m3, fp8_e5m2, scaled per layer "
-        "as --kv-cache-dtype fp8 is) keeps G1 exact and rounds blocks on their way down, widening them on the way "
-        "up: the tiers hold more, and a hit from them changes the numerics (default: %(default)s: every tier "
-        "bit-exact)", group=Group.OFFLOAD, metavar="{" + ",".join(KV_OFFLOAD_DTYPES) + "}",
+        "auto", "what the offload tiers store K and V as (kvtier's own): auto is G1's (--kv-cache-dtype); a "
+        "narrower one (bfloat16 for float32 KV; fp8 = fp8_e4m3, fp8_e5m2, scaled per layer) keeps G1 exact and "
+        "rounds blocks on their way down: the tiers hold more, and their hits change the numerics (default: "
+        "%(default)s: every tier bit-exact)", group=Group.OFFLOAD, metavar="{" + ",".join(KV_OFFLOAD_DTYPES) + "}",
         check=check_kv_offload_dtype)
     kv_transfer_config: dict[str, Any] | None = setting(
         None, "vLLM-style JSON: kv_connector, kv_role, kv_connector_extra_config, kv_connector_module_path, "
@@ -349,14 +348,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
         check_kv_cache_dtype(self.kv_cache_dtype)
-        if check_kv_offload_dtype(self.kv_offload_dtype) != "auto":
-            if not (offload_flags_on(self.kv_offloading_size, self.kv_offload_disk, self.kv_offload_remote)
-                    or self.kv_transfer_config):
-                raise ValueError(f"kv_offload_dtype {self.kv_offload_dtype} needs an offload tier "
-                                 "(--kv-offloading-size, --kv-offload-disk or --kv-offload-remote)")
-            if self.tensor_parallel_size > 1:
-                raise ValueError("kv_offload_dtype with tensor_parallel_size > 1 is not built: each rank would "
-                                 "need the whole model's scales")
+        check_offload_dtype_use(self.kv_offload_dtype, self.tensor_parallel_size, bool(self.kv_transfer_config) or
+                                offload_flags_on(self.kv_offloading_size, self.kv_offload_disk, self.kv_offload_remote))
         if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
             raise ValueError(f"kv_offloading_size must be >= 0 GiB; got {self.kv_offloading_size}")
         if self.kv_offload_disk_size <= 0:
