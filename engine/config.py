@@ -205,11 +205,9 @@ class EngineConfig:
         "sets g2_eviction_policy / g3_eviction_policy (or a tier's eviction_policy) (default: %(default)s)",
         metavar="NAME|JSON")
     kv_cache_dtype: str = setting(
-        "auto", "what the KV cache stores K and V as (vLLM's flag): auto is the weights' dtype; bfloat16 or "
-        "float16 halve G1 (and the offload tiers' entries) for float32 weights; fp8 (= fp8_e4m3) or fp8_e5m2 "
-        "store one byte per value, scaled per layer (the checkpoint's k_scale/v_scale, else calibrated at "
-        "start-up), attention reading them back in the weights' dtype. Offload tiers keep each dtype's KV "
-        "apart (default: %(default)s)", metavar="{" + ",".join(KV_CACHE_DTYPES) + "}", check=check_kv_cache_dtype)
+        "auto", "what G1 and the tiers store K and V as (vLLM's flag): auto is the weights' dtype; bfloat16 or "
+        "float16 halve float32's; fp8 (= fp8_e4m3) or fp8_e5m2, one byte scaled per layer (the checkpoint's "
+        "k_scale/v_scale, else calibrated), read back in the weights' dtype (default: %(default)s)", metavar="{" + ",".join(KV_CACHE_DTYPES) + "}", check=check_kv_cache_dtype)
     seed: int = setting(0, "seed for unseeded sampling (default: %(default)s)")
     device: str = setting("auto", "where the model runs: auto takes CUDA when torch sees a GPU (default: "
                           "%(default)s)", choices=("auto", "cpu", "cuda"))
@@ -232,10 +230,9 @@ class EngineConfig:
         None, "tokens per offload block, a multiple of --block-size (default: --block-size; a hit recomputes the "
         "prompt tail that does not fill a block)", group=Group.OFFLOAD, metavar="TOKENS")
     kv_offload_dtype: str = setting(
-        "auto", "what the offload tiers store K and V as (kvtier's own): auto is G1's (--kv-cache-dtype); a "
-        "narrower one (bfloat16 for float32 KV; fp8 = fp8_e4m3, fp8_e5m2, scaled per layer) keeps G1 exact and "
-        "rounds blocks on their way down: the tiers hold more, and their hits change the numerics (default: "
-        "%(default)s: every tier bit-exact)", group=Group.OFFLOAD, metavar="{" + ",".join(KV_OFFLOAD_DTYPES) + "}",
+        "auto", "what the offload tiers store K and V as (kvtier's own): auto is G1's; a narrower one keeps G1 "
+        "exact and rounds blocks on their way down: the tiers hold more, and their hits change the numerics "
+        "(default: %(default)s: every tier bit-exact)", group=Group.OFFLOAD, metavar="{" + ",".join(KV_OFFLOAD_DTYPES) + "}",
         check=check_kv_offload_dtype)
     kv_transfer_config: dict[str, Any] | None = setting(
         None, "vLLM-style JSON: kv_connector, kv_role, kv_connector_extra_config, kv_connector_module_path, "
@@ -348,8 +345,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
         check_kv_cache_dtype(self.kv_cache_dtype)
-        check_offload_dtype_use(self.kv_offload_dtype, self.tensor_parallel_size, bool(self.kv_transfer_config) or
-                                offload_flags_on(self.kv_offloading_size, self.kv_offload_disk, self.kv_offload_remote))
+        tiers = offload_flags_on(self.kv_offloading_size, self.kv_offload_disk, self.kv_offload_remote)
+        check_offload_dtype_use(self.kv_offload_dtype, self.tensor_parallel_size, tiers or bool(self.kv_transfer_config))
         if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
             raise ValueError(f"kv_offloading_size must be >= 0 GiB; got {self.kv_offloading_size}")
         if self.kv_offload_disk_size <= 0:

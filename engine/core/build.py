@@ -120,6 +120,8 @@ def _offload_quant(config: EngineConfig, mc: ModelConfig, model: torch.nn.Module
     dtype = resolve_offload_dtype(config.kv_offload_dtype, mc.kv_dtype)
     if dtype is None:
         return None
+    if not OffloadSettings.of(config).tiered:  # e.g. only a HiddenStatesConnector: nothing would narrow
+        raise ValueError(f"kv_offload_dtype {config.kv_offload_dtype}: kv_transfer_config builds no offload tiers")
     scales: tuple[KVScale, ...] = ()
     if dtype in FP8_DTYPES:
         scales, source = kv_quant.scales_for(model, mc, dtype, model_dir, weight_files(model_dir), tokenizer,

@@ -288,6 +288,9 @@ def test_offload_dtype_settings_are_checked(ckpt_dir):
     with pytest.raises(ValueError, match="not narrower than G1's KV"):
         LLM(model, dtype="float32", kv_cache_dtype="float16", kv_offload_dtype="bfloat16", kv_offloading_size=0.01,
             num_gpu_blocks=32, kv_offload_block_size=16)
+    hidden_only = {"kv_connector": "HiddenStatesConnector", "kv_connector_extra_config": {"shared_storage_path": "/x"}}
+    with pytest.raises(ValueError, match="builds no offload tiers"):  # accepted and ignored otherwise
+        LLM(model, dtype="float32", kv_offload_dtype="fp8", kv_transfer_config=hidden_only, num_gpu_blocks=32)
     with pytest.raises(ValueError, match="fp8_e5m2 is not narrower than G1's KV"):  # G1 fp8 already
         LLM(model, dtype="float32", kv_cache_dtype="fp8", kv_offload_dtype="fp8_e5m2", kv_offloading_size=0.01,
             num_gpu_blocks=32)
