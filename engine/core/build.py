@@ -138,9 +138,6 @@ def build(config: EngineConfig) -> EngineParts:
     shard = TPShard(0, config.tensor_parallel_size)
     if not shard.trivial and config.device != "cpu":
         raise ValueError(f"tensor_parallel_size={shard.size}: tensor parallelism runs on CPU ranks (gloo) for now")
-    if not shard.trivial and full.kv_dtype in FP8_DTYPES:
-        raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype} with tensor_parallel_size={shard.size}: an fp8 "
-                         "cache's scales are calibrated on one rank's whole model, which tensor parallelism splits")
     mc = shard.config(full)  # this rank's heads and MLP columns
     tokenizer = load_tokenizer(model_dir)
     eos = eos_ids(model_dir, tokenizer)
@@ -186,7 +183,9 @@ def build(config: EngineConfig) -> EngineParts:
             ranks.connect()
             shard.attach(model, ranks.all_reduce)
         offload = _offload_quant(config, mc, model, model_dir, tokenizer, max_len)
-        mc = kv_quant.prepare(model, mc, model_dir, weight_files(model_dir), tokenizer, bs, config.device, max_len)
+        # Under tensor parallelism the workers calibrate with rank 0 here (engine/parallel/worker.start).
+        mc = kv_quant.prepare(model, mc, model_dir, weight_files(model_dir), tokenizer, bs, config.device, max_len,
+                              reduce_max=ranks.all_max if ranks is not None else None)
     except BaseException:
         if ranks is not None:
             ranks.close()

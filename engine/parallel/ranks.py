@@ -117,6 +117,13 @@ def process_group(store_path: str, rank: int, size: int, timeout_s: float) -> An
     return dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
 
 
+def all_max(pg: Any, t: torch.Tensor) -> None:
+    """The elementwise max of `t` over the ranks, in place (start-up only: through gloo)."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    pg.allreduce([t], opts).wait()
+
+
 class Ranks:
     """Rank 0's side: the workers, their sockets and the process group."""
 
@@ -145,6 +152,8 @@ class Ranks:
         self._wake: Callable[[], None] = lambda: None
         self._flushed = threading.Condition()
         self._flush_count = 0  # Flushed replies received
+        self._failed: Failed | None = None  # a worker's start-up error after it said Ready (it then exits)
+        self._readers: list[threading.Thread] = []  # one per worker, from `connect`
         try:
             for rank in range(1, size):
                 ours, theirs = socket.socketpair()
@@ -184,8 +193,10 @@ class Ranks:
                 raise RankFailed(f"tensor-parallel rank {msg.rank} failed to start: {msg.error}")
         self._reduce.pg = process_group(self._store, 0, self.size, self.timeout_s)
         for rank, conn in enumerate(self._conns, start=1):  # from now on the workers speak only to report
-            threading.Thread(target=self._read, args=(rank, conn), name=f"kvtier-rank{rank}-reports",
-                             daemon=True).start()
+            reader = threading.Thread(target=self._read, args=(rank, conn), name=f"kvtier-rank{rank}-reports",
+                                      daemon=True)
+            reader.start()
+            self._readers.append(reader)
 
     def _read(self, rank: int, conn: Connection) -> None:
         """A worker's reports (its transfers, its flushes), until it goes away."""
@@ -198,6 +209,8 @@ class Ranks:
                 for report in reports_of(msg):
                     self._reports.put((rank, report))
                 self._wake()
+            elif isinstance(msg, Failed):
+                self._failed = msg
             elif isinstance(msg, Flushed):
                 with self._flushed:
                     self._flush_count += 1
@@ -249,6 +262,15 @@ class Ranks:
             raise RankFailed(f"an all-reduce across the {self.size} tensor-parallel ranks failed (a rank hangs "
                              f"or died): {str(e).splitlines()[0][:200]}") from None
 
+    def all_max(self, t: torch.Tensor) -> None:
+        """The elementwise max of `t` over the ranks, in place (engine/runner/kv_quant.py's scales)."""
+        try:
+            all_max(self._reduce.pg, t)
+        except RuntimeError as e:
+            self.check_alive()
+            raise RankFailed(f"a max across the {self.size} tensor-parallel ranks failed: "
+                             f"{str(e).splitlines()[0][:200]}") from None
+
     def step(self, plan: RunPlan, tables: list, filled: dict[str, int]) -> None:
         """Sends a step to the workers, before rank 0 runs its shard of it."""
         self.check_alive()
@@ -263,6 +285,10 @@ class Ranks:
         """RankFailed naming the first worker that exited (cheap: the engine calls it while idle too)."""
         for rank, proc in enumerate(self._procs, start=1):
             if proc.poll() is not None:
+                if rank <= len(self._readers):
+                    self._readers[rank - 1].join(1.0)  # it ends at the pipe's EOF, after any Failed it read
+                if self._failed is not None:
+                    raise RankFailed(f"tensor-parallel rank {self._failed.rank} failed to start: {self._failed.error}")
                 raise RankFailed(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.returncode}")
 
     def close(self) -> None:

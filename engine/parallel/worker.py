@@ -1,6 +1,7 @@
 """A worker rank's process (`python -m engine.parallel.worker FD`, started by `ranks.Ranks`): gets
-its `WorkerSpec` on the socket FD, loads its shard, says `Ready`, joins the process group, then
-runs each `Step` rank 0 sends until `Stop` or until rank 0 goes away.
+its `WorkerSpec` on the socket FD, loads its shard, says `Ready`, joins the process group, builds
+the rest with the other ranks (an fp8 cache's scales are calibrated together), then runs each
+`Step` rank 0 sends until `Stop` or until rank 0 goes away.
 
 With offload tiers it also runs rank 0's load and store plans (`Transfers`) over tiers of its own
 (connectors/sharded.py): a reporter thread sends `TransfersDone` as its transfer engine finishes them."""
@@ -16,22 +17,24 @@ from pathlib import Path
 import torch
 
 from connectors.offload_transfer import TransferEngine
-from engine.parallel.ranks import (Failed, Ready, Step, Stop, WorkerSpec, encode_message,
+from engine.parallel.ranks import (Failed, Ready, Step, Stop, WorkerSpec, all_max, encode_message,
                                    process_group, to_worker)
 from engine.parallel.shm import AllReduce, ShmAllReduce
 from engine.parallel.shard import TPShard
 from engine.parallel.transfers import FlushTransfers, Flushed, Transfers, done_of, load_of, store_of
 
+START_ERRORS = (OSError, ValueError, RuntimeError, ImportError, KeyError)  # a start-up's, reported to rank 0
 REPORT_WAIT_S = 0.2  # the reporter's longest sleep between checks for finished transfers
 
 log = logging.getLogger("engine.parallel.worker")
 
 
 def build(spec: WorkerSpec):
-    from engine.core.setup import attention_backend, kv_layout
-    from engine.model_config import load_model_config
-    from engine.runner.loader import load_model
-    from engine.runner.model_runner import ModelRunner
+    """What a worker loads before it says Ready: its shard of the model, and the tokenizer an fp8
+    cache's calibration reads (`start`)."""
+    from engine.core.setup import attention_backend
+    from engine.model_config import FP8_DTYPES, load_model_config
+    from engine.runner.loader import load_model, load_tokenizer
 
     if spec.cpus:
         os.sched_setaffinity(0, spec.cpus)
@@ -40,12 +43,28 @@ def build(spec: WorkerSpec):
     model_dir = Path(spec.model)
     full = load_model_config(model_dir, spec.dtype, spec.device, spec.kv_cache_dtype)
     mc = shard.config(full)
-    backend = attention_backend(spec.device)
-    model = load_model(model_dir, mc, backend, spec.max_len, spec.device, shard=shard, full_config=full)
-    runner = ModelRunner(model, mc, spec.num_blocks, spec.block_size, spec.device, group_decodes=backend.pads_decodes,
-                         max_rows=spec.max_num_seqs, max_model_len=spec.max_len,
-                         layout=kv_layout(mc, spec.one_group), computes_logits=False)
-    return shard, model, runner, _offload(spec, mc, model_dir, runner)
+    model = load_model(model_dir, mc, attention_backend(spec.device), spec.max_len, spec.device, shard=shard,
+                       full_config=full)
+    tokenizer = load_tokenizer(model_dir) if mc.kv_dtype in FP8_DTYPES else None
+    return shard, mc, model, tokenizer
+
+
+def start(spec: WorkerSpec, mc, model, tokenizer, pg):
+    """What a worker builds once the process group is joined: an fp8 cache's scales, which every rank
+    calibrates together (rank 0's engine/core/build.py at the same point), then the runner and the
+    offload tiers, whose namespace names the scales."""
+    from engine.core.setup import attention_backend, kv_layout
+    from engine.runner import kv_quant
+    from engine.runner.loader import weight_files
+    from engine.runner.model_runner import ModelRunner
+
+    model_dir = Path(spec.model)
+    mc = kv_quant.prepare(model, mc, model_dir, weight_files(model_dir), tokenizer, spec.block_size, spec.device,
+                          spec.max_len, reduce_max=lambda t: all_max(pg, t))
+    runner = ModelRunner(model, mc, spec.num_blocks, spec.block_size, spec.device,
+                         group_decodes=attention_backend(spec.device).pads_decodes, max_rows=spec.max_num_seqs,
+                         max_model_len=spec.max_len, layout=kv_layout(mc, spec.one_group), computes_logits=False)
+    return runner, _offload(spec, mc, model_dir, runner)
 
 
 def _offload(spec: WorkerSpec, mc, model_dir: Path, runner) -> TransferEngine | None:
@@ -109,14 +128,19 @@ def serve(conn: Connection) -> None:
         raise SystemExit(f"tensor-parallel worker: expected its spec first, got {type(spec).__name__}")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {spec.rank} %(levelname)s %(name)s: %(message)s")
     try:
-        shard, model, runner, transfer = build(spec)
-    except (OSError, ValueError, RuntimeError, ImportError, KeyError) as e:  # told to rank 0, which raises it
+        shard, mc, model, tokenizer = build(spec)
+    except START_ERRORS as e:  # told to rank 0, which raises it
         conn.send_bytes(encode_message(Failed(spec.rank, f"{type(e).__name__}: {e}")))
         return
     conn.send_bytes(encode_message(Ready(spec.rank)))
     pg = process_group(spec.store_path, spec.rank, spec.size, spec.timeout_s)
-    shm = ShmAllReduce(spec.shm_name, spec.rank, spec.size, runner.cfg.dtype, spec.timeout_s)
+    shm = ShmAllReduce(spec.shm_name, spec.rank, spec.size, mc.dtype, spec.timeout_s)
     shard.attach(model, AllReduce(shm, pg))
+    try:
+        runner, transfer = start(spec, mc, model, tokenizer, pg)
+    except START_ERRORS as e:  # rank 0 reads it before its first step (Ranks.check_alive)
+        conn.send_bytes(encode_message(Failed(spec.rank, f"{type(e).__name__}: {e}")))
+        return
     reporter = Reporter(spec.rank, conn, transfer) if transfer is not None else None
     try:
         _loop(conn, runner, transfer, reporter)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -67,6 +68,10 @@ transfer energy. Photosynthesis in chloroplasts does the reverse: it captures li
 ¿Dónde está la estación? Wo ist der Bahnhof? Où est la gare? 駅はどこですか？
 """
 
+# Takes a float32 tensor and leaves in it the elementwise max over the tensor-parallel ranks (None
+# with one rank): every rank then gets the same scales, the ones one rank holding every head would.
+ReduceMax = Callable[[torch.Tensor], None] | None
+
 _SCALE_NAME = re.compile(r"(?:model\.)?layers\.(\d+)\.self_attn\.(?:[kv]_proj\.)?([kv])_scale$")
 
 
@@ -105,9 +110,11 @@ def power_of_two_scale(amax: float, dtype: torch.dtype) -> float:
 
 @torch.inference_mode()
 def calibrate(model: torch.nn.Module, mc: ModelConfig, token_ids: list[int], block_size: int,
-              device: str) -> tuple[KVScale, ...]:
+              device: str, reduce_max: ReduceMax = None) -> tuple[KVScale, ...]:
     """Per-layer power-of-two scales from one prefill of `token_ids` into a model-dtype cache (the
-    model's attention must be unscaled). A layer reusing another's KV (Gemma 4) gets its scales."""
+    model's attention must be unscaled). A layer reusing another's KV (Gemma 4) gets its scales.
+    Under tensor parallelism every rank runs this forward together (its all-reduces meet) and
+    `reduce_max` takes each layer's largest |K| and |V| over the ranks' heads."""
     from engine.runner.model_runner import layer_cache_views, new_kv_cache
 
     plain = replace(mc, cache_dtype=None, kv_scales=())
@@ -120,15 +127,17 @@ def calibrate(model: torch.nn.Module, mc: ModelConfig, token_ids: list[int], blo
     meta = AttentionMetadata(slot_mapping=torch.arange(n, device=device),
                              prefills=[PrefillSeq(0, n, n, blocks, first_block=0)], decodes=[])
     model(torch.tensor(token_ids, device=device), torch.arange(n, device=device), views, meta, ())
-    scales = []
+    # A layer reusing another's KV writes no cache of its own: its row stays 0 and takes its source's.
+    amax = torch.zeros(mc.num_layers, 2, dtype=torch.float32)
     for layer in range(mc.num_layers):
-        source = mc.kv_source(layer)
-        if source != layer:
-            scales.append(scales[source])
-            continue
-        k, v = (float(c.float().abs().amax()) for c in views[layer])  # unwritten slots are zeros
-        scales.append(KVScale(power_of_two_scale(k, mc.kv_dtype), power_of_two_scale(v, mc.kv_dtype)))
-    return tuple(scales)
+        if mc.kv_source(layer) == layer:
+            for j, c in enumerate(views[layer]):
+                amax[layer, j] = c.float().abs().amax()  # unwritten slots are zeros
+    if reduce_max is not None:
+        reduce_max(amax)
+    return tuple(KVScale(power_of_two_scale(float(amax[s, 0]), mc.kv_dtype),
+                         power_of_two_scale(float(amax[s, 1]), mc.kv_dtype))
+                 for s in map(mc.kv_source, range(mc.num_layers)))
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -138,7 +147,8 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def scales_for(model: torch.nn.Module, mc: ModelConfig, dtype: torch.dtype, model_dir: Path, files: list[str],
-               tokenizer, block_size: int, device: str, max_len: int) -> tuple[tuple[KVScale, ...], str]:
+               tokenizer, block_size: int, device: str, max_len: int,
+               reduce_max: ReduceMax = None) -> tuple[tuple[KVScale, ...], str]:
     """Per-layer scales for fp8 `dtype`, and where they came from: the checkpoint's, else
     calibrated on `CALIBRATION_TEXT`'s first `max_len` tokens at most (the model's rotary tables
     end there). The model's attention must be unscaled."""
@@ -146,7 +156,7 @@ def scales_for(model: torch.nn.Module, mc: ModelConfig, dtype: torch.dtype, mode
     if scales is not None:
         return scales, "the checkpoint's k_scale/v_scale"
     ids = tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"][:max_len]
-    return calibrate(model, replace(mc, cache_dtype=dtype), ids, block_size, device), \
+    return calibrate(model, replace(mc, cache_dtype=dtype), ids, block_size, device, reduce_max), \
         f"calibrated on {len(ids)} tokens, {HEADROOM:g}x headroom"
 
 
@@ -156,12 +166,14 @@ def describe(scales: tuple[KVScale, ...]) -> str:
 
 
 def prepare(model: torch.nn.Module, mc: ModelConfig, model_dir: Path, files: list[str], tokenizer,
-            block_size: int, device: str, max_len: int) -> ModelConfig:
+            block_size: int, device: str, max_len: int, reduce_max: ReduceMax = None) -> ModelConfig:
     """For an fp8 cache: the layers' scales (`scales_for`), given to the model's attention
-    modules, and `mc` carrying them (its fingerprint then names them)."""
+    modules, and `mc` carrying them (its fingerprint then names them). Every tensor-parallel rank
+    calls this at the same point of its start-up, with `reduce_max`."""
     if mc.kv_dtype not in FP8_DTYPES:
         return mc
-    scales, source = scales_for(model, mc, mc.kv_dtype, model_dir, files, tokenizer, block_size, device, max_len)
+    scales, source = scales_for(model, mc, mc.kv_dtype, model_dir, files, tokenizer, block_size, device, max_len,
+                                reduce_max)
     modules = attention_modules(model)
     if [m.layer_idx for m in modules] != list(range(mc.num_layers)):
         raise ValueError(f"{mc.architecture}: fp8 KV needs one attention module per layer")

@@ -8,6 +8,7 @@ fp8 entries to an engine with other KV bytes (another format, other scales, the 
 """
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -171,9 +172,56 @@ def test_checkpoint_scales_are_read_and_calibration_is_stable(ckpt_dir, tmp_path
     assert kv_cache_bytes_per_block(first, 16) * 4 == kv_cache_bytes_per_block(plain, 16)  # a byte per value
 
 
-def test_fp8_with_tensor_parallelism_is_refused(ckpt_dir):
-    with pytest.raises(ValueError, match="fp8 cache's scales"):
-        LLM(str(ckpt_dir("llama")), dtype="float32", kv_cache_dtype="fp8", tensor_parallel_size=2, num_gpu_blocks=32)
+# The ranks' partial sums are added in another order (1e-4 apart in float32 KV, test_tensor_parallel.py);
+# a K or V that lands that close to the midpoint of two fp8 values rounds to the other one.
+TP_LOGPROB_TOL = 2e-3
+
+
+def lopsided(src, dst):
+    """`src` with its second KV head's K and V 16x larger: one rank of two holds the largest values."""
+    shutil.copytree(src, dst)
+    dim = json.loads((dst / "config.json").read_text())["head_dim"]
+    (f,) = dst.glob("*.safetensors")
+    weights = load_file(str(f))
+    for name, w in weights.items():
+        if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            w[dim:2 * dim] *= 16
+    save_file(weights, str(f), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma4"])  # gemma4: one global KV head on both ranks, shared KV
+def test_two_ranks_with_fp8_give_one_ranks_scales_tokens_and_tier_hits(ckpt_dir, tmp_path, kind):
+    """Two ranks calibrate together: each takes the max over both ranks' heads (llama's second KV
+    head, rank 1's, is made 16x larger), so every rank's scales are one rank's, and greedy tokens
+    and log-probs equal one rank's fp8 run; with G3 on, each rank's shard of the fp8 entries comes
+    back in a new engine with the same tokens."""
+    src = ckpt_dir(kind)
+    model = str(lopsided(src, tmp_path / "lopsided") if kind == "llama" else src)
+    g3 = tmp_path / "g3"
+    prompts = [{"prompt_token_ids": random_prompt(n, 7800 + n)} for n in (40, 120)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    settings = {"dtype": "float32", "kv_cache_dtype": "fp8", "num_gpu_blocks": 64, "seed": 0}
+
+    def run(**kw):
+        with LLM(model, **settings, **kw) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            if kw.get("kv_offload_disk"):
+                llm.engine.flush_offload()
+            return llm.engine.model_config.kv_scales, [o.outputs[0] for o in outs], [o.cached_tokens_by_tier for o in outs]
+
+    one_scales, one, _ = run()
+    two_scales, two, _ = run(tensor_parallel_size=2, kv_offload_disk=str(g3))
+    _, again, tiers = run(tensor_parallel_size=2, kv_offload_disk=str(g3))
+    assert two_scales == one_scales
+    recorded = [json.loads((d / "namespace.json").read_text()) for d in g3.iterdir()]
+    assert sorted(r["tensor_parallel"]["rank"] for r in recorded) == [0, 1]
+    assert all(r["fingerprint"]["kv_scales"] == [[s.k, s.v] for s in one_scales] for r in recorded), recorded
+    for a, b, c in zip(one, two, again):
+        assert a.token_ids == b.token_ids == c.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert la.keys() == lb.keys() and max(abs(la[t] - lb[t]) for t in la) < TP_LOGPROB_TOL
+    assert all(t.get("G3", 0) >= 32 for t in tiers), tiers
 
 
 def test_prefix_hits_and_tiers_serve_fp8_exactly_and_never_across_kv_bytes(ckpt_dir, tmp_path):
