@@ -2,7 +2,7 @@
 """The CPU decode-attention kernel (engine/cpu_kernels/paged_attention.cpp) against the memory bound.
 
 A batch of decode rows over random block tables (SmolLM's heads: 9 query, 3 kv, 64 wide; blocks of
-16), in float32 and bfloat16: the kernel's time per layer and the KV bytes it read per second,
+16), in float32 and bfloat16, and over fp8 caches (e4m3, e5m2) under float32 q: the kernel's time per layer and the KV bytes it read per second,
 beside a plain streaming read (torch's sum over a 512 MB tensor: what these cores pull from
 memory), shown as the time it takes for the kernel's bytes. `--layers 1` with a short context measures it on cached data
 (its arithmetic alone).
@@ -40,6 +40,9 @@ from engine.cpu_kernels import build  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 STREAM_BYTES = 512 << 20
+# (q and out, cache): the model's dtype alike, and fp8 caches (--kv-cache-dtype) under float32 weights.
+CASES = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+         (torch.float32, torch.float8_e4m3fn), (torch.float32, torch.float8_e5m2))
 
 
 def other_library(src: Path, workdir: Path) -> ctypes.CDLL:
@@ -74,9 +77,9 @@ def main() -> int:
         libs[args.against.name] = other_library(args.against, Path(tmp.name))
     nb = -(-args.context // BLOCK)
     rows, results = [], {}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, cache_dtype in CASES:
         g = torch.Generator().manual_seed(0)
-        kv = torch.randn(args.layers, 2, args.batch * nb + 1, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+        kv = torch.randn(args.layers, 2, args.batch * nb + 1, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(cache_dtype)
         q = torch.randn(args.batch, HEADS, HEAD_DIM, generator=g).to(dtype)
         idx, lens = torch.arange(args.batch), torch.full((args.batch,), args.context, dtype=torch.long)
         tables = torch.randperm(args.batch * nb, generator=g).view(args.batch, nb).contiguous()
@@ -99,7 +102,7 @@ def main() -> int:
             flat.sum()
             times["stream read"].append((time.perf_counter() - t) * nbytes / STREAM_BYTES)  # as long as nbytes take
         cpu_kernels._state["lib"] = ours
-        dt = str(dtype).removeprefix("torch.")
+        dt = str(cache_dtype).removeprefix("torch.") + ("" if cache_dtype == dtype else f" (q {str(dtype)[6:]})")
         for name, ts in times.items():
             med = statistics.median(ts)
             results[f"{name} {dt}"] = {"ms_per_layer": med * 1e3, "gb_s": nbytes / med / 1e9}

@@ -64,6 +64,31 @@ def test_backends_attend_over_the_dequantized_cache(backend, fmt, q_dtype, head_
     assert q.shape[1] == HEADS
 
 
+@pytest.mark.parametrize("head_dim", [64, 24])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cpu_kernels_read_every_byte_value_as_torch_does(fmt, head_dim):
+    """Values over all 256 bytes of a format (NaN codes, e5m2's infinities and subnormals
+    included), uniform attention weights (K all zero): decode and prefill outputs are the mean of
+    torch's widened values, NaN where a NaN (or inf - inf) is among them."""
+    if cpu_kernels.get() is None:
+        pytest.skip("the CPU kernels did not build here")
+    dt, n, bs = FORMATS[fmt], -(-256 // head_dim), 16  # n tokens hold every code
+    nb = -(-n // bs)
+    codes = torch.zeros(nb * bs * head_dim, dtype=torch.uint8)
+    codes[:n * head_dim] = torch.arange(n * head_dim) % 256
+    v_cache = codes.view(dt).view(nb, bs, 1, head_dim)
+    k_cache = torch.zeros_like(v_cache)
+    q = torch.randn(1, 1, head_dim)
+    want = v_cache.flatten(0, 1)[:n].float().mean(0)  # [1, head_dim]
+    table = torch.arange(nb)
+    decode, prefill = torch.empty_like(q), torch.empty_like(q)
+    cpu_kernels.paged_attention(q, k_cache, v_cache, decode, torch.arange(1), table.view(1, nb), torch.tensor([n]), 0.125)
+    cpu_kernels.prefill_attention(q, k_cache, v_cache, prefill, torch.tensor([[0, 1, n, 0]]), table, 0.125)
+    assert want.isnan().any()
+    for got in (decode, prefill):
+        torch.testing.assert_close(got[0], want, rtol=1e-6, atol=0, equal_nan=True)
+
+
 def test_quantize_saturates_and_keeps_nan():
     x = torch.tensor([1e6, -1e6, 3.0, float("nan")])
     for dt in FORMATS.values():
