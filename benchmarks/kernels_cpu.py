@@ -45,9 +45,9 @@ CASES = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
          (torch.float32, torch.float8_e4m3fn), (torch.float32, torch.float8_e5m2))
 
 
-def other_library(src: Path, workdir: Path) -> ctypes.CDLL:
+def other_library(src: Path, workdir: Path, march: str) -> ctypes.CDLL:
     so = workdir / "other.so"
-    subprocess.run([build._compiler(), *build._flags(build.MARCH), "-I", str(Path(build.__file__).parent),
+    subprocess.run([build._compiler(), *build._flags(march), "-I", str(Path(build.__file__).parent),
                     "-shared", str(src), "-o", str(so)], check=True)
     lib = ctypes.CDLL(str(so))
     ours = cpu_kernels.get()
@@ -63,18 +63,23 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=30, help="distinct layers' caches cycled through (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=9, help="alternating timed rounds; medians (default %(default)s)")
     ap.add_argument("--against", type=Path, help="another paged_attention.cpp to alternate with this one")
+    ap.add_argument("--march", default=build.MARCH,
+                    help="build both libraries for this -march (haswell: the AVX2 path on an AVX-512 machine; "
+                         "default %(default)s)")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "kernels_cpu.json")
     args = ap.parse_args()
     if min(args.batch, args.context, args.layers, args.rounds) < 1:
         ap.error("--batch, --context, --layers and --rounds must be >= 1")
-    ours = cpu_kernels.get()
-    if ours is None:
-        print("the CPU kernels did not build here", file=sys.stderr)
+    try:
+        ours = build.load(march=args.march)
+    except build.BuildError as e:
+        print(f"the CPU kernels did not build here: {e}", file=sys.stderr)
         return 2
+    cpu_kernels._state["lib"] = ours
     tmp = tempfile.TemporaryDirectory(prefix="kvtier-kernels-")
     libs = {"kvtier": ours}
     if args.against is not None:
-        libs[args.against.name] = other_library(args.against, Path(tmp.name))
+        libs[args.against.name] = other_library(args.against, Path(tmp.name), args.march)
     nb = -(-args.context // BLOCK)
     rows, results = [], {}
     for dtype, cache_dtype in CASES:
@@ -110,7 +115,7 @@ def main() -> int:
             ratio = f"{med / statistics.median(times['kvtier']):.3f}" if name != "stream read" else ""
             rows.append([f"{name} {dt}", f"{med * 1e3:.3f}", f"{nbytes / med / 1e9:.1f}", ratio, same])
     m = machine_info()
-    print(f"{m['cpu_model']}, {m['cpu_isa']}; batch {args.batch}, context {args.context}, {args.layers} layers, "
+    print(f"{m['cpu_model']}, {m['cpu_isa']}, built for -march={args.march}; batch {args.batch}, context {args.context}, {args.layers} layers, "
           f"{torch.get_num_threads()} threads")
     print_table(["kernel", "ms per layer", "GB/s", "time / kvtier's", "same bits"], rows)
     write_json(args.out, {"benchmark": "kernels_cpu", "args": {k: str(v) for k, v in vars(args).items()},

@@ -1,4 +1,4 @@
-// 16 float lanes: AVX-512 where the build machine has it, plain loops otherwise (the same
+// 16 float lanes: AVX-512 where the build machine has it, else AVX2 (two 8-lane halves), else plain loops (the same
 // operations lane by lane, so the kernels' results do not depend on which lane a row sits in).
 #pragma once
 #include <algorithm>
@@ -8,7 +8,7 @@
 
 #include "dtypes.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -119,6 +119,111 @@ struct V16 {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return {_mm512_scalef_ps(p, n)};
   }
+};
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 (CPUs without AVX-512: AMD before Zen 4, Intel client cores): 16 lanes as two 8-lane
+// halves, each operation the AVX-512 one's per lane. The plain loops below, which such CPUs ran
+// before, made the batch-64 decode at 2k contexts 7.4x (float32) to 11x (fp8) slower, and took
+// a minute to compile (`benchmarks/kernels_cpu.py --march haswell`, docs/performance/kernels.md).
+struct V16 {
+  __m256 lo, hi;
+  static inline V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static inline V16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+  static inline V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  inline void store(float* p) const { _mm256_storeu_ps(p, lo); _mm256_storeu_ps(p + 8, hi); }
+  static inline V16 fmadd(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+  static inline V16 max(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+  friend inline V16 operator+(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+  friend inline V16 operator-(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+  friend inline V16 operator*(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+  friend inline V16 operator/(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+  static inline __m256 bf16x8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+  static inline V16 load_bf16(const uint16_t* p) {
+    return {bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  }
+  // float16 bits [16 lanes] to floats, times `scale` (exact: a power of two).
+  static inline V16 half(__m256i bits, float scale) {
+    const __m256 s = _mm256_set1_ps(scale);
+    return {_mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(bits)), s),
+            _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)), s)};
+  }
+  static inline V16 load_e4m3(const fp8e4m3* p) {  // as the AVX-512 one
+    const __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 7);
+    const __m256i mag = _mm256_set1_epi16(0x3f80);
+    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, mag), mag);
+    return half(_mm256_or_si256(_mm256_and_si256(h, _mm256_set1_epi16(int16_t(0xbf80))),
+                                _mm256_and_si256(nan, _mm256_set1_epi16(0x7e00))), 256.0f);
+  }
+  static inline V16 load_e5m2(const fp8e5m2* p) {
+    return half(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8), 1.0f);
+  }
+  static inline V16 lane(V16 x, int j) {
+    const __m256 src = j < 8 ? x.lo : x.hi;
+    const __m256 b = _mm256_permutevar8x32_ps(src, _mm256_set1_epi32(j & 7));
+    return {b, b};
+  }
+  static inline float hmax8(__m256 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+  }
+  inline float hmax() const { return hmax8(_mm256_max_ps(lo, hi)); }
+  static inline bool all_one(V16 x) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    return (_mm256_movemask_ps(_mm256_cmp_ps(x.lo, one, _CMP_EQ_OQ)) & _mm256_movemask_ps(_mm256_cmp_ps(x.hi, one, _CMP_EQ_OQ))) == 0xff;
+  }
+  // lanes where `m` (a lane mask of 16 bits) is set take `y`, the others keep x
+  static inline V16 select(V16 x, unsigned m, float y) {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i lo_m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(m & 0xff)), bit), bit);
+    const __m256i hi_m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(m >> 8)), bit), bit);
+    const __m256 v = _mm256_set1_ps(y);
+    return {_mm256_blendv_ps(x.lo, v, _mm256_castsi256_ps(lo_m)), _mm256_blendv_ps(x.hi, v, _mm256_castsi256_ps(hi_m))};
+  }
+  static inline V16 neg_inf_from(V16 x, int n) { return select(x, ~((1u << n) - 1u) & 0xffffu, -INFINITY); }
+  static inline float hsum8(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  inline float hsum() const { return hsum8(_mm256_add_ps(lo, hi)); }
+  // lane j = the sum of x[j]'s lanes: each x[j] folded to 8 lanes, then an 8-way transpose-and-add
+  static inline __m256 hsum8x8(const __m256* a) {
+    __m256 b[4], c[2];
+    for (int i = 0; i < 4; ++i) b[i] = _mm256_hadd_ps(a[2 * i], a[2 * i + 1]);
+    for (int i = 0; i < 2; ++i) c[i] = _mm256_hadd_ps(b[2 * i], b[2 * i + 1]);
+    // c[0] lanes: [x0 x1 x2 x3 | x0 x1 x2 x3] halves (low 128 from lanes 0-3, high from 4-7), c[1] likewise x4..x7
+    const __m256 lo = _mm256_permute2f128_ps(c[0], c[1], 0x20), hi = _mm256_permute2f128_ps(c[0], c[1], 0x31);
+    return _mm256_add_ps(lo, hi);
+  }
+  static inline V16 hsum16(const V16* x) {
+    __m256 a[16];
+    for (int j = 0; j < 16; ++j) a[j] = _mm256_add_ps(x[j].lo, x[j].hi);
+    return {hsum8x8(a), hsum8x8(a + 8)};
+  }
+  static inline V16 cmp_blend(V16 x, V16 a, V16 b, int pred, float y) {  // lanes where a <pred> b take y
+    const __m256 v = _mm256_set1_ps(y);
+    return {_mm256_blendv_ps(x.lo, v, _mm256_cmp_ps(a.lo, b.lo, pred)), _mm256_blendv_ps(x.hi, v, _mm256_cmp_ps(a.hi, b.hi, pred))};
+  }
+  static inline V16 masked_below(V16 x, V16 pos, float key) { return cmp_blend(x, pos, set1(key), _CMP_LT_OQ, -INFINITY); }
+  static inline V16 masked_above(V16 x, V16 pos, float limit) { return cmp_blend(x, pos, set1(limit), _CMP_GT_OQ, -INFINITY); }
+  static inline V16 neg_inf_below(V16 x, int n) { return select(x, (1u << n) - 1u, -INFINITY); }
+  static inline V16 zero_where_neg_inf(V16 x, V16 s) { return cmp_blend(x, s, set1(-INFINITY), _CMP_EQ_OQ, 0.0f); }
+  static inline __m256 exp8(__m256 x) {  // kvt::exp_nonpositive's operations
+    const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(1.4426950408889634f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.5252733804059838e-05f);
+    for (float c : {1.5403530393381606e-04f, 1.3333558146428441e-03f, 9.618129107628477e-03f, 5.5504108664821576e-02f,
+                    2.402265069591007e-01f, 6.931471805599453e-01f, 1.0f})
+      p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  }
+  static inline V16 exp_nonpositive(V16 x) { return {exp8(x.lo), exp8(x.hi)}; }
 };
 #else
 struct V16 {

@@ -113,32 +113,52 @@ def test_unsupported_shapes_and_bad_chunks_are_refused():
     assert not cpu_kernels.prefill_supported(34, 2, 16)  # 17 query heads per kv head
 
 
-def test_the_baseline_x86_64_build_gives_the_same_results(monkeypatch, tmp_path):
-    """The kernels' portable code (vec16.h without AVX-512), built for a baseline x86-64: decode and
-    prefill against the references, and chunking still bit-identical."""
+# vec16.h's three paths: AVX-512, AVX2 (two 8-lane halves) and plain lane loops. The native build
+# runs one of the first two everywhere else in the tests; these builds run the others.
+PORTABLE = {
+    # every x86-64: the lane loops, at -O1 (the same results as -O3, which takes ~100 s over them)
+    "x86-64": ((), "-O1"),
+    # AVX2 where the native build is AVX-512 (elsewhere the native build already is the AVX2 path)
+    "haswell": (("avx2", "fma", "f16c", "avx512f"), "-O3"),
+}
+
+
+@pytest.mark.parametrize("march", PORTABLE)
+def test_the_portable_builds_give_the_same_results(monkeypatch, tmp_path, march):
+    """The kernels built without AVX-512: decode and prefill against the references (fp8 caches'
+    every byte value included), and chunking still bit-identical."""
     import platform
 
     from engine.cpu_kernels import build
     from engine.kernels.reference import paged_decode_ref
+    from test_cpu_kernels import test_decode_with_a_sliding_window_matches_reference
+    from test_kv_quant import FORMATS, test_cpu_kernels_read_every_byte_value_as_torch_does
 
     if platform.machine() != "x86_64":
-        pytest.skip("the baseline build is for x86-64")
-    if "avx512f" not in Path("/proc/cpuinfo").read_text():
-        # The default (-march=native) build is already the portable code here, and every other
-        # test in this file ran it; a second build (~2 min) would test nothing new.
-        pytest.skip("this CPU has no AVX-512: the native build already is the portable code")
+        pytest.skip("these builds are for x86-64")
+    needs, opt = PORTABLE[march]
+    flags = set(next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "").split())
+    if not set(needs) <= flags:
+        pytest.skip(f"this CPU lacks {', '.join(sorted(set(needs) - flags))}")
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "_state", {"lib": build.load(march="x86-64")})
+    monkeypatch.setattr(cpu_kernels, "_state", {"lib": build.load(march=march, opt=opt)})
     test_chunks_match_dense_attention(torch.float32, 9, 3, 64, 16)
     test_chunks_match_dense_attention(torch.bfloat16, 8, 2, 80, 8)
     test_any_chunking_gives_the_bits_of_a_fresh_prefill(torch.float32, 16)
+    for window in (5, 48):
+        test_sliding_window_chunks_match_dense_attention_and_any_chunking(torch.float32, 16, window)
+        test_decode_with_a_sliding_window_matches_reference(torch.float32, 64, 16, window)
+    for fmt in FORMATS:
+        for head_dim in (64, 24):
+            test_cpu_kernels_read_every_byte_value_as_torch_does(fmt, head_dim)
     k, v, q, g = _setup(40, 16, 3, 9, 64, 5, torch.float32, seed=7)
     tables = torch.randint(0, 40, (5, 6), generator=g)
     lens = torch.tensor([1, 16, 17, 50, 96])
-    out = torch.full_like(q, float("nan"))
-    cpu_kernels.paged_attention(q, k, v, out, torch.arange(5), tables, lens, 0.125)
-    want = paged_decode_ref(q, k, v, tables, lens, 0.125)
-    assert (out - want).abs().max() <= TOL[torch.float32] * want.abs().max()
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.full_like(q, float("nan")).to(dtype)
+        cpu_kernels.paged_attention(q.to(dtype), k.to(dtype), v.to(dtype), out, torch.arange(5), tables, lens, 0.125)
+        want = paged_decode_ref(q.to(dtype).float(), k.to(dtype).float(), v.to(dtype).float(), tables, lens, 0.125)
+        assert (out.float() - want).abs().max() <= TOL[dtype] * want.abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
