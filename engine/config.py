@@ -346,7 +346,7 @@ class EngineConfig:
         object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
         check_kv_cache_dtype(self.kv_cache_dtype)
         tiers = offload_flags_on(self.kv_offloading_size, self.kv_offload_disk, self.kv_offload_remote)
-        check_offload_dtype_use(self.kv_offload_dtype, self.tensor_parallel_size, tiers or bool(self.kv_transfer_config))
+        check_offload_dtype_use(self.kv_offload_dtype, tiers or bool(self.kv_transfer_config))
         if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
             raise ValueError(f"kv_offloading_size must be >= 0 GiB; got {self.kv_offloading_size}")
         if self.kv_offload_disk_size <= 0:

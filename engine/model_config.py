@@ -72,16 +72,13 @@ def check_kv_offload_dtype(name: object) -> str:
     return name  # type: ignore[return-value]
 
 
-def check_offload_dtype_use(name: str, tensor_parallel_size: int, has_tier: bool) -> None:
+def check_offload_dtype_use(name: str, has_tier: bool) -> None:
     """ValueError for a --kv-offload-dtype the engine's other settings cannot use."""
     if check_kv_offload_dtype(name) == "auto":
         return
     if not has_tier:
         raise ValueError(f"kv_offload_dtype {name} needs an offload tier "
                          "(--kv-offloading-size, --kv-offload-disk or --kv-offload-remote)")
-    if tensor_parallel_size > 1:
-        raise ValueError("kv_offload_dtype with tensor_parallel_size > 1 is not built: each rank would "
-                         "need the whole model's scales")
 
 
 def resolve_offload_dtype(name: str, g1_dtype: torch.dtype) -> torch.dtype | None:

@@ -24,7 +24,7 @@ from engine.core.setup import (attention_backend, eos_ids, kv_layout, step_token
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_events import ZmqEventPublisher, open_events
 from engine.kv.kv_groups import KVLayout
-from engine.model_config import FP8_DTYPES, KVScale, ModelConfig, load_model_config, resolve_offload_dtype
+from engine.model_config import ModelConfig, load_model_config, resolve_offload_dtype
 from engine.parallel.ranks import Ranks
 from engine.parallel.shard import TPShard
 from engine.runner import cpu_runtime, cpu_threads
@@ -113,25 +113,6 @@ def _graph_mode(config: EngineConfig, model: torch.nn.Module) -> GraphMode:
     return mode
 
 
-def _offload_quant(config: EngineConfig, mc: ModelConfig, model: torch.nn.Module, model_dir: Path, tokenizer,
-                   max_len: int) -> OffloadQuant | None:
-    """--kv-offload-dtype: the tiers' dtype and, for fp8, per-layer scales (computed before G1's
-    own fp8 scales are set: calibration needs unscaled attention)."""
-    dtype = resolve_offload_dtype(config.kv_offload_dtype, mc.kv_dtype)
-    if dtype is None:
-        return None
-    if not OffloadSettings.of(config).tiered:  # e.g. only a HiddenStatesConnector: nothing would narrow
-        raise ValueError(f"kv_offload_dtype {config.kv_offload_dtype}: kv_transfer_config builds no offload tiers")
-    scales: tuple[KVScale, ...] = ()
-    if dtype in FP8_DTYPES:
-        scales, source = kv_quant.scales_for(model, mc, dtype, model_dir, weight_files(model_dir), tokenizer,
-                                             config.block_size, config.device, max_len)
-        log.info("offload tiers store %s KV: per-layer scales %s; %s", str(dtype)[6:], source, kv_quant.describe(scales))
-    else:
-        log.info("offload tiers store %s KV (G1: %s)", str(dtype)[6:], str(mc.kv_dtype)[6:])
-    return OffloadQuant(dtype, scales)
-
-
 def build(config: EngineConfig) -> EngineParts:
     model_dir = Path(config.model)
     full = load_model_config(model_dir, config.dtype, config.device, config.kv_cache_dtype)
@@ -182,10 +163,15 @@ def build(config: EngineConfig) -> EngineParts:
         if ranks is not None:
             ranks.connect()
             shard.attach(model, ranks.all_reduce)
-        offload = _offload_quant(config, mc, model, model_dir, tokenizer, max_len)
+        if resolve_offload_dtype(config.kv_offload_dtype, mc.kv_dtype) is not None and not OffloadSettings.of(config).tiered:
+            # e.g. only a HiddenStatesConnector: nothing would narrow
+            raise ValueError(f"kv_offload_dtype {config.kv_offload_dtype}: kv_transfer_config builds no offload tiers")
+        reduce_max = ranks.all_max if ranks is not None else None
         # Under tensor parallelism the workers calibrate with rank 0 here (engine/parallel/worker.start).
+        offload = OffloadQuant.make(config.kv_offload_dtype, mc, model, model_dir, tokenizer, bs, config.device,
+                                    max_len, reduce_max)
         mc = kv_quant.prepare(model, mc, model_dir, weight_files(model_dir), tokenizer, bs, config.device, max_len,
-                              reduce_max=ranks.all_max if ranks is not None else None)
+                              reduce_max=reduce_max)
     except BaseException:
         if ranks is not None:
             ranks.close()

@@ -22,7 +22,10 @@ from connectors.factory import ConnectorContext, build_connector, builds_tiered,
 from connectors.hidden_spec import HiddenStatesSpec
 from connectors.sharded import TransferPeers
 from engine.config import EngineConfig, offload_flags_on
-from engine.model_config import KVScale, ModelConfig
+from engine.model_config import FP8_DTYPES, KVScale, ModelConfig, resolve_offload_dtype
+from engine.runner import kv_quant
+from engine.runner.kv_quant import ReduceMax
+from engine.runner.loader import weight_files
 from engine.kv.fingerprint import fingerprint_description, namespace_digest
 from engine.runner.model_runner import ModelRunner
 from kvstore.events import EventBuffer
@@ -38,6 +41,25 @@ class OffloadQuant:
 
     dtype: torch.dtype
     scales: tuple[KVScale, ...] = ()
+
+    @classmethod
+    def make(cls, name: str, mc: ModelConfig, model: torch.nn.Module, model_dir: Path, tokenizer, block_size: int,
+             device: str, max_len: int, reduce_max: ReduceMax = None) -> OffloadQuant | None:
+        """For --kv-offload-dtype `name` (None when the tiers keep G1's dtype). Before G1's own fp8
+        scales are set: calibration needs unscaled attention. Every tensor-parallel rank calls this
+        at the same point of its start-up, with `reduce_max` (engine/runner/kv_quant.calibrate)."""
+        dtype = resolve_offload_dtype(name, mc.kv_dtype)
+        if dtype is None:
+            return None
+        scales: tuple[KVScale, ...] = ()
+        if dtype in FP8_DTYPES:
+            scales, source = kv_quant.scales_for(model, mc, dtype, model_dir, weight_files(model_dir), tokenizer,
+                                                 block_size, device, max_len, reduce_max)
+            log.info("offload tiers store %s KV: per-layer scales %s; %s", str(dtype)[6:], source,
+                     kv_quant.describe(scales))
+        else:
+            log.info("offload tiers store %s KV (G1: %s)", str(dtype)[6:], str(mc.kv_dtype)[6:])
+        return cls(dtype, scales)
 
     def slot_scales(self, mc: ModelConfig, runner: ModelRunner) -> tuple[tuple[float, float], ...]:
         """Per cache slot (a layer that owns its KV, in order, with one KV group), its (k, v)."""
@@ -115,6 +137,8 @@ def make_connector(cfg: OffloadSettings, mc: ModelConfig, model_dir: Path, hidde
     if offload is not None:  # other bytes for the same tokens: a namespace of their own
         fp = hashlib.sha256(fp + repr((str(offload.dtype), [(x.k, x.v) for x in offload.scales])).encode()).digest()[:16]
         info["offload_dtype"] = str(offload.dtype)
+        if offload.scales:
+            info["offload_kv_scales"] = [[x.k, x.v] for x in offload.scales]
     if tp_size > 1:  # this rank's shard of each block: a namespace of its own
         fp = hashlib.sha256(fp + f"tp{tp_size}.{rank}".encode()).digest()[:16]
         info["tensor_parallel"] = {"size": tp_size, "rank": rank}

@@ -70,6 +70,7 @@ class WorkerSpec(msgspec.Struct, tag="spec"):
     threads: int | None  # its forward threads (None: one per CPU of `cpus`)
     timeout_s: float  # the longest an all-reduce waits for the other ranks
     offload: OffloadSettings | None = None  # the offload tiers: each rank builds its own (connectors/sharded.py)
+    kv_offload_dtype: str = "auto"  # their entries' dtype (--kv-offload-dtype)
 
 
 class Step(msgspec.Struct, tag="step"):
@@ -166,7 +167,7 @@ class Ranks:
                 conn.send_bytes(encode_message(WorkerSpec(
                     rank, size, config.model, config.dtype, config.device, config.kv_cache_dtype, config.block_size,
                     config.max_num_seqs, num_blocks, max_len, one_group, self._store, shm.name,
-                    self.cpus[rank], config.cpu_threads, self.timeout_s, offload)))
+                    self.cpus[rank], config.cpu_threads, self.timeout_s, offload, config.kv_offload_dtype)))
         except OSError as e:
             self.close()
             raise RankFailed(f"starting the tensor-parallel workers failed: {e}") from None

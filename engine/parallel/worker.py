@@ -33,7 +33,7 @@ def build(spec: WorkerSpec):
     """What a worker loads before it says Ready: its shard of the model, and the tokenizer an fp8
     cache's calibration reads (`start`)."""
     from engine.core.setup import attention_backend
-    from engine.model_config import FP8_DTYPES, load_model_config
+    from engine.model_config import FP8_DTYPES, KV_DTYPES, load_model_config
     from engine.runner.loader import load_model, load_tokenizer
 
     if spec.cpus:
@@ -45,7 +45,8 @@ def build(spec: WorkerSpec):
     mc = shard.config(full)
     model = load_model(model_dir, mc, attention_backend(spec.device), spec.max_len, spec.device, shard=shard,
                        full_config=full)
-    tokenizer = load_tokenizer(model_dir) if mc.kv_dtype in FP8_DTYPES else None
+    calibrates = mc.kv_dtype in FP8_DTYPES or KV_DTYPES.get(spec.kv_offload_dtype) in FP8_DTYPES
+    tokenizer = load_tokenizer(model_dir) if calibrates else None
     return shard, mc, model, tokenizer
 
 
@@ -58,16 +59,21 @@ def start(spec: WorkerSpec, mc, model, tokenizer, pg):
     from engine.runner.loader import weight_files
     from engine.runner.model_runner import ModelRunner
 
+    from engine.core.connector_setup import OffloadQuant
+
     model_dir = Path(spec.model)
+    reduce_max = lambda t: all_max(pg, t)  # noqa: E731
+    quant = OffloadQuant.make(spec.kv_offload_dtype, mc, model, model_dir, tokenizer, spec.block_size, spec.device,
+                              spec.max_len, reduce_max)  # before G1's scales, as on rank 0
     mc = kv_quant.prepare(model, mc, model_dir, weight_files(model_dir), tokenizer, spec.block_size, spec.device,
-                          spec.max_len, reduce_max=lambda t: all_max(pg, t))
+                          spec.max_len, reduce_max=reduce_max)
     runner = ModelRunner(model, mc, spec.num_blocks, spec.block_size, spec.device,
                          group_decodes=attention_backend(spec.device).pads_decodes, max_rows=spec.max_num_seqs,
                          max_model_len=spec.max_len, layout=kv_layout(mc, spec.one_group), computes_logits=False)
-    return runner, _offload(spec, mc, model_dir, runner)
+    return runner, _offload(spec, mc, model_dir, runner, quant)
 
 
-def _offload(spec: WorkerSpec, mc, model_dir: Path, runner) -> TransferEngine | None:
+def _offload(spec: WorkerSpec, mc, model_dir: Path, runner, quant) -> TransferEngine | None:
     """This rank's offload tiers and the transfer engine over them, when the engine offloads."""
     if spec.offload is None:
         return None
@@ -78,7 +84,8 @@ def _offload(spec: WorkerSpec, mc, model_dir: Path, runner) -> TransferEngine | 
 
     # The connector's scheduler side is rank 0's; this pool only satisfies its constructor.
     pool = BlockPool(spec.num_blocks, make_policy("lru", spec.num_blocks), True, None)
-    connector = make_connector(spec.offload, mc, model_dir, None, pool, None, runner, spec.rank, spec.size)
+    connector = make_connector(spec.offload, mc, model_dir, None, pool, None, runner, spec.rank, spec.size,
+                               offload=quant)
     if not isinstance(connector, TieredOffloadConnector):
         raise ValueError(f"the offload settings rank 0 sent build {type(connector).__name__}, not the tiered offload "
                          "connector")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -350,6 +351,39 @@ def test_offload_dtype_hits_equal_an_engine_whose_prefix_kv_was_rounded_alike(ck
     with LLM(model, dtype="float32", num_gpu_blocks=200, kv_offload_disk=g3, kv_offload_dtype=offload_dtype) as llm:
         tiers, again, again_lps = run(llm)
         assert tiers.get("G3", 0) >= 256 and again == want and again_lps == want_lps, tiers
+
+
+def test_offload_dtype_under_two_ranks_gives_one_ranks_hits(ckpt_dir, tmp_path):
+    """--kv-offload-dtype fp8 on two ranks: the ranks calibrate the tiers' scales together (the
+    lopsided checkpoint's larger KV head is rank 1's), so each rank's shard is rounded as one
+    rank rounds the whole block: G2 and, in a new engine, G3 hits give one rank's tokens."""
+    model = str(lopsided(ckpt_dir("llama"), tmp_path / "lopsided"))
+    prompt = {"prompt_token_ids": random_prompt(120, 7950)}
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def recorded(g3: str) -> list:
+        return [json.loads((d / "namespace.json").read_text())["offload_kv_scales"] for d in Path(g3).iterdir()]
+
+    def hits(g3: str, **kw):
+        out = []
+        for fresh in (True, False):
+            with LLM(model, dtype="float32", num_gpu_blocks=64, seed=0, kv_offload_disk=g3, kv_offloading_size=0.05,
+                     kv_offload_dtype="fp8", **kw) as llm:
+                if fresh:
+                    llm.generate([prompt], sp, use_tqdm=False)
+                    llm.engine.flush_offload()
+                    llm.engine.pool.reset_prefix_cache()
+                (o,) = llm.generate([prompt], sp, use_tqdm=False)
+                out.append((o.cached_tokens_by_tier, list(o.outputs[0].token_ids)))
+        return out
+
+    (g2_one, one), (g3_one, again_one) = hits(str(tmp_path / "one"))
+    (g2_two, two), (g3_two, again_two) = hits(str(tmp_path / "two"), tensor_parallel_size=2)
+    assert g2_one.get("G2", 0) >= 96 and g2_two.get("G2", 0) >= 96, (g2_one, g2_two)
+    assert g3_one.get("G3", 0) >= 96 and g3_two.get("G3", 0) >= 96, (g3_one, g3_two)
+    assert one == two == again_one == again_two
+    (scales,) = recorded(str(tmp_path / "one"))
+    assert recorded(str(tmp_path / "two")) == [scales, scales]  # each rank's, the layer's max over both
 
 
 def test_offload_dtype_settings_are_checked(ckpt_dir):
