@@ -163,13 +163,14 @@ struct V16 {
     const __m256 b = _mm256_permutevar8x32_ps(src, _mm256_set1_epi32(j & 7));
     return {b, b};
   }
-  static inline float hmax8(__m256 x) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
+  // 8 lanes folded by `op` (_mm_max_ps or _mm_add_ps): halves, then pairs, then the last two
+  template <class Op>
+  static inline float fold8(__m256 x, Op op) {
+    __m128 m = op(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = op(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(op(m, _mm_movehdup_ps(m)));
   }
-  inline float hmax() const { return hmax8(_mm256_max_ps(lo, hi)); }
+  inline float hmax() const { return fold8(_mm256_max_ps(lo, hi), [](__m128 a, __m128 b) { return _mm_max_ps(a, b); }); }
   static inline bool all_one(V16 x) {
     const __m256 one = _mm256_set1_ps(1.0f);
     return (_mm256_movemask_ps(_mm256_cmp_ps(x.lo, one, _CMP_EQ_OQ)) & _mm256_movemask_ps(_mm256_cmp_ps(x.hi, one, _CMP_EQ_OQ))) == 0xff;
@@ -183,13 +184,7 @@ struct V16 {
     return {_mm256_blendv_ps(x.lo, v, _mm256_castsi256_ps(lo_m)), _mm256_blendv_ps(x.hi, v, _mm256_castsi256_ps(hi_m))};
   }
   static inline V16 neg_inf_from(V16 x, int n) { return select(x, ~((1u << n) - 1u) & 0xffffu, -INFINITY); }
-  static inline float hsum8(__m256 x) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
-  inline float hsum() const { return hsum8(_mm256_add_ps(lo, hi)); }
+  inline float hsum() const { return fold8(_mm256_add_ps(lo, hi), [](__m128 a, __m128 b) { return _mm_add_ps(a, b); }); }
   // lane j = the sum of x[j]'s lanes: each x[j] folded to 8 lanes, then an 8-way transpose-and-add
   static inline __m256 hsum8x8(const __m256* a) {
     __m256 b[4], c[2];

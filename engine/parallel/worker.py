@@ -7,6 +7,7 @@ With offload tiers it also runs rank 0's load and store plans (`Transfers`) over
 (connectors/sharded.py): a reporter thread sends `TransfersDone` as its transfer engine finishes them."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -62,7 +63,7 @@ def start(spec: WorkerSpec, mc, model, tokenizer, pg):
     from engine.core.connector_setup import OffloadQuant
 
     model_dir = Path(spec.model)
-    reduce_max = lambda t: all_max(pg, t)  # noqa: E731
+    reduce_max = functools.partial(all_max, pg)
     quant = OffloadQuant.make(spec.kv_offload_dtype, mc, model, model_dir, tokenizer, spec.block_size, spec.device,
                               spec.max_len, reduce_max)  # before G1's scales, as on rank 0
     mc = kv_quant.prepare(model, mc, model_dir, weight_files(model_dir), tokenizer, spec.block_size, spec.device,
