@@ -4,11 +4,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.config import EngineConfig, engine_settings
+from engine.mm.inputs import MMInputs
+from engine.mm.processor import ImageProcessor
 from engine.core.engine_core import EngineCore
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sample.prompt_logprobs import with_ranks
@@ -37,6 +40,10 @@ class LLM:
         self.config = EngineConfig(model=str(model), **settings)
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
+        mc = self.engine.model_config
+        # Prompts with images go through the checkpoint's processor (engine/mm/processor.py).
+        self._images = ImageProcessor(Path(self.config.model), mc.mm_config.image_token_id,
+                                      mc.mm_config.mm_tokens_per_image) if mc.multimodal else None
 
     def close(self) -> None:
         """Flushes pending offload writes (G3) and stops transfer threads."""
@@ -80,10 +87,10 @@ class LLM:
                            "cache_salt")
         sessions = _broadcast(session, n, "session")
         # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
-        reqs = [
-            self.engine.make_request(rid, *self._tokenize(p), sp, priority=pr, cache_salt=salt, session=ses)
-            for rid, p, sp, pr, salt, ses in zip(ids, prompts, params, prios, salts, sessions)
-        ]
+        reqs = []
+        for rid, p, sp, pr, salt, ses in zip(ids, prompts, params, prios, salts, sessions):
+            token_ids, mm = self._tokenize(p)
+            reqs.append(self.engine.make_request(rid, token_ids, sp, priority=pr, cache_salt=salt, session=ses, mm=mm))
         return self._run(reqs, use_tqdm)
 
     def chat(
@@ -111,17 +118,39 @@ class LLM:
         return [o._first_logits for o in outs]  # type: ignore[attr-defined]
 
     # -- internals -------------------------------------------------------------------------
-    def _tokenize(self, prompt: PromptType) -> tuple[list[int], ...]:
+    def _tokenize(self, prompt: PromptType) -> tuple[list[int], MMInputs | None]:
+        """Token ids and images of a prompt: a string, or a dict with `prompt_token_ids` or
+        `prompt` (and `multi_modal_data`: {"image": an image or a list}, as vLLM's)."""
         if isinstance(prompt, str):
-            return (self.engine.tokenizer.encode(prompt),)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return self.engine.tokenizer.encode(prompt), None
+        if not isinstance(prompt, dict) or not ("prompt_token_ids" in prompt or "prompt" in prompt):
+            raise ValueError("a prompt must be a string or a dict with 'prompt_token_ids' or 'prompt'; "
+                             f"got {type(prompt).__name__}")
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+        if unknown:
+            raise ValueError(f"unknown prompt field(s) {unknown}: a prompt dict takes 'prompt' or 'prompt_token_ids', "
+                             "and 'multi_modal_data'")
+        if "multi_modal_data" in prompt:
+            return self._with_images(prompt)
+        if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not all(isinstance(t, int) for t in ids):
                 raise ValueError("prompt_token_ids must be a list of ints")
-            return (list(ids),)
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return (self.engine.tokenizer.encode(prompt["prompt"]),)
-        raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids' or 'prompt'; got {type(prompt).__name__}")
+            return list(ids), None
+        return self.engine.tokenizer.encode(prompt["prompt"]), None
+
+    def _with_images(self, prompt: dict[str, Any]) -> tuple[list[int], MMInputs | None]:
+        data = prompt["multi_modal_data"]
+        if self._images is None:
+            raise ValueError(f"multi_modal_data: {self.engine.model_config.architecture} takes no images")
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError("multi_modal_data must be a dict with an 'image' entry (an image or a list of them); "
+                             f"got {sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        if "prompt" not in prompt:
+            raise ValueError("multi_modal_data needs 'prompt' (text with an image marker per image), "
+                             "not 'prompt_token_ids'")
+        images = data.get("image", [])
+        return self._images.process(prompt["prompt"], images if isinstance(images, (list, tuple)) else [images])
 
     def _run(self, reqs: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm

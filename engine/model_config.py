@@ -157,6 +157,13 @@ class ModelConfig:
     cache_dtype: torch.dtype | None = None
     # An fp8 cache's per-layer scales (engine/runner/kv_quant.py); empty otherwise.
     kv_scales: tuple[KVScale, ...] = ()
+    # A model that takes images (engine/models/gemma3_mm.py): the checkpoint's whole config, whose
+    # text part is `hf_config`. None for a text model.
+    mm_config: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def multimodal(self) -> bool:
+        return self.mm_config is not None
 
     def __post_init__(self) -> None:
         for name in ("layer_kv_shapes", "kv_sources"):
@@ -210,6 +217,10 @@ class ModelConfig:
             **({"sliding_windows": list(self.sliding_windows)} if any(self.sliding_windows) else {}),
             **({"layer_kv_shapes": [list(x) for x in self.layer_kv_shapes]} if self.layer_kv_shapes else {}),
             **({"kv_sources": list(self.kv_sources)} if self.kv_sources else {}),
+            # The encoder's geometry decides what an image's placeholders hold (its weights are in
+            # the weights' identity). Absent for text models.
+            **({"vision": self.mm_config.vision_config.to_json_string(use_diff=False),
+                "mm_tokens_per_image": self.mm_config.mm_tokens_per_image} if self.multimodal else {}),
         }
 
 
@@ -229,11 +240,14 @@ def load_model_config(model_dir: Path, dtype: str, device: str = "cpu", kv_cache
             f"supported architectures: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
         )
     hf = AutoConfig.from_pretrained(model_dir)
+    mm_config = None
+    if SUPPORTED_ARCHITECTURES[arch].multimodal:  # the language model's facts are its text config's
+        mm_config, hf = hf, hf.get_text_config()
     num_heads = hf.num_attention_heads
     # Per-layer head sizes (Gemma 4): the model-wide fields are layer 0's, `layer_kv_shapes` each layer's.
     first = hf.per_layer_config[0] if getattr(hf, "is_heterogeneous", False) else hf
     head_dim = getattr(first, "head_dim", None) or hf.hidden_size // num_heads
-    checkpoint_dtype = getattr(hf, "dtype", None) or raw.get("torch_dtype")
+    checkpoint_dtype = getattr(hf, "dtype", None) or getattr(mm_config, "dtype", None) or raw.get("torch_dtype")
     weights_dtype = resolve_dtype(dtype, checkpoint_dtype, device)
     if dtype == "auto" and device == "cpu" and str(checkpoint_dtype).removeprefix("torch.") != str(weights_dtype)[6:]:
         log.info("dtype auto: the checkpoint's %s runs in %s on this CPU (%s; --dtype overrides)", checkpoint_dtype,
@@ -260,6 +274,7 @@ def load_model_config(model_dir: Path, dtype: str, device: str = "cpu", kv_cache
         dtype=weights_dtype,
         cache_dtype=resolve_kv_dtype(kv_cache_dtype, weights_dtype),
         hf_config=hf,
+        mm_config=mm_config,
     )
 
 

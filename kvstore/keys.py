@@ -2,12 +2,13 @@
 
 key(block i) = sha256(key(block i-1) || token ids as little-endian int64 || extra), truncated to
 16 bytes. `extra` carries the request's cache salt on the first block (tenant isolation), so
-two salts never share any block. Python's hash() is never used: it is salted per process.
+two salts never share any block, and the digests of the images whose placeholder tokens a block
+holds (`media`: the same placeholder ids stand for any image). Python's hash() is never used: it is salted per process.
 """
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NewType
 
 import numpy as np
@@ -29,13 +30,18 @@ def block_key(parent: BlockKey, token_ids: Sequence[int], extra: bytes = b"") ->
 
 def chain_keys(
     token_ids: Sequence[int], block_size: int, cache_salt: str | None = None, start: int = 0,
-    parent: BlockKey = ROOT_KEY,
+    parent: BlockKey = ROOT_KEY, media: Callable[[int], bytes] | None = None,
 ) -> list[BlockKey]:
-    """Keys of the full blocks of `token_ids`, from block index `start` (whose parent is `parent`)."""
+    """Keys of the full blocks of `token_ids`, from block index `start` (whose parent is `parent`).
+    `media(i)`: the content digests of block i's images (b"" for none)."""
     keys: list[BlockKey] = []
     salt = cache_salt.encode() if cache_salt else b""
     for i in range(start, len(token_ids) // block_size):
-        parent = block_key(parent, token_ids[i * block_size : (i + 1) * block_size], salt if i == 0 else b"")
+        extra = salt if i == 0 else b""
+        if media is not None and (digests := media(i)):
+            # Tagged and length-prefixed: a salt can never read as a salt plus an image.
+            extra = b"media" + len(extra).to_bytes(4, "little") + extra + digests
+        parent = block_key(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
         keys.append(parent)
     return keys
 
@@ -45,10 +51,11 @@ def token_digest(token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(np.asarray(token_ids, dtype="<i8").tobytes()).digest()[:KEY_BYTES]
 
 
-def extend_keys(keys: list[BlockKey], token_ids: Sequence[int], block_size: int, cache_salt: str | None) -> None:
+def extend_keys(keys: list[BlockKey], token_ids: Sequence[int], block_size: int, cache_salt: str | None,
+                media: Callable[[int], bytes] | None = None) -> None:
     """Appends to `keys` (a request's key list, grown lazily) the keys of its new full blocks."""
     if len(keys) < len(token_ids) // block_size:
-        keys.extend(chain_keys(token_ids, block_size, cache_salt, len(keys), keys[-1] if keys else ROOT_KEY))
+        keys.extend(chain_keys(token_ids, block_size, cache_salt, len(keys), keys[-1] if keys else ROOT_KEY, media))
 
 
 def group_key(key: BlockKey, group: int) -> BlockKey:

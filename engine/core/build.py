@@ -119,6 +119,8 @@ def build(config: EngineConfig) -> EngineParts:
     shard = TPShard(0, config.tensor_parallel_size)
     if not shard.trivial and config.device != "cpu":
         raise ValueError(f"tensor_parallel_size={shard.size}: tensor parallelism runs on CPU ranks (gloo) for now")
+    if full.multimodal and not shard.trivial:
+        raise ValueError(f"tensor_parallel_size={shard.size}: a model that takes images runs on one rank for now")
     mc = shard.config(full)  # this rank's heads and MLP columns
     tokenizer = load_tokenizer(model_dir)
     eos = eos_ids(model_dir, tokenizer)
@@ -127,6 +129,9 @@ def build(config: EngineConfig) -> EngineParts:
     if hidden is not None:
         hidden.check_model(mc.num_layers)
     plan = DraftPlan.make(config.speculative, config, mc) if config.speculative is not None else None
+    if plan is not None and (plan.draft or plan.eagle3) and mc.multimodal:
+        raise ValueError("speculative decoding with a draft model or EAGLE-3 on a model that takes images is not "
+                         "supported yet (ngram is)")
     one_group = _one_group_reason(config)
     if plan is not None and (plan.draft or plan.eagle3) and kv_layout(mc, one_group).groups[0].window:
         # A draft's KV (full attention) follows group 0's table, which then must keep its history.

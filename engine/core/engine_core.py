@@ -25,6 +25,7 @@ from engine.core.request import Request
 from engine.core.request_factory import Prepared
 from engine.core.stats import EngineInfo, EngineStats
 from engine.core.step_io import SchedulerOutput, StepResult
+from engine.mm.inputs import MMInputs
 from engine.runner.model_runner import ModelOutput
 from engine.sample.stop import detokenize
 from engine.sampling_params import SamplingParams
@@ -89,17 +90,24 @@ class EngineCore:
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                      prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
                      session: str | None = None, kv_transfer_params: dict[str, Any] | None = None,
-                     prepared: Prepared | None = None) -> Request:
+                     prepared: Prepared | None = None, mm: MMInputs | None = None) -> Request:
         """Validates and builds a request without touching engine state. `session`: the client's
         conversation hint (OpenAI's `prompt_cache_key`, else `user`), which eviction policies see.
         `kv_transfer_params`: prefill/decode disaggregation (connectors/pd.py), which the
         connector must support. `prepared`: `self.requests.prepare(params)`, done off the step loop
         (None: done here)."""
+        if mm is not None:
+            if not self.model_config.multimodal:
+                raise ValueError(f"{self.model_config.architecture} takes no images")
+            if mm.items and mm.items[-1].end > len(prompt_token_ids):
+                raise ValueError("an image's placeholders run past the end of the prompt")
+            mm.check_fits(self.max_num_batched_tokens)
         pd = parse_pd(kv_transfer_params)
         if pd is not None:
             self.connector.check_pd(pd)
         return self.requests.make(request_id, prompt_token_ids, params, self.max_model_len, prompt=prompt,
-                                  priority=priority, cache_salt=cache_salt, session=session, pd=pd, prepared=prepared)
+                                  priority=priority, cache_salt=cache_salt, session=session, pd=pd, prepared=prepared,
+                                  mm=mm)
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add_request(req)

@@ -9,6 +9,7 @@ import torch
 
 from connectors.pd import PDRequest
 from engine.sample.logit_controls import NO_BAD_WORDS, BadWords
+from engine.mm.inputs import MMInputs
 from engine.sampling_params import SamplingParams
 from engine.sample.prompt_logprobs import PromptLogprob
 from engine.sample.structured import GrammarState
@@ -58,6 +59,7 @@ class Request:
         grammar: GrammarState | None = None,
         thinking: ThinkingTracker | None = None,
         pd: PDRequest | None = None,
+        mm: MMInputs | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -72,6 +74,7 @@ class Request:
         self.cache_salt = cache_salt
         self.session = session  # the client's conversation hint (prompt_cache_key or user), for eviction policies
         self.pd = pd  # prefill/decode disaggregation: this request's role (connectors/pd.py)
+        self.mm = mm  # its images (engine/mm/inputs.py): their digests enter the block keys
         self.arrival_time = time.monotonic()
         # For the per-phase latencies (queue, prefill) the server exports: set once, on this clock.
         self.first_scheduled_time: float | None = None
@@ -153,7 +156,8 @@ class Request:
     def full_block_keys(self, block_size: int) -> list[BlockKey]:
         """The keys of its full blocks so far, computed once each (chained: a key names the block
         and everything before it). Read-only for callers."""
-        extend_keys(self.block_keys, self.all_token_ids, block_size, self.cache_salt)
+        media = None if self.mm is None else (lambda i: self.mm.block_extra(i, block_size))  # type: ignore[union-attr]
+        extend_keys(self.block_keys, self.all_token_ids, block_size, self.cache_salt, media)
         return self.block_keys
 
     def fail(self, why: str) -> None:

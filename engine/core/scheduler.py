@@ -130,8 +130,9 @@ class Scheduler:
                 deferred.append(req)
                 i += 1
                 continue
-            n = self.expensive.cut(req, min(self._chunk(left), budget))
-            if n == 0:  # its prompt log-probs' share of this step is spent
+            n = self._whole_images(req, req.num_scheduled_tokens,
+                                   self.expensive.cut(req, min(self._chunk(left), budget)), budget)
+            if n == 0:  # its prompt log-probs' share of this step is spent, or an image does not fit
                 i += 1
                 continue
             # Proposals ride on a decode, within the budget (one token of it is the decode's).
@@ -199,7 +200,7 @@ class Scheduler:
                     self.loading[req.request_id] = req
                     continue
             remaining = req.num_tokens - num_cached
-            n = self.expensive.cut(req, min(self._chunk(remaining), budget))
+            n = self._whole_images(req, num_cached, self.expensive.cut(req, min(self._chunk(remaining), budget)), budget)
             if n == 0:
                 held.append(self.waiting.pop())
                 holders.admitted(not fresh)  # out of the queue for this step all the same
@@ -279,7 +280,8 @@ class Scheduler:
             if finishes_prompt or budget <= 0:
                 self._passed_over[req.request_id] = self._passed_over.get(req.request_id, 0) + 1
                 continue
-            n = self.expensive.cut(req, min(self._chunk(_tokens_left(req)), budget))
+            n = self._whole_images(req, req.num_scheduled_tokens,
+                                   self.expensive.cut(req, min(self._chunk(_tokens_left(req)), budget)), budget)
             if n == 0 or not self._allocate(req, n):
                 self._passed_over[req.request_id] = self._passed_over.get(req.request_id, 0) + 1
                 continue
@@ -293,6 +295,12 @@ class Scheduler:
         """Tokens a request may compute this step, budget aside (a decode's one is never capped)."""
         cap = self.long_prefill_token_threshold
         return cap if 0 < cap < remaining else remaining
+
+    @staticmethod
+    def _whole_images(req: Request, start: int, n: int, budget: int) -> int:
+        """`n` tokens from `start`, moved so that the step does not end inside an image's
+        placeholders (they attend to each other both ways: engine/mm/inputs.py `MMInputs.cut`)."""
+        return n if req.mm is None or n == 0 else req.mm.cut(start, n, budget)
 
     def _allocate(self, req: Request, n: int, hits: list = ()) -> bool:
         """Slots for n tokens, with the lookahead when there is room for it (never past the

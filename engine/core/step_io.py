@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core.request import Request, RequestId
+from engine.mm.inputs import MMItem
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class PlannedRequest:
     samples: bool  # the step reaches the end of the sequence and samples its next token(s)
     prompt_logprobs: int | None = None  # top-k: this step scores prompt positions (`prompt_token_ids` is the prompt)
     prompt_token_ids: Sequence[int] = ()  # the request's own list: not copied every step
+    mm: tuple[MMItem, ...] = ()  # images with placeholders among this step's tokens (engine/mm/inputs.py)
 
     def __post_init__(self) -> None:
         if self.num_placeholders < 0 or self.start < 0:
@@ -42,8 +44,10 @@ class PlannedRequest:
         """`req`'s next `n` tokens from `start` (a Request, or a proposer's view of one)."""
         known = tuple(req.all_token_ids[start:start + n - len(spec)])
         scores = getattr(req, "wants_prompt_logprobs", False)
+        media = getattr(req, "mm", None)
         return cls(req.request_id, known, n - len(spec) - len(known), spec, start, samples,
-                   (req.params.prompt_logprobs or 0) if scores else None, req.prompt_token_ids if scores else ())
+                   (req.params.prompt_logprobs or 0) if scores else None, req.prompt_token_ids if scores else (),
+                   media.overlapping(start, start + n) if media is not None else ())
 
 
 @dataclass(frozen=True)

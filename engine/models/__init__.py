@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.gemma3_mm import Gemma3ForConditionalGeneration
 from engine.models.gemma4 import Gemma4ForCausalLM
 from engine.models.llama import LlamaFamilyForCausalLM
 
@@ -14,6 +15,7 @@ class ArchSpec:
     model_cls: type
     attention_bias: Callable[[Any], bool]
     qk_norm: bool
+    multimodal: bool = False  # takes images: its config's text part describes the language model
 
 
 def _bias_flag(hf: Any) -> bool:
@@ -29,4 +31,6 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen3MoeForCausalLM": ArchSpec(LlamaFamilyForCausalLM, _bias_flag, qk_norm=True),
     "Gemma3ForCausalLM": ArchSpec(Gemma3ForCausalLM, _bias_flag, qk_norm=True),
     "Gemma4ForCausalLM": ArchSpec(Gemma4ForCausalLM, _bias_flag, qk_norm=True),
+    "Gemma3ForConditionalGeneration": ArchSpec(Gemma3ForConditionalGeneration, _bias_flag, qk_norm=True,
+                                               multimodal=True),
 }

@@ -217,12 +217,16 @@ class LlamaFamilyForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
         meta: AttentionMetadata | None,
         capture_layers: tuple[int, ...] = (),
+        mm: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final-normed hidden states `[num_tokens, hidden]` and the residual stream at
         each id in `capture_layers` (0 = embeddings, k = after decoder layer k-1, pre-norm).
         `kv_caches` and `meta` are None when compiled: attention reads them from engine/runner/compiled.py's
-        step context instead, so that the graph sees only token-sized tensors."""
+        step context instead, so that the graph sees only token-sized tensors. `mm`: (rows,
+        embeddings) that replace those rows' token embeddings (images' placeholders)."""
         h = self.embed(input_ids)
+        if mm is not None:
+            h = h.index_copy(0, mm[0], mm[1].to(h.dtype))
         rope = self.layer_rope(positions)
         captured = [h] if 0 in capture_layers else []
         if self.fused:
@@ -245,9 +249,13 @@ class LlamaFamilyForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def language_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters `load_weights` fills (a model with a vision part loads that itself)."""
+        return dict(self.named_parameters(remove_duplicate=False))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads HF-named tensors, fusing q/k/v and gate/up into their shared matrices."""
-        params = dict(self.named_parameters(remove_duplicate=False))
+        params = self.language_parameters()
         q, kv = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
         inter = self.cfg.intermediate_size
         fused = {

@@ -40,6 +40,10 @@ class PrefillSeq:
     context_len: int  # tokens in the cache after this step, including the query
     block_ids: torch.Tensor  # [ceil(context_len / block_size)] int64
     first_block: int | None = None  # set when block_ids is one consecutive run: no gather needed
+    # Image placeholders in the query, as [start, end) positions: a query inside one also sees
+    # the span's later keys (Gemma 3's vision blocks attend both ways). A chunk never ends inside
+    # one (engine/mm/inputs.py `MMInputs.cut`), so those keys are in this step.
+    bidir: tuple[tuple[int, int], ...] = ()
 
     _on_device: dict[tuple[str, torch.dtype | None], torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -56,12 +60,16 @@ class PrefillSeq:
         prefill in 2k chunks). (Splitting the chunk into context and causal parts merged by
         log-sum-exp was faster still, but moved hidden states ~1e-6 of their scale away from
         transformers'.) Query i sits at position context_len - query_len + i; with `window` > 0
-        it sees only keys j with position - window < j (sliding-window layers)."""
+        it sees only keys j with position - window < j (sliding-window layers). Inside a `bidir`
+        span it also sees the span's later keys (transformers' blockwise mask, under the window)."""
         key = (str(device), dtype, window)
         if key not in self._on_device:
             rows = torch.arange(self.query_len, device=device).unsqueeze(1) + (self.context_len - self.query_len)
             cols = torch.arange(self.context_len, device=device).unsqueeze(0)
-            allowed = cols <= rows
+            last = rows.clone()  # each query's last visible key
+            for a, b in self.bidir:
+                last[(rows >= a) & (rows < b)] = b - 1
+            allowed = cols <= last
             if window > 0:
                 allowed &= cols > rows - window
             zero = torch.zeros((), dtype=dtype, device=device)
@@ -96,6 +104,11 @@ class AttentionMetadata:
     # slots), and each layer's group. Empty with one group: every layer uses this object.
     groups: tuple[AttentionMetadata, ...] = ()
     layer_groups: tuple[int, ...] = ()
+
+    @property
+    def has_bidir(self) -> bool:
+        """A prefill holds image placeholders (kernels without span masks hand the step to the torch path)."""
+        return any(seq.bidir for seq in self.prefills)
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata decoder layer `layer` attends with."""
@@ -221,7 +234,7 @@ class TorchPagedAttention(AttentionBackend):
         vs = self._context("v", v_cache, seq).to(q.dtype).transpose(0, 1).unsqueeze(0)
         gqa = q.shape[1] != k_cache.shape[2]
         windowed = 0 < window < seq.context_len
-        if seq.query_len == seq.context_len and not windowed:
+        if seq.query_len == seq.context_len and not windowed and not seq.bidir:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             mask = seq.additive_mask(q.dtype, q.device, window if windowed else 0)

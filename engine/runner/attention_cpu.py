@@ -34,7 +34,7 @@ class CpuPagedAttention(TorchPagedAttention):
             cpu_kernels.paged_attention(q, k_cache, v_cache, out, group.query_idx, group.block_tables,
                                         group.context_lens, scale, window)
         if meta.prefills:
-            if cpu_kernels.prefill_supported(num_heads, kv_heads, k_cache.shape[1]):
+            if cpu_kernels.prefill_supported(num_heads, kv_heads, k_cache.shape[1]) and not meta.has_bidir:
                 seqs, tables = meta.packed_prefills()
                 cpu_kernels.prefill_attention(q, k_cache, v_cache, out, seqs, tables, scale, window)
             else:

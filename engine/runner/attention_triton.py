@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import kernels
-from engine.runner.attention import UNSCALED, AttentionBackend, AttentionMetadata, scale_values
+from engine.runner.attention import UNSCALED, AttentionBackend, AttentionMetadata, TorchPagedAttention, scale_values
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,11 @@ class TritonPagedAttention(AttentionBackend):
             raise RuntimeError(f"the Triton attention backend cannot run here: {kernels.unavailable_reason()}")
         self._meta: AttentionMetadata | None = None
         self._plan: _StepPlan | None = None
+        self._spans = TorchPagedAttention()  # steps with image spans: the kernels mask causally only
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, window=0, kv_scale=UNSCALED):
+        if meta.has_bidir:
+            return self._spans.forward(q, k, v, k_cache, v_cache, meta, scale, window, kv_scale)
         num_tokens, num_heads, head_dim = q.shape
         if meta is not self._meta:  # first layer of a step
             self._plan, self._meta = plan_step(meta, num_tokens, q.device), meta

@@ -16,6 +16,7 @@ from engine.model_config import ModelConfig
 from engine.config import GraphMode
 from engine.runner.graphs import DecodeGraphs
 from engine.runner.input_batch import InputBatch
+from engine.mm.encoder import EncoderCache
 from engine.kv.kv_groups import KVLayout
 from engine.sample.prompt_logprobs import PromptLogprob, PromptRows, prompt_logprobs
 from engine.sample.prompt_logprobs import select as select_prompt_rows
@@ -66,6 +67,7 @@ class StepInputs:
     # What it was prepared from: the other tensor-parallel ranks get these when it runs.
     plan: RunPlan | None = None
     tables: list | None = None
+    mm: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, embeddings) of images' placeholders
 
     @torch.inference_mode()
     def fill_placeholders(self, tokens: dict[RequestId, int]) -> None:
@@ -155,6 +157,8 @@ class ModelRunner:
         self.aux_layer_ids = aux_layer_ids
         self.capture_ids = tuple(sorted(set(aux_layer_ids) | set(hidden_spec.capture_order if hidden_spec else ())))
         self.last_aux: torch.Tensor | None = None
+        # A model that takes images: their encoder outputs, kept by digest (engine/mm/encoder.py).
+        self.encoder = EncoderCache(model.encode_images) if cfg.multimodal else None
 
     def use_eager(self) -> None:
         """Runs the model as it is from now on (the compiled forward failed)."""
@@ -202,7 +206,10 @@ class ModelRunner:
             filled = {rid: int(step.input_ids[pos]) for pos, rid in step.placeholders}
             self.peers.step(step.plan, step.tables, filled)
         capture = self.capture_ids
-        if self.graphs is not None and self.graphs.fits(step.meta, step.input_ids.shape[0], bool(capture)):
+        if step.mm is not None:  # one step in a prompt's life: eager (the compiled graph takes token ids only)
+            hidden, captured = self.model(step.input_ids, step.positions, self.layer_caches, step.meta, capture,
+                                          mm=step.mm)
+        elif self.graphs is not None and self.graphs.fits(step.meta, step.input_ids.shape[0], bool(capture)):
             hidden = self.graphs.run(self.forward, self.layer_caches, step.input_ids, step.positions, step.meta)
             captured: list[torch.Tensor] = []
         else:
@@ -259,7 +266,22 @@ class ModelRunner:
                  for g in range(len(self.batches))]
         meta = metas[0] if len(metas) == 1 else replace(metas[0], groups=tuple(metas), layer_groups=self.layer_groups)
         return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=self.device), positions_t, meta,
-                          sample_rows, sampled, row_starts, placeholders, prompt_rows, plan, block_tables)
+                          sample_rows, sampled, row_starts, placeholders, prompt_rows, plan, block_tables,
+                          self._image_embeddings(plan, spans))
+
+    def _image_embeddings(self, plan: RunPlan, spans: list[tuple[int, int, int]]
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's image placeholder rows and their embeddings (the encoder's, or its cache's)."""
+        if self.encoder is None or not any(item.mm for item in plan.requests):
+            return None
+        rows: list[int] = []
+        parts: list[torch.Tensor] = []
+        for item, (q_start, n, _) in zip(plan.requests, spans):
+            for it, emb in zip(item.mm, self.encoder.features(item.mm)):
+                lo, hi = max(item.start, it.offset), min(item.start + n, it.end)
+                rows.extend(range(q_start + lo - item.start, q_start + hi - item.start))
+                parts.append(emb[lo - it.offset:hi - it.offset])
+        return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(parts).to(self.device)
 
     def _group_meta(self, group: int, plan: RunPlan, tables: list[list[int]],
                     spans: list[tuple[int, int, int]], positions_t: torch.Tensor, counts: torch.Tensor
@@ -271,7 +293,7 @@ class ModelRunner:
         decode_rows: list[int] = []
         decode_batch_rows: list[int] = []
         decode_lens: list[int] = []
-        for (q_start, n, ctx), row, table in zip(spans, batch_rows, tables):
+        for (q_start, n, ctx), row, table, item in zip(spans, batch_rows, tables, plan.requests):
             if n == 1 and ctx > 1:
                 decode_rows.append(q_start)
                 decode_batch_rows.append(row)
@@ -279,7 +301,8 @@ class ModelRunner:
             else:
                 ids = table[: -(-ctx // bs)]
                 run = ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
-                prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(ids, dtype=torch.long), run))
+                prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(ids, dtype=torch.long), run,
+                                           bidir=tuple((it.offset, it.end) for it in item.mm)))
         token_rows = torch.tensor(batch_rows, dtype=torch.long, device=self.device).repeat_interleave(counts)
         return AttentionMetadata(
             slot_mapping=batch.block_table[token_rows, positions_t // bs] * bs + positions_t % bs,

@@ -1,0 +1,83 @@
+"""What a multimodal request carries: its items (one per run of placeholder tokens), each with a
+digest of its content that enters the keys of the blocks that hold it.
+
+Scheduler side, no computation: an item's pixels ride along for the runner's encoder, which is
+the only reader. Two prompts with the same text and different images have the same placeholder
+token ids, so a key over token ids alone would hand one image's KV to the other: every block that
+overlaps an item's placeholders gets the item's digest into its key, and every later block
+follows from it through the chain.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+DIGEST_BYTES = 16
+
+
+@dataclass(frozen=True, eq=False)
+class MMItem:
+    """One image (or one crop of it) in a prompt: its placeholder tokens are positions
+    [offset, offset + length), which attend to each other both ways in the prefill (Gemma 3's
+    vision blocks) and whose embeddings are the encoder's output for `pixels`."""
+    offset: int
+    length: int
+    digest: bytes  # of the processed pixels: another image, or another preprocessing, is another digest
+    pixels: Any  # the processor's pixel_values for this item, [1, C, H, W] (a torch tensor)
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.length < 1:
+            raise ValueError(f"multimodal item at {self.offset} with {self.length} tokens")
+        if len(self.digest) != DIGEST_BYTES:
+            raise ValueError(f"multimodal item digest must be {DIGEST_BYTES} bytes; got {len(self.digest)}")
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True, eq=False)
+class MMInputs:
+    """A prompt's items, in order, not overlapping."""
+    items: tuple[MMItem, ...]
+
+    def __post_init__(self) -> None:
+        for a, b in zip(self.items, self.items[1:]):
+            if b.offset < a.end:
+                raise ValueError(f"multimodal items overlap or are out of order at position {b.offset}")
+
+    def overlapping(self, start: int, end: int) -> tuple[MMItem, ...]:
+        """Items with a placeholder in positions [start, end)."""
+        return tuple(it for it in self.items if it.offset < end and start < it.end)
+
+    def block_extra(self, index: int, block_size: int) -> bytes:
+        """The digests of the items a block holds placeholders of (b"" for a text-only block)."""
+        return b"".join(it.digest for it in self.overlapping(index * block_size, (index + 1) * block_size))
+
+    def cut(self, start: int, n: int, budget: int) -> int:
+        """How many of `n` tokens from `start` a step may compute without ending inside an item
+        (whose tokens must all be in one forward: they attend to each other both ways): `n`, or
+        fewer to stop before an item, or more (up to `budget`) to finish an item started at or
+        before `start`; 0 when that does not fit."""
+        end = start + n
+        for it in self.items:
+            if it.offset < end < it.end:
+                if it.offset > start:
+                    return it.offset - start
+                return it.end - start if it.end - start <= budget else 0
+        return n
+
+    def check_fits(self, budget: int) -> None:
+        """ValueError unless every item fits in one step of `budget` tokens."""
+        for it in self.items:
+            if it.length > budget:
+                raise ValueError(f"an image takes {it.length} tokens, more than the {budget} one step computes "
+                                 "(max_num_batched_tokens)")
+
+
+def items_from_spans(spans: Sequence[tuple[int, int]], digests: Sequence[bytes], pixels: Sequence[Any]) -> MMInputs:
+    """MMInputs from (offset, length) spans with their digests and pixels, one each."""
+    if not len(spans) == len(digests) == len(pixels):
+        raise ValueError(f"{len(spans)} image placeholder runs but {len(pixels)} images")
+    return MMInputs(tuple(MMItem(o, n, d, p) for (o, n), d, p in zip(spans, digests, pixels)))

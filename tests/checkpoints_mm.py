@@ -1,0 +1,122 @@
+"""Small random-weight multimodal checkpoints (Gemma 3 with a SigLIP tower) with a processor,
+for the image tests; `tests/checkpoints.py` has the text kinds and the conventions.
+
+``gemma3_mm``: the ``gemma3`` text kind (layer 0 sliding 48, layer 1 full) under a 2-layer SigLIP
+tower of 32x32 images in 8x8 patches (16 patches), pooled to 4 tokens per image; the output matrix
+is untied. The tokenizer is ``tests/checkpoints.py``'s with its last three words replaced by Gemma's image tokens
+(``<start_of_image>`` 6, ``<end_of_image>`` 7, ``<image_soft_token>`` 8), so a prompt's marker is
+``<start_of_image>`` and each image becomes ``\\n\\n<start_of_image>`` + 4 soft tokens +
+``<end_of_image>\\n\\n`` (the newlines vanish in this tokenizer).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import checkpoints as C
+
+BOI, EOI, IMG = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+IMAGE_SIZE, PATCH, TOKENS_PER_IMAGE = 32, 8, 4
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = C.SPECIAL_TOKENS + [BOI, EOI, IMG]
+    vocab = {t: i for i, t in enumerate(specials + C._vocab_words()[:-3])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=C.UNK))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token=C.UNK, bos_token=C.BOS, eos_token=C.EOS, pad_token=C.PAD,
+        extra_special_tokens={"boi_token": BOI, "eoi_token": EOI, "image_token": IMG},
+        chat_template=C.CHAT_TEMPLATE, clean_up_tokenization_spaces=False, model_max_length=C.MAX_POS)
+    assert len(fast) == C.VOCAB_SIZE, len(fast)
+    return fast
+
+
+def build_gemma3_mm(path: Path, *, seed: int = 0) -> Path:
+    """Writes the ``gemma3_mm`` checkpoint (weights, tokenizer, processor) to ``path``."""
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor, GenerationConfig,
+                              SiglipVisionConfig)
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    # Untied (unlike the gemma3 text kind): tied, greedy decoding here repeats one token whatever
+    # the image, and the image tests need outputs that depend on it.
+    text = C._config("gemma3", len(tok), {"tie_word_embeddings": False}).to_dict()
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=IMAGE_SIZE, patch_size=PATCH)
+    cfg = Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=TOKENS_PER_IMAGE,
+                       boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
+                       image_token_index=tok.image_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(cfg).eval()
+    _randomize(model, seed)
+    model.generation_config = GenerationConfig(bos_token_id=C.BOS_ID, eos_token_id=C.EOS_ID, pad_token_id=C.PAD_ID)
+    model.save_pretrained(path, safe_serialization=True)
+    proc = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
+                           tokenizer=tok, image_seq_length=TOKENS_PER_IMAGE)
+    proc.save_pretrained(path)
+    return path
+
+
+@torch.no_grad()
+def _randomize(model, seed: int) -> None:
+    """The text model as ``checkpoints._randomize`` draws it; the vision tower and projector at
+    the same scale, so that an image moves the output."""
+    g = torch.Generator().manual_seed(seed + 1)
+    lm = model.model.language_model
+
+    class _Text:  # what checkpoints._randomize reads: the embeddings, the output matrix, the final norm
+        def __init__(self) -> None:
+            self.model = lm
+
+        def named_parameters(self):
+            return lm.named_parameters()
+
+        def named_buffers(self):
+            return lm.named_buffers()
+
+        def get_output_embeddings(self):
+            return model.get_output_embeddings()
+
+        def get_input_embeddings(self):
+            return lm.get_input_embeddings()
+
+    C._randomize(_Text(), seed)
+    for name, p in [*model.model.vision_tower.named_parameters(), *model.model.multi_modal_projector.named_parameters()]:
+        if "norm" in name and name.endswith("weight"):
+            p.copy_(1.0 + C.INIT_STD * torch.randn(p.shape, generator=g))
+        else:
+            p.copy_(C.INIT_STD * torch.randn(p.shape, generator=g))
+
+
+def image(seed: int, size: tuple[int, int] = (40, 50)):
+    """A random RGB PIL image (resized to 32x32 by the processor)."""
+    from PIL import Image
+
+    return Image.fromarray((np.random.default_rng(seed).random((*size, 3)) * 255).astype("uint8"))
+
+
+def load_hf_mm(path: Path):
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    model = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval(), AutoProcessor.from_pretrained(path)
+
+
+@torch.no_grad()
+def hf_greedy_mm(model, processor, text: str, images: list, max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of `text` with `images` (EOS never stops it)."""
+    inputs = processor(text=text, images=images or None, return_tensors="pt")
+    out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=[],
+                         pad_token_id=C.PAD_ID)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()

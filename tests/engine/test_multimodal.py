@@ -1,0 +1,187 @@
+"""Issue 45: images in prompts (Gemma 3 with a SigLIP tower), token-identical to transformers,
+with KV keyed by what was seen.
+
+Oracle: transformers' `Gemma3ForConditionalGeneration.generate` with the checkpoint's own
+processor, for prompts with 0, 1 and 3 images, with prefix caching on and off and with prompts
+chunked around the images; and the engine itself for isolation (the same text with another
+image must not hit the first image's blocks, in G1 or in G3 after a restart)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoints as C
+import checkpoints_mm as M
+from engine.llm import LLM
+from engine.mm.inputs import MMInputs, MMItem
+from engine.runner.attention import PrefillSeq
+from engine.sampling_params import SamplingParams
+from kvstore.keys import chain_keys
+
+BLOCK = 16
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def words(n: int, seed: int) -> str:
+    vocab = C._vocab_words()[:-3]
+    return " ".join(vocab[i] for i in np.random.default_rng(seed).integers(0, len(vocab), n))
+
+
+def prompt(parts: list[int], seed: int) -> str:
+    """Text of `parts[0]` words, then an image marker and `parts[1]` words, and so on."""
+    return f" {M.BOI} ".join(words(n, seed + i) for i, n in enumerate(parts))
+
+
+# (text, images): 0, 1 and 3 images; images at block boundaries and inside blocks
+CASES = [
+    (prompt([40], 1), []),
+    (prompt([21, 30], 2), [M.image(11)]),
+    (prompt([3, 9, 14, 25], 3), [M.image(12), M.image(13), M.image(14)]),
+]
+
+
+@pytest.fixture(scope="module")
+def mm_ckpt(tmp_path_factory):
+    return M.build_gemma3_mm(tmp_path_factory.mktemp("gemma3_mm"))
+
+
+@pytest.fixture(scope="module")
+def oracle(mm_ckpt):
+    model, proc = M.load_hf_mm(mm_ckpt)
+    return [M.hf_greedy_mm(model, proc, text, images, MAX_TOKENS) for text, images in CASES]
+
+
+def inputs(text: str, images: list) -> dict:
+    return {"prompt": text, "multi_modal_data": {"image": images}}
+
+
+def generate(llm: LLM, cases) -> list:
+    return llm.generate([inputs(t, ims) for t, ims in cases], GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("settings", [
+    {},  # default: prefix caching on, whole prompts in one step
+    {"enable_prefix_caching": False},
+    {"max_num_batched_tokens": 12},  # chunks cut before an image, or stretched to finish one
+    {"max_num_batched_tokens": 12, "long_prefill_token_threshold": 5},
+], ids=["default", "no-prefix-cache", "chunked", "chunked-small"])
+def test_greedy_tokens_equal_transformers_with_0_1_3_images(mm_ckpt, oracle, settings):
+    with LLM(str(mm_ckpt), dtype="float32", **settings) as llm:
+        assert [o.outputs[0].token_ids for o in generate(llm, CASES)] == oracle
+        # Again, one at a time: with prefix caching the prompts now hit their own blocks
+        again = [generate(llm, [case])[0] for case in CASES]
+        assert [o.outputs[0].token_ids for o in again] == oracle
+        if settings.get("enable_prefix_caching", True):
+            assert all(o.num_cached_tokens > 0 for o in again[1:])
+        llm.engine.runner.encoder.check_integrity()
+
+
+def test_the_images_change_the_output_and_attend_both_ways(mm_ckpt, oracle):
+    """The oracle itself depends on the image, and on the image placeholders seeing each other
+    both ways (a causal-only engine differs): so the parity test above can fail."""
+    model, proc = M.load_hf_mm(mm_ckpt)
+    text, images = CASES[1]
+    assert M.hf_greedy_mm(model, proc, text, [M.image(99)], MAX_TOKENS) != oracle[1]
+    with LLM(str(mm_ckpt), dtype="float32") as llm:
+        real = PrefillSeq.additive_mask
+        try:  # the engine with its image spans ignored
+            PrefillSeq.additive_mask = lambda self, *a, **k: real(
+                PrefillSeq(self.query_start, self.query_len, self.context_len, self.block_ids), *a, **k)
+            causal = generate(llm, [CASES[1], CASES[2]])
+        finally:
+            PrefillSeq.additive_mask = real
+    assert [o.outputs[0].token_ids for o in causal] != oracle[1:]
+
+
+def test_same_text_other_image_gets_no_image_blocks_and_same_image_hits(mm_ckpt):
+    text = prompt([37, 40], 5)  # the image's placeholders from token 38 on: blocks 0-1 are text only
+    a, b = M.image(21), M.image(22)
+    with LLM(str(mm_ckpt), dtype="float32") as llm:
+        first = generate(llm, [(text, [a])])[0]
+        other = generate(llm, [(text, [b])])[0]
+        same = generate(llm, [(text, [a])])[0]
+        ids = first.prompt_token_ids
+        image_at = ids.index(M.build_tokenizer().image_token_id)
+        assert other.num_cached_tokens == image_at // BLOCK * BLOCK == 32
+        assert same.num_cached_tokens == (len(ids) - 1) // BLOCK * BLOCK
+        assert other.outputs[0].token_ids != first.outputs[0].token_ids
+        assert same.outputs[0].token_ids == first.outputs[0].token_ids
+        # a fresh engine's output for the other image: its text blocks' hit changed nothing
+        with LLM(str(mm_ckpt), dtype="float32", enable_prefix_caching=False) as ref:
+            assert generate(ref, [(text, [b])])[0].outputs[0].token_ids == other.outputs[0].token_ids
+
+
+def test_image_blocks_from_g3_after_a_restart_only_for_the_same_image(mm_ckpt, tmp_path):
+    text = prompt([37, 40], 6)
+    a, b = M.image(31), M.image(32)
+    settings = dict(dtype="float32", kv_offload_disk=str(tmp_path / "g3"), kv_offload_block_size=BLOCK)
+    with LLM(str(mm_ckpt), **settings) as llm:
+        first = generate(llm, [(text, [a])])[0]
+        llm.engine.connector.flush()
+    with LLM(str(mm_ckpt), **settings) as llm:  # a restart: G1 and G2 are empty
+        other = generate(llm, [(text, [b])])[0]
+        llm.engine.pool.reset_prefix_cache()
+        same = generate(llm, [(text, [a])])[0]
+    full = (len(first.prompt_token_ids) - 1) // BLOCK * BLOCK
+    assert dict(other.cached_tokens_by_tier) == {"G3": 32}  # the text blocks before the image only
+    assert dict(same.cached_tokens_by_tier) == {"G3": full}
+    assert same.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_media_digests_enter_the_keys_of_the_blocks_holding_placeholders():
+    ids = list(range(100, 164))  # 4 blocks
+    item = lambda d: MMItem(20, 8, d, None)  # noqa: E731: placeholders in block 1 only
+    mm_a, mm_b = MMInputs((item(b"a" * 16),)), MMInputs((item(b"b" * 16),))
+    plain = chain_keys(ids, BLOCK)
+    ka = chain_keys(ids, BLOCK, media=lambda i: mm_a.block_extra(i, BLOCK))
+    kb = chain_keys(ids, BLOCK, media=lambda i: mm_b.block_extra(i, BLOCK))
+    assert ka[0] == kb[0] == plain[0]  # text before the image: shared
+    assert len({ka[1], kb[1], plain[1]}) == 3 and ka[3] != kb[3]  # the image's block and every later one
+    assert chain_keys(ids, BLOCK, "salt", media=lambda i: mm_a.block_extra(i, BLOCK))[1] != ka[1]
+
+
+def test_a_step_never_ends_inside_an_image():
+    mm = MMInputs((MMItem(10, 6, b"x" * 16, None), MMItem(20, 4, b"y" * 16, None)))
+    assert mm.cut(0, 12, 100) == 10  # stops before the image
+    assert mm.cut(10, 3, 100) == 6  # finishes the image it starts
+    assert mm.cut(12, 2, 100) == 4  # resumed inside one (a prefix hit ended there): finishes it
+    assert mm.cut(12, 2, 3) == 0  # and waits when the step has no room for that
+    assert mm.cut(0, 16, 100) == 16 and mm.cut(16, 8, 100) == 8  # ends where an image does: as asked
+    assert mm.cut(16, 6, 100) == 4
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        mm.check_fits(5)
+
+
+def test_bad_image_requests_are_refused_by_name(mm_ckpt, ckpt_dir):
+    with LLM(str(mm_ckpt), dtype="float32") as llm:
+        with pytest.raises(ValueError, match="1 image marker.*2 image"):
+            llm.generate([inputs(prompt([3, 3], 1), [M.image(1), M.image(2)])], GREEDY, use_tqdm=False)
+        with pytest.raises(ValueError, match="PIL image"):
+            llm.generate([inputs(prompt([3, 3], 1), ["not an image"])], GREEDY, use_tqdm=False)
+        with pytest.raises(ValueError, match="'image' entry"):
+            llm.generate([{"prompt": "hi", "multi_modal_data": {"audio": []}}], GREEDY, use_tqdm=False)
+        with pytest.raises(ValueError, match="unknown prompt field"):
+            llm.generate([{"prompt": "hi", "images": []}], GREEDY, use_tqdm=False)
+        assert not llm.engine.scheduler.has_unfinished()
+    with LLM(str(mm_ckpt), dtype="float32", max_num_batched_tokens=3) as llm:
+        with pytest.raises(ValueError, match="an image takes 4 tokens"):
+            llm.generate([inputs(prompt([3, 3], 1), [M.image(1)])], GREEDY, use_tqdm=False)
+    with LLM(str(ckpt_dir("llama")), dtype="float32") as llm:
+        with pytest.raises(ValueError, match="takes no images"):
+            llm.generate([inputs("hello", [M.image(1)])], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="runs on one rank"):
+        LLM(str(mm_ckpt), dtype="float32", tensor_parallel_size=2)
+
+
+def test_encoder_cache_encodes_a_repeated_image_once(mm_ckpt):
+    text = prompt([5, 5], 8)
+    with LLM(str(mm_ckpt), dtype="float32", enable_prefix_caching=False) as llm:
+        enc = llm.engine.runner.encoder
+        outs = [generate(llm, [(text, [M.image(41)])])[0] for _ in range(3)]
+        assert (enc.misses, enc.hits) == (1, 2)
+        assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+        enc.check_integrity()
+        assert torch.equal(enc.features([MMItem(0, 4, next(iter(enc._entries)), None)])[0],
+                           next(iter(enc._entries.values())))
