@@ -20,12 +20,16 @@ from starlette.requests import ClientDisconnect
 
 from engine.core.request_factory import needs_preparation
 from engine.core.token_ids import check_token_ids
+from engine.mm.inputs import MMInputs
+from engine.mm.processor import ImageProcessor
 from server.api_output import OutputFormats
 from server.channel import Delta
 from server.client import CoreState, EngineClient, EngineDeadError
 from server.detok import IncrementalDetokenizer
 from server.fields import unsupported
 from server.limits import LimitExceeded, check_constraint, check_lists
+from server.media import MediaError, image_urls, load_image
+from server.media_wire import to_wire
 from server.metrics import Metrics
 from server.reasoning import PARSERS as REASONING_PARSERS
 from server.reasoning import prompt_opens
@@ -79,8 +83,10 @@ class Choice:
 
 
 class API(OutputFormats):
-    def __init__(self, client: EngineClient, tokenizer: Any, settings: ServerSettings) -> None:
-        self.client, self.tok, self.s = client, tokenizer, settings
+    def __init__(self, client: EngineClient, tokenizer: Any, settings: ServerSettings,
+                 images: ImageProcessor | None = None) -> None:
+        """`images`: the checkpoint's processor, for a model that takes images (engine/mm/processor.py)."""
+        self.client, self.tok, self.s, self.images = client, tokenizer, settings, images
         self.metrics = Metrics(settings.served_model_names[0])
         self.created = int(time.time())
         self.tokenizing = Tokenizing(tokenizer, settings.tokenizer_threads, settings.chat_template_timeout_s)
@@ -136,21 +142,7 @@ class API(OutputFormats):
     async def chat_ids(self, convs: list[list[Any]], req: _Chat | TokenizeRequest, bound: bool = True) -> list[list[int]]:
         """Token ids of each conversation through the chat template, rendered off the event loop.
         `bound`: a conversation whose text alone cannot fit max_model_len is a 400 first."""
-        kwargs = dict(req.chat_template_kwargs or {})
-        template = req.chat_template
-        if "chat_template" in kwargs:
-            if not self.s.trust_request_chat_template:
-                raise APIError(400, "chat_template_kwargs.chat_template: a request-supplied chat template needs "
-                                    "the server's --trust-request-chat-template", param="chat_template_kwargs")
-            template = kwargs.pop("chat_template")
-        reserved = sorted(self.tokenizing.reserved_kwargs & set(kwargs))
-        if reserved:
-            raise APIError(400, f"chat_template_kwargs must not set {reserved}: they are apply_chat_template's "
-                                "own parameters, not template variables", param="chat_template_kwargs")
-        if getattr(req, "tools", None):
-            kwargs["tools"] = req.tools
-        if getattr(req, "reasoning_effort", None) is not None:  # a template variable, as in vLLM
-            kwargs["reasoning_effort"] = req.reasoning_effort
+        kwargs, template = self._template_args(req)
         try:
             msgs = [[m.as_dict() for m in conv] for conv in convs]
         except ValueError as e:  # a content part this server does not take (an image)
@@ -166,6 +158,62 @@ class API(OutputFormats):
             raise APIError(400, f"chat_template: {e}", param="chat_template") from None
         except Exception as e:  # noqa: BLE001 - the user's messages, template kwargs or template failed
             raise APIError(400, f"messages: {type(e).__name__}: {e}", param="messages") from None
+
+    async def chat_prompts(self, convs: list[list[Any]], req: _Chat | TokenizeRequest, bound: bool = True
+                           ) -> tuple[list[list[int]], list[MMInputs | None]]:
+        """`chat_ids`, with each conversation's images when it has some (a model that takes them:
+        server/media.py loads and checks them, the checkpoint's processor expands their markers)."""
+        if self.images is None or not any(m.has_media for conv in convs for m in conv):
+            return await self.chat_ids(convs, req, bound), [None] * len(convs)
+        media = self.s.media
+        try:
+            urls = [[u for m in conv if m.has_media for u in image_urls(m.content)] for conv in convs]
+        except MediaError as e:
+            raise APIError(400, f"messages: {e}", param="messages") from None
+        for u in urls:
+            if len(u) > media.images_per_prompt:
+                raise APIError(400, f"messages: the prompt has {len(u)} images, more than the {media.images_per_prompt} "
+                                    "the server takes (--limit-mm-per-prompt)", param="messages")
+        kwargs, template = self._template_args(req)
+        msgs = [[m.as_dict(media=True) for m in conv] for conv in convs]
+        chars = [sum(len(p.get("text", "")) for m in conv for p in (
+            m["content"] if isinstance(m["content"], list) else [{"text": m["content"]}])) for conv in msgs]
+        if bound:
+            for n in chars:
+                self._bound(n, "messages")
+        images = self.images
+
+        def process(text: str, i: int) -> tuple[list[int], MMInputs | None]:
+            return images.process(text, [load_image(u, media) for u in urls[i]], add_special_tokens=False)
+        try:
+            out = await self.tokenizing.chat_with(msgs, req.add_generation_prompt, kwargs, template,
+                                                  req.continue_final_message, sum(chars), process)
+        except MediaError as e:
+            raise APIError(400, f"messages: {e}", param="messages") from None
+        except TimeoutError as e:
+            raise APIError(400, f"chat_template: {e}", param="chat_template") from None
+        except Exception as e:  # noqa: BLE001 - the user's messages, template kwargs or template failed
+            raise APIError(400, f"messages: {type(e).__name__}: {e}", param="messages") from None
+        return [ids for ids, _ in out], [mm for _, mm in out]
+
+    def _template_args(self, req: _Chat | TokenizeRequest) -> tuple[dict[str, Any], str | None]:
+        """The chat template's variables and the request's own template (if allowed); 400s."""
+        kwargs = dict(req.chat_template_kwargs or {})
+        template = req.chat_template
+        if "chat_template" in kwargs:
+            if not self.s.trust_request_chat_template:
+                raise APIError(400, "chat_template_kwargs.chat_template: a request-supplied chat template needs "
+                                    "the server's --trust-request-chat-template", param="chat_template_kwargs")
+            template = kwargs.pop("chat_template")
+        reserved = sorted(self.tokenizing.reserved_kwargs & set(kwargs))
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs must not set {reserved}: they are apply_chat_template's "
+                                "own parameters, not template variables", param="chat_template_kwargs")
+        if getattr(req, "tools", None):
+            kwargs["tools"] = req.tools
+        if getattr(req, "reasoning_effort", None) is not None:  # a template variable, as in vLLM
+            kwargs["reasoning_effort"] = req.reasoning_effort
+        return kwargs, template
 
     async def text_ids(self, prompts: list[str | list[int]], add_special_tokens: bool = True,
                        bound: bool = True) -> list[list[int]]:
@@ -232,8 +280,10 @@ class API(OutputFormats):
                            param="max_tokens" if limit and len(ids) < info.max_model_len else "prompt")
 
     # -- running ---------------------------------------------------------------------------
-    async def submit(self, prompts: list[list[int]], req: _Sampling) -> list[Choice]:
-        """Validates everything first, then queues n sequences per prompt in the core."""
+    async def submit(self, prompts: list[list[int]], req: _Sampling,
+                     media: list[MMInputs | None] | None = None) -> list[Choice]:
+        """Validates everything first, then queues n sequences per prompt in the core. `media`:
+        each prompt's images (chat_prompts)."""
         self.admit(len(prompts), req)  # again: tokenizing awaited, others may have come in meanwhile
         for ids in prompts:
             self._check_prompt(ids, req)
@@ -271,12 +321,14 @@ class API(OutputFormats):
         # Bad words and grammars are prepared off the core's step loop (server/core_prep.py): wait
         # until the core has them, so a constraint that does not compile is a 400, streamed or not.
         prepared = needs_preparation(params[0])
+        wires = [to_wire(mm) if mm is not None else None for mm in (media or [None] * len(prompts))]
         try:
             for c, p in zip(choices, params):
+                extra = {"media": w} if (w := wires[c.index // req.n]) is not None else {}
                 queues.append(await self.client.add(c.request_id, c.prompt_ids, p, priority=req.priority,
                                                     cache_salt=req.cache_salt,
                                                     session=req.prompt_cache_key or req.user,
-                                                    kv_transfer_params=req.kv_transfer_params, ack=prepared))
+                                                    kv_transfer_params=req.kv_transfer_params, ack=prepared, **extra))
         except EngineDeadError as e:
             await self.client.abort([c.request_id for c in choices])
             raise APIError(503, str(e), "ServiceUnavailableError") from None

@@ -35,6 +35,17 @@ class Message(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fiel
     """A channel message; `type` on the wire is its class's tag."""
 
 
+class MediaItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One image of a prompt (engine/mm/inputs.py MMItem): its placeholders, digest and pixel
+    values as raw bytes (rebuilt with a dtype from a fixed list: never unpickled)."""
+    offset: int
+    length: int
+    digest: bytes
+    shape: list[int]
+    dtype: str
+    data: bytes
+
+
 class AddRequest(Message, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
@@ -43,6 +54,7 @@ class AddRequest(Message, tag="add"):
     cache_salt: str | None = None
     session: str | None = None  # the prompt_cache_key or user that eviction policies group by
     kv_transfer_params: dict[str, Any] | None = None
+    media: list[MediaItem] | None = None  # the prompt's images, in order
 
 
 class Abort(Message, tag="abort"):

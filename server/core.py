@@ -22,6 +22,7 @@ from engine.core.request import FINISH_REASONS, Request
 from engine.core.request_factory import Prepared, needs_preparation
 from engine.sampling_params import SamplingParams
 from server import channel as ch
+from server.media_wire import from_wire
 from server.core_prep import PrepQueue
 from server.logs import LogSettings
 
@@ -91,7 +92,8 @@ class CoreLoop:
     def _add(self, a: ch.AddRequest, params: SamplingParams, prepared: Prepared | None) -> None:
         req = self.engine.make_request(a.request_id, a.prompt_token_ids, params, priority=a.priority,
                                        cache_salt=a.cache_salt, session=a.session,
-                                       kv_transfer_params=a.kv_transfer_params, prepared=prepared)
+                                       kv_transfer_params=a.kv_transfer_params, prepared=prepared,
+                                       mm=from_wire(a.media) if a.media else None)
         self.engine.add_request(req)
         self.sent[req.request_id] = 0
 

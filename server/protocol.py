@@ -243,9 +243,18 @@ class ChatMessage(BaseModel):
                 raise ValueError('each tool_calls entry needs {"function": {"name": ..., "arguments": ...}}')
         return self
 
-    def as_dict(self) -> dict[str, Any]:
-        """What the chat template sees."""
-        m: dict[str, Any] = {"role": self.role, "content": self.text()}
+    @property
+    def has_media(self) -> bool:
+        return isinstance(self.content, list) and any(p.get("type") != "text" for p in self.content)
+
+    def as_dict(self, media: bool = False) -> dict[str, Any]:
+        """What the chat template sees. `media` (a model that takes images): content parts stay a
+        list, each image as {"type": "image"} where the template puts the model's image marker
+        (server/media.py checks the parts and loads the images)."""
+        content: Any = self.text() if not (media and self.has_media) else [
+            {"type": "text", "text": p["text"]} if p.get("type") == "text" else {"type": "image"}
+            for p in self.content]  # type: ignore[union-attr]
+        m: dict[str, Any] = {"role": self.role, "content": content}
         for k in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             if getattr(self, k) is not None:
                 m[k] = getattr(self, k)
@@ -259,7 +268,7 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
+                raise ValueError(f"content part type {part.get('type')!r} is not supported: this model takes text only")
             parts.append(part["text"])
         return "".join(parts)
 

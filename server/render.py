@@ -50,7 +50,7 @@ def add_render_routes(app: FastAPI, api: API) -> None:
         req: ChatRenderRequest = await api.parse(request, ChatRenderRequest)
         api.check_limits(req)  # what generation refuses unseen, this refuses too
         api.tool_plan(req)  # a bad tools/tool_choice is a 400 here too; a forced call constrains the params
-        (ids,) = await api.chat_ids([req.messages], req)
+        (ids,), _ = await api.chat_prompts([req.messages], req)
         return _generate_request(api, req, ids, f"chatcmpl-{uuid.uuid4().hex}", model_name)
 
     @app.post("/v1/completions/render")

@@ -113,7 +113,7 @@ def build_app(api: API) -> FastAPI:
     async def tokenize(request: Request) -> dict[str, Any]:
         req: TokenizeRequest = await api.parse(request, TokenizeRequest)
         if req.messages is not None:
-            (ids,) = await api.chat_ids([req.messages], req, bound=False)  # counting is what it is for
+            (ids,), _ = await api.chat_prompts([req.messages], req, bound=False)  # counting is what it is for
         else:
             (ids,) = await api.text_ids([req.prompt], req.add_special_tokens, bound=False)
         info = api.client.info
@@ -197,7 +197,8 @@ def build_app(api: API) -> FastAPI:
         req: ChatCompletionRequest = await api.parse(request, ChatCompletionRequest)
         api.admit(1, req)
         tools = api.tool_plan(req)
-        choices = await api.submit(await api.chat_ids([req.messages], req), req)
+        ids, media = await api.chat_prompts([req.messages], req)
+        choices = await api.submit(ids, req, media)
         api.follow_reasoning(choices)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name,
                 "system_fingerprint": s.system_fingerprint}
@@ -214,7 +215,8 @@ def build_app(api: API) -> FastAPI:
         req: BatchChatCompletionRequest = await api.parse(request, BatchChatCompletionRequest)
         api.admit(len(req.messages), req)
         tools = api.tool_plan(req)
-        choices = await api.submit(await api.chat_ids(req.messages, req), req)
+        ids, media = await api.chat_prompts(req.messages, req)
+        choices = await api.submit(ids, req, media)
         api.follow_reasoning(choices)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name,
                 "system_fingerprint": s.system_fingerprint}

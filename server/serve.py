@@ -26,6 +26,7 @@ from server.args import add_engine_args, add_setting_args, llm_kwargs
 from server.flags import HttpSettings, add_http_args, http_settings, load_chat_template
 from server.limits import RequestLimits
 from server.reasoning import PARSERS as REASONING_PARSERS
+from server.media import MediaSettings
 from server.settings import ServerGroup, ServerSettings
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     s = p.add_argument_group(ServerGroup.SERVER.value)
     add_setting_args(p, ServerSettings, {ServerGroup.SERVER: s})
+    add_setting_args(p, MediaSettings)
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) the API accepts and reports; the first is used in responses "
                         "(default: the model directory's name)")
@@ -97,6 +99,26 @@ def _uvicorn_server() -> type:
     return Server
 
 
+def image_processor(model_dir: Path, media: MediaSettings) -> Any:
+    """The checkpoint's processor when the model takes images (None otherwise); ValueError when an
+    image flag is set for a model that takes none (it would be ignored)."""
+    from engine.model_config import load_model_config
+
+    mc = load_model_config(model_dir, "float32")
+    if not mc.multimodal:
+        if media.changed():
+            raise ValueError(f"{', '.join(media.changed())}: {mc.architecture} takes no images")
+        return None
+    from engine.mm.processor import ImageProcessor
+
+    proc = ImageProcessor(model_dir, mc.mm_config.image_token_id, mc.mm_config.mm_tokens_per_image)
+    log.info("images: this model takes image_url content parts in chat messages (data: URLs%s%s; at most %d per "
+             "prompt); other content parts are refused by name", ", http(s) from " + ", ".join(sorted(media.domains))
+             if media.domains else "", ", file: under " + media.allowed_local_media_path
+             if media.allowed_local_media_path else "", media.images_per_prompt)
+    return proc
+
+
 def _fail(msg: str) -> int:
     print(f"kvtier serve: error: {msg}", file=sys.stderr)
     return 2
@@ -144,7 +166,7 @@ def main(argv: list[str]) -> int:
             ns, served_model_names=tuple(ns.served_model_name or [model_dir.name]), model_path=str(model_dir),
             system_fingerprint=system_fingerprint(kwargs), sampling_defaults=defaults,
             request_logger=request_log if ns.enable_log_requests else None,
-            limits=RequestLimits.from_json(ns.request_limits))
+            limits=RequestLimits.from_json(ns.request_limits), media=MediaSettings.from_flags(ns))
         # Probe the config in this process (cheap: no weights) so flag errors exit 2 before a spawn.
         from engine.config import JSON_SETTINGS, parse_json_setting
 
@@ -172,6 +194,7 @@ def main(argv: list[str]) -> int:
         from engine.runner.loader import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)
+        images = image_processor(model_dir, settings.media)
         if ns.chat_template is not None:  # for chat and /tokenize; a request's own (if trusted) still wins
             tokenizer.chat_template = load_chat_template(ns.chat_template)
     except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
@@ -187,7 +210,7 @@ def main(argv: list[str]) -> int:
         sock.listen(2048)
     except OSError as e:
         return _fail(f"cannot listen on {settings.host}:{settings.port}: {e.strerror}")
-    return asyncio.run(_serve(ns, kwargs, settings, tokenizer, sock, API, http, logs, stats_log))
+    return asyncio.run(_serve(ns, kwargs, settings, tokenizer, sock, API, http, logs, stats_log, images))
 
 
 def make_client(kwargs: dict[str, Any], settings: Any, logs: Any) -> Any:
@@ -204,7 +227,8 @@ def make_client(kwargs: dict[str, Any], settings: Any, logs: Any) -> Any:
 
 
 async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, tokenizer: Any,
-                 sock: socket.socket, api_cls: Any, http: HttpSettings, logs: Any, stats_log: Any) -> int:
+                 sock: socket.socket, api_cls: Any, http: HttpSettings, logs: Any, stats_log: Any,
+                 images: Any = None) -> int:
     import uvicorn
 
     from server.client import CoreState, StartupError
@@ -221,7 +245,7 @@ async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, 
         await client.shutdown(0)
         sock.close()
         return _fail(f"engine core failed to start: {e}")
-    api = api_cls(client, tokenizer, settings)
+    api = api_cls(client, tokenizer, settings, images)
     api.metrics.enable_compat(settings.metrics_compat, info.max_model_len)  # vLLM's token buckets need the model length
     app = build_app(api)
     http.add_cors(app)

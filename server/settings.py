@@ -13,6 +13,7 @@ from engine.config import is_flag, setting
 from server.client import DEFAULT_HEARTBEAT_TIMEOUT_S
 from server.defaults import SamplingDefaults
 from server.limits import RequestLimits
+from server.media import MediaSettings
 from server.metrics_compat import DEFAULT_METRICS_COMPAT, METRICS_COMPAT_CHOICES
 from server.reasoning import PARSERS as REASONING_PARSERS
 from server.request_log import RequestLogger
@@ -89,6 +90,7 @@ class ServerSettings:
     request_logger: RequestLogger | None = None  # --enable-log-requests
     system_fingerprint: str = ""  # OpenAI's: names the backend configuration answers come from
     limits: RequestLimits = RequestLimits()  # --request-limits: what one request may make the server do
+    media: MediaSettings = MediaSettings()  # where images may come from and how big (server/media.py)
 
     def __post_init__(self) -> None:
         if not self.api_key:

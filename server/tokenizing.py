@@ -81,6 +81,25 @@ class Tokenizing:
             return _with_deadline(lambda: [render(c) for c in convs], self.template_timeout_s)
         return await self._run(work, chars)
 
+    async def chat_with(self, convs: list[list[dict[str, Any]]], add_generation_prompt: bool, kwargs: dict[str, Any],
+                        template: str | None, continue_final_message: bool, chars: int,
+                        process: Callable[[str, int], T]) -> list[T]:
+        """`chat`'s rendering as text, each conversation's then given to `process(text, index)`
+        (the checkpoint's processor, for prompts with images), off the event loop."""
+        def render(i: int, conv: list[dict[str, Any]]) -> T:
+            text = self.tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                chat_template=template,
+                                                continue_final_message=continue_final_message, **kwargs)
+            if not isinstance(text, str):
+                raise TypeError("chat_template_kwargs must not change the tokenizer's output format")
+            return process(text, i)
+
+        def work() -> list[T]:
+            if template is None:
+                return [render(i, c) for i, c in enumerate(convs)]
+            return _with_deadline(lambda: [render(i, c) for i, c in enumerate(convs)], self.template_timeout_s)
+        return await self._run(work, chars)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._large.shutdown(wait=False, cancel_futures=True)

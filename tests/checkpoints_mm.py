@@ -18,6 +18,19 @@ import torch
 import checkpoints as C
 
 BOI, EOI, IMG = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+# checkpoints.CHAT_TEMPLATE, with content as a list of parts too (Gemma's way): an image part
+# renders as the image marker.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }} "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %} " + BOI + " {% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{% endif %}"
+)
 IMAGE_SIZE, PATCH, TOKENS_PER_IMAGE = 32, 8, 4
 
 
@@ -35,13 +48,16 @@ def build_tokenizer():
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token=C.UNK, bos_token=C.BOS, eos_token=C.EOS, pad_token=C.PAD,
         extra_special_tokens={"boi_token": BOI, "eoi_token": EOI, "image_token": IMG},
-        chat_template=C.CHAT_TEMPLATE, clean_up_tokenization_spaces=False, model_max_length=C.MAX_POS)
+        chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False, model_max_length=C.MAX_POS)
     assert len(fast) == C.VOCAB_SIZE, len(fast)
     return fast
 
 
-def build_gemma3_mm(path: Path, *, seed: int = 0) -> Path:
-    """Writes the ``gemma3_mm`` checkpoint (weights, tokenizer, processor) to ``path``."""
+def build_gemma3_mm(path: Path, *, seed: int = 0, text: dict | None = None, vision: dict | None = None,
+                    tokens_per_image: int = TOKENS_PER_IMAGE, randomize: bool = True) -> Path:
+    """Writes the ``gemma3_mm`` checkpoint (weights, tokenizer, processor) to ``path``. `text` and
+    `vision` override config fields (benchmarks/multimodal.py builds a bigger one); `randomize`
+    False keeps transformers' own initialisation (for timing only)."""
     from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor, GenerationConfig,
                               SiglipVisionConfig)
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
@@ -51,19 +67,22 @@ def build_gemma3_mm(path: Path, *, seed: int = 0) -> Path:
     tok = build_tokenizer()
     # Untied (unlike the gemma3 text kind): tied, greedy decoding here repeats one token whatever
     # the image, and the image tests need outputs that depend on it.
-    text = C._config("gemma3", len(tok), {"tie_word_embeddings": False}).to_dict()
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                image_size=IMAGE_SIZE, patch_size=PATCH)
-    cfg = Gemma3Config(text_config=text, vision_config=vision.to_dict(), mm_tokens_per_image=TOKENS_PER_IMAGE,
+    text_cfg = C._config("gemma3", len(tok), {"tie_word_embeddings": False, **(text or {})}).to_dict()
+    vision_cfg = SiglipVisionConfig(**{**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH),
+                                       **(vision or {})})
+    cfg = Gemma3Config(text_config=text_cfg, vision_config=vision_cfg.to_dict(), mm_tokens_per_image=tokens_per_image,
                        boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
                        image_token_index=tok.image_token_id, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(cfg).eval()
-    _randomize(model, seed)
+    if randomize:
+        _randomize(model, seed)
     model.generation_config = GenerationConfig(bos_token_id=C.BOS_ID, eos_token_id=C.EOS_ID, pad_token_id=C.PAD_ID)
     model.save_pretrained(path, safe_serialization=True)
-    proc = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
-                           tokenizer=tok, image_seq_length=TOKENS_PER_IMAGE)
+    side = vision_cfg.image_size
+    proc = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": side, "width": side}),
+                           tokenizer=tok, image_seq_length=tokens_per_image)
     proc.save_pretrained(path)
     return path
 
@@ -104,6 +123,16 @@ def image(seed: int, size: tuple[int, int] = (40, 50)):
     from PIL import Image
 
     return Image.fromarray((np.random.default_rng(seed).random((*size, 3)) * 255).astype("uint8"))
+
+
+def data_url(im, fmt: str = "PNG") -> str:
+    """`im` as a data: URL, as an OpenAI client sends an image."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    im.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def load_hf_mm(path: Path):

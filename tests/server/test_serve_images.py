@@ -1,0 +1,139 @@
+"""Issue 45, acceptance 2, 3 and 5 through `kvtier serve` and the official `openai` client: images
+as OpenAI `image_url` content parts; the same text with another image gets no cached tokens for
+the image's blocks, the same image hits them (and, after a restart, from G3); every bad image
+is a 400 naming the problem, and none reaches the engine core."""
+from __future__ import annotations
+
+import openai
+import pytest
+from serving import start_server
+
+import checkpoints_mm as M
+
+BLOCK = 16
+TEXT_BEFORE = " ".join(["cat"] * 36)  # with the template's 3 leading tokens: the image starts in block 2
+
+
+@pytest.fixture(scope="module")
+def mm_ckpt(tmp_path_factory):
+    return M.build_gemma3_mm(tmp_path_factory.mktemp("gemma3_mm_serve"))
+
+
+def serve(ckpt, *flags):
+    return start_server(str(ckpt), "--served-model-name", "mm", "--num-gpu-blocks", "128", *flags)
+
+
+def ask(oa, url: str, text: str = "what is in the image") -> object:
+    messages = [{"role": "user", "content": [{"type": "text", "text": TEXT_BEFORE},
+                                             {"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": text}]}]
+    return oa.chat.completions.create(model="mm", messages=messages, max_tokens=6, temperature=0,
+                                      extra_body={"return_token_ids": True})
+
+
+def cached(r) -> int:
+    return r.usage.prompt_tokens_details.cached_tokens
+
+
+def test_same_image_hits_other_image_does_not_also_after_a_restart(mm_ckpt, tmp_path):
+    a, b = M.data_url(M.image(51)), M.data_url(M.image(52))
+    flags = ("--kv-offload-disk", str(tmp_path / "g3"), "--kv-offload-block-size", str(BLOCK))
+    srv = serve(mm_ckpt, *flags)
+    try:
+        oa = openai.OpenAI(base_url=srv.v1, api_key="unused", max_retries=0, timeout=60)
+        first = ask(oa, a)
+        other = ask(oa, b)
+        same = ask(oa, a)
+        n = first.usage.prompt_tokens
+        assert cached(first) == 0 and cached(other) == 32  # the text blocks before the image
+        assert cached(same) == (n - 1) // BLOCK * BLOCK
+        assert other.choices[0].message.content != first.choices[0].message.content
+        assert same.choices[0].message.content == first.choices[0].message.content
+    finally:
+        assert srv.stop() == 0
+    srv = serve(mm_ckpt, *flags)  # a restart: G1 and G2 empty, G3 kept
+    try:
+        oa = openai.OpenAI(base_url=srv.v1, api_key="unused", max_retries=0, timeout=60)
+        again = ask(oa, a)
+        assert cached(again) == (n - 1) // BLOCK * BLOCK
+        assert again.choices[0].message.content == first.choices[0].message.content
+        assert "G3" in srv.log()
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def strict(mm_ckpt, tmp_path_factory):
+    allowed = tmp_path_factory.mktemp("allowed")
+    M.image(60).save(allowed / "ok.png")
+    srv = serve(mm_ckpt, "--limit-mm-per-prompt", '{"image": 2}', "--max-image-pixels", "2500",
+                "--max-image-bytes", "16000", "--allowed-local-media-path", str(allowed))
+    yield srv, allowed
+    srv.stop()
+
+
+def prompt_tokens_metric(srv) -> str:
+    with srv.client() as c:
+        return next(line for line in c.get("/metrics").text.splitlines() if line.startswith("kvtier:prompt_tokens_total"))
+
+
+@pytest.mark.parametrize("url, content_type, message", [
+    ("data:image/png;base64,not*base64", None, "not valid base64"),
+    ("data:image/png,rawbytes", None, "malformed data URL"),
+    ("data:image/svg+xml;base64,PHN2Zz4=", None, "unsupported image type 'image/svg+xml'"),
+    ("PIXELS", None, "exceeds --max-image-pixels 2500"),
+    ("BYTES", None, "exceeds --max-image-bytes 16000"),
+    ("THREE", None, "more than the 2 the server takes (--limit-mm-per-prompt)"),
+    ("http://127.0.0.1:9/cat.png", None, "is not allowed (the server's --allowed-media-domains is not set)"),
+    ("OUTSIDE", None, "outside --allowed-local-media-path"),
+    ("data:image/png;base64," + "iVBORw0KGgo=", None, "not an image this server can read"),
+    (None, "input_audio", "content part type 'input_audio' is not supported"),
+    (None, "video_url", "content part type 'video_url' is not supported"),
+], ids=["base64", "no-base64", "svg", "pixels", "bytes", "too-many", "http", "outside", "not-image", "audio", "video"])
+def test_bad_images_get_a_400_naming_the_problem_and_never_reach_the_core(strict, tmp_path, url, content_type,
+                                                                          message):
+    srv, allowed = strict
+    oa = openai.OpenAI(base_url=srv.v1, api_key="unused", max_retries=0, timeout=60)
+    ok = M.data_url(M.image(61))
+    if url == "PIXELS":
+        url = M.data_url(M.image(62, (60, 60)))
+    elif url == "BYTES":
+        url = M.data_url(M.image(63, (100, 100)))
+    elif url == "OUTSIDE":
+        M.image(64).save(tmp_path / "secret.png")
+        url = (tmp_path / "secret.png").as_uri()
+    parts = [{"type": "text", "text": "look"}]
+    if content_type == "input_audio":
+        parts.append({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}})
+    elif content_type == "video_url":
+        parts.append({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}})
+    elif url == "THREE":
+        parts += [{"type": "image_url", "image_url": {"url": ok}}] * 3
+    else:
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    before = prompt_tokens_metric(srv)
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.chat.completions.create(model="mm", messages=[{"role": "user", "content": parts}], max_tokens=2)
+    assert message in str(e.value), str(e.value)
+    assert prompt_tokens_metric(srv) == before  # nothing reached the engine core
+    # the allowed folder and a data URL still work
+    r = oa.chat.completions.create(model="mm", max_tokens=2, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": (allowed / "ok.png").as_uri()}},
+        {"type": "image_url", "image_url": {"url": ok}}, {"type": "text", "text": "two"}]}])
+    assert r.usage.prompt_tokens > 2 * M.TOKENS_PER_IMAGE
+
+
+def test_image_flags_on_a_text_model_and_bad_values_exit_2(ckpt_dir):
+    from serving import run_cli
+
+    r = run_cli(str(ckpt_dir("llama")), "--limit-mm-per-prompt", '{"image": 2}')
+    assert r.returncode == 2 and "--limit-mm-per-prompt: LlamaForCausalLM takes no images" in r.stderr
+    r = run_cli(str(ckpt_dir("llama")), "--limit-mm-per-prompt", '{"audio": 2}')
+    assert r.returncode == 2 and "images are the one modality served" in r.stderr
+
+
+def test_a_text_model_refuses_image_parts_by_name(tiny_server):
+    oa = openai.OpenAI(base_url=tiny_server.v1, api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="'image_url' is not supported: this model takes text only"):
+        oa.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": M.data_url(M.image(1))}}]}])
