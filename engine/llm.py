@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig, engine_settings
+from engine.mm.images import MediaError, data_url_bytes, decode_image, image_url, template_parts
 from engine.mm.inputs import MMInputs
 from engine.mm.processor import ImageProcessor
 from engine.core.engine_core import EngineCore
@@ -102,14 +103,33 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """Each conversation through the chat template. A model that takes images takes content
+        parts too: text, OpenAI's `image_url` with a data: URL, and vLLM's `image_pil` (a PIL image)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        prompts = [
-            {"prompt_token_ids": as_token_ids(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
-                                                                tokenize=True, **(chat_template_kwargs or {})))}
-            for c in conversations
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        kw = dict(add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+        prompts: list[list[int]] = []
+        media: list[MMInputs | None] = []
+        for conv in conversations:
+            if self._images is None or not any(isinstance(m.get("content"), list) for m in conv):
+                prompts.append(as_token_ids(tok.apply_chat_template(conv, tokenize=True, **kw)))
+                media.append(None)
+                continue
+            msgs, images = [], []
+            for m in conv:
+                if isinstance(m.get("content"), list):
+                    content, parts = template_parts(m["content"])
+                    m = {**m, "content": content}
+                    images += [p["image_pil"] if p["type"] == "image_pil" else _data_image(image_url(p)) for p in parts]
+                msgs.append(m)
+            ids, mm = self._images.process(tok.apply_chat_template(msgs, tokenize=False, **kw), images,
+                                           add_special_tokens=False)
+            prompts.append(ids)
+            media.append(mm)
+        ids_ = [str(next(self._ids)) for _ in prompts]
+        params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        reqs = [self.engine.make_request(rid, ids, sp, mm=mm) for rid, ids, sp, mm in zip(ids_, prompts, params, media)]
+        return self._run(reqs, use_tqdm)
 
     def next_token_logits(self, prompts: PromptType | Sequence[PromptType]) -> list[torch.Tensor]:
         """Float32 logits `[vocab]` the model gives after each full prompt (for parity checks)."""
@@ -205,6 +225,14 @@ def _broadcast(value: Any, n: int, name: str) -> list[Any]:
             raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
         return list(value)
     return [value] * n
+
+
+def _data_image(url: str) -> Any:
+    """An offline chat's image_url: a data: URL (the caller's own input: no size limits beyond PIL's)."""
+    if not url[:5].lower() == "data:":
+        raise MediaError(f"offline chat takes data: image URLs or image_pil parts (PIL images); got {url[:24]!r}")
+    raw, declared = data_url_bytes(url, max_bytes=1 << 62)
+    return decode_image(raw, declared, max_bytes=1 << 62, max_pixels=1 << 62)
 
 
 def as_token_ids(encoded: Any) -> list[int]:

@@ -4,16 +4,12 @@ checkpoint's processor take.
 
 Sources, as in vLLM: `data:` URLs always; `http(s)` only from --allowed-media-domains; `file:` only
 under --allowed-local-media-path. Every refusal is a `MediaError` naming the problem (the API
-answers 400); none reaches the engine core. The checks run before decoding: the bytes against
---max-image-bytes, then the header's size against --max-image-pixels (a small file can claim
-a huge image), then the decode.
+answers 400); none reaches the engine core. The bytes and pixels are checked before decoding
+(engine/mm/images.py).
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import enum
-import io
 import json
 import os
 import urllib.parse
@@ -22,20 +18,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from engine.config import setting
-
-# What PIL may decode, by the data URL's media type (and the decoded file's format).
-IMAGE_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP",
-               "image/gif": "GIF", "image/bmp": "BMP"}
-# Content part types OpenAI defines that this server does not take: refused by name.
-REFUSED_PARTS = ("input_audio", "audio_url", "video_url", "file", "image_embeds")
+from engine.mm.images import MediaError, data_url_bytes, decode_image, image_url, template_parts
 
 
 class MediaGroup(str, enum.Enum):
     MEDIA = "images (models that take them)"
-
-
-class MediaError(ValueError):
-    """A content part that is refused; the message names why."""
 
 
 @dataclass(frozen=True)
@@ -95,29 +82,19 @@ class MediaSettings:
 
 def image_urls(content: list[dict[str, Any]]) -> list[str]:
     """The image URLs of a message's content parts, in order; MediaError for a part that is not
-    text or an image."""
-    urls = []
-    for part in content:
-        kind = part.get("type")
-        if kind == "text":
-            continue
-        if kind in REFUSED_PARTS:
-            raise MediaError(f"content part type {kind!r} is not supported (this server takes text and image_url)")
-        if kind != "image_url":
-            raise MediaError(f"unknown content part type {kind!r} (this server takes text and image_url)")
-        spec = part.get("image_url")
-        url = spec.get("url") if isinstance(spec, dict) else spec
-        if not isinstance(url, str):
-            raise MediaError('an image_url part needs {"image_url": {"url": "data:image/...;base64,..."}}')
-        urls.append(url)
-    return urls
+    text or an image_url."""
+    _, parts = template_parts(content)
+    for p in parts:
+        if p["type"] != "image_url":
+            raise MediaError(f"content part type {p['type']!r} is not supported over HTTP (image_url is)")
+    return [image_url(p) for p in parts]
 
 
 def load_image(url: str, s: MediaSettings) -> Any:
     """The RGB PIL image `url` names, after the source and size checks (MediaError otherwise)."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
-        raw, declared = _data_url(url, s)
+        raw, declared = data_url_bytes(url, s.max_image_bytes)
     elif scheme in ("http", "https"):
         raw, declared = _fetch(url, s), None
     elif scheme == "file":
@@ -125,23 +102,7 @@ def load_image(url: str, s: MediaSettings) -> Any:
     else:
         raise MediaError(f"image URL scheme {scheme or url[:16]!r} is not supported (data:, and http(s) or file "
                          "with the server's --allowed-media-domains or --allowed-local-media-path)")
-    return _decode(raw, declared, s)
-
-
-def _data_url(url: str, s: MediaSettings) -> tuple[bytes, str]:
-    head, sep, body = url[5:].partition(",")
-    parts = head.split(";")
-    mime = parts[0].strip().lower()
-    if not sep or "base64" not in parts[1:]:
-        raise MediaError("malformed data URL: expected data:image/<type>;base64,<data>")
-    if mime not in IMAGE_TYPES:
-        raise MediaError(f"unsupported image type {mime or '(none)'!r} (supported: {', '.join(sorted(IMAGE_TYPES))})")
-    if len(body) * 3 // 4 > s.max_image_bytes:
-        raise MediaError(f"image of about {len(body) * 3 // 4} bytes exceeds --max-image-bytes {s.max_image_bytes}")
-    try:
-        return base64.b64decode(body, validate=True), IMAGE_TYPES[mime]
-    except (binascii.Error, ValueError):
-        raise MediaError("malformed data URL: its data is not valid base64") from None
+    return decode_image(raw, declared, s.max_image_bytes, s.max_image_pixels)
 
 
 def _fetch(url: str, s: MediaSettings) -> bytes:
@@ -177,25 +138,3 @@ def _local(url: str, s: MediaSettings) -> bytes:
     if len(raw) > s.max_image_bytes:
         raise MediaError(f"image file exceeds --max-image-bytes {s.max_image_bytes}")
     return raw
-
-
-def _decode(raw: bytes, declared: str | None, s: MediaSettings) -> Any:
-    from PIL import Image, UnidentifiedImageError
-
-    if len(raw) > s.max_image_bytes:
-        raise MediaError(f"image of {len(raw)} bytes exceeds --max-image-bytes {s.max_image_bytes}")
-    try:
-        im = Image.open(io.BytesIO(raw))  # reads the header only
-    except (UnidentifiedImageError, OSError, ValueError):
-        raise MediaError("the image data is not an image this server can read "
-                         f"({', '.join(sorted(set(IMAGE_TYPES.values())))})") from None
-    if im.format not in IMAGE_TYPES.values() or (declared is not None and im.format != declared):
-        raise MediaError(f"the image data is {im.format}, not the declared {declared or 'a supported type'}")
-    w, h = im.size
-    if w * h > s.max_image_pixels:
-        raise MediaError(f"image of {w}x{h} = {w * h} pixels exceeds --max-image-pixels {s.max_image_pixels}")
-    try:
-        im.load()
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise MediaError(f"the image data is damaged: {e}") from None
-    return im.convert("RGB")

@@ -8,6 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from connectors.pd import parse as parse_pd
+from engine.mm.images import template_parts
 from engine.sample.prompt_logprobs import MAX_PROMPT_LOGPROBS
 from engine.sampling_params import SamplingParams
 from engine.sample.structured import StructuredOutputsParams
@@ -251,9 +252,8 @@ class ChatMessage(BaseModel):
         """What the chat template sees. `media` (a model that takes images): content parts stay a
         list, each image as {"type": "image"} where the template puts the model's image marker
         (server/media.py checks the parts and loads the images)."""
-        content: Any = self.text() if not (media and self.has_media) else [
-            {"type": "text", "text": p["text"]} if p.get("type") == "text" else {"type": "image"}
-            for p in self.content]  # type: ignore[union-attr]
+        content: Any = self.text() if not (media and self.has_media) else \
+            template_parts(self.content)[0]  # type: ignore[arg-type]
         m: dict[str, Any] = {"role": self.role, "content": content}
         for k in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             if getattr(self, k) is not None:

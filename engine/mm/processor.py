@@ -53,17 +53,19 @@ class ImageProcessor:
         self.image_token_id, self.tokens_per_image = image_token_id, tokens_per_image
         self.marker: str = self._proc.image_token  # what a prompt's text puts where an image goes
 
-    def process(self, text: str, images: Sequence[Any]) -> tuple[list[int], MMInputs | None]:
+    def process(self, text: str, images: Sequence[Any], add_special_tokens: bool = True
+                ) -> tuple[list[int], MMInputs | None]:
         """Token ids (placeholders expanded) and items of `text` with `images` (PIL images or
-        HWC uint8 arrays), one per marker in the text; ValueError naming what does not match."""
+        HWC uint8 arrays), one per marker in the text; ValueError naming what does not match.
+        `add_special_tokens` False for text a chat template rendered (it has them already)."""
         images = [_as_image(im) for im in images]
         count = text.count(self.marker)
         if count != len(images):
             raise ValueError(f"the prompt has {count} image marker(s) ({self.marker!r}) but {len(images)} image(s) "
                              "were given")
         if not images:
-            return list(self._proc.tokenizer.encode(text)), None
-        out = self._proc(text=text, images=images, return_tensors="pt")
+            return list(self._proc.tokenizer.encode(text, add_special_tokens=add_special_tokens)), None
+        out = self._proc(text=text, images=images, return_tensors="pt", add_special_tokens=add_special_tokens)
         ids = out["input_ids"][0].tolist()
         pixels = out["pixel_values"]
         runs = placeholder_runs(ids, self.image_token_id)

@@ -185,3 +185,26 @@ def test_encoder_cache_encodes_a_repeated_image_once(mm_ckpt):
         enc.check_integrity()
         assert torch.equal(enc.features([MMItem(0, 4, next(iter(enc._entries)), None)])[0],
                            next(iter(enc._entries.values())))
+
+
+def test_chat_with_image_parts_equals_transformers(mm_ckpt):
+    """LLM.chat takes OpenAI's image_url (a data: URL) and vLLM's image_pil parts; the oracle is
+    transformers on the same chat template's text and the same image."""
+    img = M.image(71)
+    first = words(20, 9)
+    parts = lambda image_part: [{"type": "text", "text": first}, image_part, {"type": "text", "text": "tell me"}]  # noqa: E731
+    model, proc = M.load_hf_mm(mm_ckpt)
+    text = proc.tokenizer.apply_chat_template([{"role": "user", "content": parts({"type": "image"})}],
+                                              tokenize=False, add_generation_prompt=True)
+    want = M.hf_greedy_mm(model, proc, text, [img], MAX_TOKENS)
+    with LLM(str(mm_ckpt), dtype="float32") as llm:
+        pil = llm.chat([{"role": "user", "content": parts({"type": "image_pil", "image_pil": img})}], GREEDY,
+                       use_tqdm=False)[0]
+        url = llm.chat([{"role": "user", "content": parts({"type": "image_url", "image_url": {"url": M.data_url(img)}})}],
+                       GREEDY, use_tqdm=False)[0]
+        assert pil.outputs[0].token_ids == url.outputs[0].token_ids == want
+        with pytest.raises(ValueError, match="'input_audio' is not supported"):
+            llm.chat([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], GREEDY)
+        with pytest.raises(ValueError, match="offline chat takes data: image URLs"):
+            llm.chat([{"role": "user", "content": parts({"type": "image_url", "image_url": {"url": "http://x/y.png"}})}],
+                     GREEDY)
