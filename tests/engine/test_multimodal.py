@@ -66,7 +66,9 @@ def generate(llm: LLM, cases) -> list:
     {"enable_prefix_caching": False},
     {"max_num_batched_tokens": 12},  # chunks cut before an image, or stretched to finish one
     {"max_num_batched_tokens": 12, "long_prefill_token_threshold": 5},
-], ids=["default", "no-prefix-cache", "chunked", "chunked-small"])
+    {"max_num_batched_tokens": 12, "async_scheduling": True},
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}},
+], ids=["default", "no-prefix-cache", "chunked", "chunked-small", "chunked-async", "ngram"])
 def test_greedy_tokens_equal_transformers_with_0_1_3_images(mm_ckpt, oracle, settings):
     with LLM(str(mm_ckpt), dtype="float32", **settings) as llm:
         assert [o.outputs[0].token_ids for o in generate(llm, CASES)] == oracle

@@ -55,3 +55,24 @@ def test_triton_backend_through_the_graph_buffers_gives_its_plain_tokens(device,
         finally:
             llm.close()
     assert out["eager_replay"] == out["none"] and replays >= 4
+
+
+def test_triton_backend_with_images_gives_transformers_tokens(device, tmp_path, monkeypatch):
+    """Gemma 3 with images on the Triton backend: steps whose prefills hold image placeholders
+    (which attend both ways) go through the torch path, the rest through the kernels."""
+    import checkpoints_mm as M
+    from engine import LLM, SamplingParams
+    from engine.core import build
+    from engine.runner.attention_triton import TritonPagedAttention
+
+    ckpt = M.build_gemma3_mm(tmp_path / "mm")
+    model, proc = M.load_hf_mm(ckpt)
+    text = f"one two three {M.BOI} four five {M.BOI} six seven eight nine ten"
+    images = [M.image(1), M.image(2)]
+    want = M.hf_greedy_mm(model, proc, text, images, 8)
+    monkeypatch.setattr(build, "attention_backend", lambda _device: TritonPagedAttention())
+    with LLM(str(ckpt), dtype="float32", device=device.type, kv_cache_memory_gib=0.05, max_num_batched_tokens=12,
+             optimization_level=0) as llm:
+        out = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}],
+                           SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == want
