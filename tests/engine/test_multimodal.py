@@ -210,3 +210,55 @@ def test_chat_with_image_parts_equals_transformers(mm_ckpt):
         with pytest.raises(ValueError, match="offline chat takes data: image URLs"):
             llm.chat([{"role": "user", "content": parts({"type": "image_url", "image_url": {"url": "http://x/y.png"}})}],
                      GREEDY)
+
+
+@torch.no_grad()
+def test_exported_hidden_states_with_images_equal_transformers(mm_ckpt, tmp_path):
+    """Hidden-state export (the format speculators reads) on prompts with images: layer 0 holds the
+    images' embeddings at their placeholders, as in transformers' `output_hidden_states`."""
+    from safetensors.torch import load_file
+
+    from connectors.hidden_spec import speculative_config
+
+    text, images = CASES[2]
+    layer_ids = [C.LAYERS, 0, 1]
+    with LLM(str(mm_ckpt), dtype="float32", speculative_config=speculative_config(layer_ids),
+             max_num_batched_tokens=12, kv_transfer_config={
+                 "kv_connector": "HiddenStatesConnector",
+                 "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "hs")}}) as llm:
+        out = llm.generate([inputs(text, images)], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                           use_tqdm=False, request_ids=["img"])[0]
+    data = load_file(out.kv_transfer_params["hidden_states_path"])
+    model, proc = M.load_hf_mm(mm_ckpt)
+    batch = proc(text=text, images=images, return_tensors="pt")
+    assert data["token_ids"].tolist() == batch["input_ids"][0].tolist()
+    last = {}
+    hook = model.model.language_model.layers[-1].register_forward_hook(
+        lambda mod, args, o: last.setdefault("h", o[0] if isinstance(o, tuple) else o))
+    try:
+        hs = model(**batch, output_hidden_states=True).hidden_states
+    finally:
+        hook.remove()
+    ref = [h[0] for h in hs[:-1]] + [last["h"][0]]
+    for j, lid in enumerate(layer_ids):
+        scale = ref[lid].abs().max().item()
+        torch.testing.assert_close(data["hidden_states"][:, j], ref[lid], rtol=1e-5, atol=1e-5 * scale,
+                                   msg=f"layer id {lid}")
+
+
+def test_a_prefix_hit_that_ends_inside_an_image_resumes_it(mm_ckpt, oracle):
+    """The image's placeholders at 30-33 straddle the block boundary at 32: a second prompt with the
+    same text and image but another question hits blocks 0-1 and resumes inside the image (its
+    last two placeholders see the first two from the cache, and these saw them when computed)."""
+    model, proc = M.load_hf_mm(mm_ckpt)
+    before, img = words(29, 81), M.image(81)
+    first, second = f"{before} {M.BOI} {words(30, 82)}", f"{before} {M.BOI} {words(25, 83)}"
+    ids = list(proc(text=first, images=[img])["input_ids"][0])
+    image_token = proc.tokenizer.image_token_id
+    assert [i for i, t in enumerate(ids) if t == image_token] == [30, 31, 32, 33]
+    want = M.hf_greedy_mm(model, proc, second, [img], MAX_TOKENS)
+    with LLM(str(mm_ckpt), dtype="float32") as llm:
+        generate(llm, [(first, [img])])
+        out = generate(llm, [(second, [img])])[0]
+    assert out.num_cached_tokens == 32
+    assert out.outputs[0].token_ids == want
