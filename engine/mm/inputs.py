@@ -68,6 +68,19 @@ class MMInputs:
                 return it.end - start if it.end - start <= budget else 0
         return n
 
+    def check_items(self, token_ids: Sequence[int], image_token_id: int, pixel_shape: tuple[int, ...],
+                    tokens_per_image: int) -> None:
+        """ValueError unless every item sits on `tokens_per_image` image placeholder tokens of the
+        prompt and has pixels of `pixel_shape` (one image, the encoder's input size): a request
+        built elsewhere (the server's channel) must not reach the encoder or overwrite text."""
+        for it in self.items:
+            if it.length != tokens_per_image or it.end > len(token_ids) or \
+                    any(t != image_token_id for t in token_ids[it.offset:it.end]):
+                raise ValueError(f"an image item at {it.offset} ({it.length} tokens) does not sit on "
+                                 f"{tokens_per_image} image placeholder tokens of the prompt")
+            if tuple(it.pixels.shape) != pixel_shape:
+                raise ValueError(f"an image item's pixels are {tuple(it.pixels.shape)}, not {pixel_shape}")
+
     def check_fits(self, budget: int) -> None:
         """ValueError unless every item fits in one step of `budget` tokens."""
         for it in self.items:

@@ -262,3 +262,18 @@ def test_a_prefix_hit_that_ends_inside_an_image_resumes_it(mm_ckpt, oracle):
         out = generate(llm, [(second, [img])])[0]
     assert out.num_cached_tokens == 32
     assert out.outputs[0].token_ids == want
+
+
+def test_items_built_elsewhere_are_checked_before_they_reach_the_encoder(mm_ckpt):
+    """What the server's channel carries is checked by the core: an item off the placeholders or
+    with pixels of another size is refused, and the engine serves the next request."""
+    text, images = CASES[1]
+    with LLM(str(mm_ckpt), dtype="float32") as llm:
+        ids, mm = llm._images.process(text, images)
+        item = mm.items[0]
+        bad = [MMInputs((MMItem(item.offset - 1, item.length, item.digest, item.pixels),)),
+               MMInputs((MMItem(item.offset, item.length, item.digest, item.pixels[:, :, :16]),))]
+        for m, match in zip(bad, ("does not sit on 4 image placeholder", "pixels are")):
+            with pytest.raises(ValueError, match=match):
+                llm.engine.make_request("bad", ids, GREEDY, mm=m)
+        assert generate(llm, [(text, images)])[0].outputs[0].token_ids
