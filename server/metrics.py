@@ -110,6 +110,11 @@ class _EngineCollector(Collector):
             for pos, n in enumerate(sd["accepted_per_pos"]):
                 per_pos.add_metric(m + [str(pos)], n)
             yield per_pos
+        enc = s.get("encoder_cache")
+        if enc is not None:  # a model that takes images
+            yield counter("mm_encoder_cache_hits", "Images whose encoder output was reused.", enc["hits"])
+            yield counter("mm_encoder_cache_misses", "Images encoded.", enc["misses"])
+            yield gauge("mm_encoder_cache_bytes", "Host memory the kept encoder outputs take.", enc["bytes"])
         tiers = s.get("tiers") or {}
         hits = CounterMetricFamily(P + "offload_hit_tokens", "Prompt tokens served by an offload tier.",
                                    labels=lab + ["tier"])

@@ -331,6 +331,7 @@ class EngineCore:
             spec_decode=self.spec.stats.as_dict() if self.spec is not None else None,
             kv_groups=self.kv.group_usage(),
             num_free_blocks=self.pool.num_free_blocks(),
+            encoder_cache=self.runner.encoder.stats() if self.runner.encoder is not None else None,
         )
 
     def info(self) -> EngineInfo:

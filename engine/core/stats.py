@@ -39,6 +39,8 @@ class EngineStats:
     # G1 per KV group (KVCacheManager.group_usage): layers, window, blocks held by requests.
     kv_groups: list[dict[str, Any]] = field(default_factory=list)
     num_free_blocks: int = 0  # G1 blocks neither held by a request nor cached
+    # A model that takes images: the encoder cache's hits, misses and bytes (engine/mm/encoder.py).
+    encoder_cache: dict[str, int] | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -49,6 +49,10 @@ def test_same_image_hits_other_image_does_not_also_after_a_restart(mm_ckpt, tmp_
         assert cached(same) == (n - 1) // BLOCK * BLOCK
         assert other.choices[0].message.content != first.choices[0].message.content
         assert same.choices[0].message.content == first.choices[0].message.content
+        with srv.client() as c:  # two images encoded; the third request's prefix hit covered its image
+            metrics = c.get("/metrics").text
+        assert 'kvtier:mm_encoder_cache_misses_total{model_name="mm"} 2.0' in metrics
+        assert 'kvtier:mm_encoder_cache_hits_total{model_name="mm"} 0.0' in metrics
     finally:
         assert srv.stop() == 0
     srv = serve(mm_ckpt, *flags)  # a restart: G1 and G2 empty, G3 kept
