@@ -71,7 +71,8 @@ def strict(mm_ckpt, tmp_path_factory):
     allowed = tmp_path_factory.mktemp("allowed")
     M.image(60).save(allowed / "ok.png")
     srv = serve(mm_ckpt, "--limit-mm-per-prompt", '{"image": 2}', "--max-image-pixels", "2500",
-                "--max-image-bytes", "16000", "--allowed-local-media-path", str(allowed))
+                "--max-image-bytes", "16000", "--allowed-local-media-path", str(allowed),
+                "--allowed-media-domains", "localhost")
     yield srv, allowed
     srv.stop()
 
@@ -88,7 +89,7 @@ def prompt_tokens_metric(srv) -> str:
     ("PIXELS", None, "exceeds the limit of 2500 (--max-image-pixels)"),
     ("BYTES", None, "exceeds the limit of 16000 bytes (--max-image-bytes)"),
     ("THREE", None, "more than the 2 the server takes (--limit-mm-per-prompt)"),
-    ("http://127.0.0.1:9/cat.png", None, "is not allowed (the server's --allowed-media-domains is not set)"),
+    ("http://127.0.0.1:9/cat.png", None, "host '127.0.0.1' is not allowed (the server's --allowed-media-domains lists localhost)"),
     ("OUTSIDE", None, "outside --allowed-local-media-path"),
     ("data:image/png;base64," + "iVBORw0KGgo=", None, "not an image this server can read"),
     (None, "input_audio", "content part type 'input_audio' is not supported"),
@@ -141,3 +142,46 @@ def test_a_text_model_refuses_image_parts_by_name(tiny_server):
     with pytest.raises(openai.BadRequestError, match="'image_url' is not supported: this model takes text only"):
         oa.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": M.data_url(M.image(1))}}]}])
+
+
+def test_http_images_only_from_allowed_hosts_and_never_through_a_redirect(strict, tmp_path):
+    """A real HTTP server: localhost is allowed and served; its redirect to 127.0.0.1 (the same
+    machine under a name that is not allowed) is refused, not followed."""
+    import http.server
+    import threading
+
+    srv, _ = strict
+    M.image(65).save(tmp_path / "ok.png")
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a, **k):
+            super().__init__(*a, directory=str(tmp_path), **k)
+
+        def do_GET(self):  # noqa: N802
+            if self.path == "/moved.png":
+                self.send_response(302)
+                self.send_header("Location", f"http://127.0.0.1:{web.server_address[1]}/ok.png")
+                self.end_headers()
+                return
+            super().do_GET()
+
+        def log_message(self, *a):
+            pass
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        oa = openai.OpenAI(base_url=srv.v1, api_key="unused", max_retries=0, timeout=60)
+
+        def chat(url: str):
+            return oa.chat.completions.create(model="mm", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what"}]}])
+
+        port = web.server_address[1]
+        assert chat(f"http://localhost:{port}/ok.png").usage.prompt_tokens > M.TOKENS_PER_IMAGE
+        with pytest.raises(openai.BadRequestError, match="redirects are not followed"):
+            chat(f"http://localhost:{port}/moved.png")
+        with pytest.raises(openai.BadRequestError, match="host '127.0.0.1' is not allowed"):
+            chat(f"http://127.0.0.1:{port}/ok.png")
+    finally:
+        web.shutdown()
