@@ -1,6 +1,7 @@
 """The offline API, in vLLM's shape: `LLM(...).generate(prompts, sampling_params)`."""
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Sequence
@@ -41,10 +42,14 @@ class LLM:
         self.config = EngineConfig(model=str(model), **settings)
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
+
+    @functools.cached_property
+    def _images(self) -> ImageProcessor | None:
+        """The checkpoint's processor, for prompts with images (engine/mm/processor.py), loaded on
+        first use; None for a model that takes none."""
         mc = self.engine.model_config
-        # Prompts with images go through the checkpoint's processor (engine/mm/processor.py).
-        self._images = ImageProcessor(Path(self.config.model), mc.mm_config.image_token_id,
-                                      mc.mm_config.mm_tokens_per_image) if mc.multimodal else None
+        return ImageProcessor(Path(self.config.model), mc.mm_config.image_token_id,
+                              mc.mm_config.mm_tokens_per_image) if mc.multimodal else None
 
     def close(self) -> None:
         """Flushes pending offload writes (G3) and stops transfer threads."""
