@@ -31,6 +31,9 @@ def _generate(argv: list[str]) -> int:
     s.add_argument("--prompt", action="append", default=[], help="raw prompt text (repeatable)")
     s.add_argument("--chat", action="append", default=[],
                    help="a user message, sent through the model's chat template (repeatable; one conversation each)")
+    s.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image file sent with the --chat message, before its text (repeatable, in order; one "
+                        "--chat; a model that takes images)")
     s.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per request (default: %(default)s)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
@@ -42,6 +45,8 @@ def _generate(argv: list[str]) -> int:
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if not ns.prompt and not ns.chat:
         p.error("give at least one --prompt or --chat")
+    if ns.image and (ns.prompt or len(ns.chat) != 1):
+        p.error("--image goes with exactly one --chat (and no --prompt)")
     from engine import LLM, SamplingParams
 
     try:
@@ -50,13 +55,29 @@ def _generate(argv: list[str]) -> int:
         llm = LLM(**llm_kwargs(ns))
         outs = llm.generate(ns.prompt, params, use_tqdm=False) if ns.prompt else []
         if ns.chat:
-            outs += llm.chat([[{"role": "user", "content": m}] for m in ns.chat], params, use_tqdm=False)
-    except (ValueError, FileNotFoundError) as e:
+            outs += llm.chat([[{"role": "user", "content": _with_images(llm, m, ns.image)}] for m in ns.chat], params,
+                             use_tqdm=False)
+    except (ValueError, OSError) as e:  # OSError: an image file that cannot be read
         print(f"kvtier generate: error: {e}", file=sys.stderr)
         return 2
     for q, o in zip(ns.prompt + ns.chat, outs):
         print(f"> {q}\n{o.outputs[0].text}\n[{len(o.outputs[0].token_ids)} tokens, finish_reason={o.outputs[0].finish_reason}]")
     return 0
+
+
+def _with_images(llm: Any, text: str, files: list[str]) -> Any:
+    """A --chat message's content: the text, or the images (vLLM's image_pil parts) then the text."""
+    if not files:
+        return text
+    if not llm.engine.model_config.multimodal:
+        raise ValueError(f"--image: {llm.engine.model_config.architecture} takes no images")
+    from PIL import Image
+
+    images = []
+    for f in files:
+        with Image.open(f) as im:
+            images.append({"type": "image_pil", "image_pil": im.convert("RGB")})
+    return [*images, {"type": "text", "text": text}]
 
 
 def _serve(argv: list[str]) -> int:

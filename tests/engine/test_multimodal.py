@@ -277,3 +277,18 @@ def test_items_built_elsewhere_are_checked_before_they_reach_the_encoder(mm_ckpt
             with pytest.raises(ValueError, match=match):
                 llm.engine.make_request("bad", ids, GREEDY, mm=m)
         assert generate(llm, [(text, images)])[0].outputs[0].token_ids
+
+
+def test_kvtier_generate_takes_image_files(mm_ckpt, tmp_path, capsys):
+    from server.cli import main
+
+    M.image(91).save(tmp_path / "cat.png")
+    (tmp_path / "not.png").write_text("not an image")
+    base = ["generate", str(mm_ckpt), "--dtype", "float32", "--max-tokens", "3", "--chat", "what is it"]
+    assert main([*base, "--image", str(tmp_path / "cat.png")]) == 0
+    assert "[3 tokens" in capsys.readouterr().out
+    assert main([*base, "--image", str(tmp_path / "not.png")]) == 2
+    assert "kvtier generate: error:" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(mm_ckpt), "--prompt", "hi", "--image", str(tmp_path / "cat.png")])
+    assert e.value.code == 2
