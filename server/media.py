@@ -51,7 +51,7 @@ class MediaSettings:
             raise ValueError("--max-image-pixels, --max-image-bytes and --media-fetch-timeout must be > 0")
         if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
             raise ValueError(f"--allowed-local-media-path {self.allowed_local_media_path}: not a directory")
-        self.images_per_prompt  # noqa: B018: a malformed --limit-mm-per-prompt fails here
+        _ = self.images_per_prompt  # a malformed --limit-mm-per-prompt fails here
 
     @property
     def images_per_prompt(self) -> int:

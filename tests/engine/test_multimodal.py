@@ -134,7 +134,8 @@ def test_image_blocks_from_g3_after_a_restart_only_for_the_same_image(mm_ckpt, t
 
 def test_media_digests_enter_the_keys_of_the_blocks_holding_placeholders():
     ids = list(range(100, 164))  # 4 blocks
-    item = lambda d: MMItem(20, 8, d, None)  # noqa: E731: placeholders in block 1 only
+    def item(digest: bytes) -> MMItem:  # placeholders in block 1 only
+        return MMItem(20, 8, digest, None)
     mm_a, mm_b = MMInputs((item(b"a" * 16),)), MMInputs((item(b"b" * 16),))
     plain = chain_keys(ids, BLOCK)
     ka = chain_keys(ids, BLOCK, media=lambda i: mm_a.block_extra(i, BLOCK))
