@@ -115,15 +115,17 @@ class AttentionMetadata:
         return self.groups[self.layer_groups[layer]] if self.groups else self
 
     def packed_prefills(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prefills as one kernel call's input, built on first use and shared by every layer:
-        `[n, 4]` int64 rows `(query_start, query_len, context_len, table_offset)` and every
-        sequence's block ids concatenated (host tensors)."""
+        """The prefills without image spans (`bidir`: those need the torch path's mask) as one
+        kernel call's input, built on first use and shared by every layer: `[n, 4]` int64 rows
+        `(query_start, query_len, context_len, table_offset)` and every sequence's block ids
+        concatenated (host tensors)."""
         if self._packed is None:
             rows, offset = [], 0
-            for seq in self.prefills:
+            plain = [seq for seq in self.prefills if not seq.bidir]
+            for seq in plain:
                 rows.append((seq.query_start, seq.query_len, seq.context_len, offset))
                 offset += seq.block_ids.numel()
-            tables = torch.cat([s.block_ids for s in self.prefills]) if self.prefills else torch.empty(0, dtype=torch.long)
+            tables = torch.cat([s.block_ids for s in plain]) if plain else torch.empty(0, dtype=torch.long)
             self._packed = (torch.tensor(rows, dtype=torch.long).view(-1, 4), tables.contiguous())
         return self._packed
 

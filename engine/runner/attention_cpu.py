@@ -34,11 +34,14 @@ class CpuPagedAttention(TorchPagedAttention):
             cpu_kernels.paged_attention(q, k_cache, v_cache, out, group.query_idx, group.block_tables,
                                         group.context_lens, scale, window)
         if meta.prefills:
-            if cpu_kernels.prefill_supported(num_heads, kv_heads, k_cache.shape[1]) and not meta.has_bidir:
+            kernel = cpu_kernels.prefill_supported(num_heads, kv_heads, k_cache.shape[1])
+            if kernel:  # every prefill but those with image spans (packed_prefills leaves them out)
                 seqs, tables = meta.packed_prefills()
-                cpu_kernels.prefill_attention(q, k_cache, v_cache, out, seqs, tables, scale, window)
-            else:
+                if seqs.shape[0]:
+                    cpu_kernels.prefill_attention(q, k_cache, v_cache, out, seqs, tables, scale, window)
+            if not kernel or meta.has_bidir:  # the torch path: its mask has the spans
                 q = q.contiguous()
                 for seq in meta.prefills:
-                    self._prefill(q, k_cache, v_cache, seq, scale, out, window)
+                    if not kernel or seq.bidir:
+                        self._prefill(q, k_cache, v_cache, seq, scale, out, window)
         return scale_values(out, kv_scale).view(num_tokens, num_heads * head_dim)
