@@ -45,6 +45,13 @@ log = logging.getLogger(__name__)
 MAX_PASSED_OVER = 8  # shortest_prefill: steps a running prompt may sit out in a row
 
 
+# Images a step may hold (each may need the vision encoder, which runs inside the step): one
+# request's images are spread over steps rather than stalling every other request's next token
+# behind all of them at once (a Gemma 3 image, 4,096 patches through a 400M-parameter SigLIP, is
+# ~3 TFLOP: seconds on a CPU).
+IMAGES_PER_STEP = 1
+
+
 def _tokens_left(req: Request) -> int:
     """Tokens a running request has still to schedule (1 for a decode)."""
     return req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens
@@ -90,6 +97,7 @@ class Scheduler:
         # token a launched step is still sampling (its proposals come after that).
         self.num_spec_placeholders = num_spec_placeholders
         self._passed_over: dict[RequestId, int] = {}  # shortest_prefill: steps each running prompt sat out
+        self._images_left = IMAGES_PER_STEP  # of the step being planned (_whole_images)
         self.expensive = ExpensiveWork()  # prompt log-prob work's share of each step (the module docstring)
 
     def add_request(self, req: Request) -> None:
@@ -108,6 +116,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._images_left = IMAGES_PER_STEP
         budget = self.max_num_batched_tokens
         scheduled: set[RequestId] = set()
         srpt = self.policy is SchedulingPolicy.SHORTEST_PREFILL
@@ -296,11 +305,15 @@ class Scheduler:
         cap = self.long_prefill_token_threshold
         return cap if 0 < cap < remaining else remaining
 
-    @staticmethod
-    def _whole_images(req: Request, start: int, n: int, budget: int) -> int:
+    def _whole_images(self, req: Request, start: int, n: int, budget: int) -> int:
         """`n` tokens from `start`, moved so that the step does not end inside an image's
-        placeholders (they attend to each other both ways: engine/mm/inputs.py `MMInputs.cut`)."""
-        return n if req.mm is None or n == 0 else req.mm.cut(start, n, budget)
+        placeholders (they attend to each other both ways: engine/mm/inputs.py `MMInputs.cut`)
+        and holds at most IMAGES_PER_STEP images, counted as they are planned."""
+        if req.mm is None or n == 0:
+            return n
+        n = req.mm.cut(start, n, budget, self._images_left)
+        self._images_left -= len(req.mm.overlapping(start, start + n))
+        return n
 
     def _allocate(self, req: Request, n: int, hits: list = ()) -> bool:
         """Slots for n tokens, with the lookahead when there is room for it (never past the

@@ -55,13 +55,20 @@ class MMInputs:
         """The digests of the items a block holds placeholders of (b"" for a text-only block)."""
         return b"".join(it.digest for it in self.overlapping(index * block_size, (index + 1) * block_size))
 
-    def cut(self, start: int, n: int, budget: int) -> int:
+    def cut(self, start: int, n: int, budget: int, images: int) -> int:
         """How many of `n` tokens from `start` a step may compute without ending inside an item
-        (whose tokens must all be in one forward: they attend to each other both ways): `n`, or
-        fewer to stop before an item, or more (up to `budget`) to finish an item started at or
-        before `start`; 0 when that does not fit."""
-        end = start + n
+        (whose tokens must all be in one forward: they attend to each other both ways) and with
+        at most `images` items in it: `n`, or fewer to stop before an item, or more (up to
+        `budget`) to finish an item started at or before `start`; 0 when that does not fit."""
+        end, seen = start + n, 0
         for it in self.items:
+            if it.end <= start:
+                continue
+            if it.offset >= end:
+                break
+            if seen == images:  # no room for another image in this step
+                return max(0, it.offset - start)
+            seen += 1
             if it.offset < end < it.end:
                 if it.offset > start:
                     return it.offset - start

@@ -145,16 +145,33 @@ def test_media_digests_enter_the_keys_of_the_blocks_holding_placeholders():
     assert chain_keys(ids, BLOCK, "salt", media=lambda i: mm_a.block_extra(i, BLOCK))[1] != ka[1]
 
 
-def test_a_step_never_ends_inside_an_image():
+def test_a_step_never_ends_inside_an_image_and_holds_at_most_the_images_it_may():
     mm = MMInputs((MMItem(10, 6, b"x" * 16, None), MMItem(20, 4, b"y" * 16, None)))
-    assert mm.cut(0, 12, 100) == 10  # stops before the image
-    assert mm.cut(10, 3, 100) == 6  # finishes the image it starts
-    assert mm.cut(12, 2, 100) == 4  # resumed inside one (a prefix hit ended there): finishes it
-    assert mm.cut(12, 2, 3) == 0  # and waits when the step has no room for that
-    assert mm.cut(0, 16, 100) == 16 and mm.cut(16, 8, 100) == 8  # ends where an image does: as asked
-    assert mm.cut(16, 6, 100) == 4
+    assert mm.cut(0, 12, 100, 2) == 10  # stops before the image
+    assert mm.cut(10, 3, 100, 2) == 6  # finishes the image it starts
+    assert mm.cut(12, 2, 100, 2) == 4  # resumed inside one (a prefix hit ended there): finishes it
+    assert mm.cut(12, 2, 3, 2) == 0  # and waits when the step has no room for that
+    assert mm.cut(0, 16, 100, 2) == 16 and mm.cut(16, 8, 100, 2) == 8  # ends where an image does: as asked
+    assert mm.cut(16, 6, 100, 2) == 4
+    assert mm.cut(0, 30, 100, 2) == 30
+    assert mm.cut(0, 30, 100, 1) == 20  # one image per step: stops before the second
+    assert mm.cut(0, 30, 100, 0) == 10 and mm.cut(12, 10, 100, 0) == 0  # none: before the first, or wait
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         mm.check_fits(5)
+
+
+def test_one_step_encodes_at_most_one_image(mm_ckpt):
+    """A prompt's images are spread over steps (the encoder runs inside a step, which every other
+    request's next token waits for), with transformers' tokens all the same."""
+    text, images = CASES[2]
+    with LLM(str(mm_ckpt), dtype="float32", enable_prefix_caching=False) as llm:
+        enc = llm.engine.runner.encoder
+        batches, real = [], enc._encode
+        enc._encode = lambda pixels: (batches.append(pixels.shape[0]), real(pixels))[1]
+        out = generate(llm, [(text, images), CASES[1]])
+    assert batches and max(batches) == 1 and len(batches) == 4
+    model, proc = M.load_hf_mm(mm_ckpt)
+    assert out[0].outputs[0].token_ids == M.hf_greedy_mm(model, proc, text, images, MAX_TOKENS)
 
 
 def test_bad_image_requests_are_refused_by_name(mm_ckpt, ckpt_dir):
