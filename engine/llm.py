@@ -92,12 +92,7 @@ class LLM:
         salts = _broadcast(cache_salt if not isinstance(cache_salt, str) and cache_salt is not None else cache_salt, n,
                            "cache_salt")
         sessions = _broadcast(session, n, "session")
-        # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
-        reqs = []
-        for rid, p, sp, pr, salt, ses in zip(ids, prompts, params, prios, salts, sessions):
-            token_ids, mm = self._tokenize(p)
-            reqs.append(self.engine.make_request(rid, token_ids, sp, priority=pr, cache_salt=salt, session=ses, mm=mm))
-        return self._run(reqs, use_tqdm)
+        return self._submit([self._tokenize(p) for p in prompts], params, use_tqdm, ids, prios, salts, sessions)
 
     def chat(
         self,
@@ -131,10 +126,10 @@ class LLM:
                                            add_special_tokens=False)
             prompts.append(ids)
             media.append(mm)
-        ids_ = [str(next(self._ids)) for _ in prompts]
-        params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
-        reqs = [self.engine.make_request(rid, ids, sp, mm=mm) for rid, ids, sp, mm in zip(ids_, prompts, params, media)]
-        return self._run(reqs, use_tqdm)
+        n = len(prompts)
+        return self._submit(list(zip(prompts, media)), _broadcast(sampling_params or SamplingParams(), n,
+                                                                  "sampling_params"), use_tqdm,
+                            [str(next(self._ids)) for _ in prompts], [0] * n, [None] * n, [None] * n)
 
     def next_token_logits(self, prompts: PromptType | Sequence[PromptType]) -> list[torch.Tensor]:
         """Float32 logits `[vocab]` the model gives after each full prompt (for parity checks)."""
@@ -176,6 +171,14 @@ class LLM:
                              "not 'prompt_token_ids'")
         images = data.get("image", [])
         return self._images.process(prompt["prompt"], images if isinstance(images, (list, tuple)) else [images])
+
+    def _submit(self, prompts: list[tuple[list[int], MMInputs | None]], params: list[SamplingParams], use_tqdm: bool,
+                ids: list[str], prios: list[int], salts: list[str | None], sessions: list[str | None]
+                ) -> list[RequestOutput]:
+        # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
+        reqs = [self.engine.make_request(rid, token_ids, sp, priority=pr, cache_salt=salt, session=ses, mm=mm)
+                for rid, (token_ids, mm), sp, pr, salt, ses in zip(ids, prompts, params, prios, salts, sessions)]
+        return self._run(reqs, use_tqdm)
 
     def _run(self, reqs: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
