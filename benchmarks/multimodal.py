@@ -27,6 +27,7 @@ sys.path.append(str(_HERE.parent / "tests"))  # checkpoints_mm.build_gemma3_mm
 sys.path.append(str(_HERE))
 
 from _common import log, machine_info, median, print_table, set_torch_threads, write_json  # noqa: E402
+from engine.mm.inputs import MMItem  # noqa: E402
 
 TEXT = dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
             num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         times["G3 hit"].append(ttft(f"{before} {M.BOI} {q[3]}", image))
         pixels = proc.image_processor(images=[image], return_tensors="pt")["pixel_values"]
         t0 = time.perf_counter()
-        llm.engine.runner.model.encode_images(pixels)
+        llm.engine.runner.model.encode_images([MMItem(0, 1, b"\0" * 16, pixels)])
         encode.append(time.perf_counter() - t0)
         log(f"run {r + 1}/{args.runs}: " + ", ".join(f"{m} {v[-1]:.3f}s" for m, v in times.items()))
     llm.close()

@@ -48,8 +48,7 @@ class LLM:
         """The checkpoint's processor, for prompts with images (engine/mm/processor.py), loaded on
         first use; None for a model that takes none."""
         mc = self.engine.model_config
-        return ImageProcessor(Path(self.config.model), mc.mm_config.image_token_id,
-                              mc.mm_config.mm_tokens_per_image) if mc.multimodal else None
+        return ImageProcessor(Path(self.config.model), mc.image_spec) if mc.multimodal else None
 
     def close(self) -> None:
         """Flushes pending offload writes (G3) and stops transfer threads."""

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from engine.mm.spec import ImageSpec, image_spec as build_image_spec
 from engine.runner.cpu_runtime import cpu_isa
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,13 @@ class ModelConfig:
     def multimodal(self) -> bool:
         return self.mm_config is not None
 
+    @property
+    def image_spec(self) -> ImageSpec:
+        """What this model's images look like (engine/mm/spec.py); only for a multimodal model."""
+        if self.mm_config is None:
+            raise ValueError(f"{self.architecture} takes no images")
+        return build_image_spec(self.mm_config)
+
     def __post_init__(self) -> None:
         for name in ("layer_kv_shapes", "kv_sources"):
             if getattr(self, name) and len(getattr(self, name)) != self.num_layers:
@@ -220,7 +228,7 @@ class ModelConfig:
             # The encoder's geometry decides what an image's placeholders hold (its weights are in
             # the weights' identity). Absent for text models.
             **({"vision": self.mm_config.vision_config.to_json_string(use_diff=False),
-                "mm_tokens_per_image": self.mm_config.mm_tokens_per_image} if self.multimodal else {}),
+                **self.image_spec.identity()} if self.multimodal else {}),
         }
 
 
@@ -243,6 +251,7 @@ def load_model_config(model_dir: Path, dtype: str, device: str = "cpu", kv_cache
     mm_config = None
     if SUPPORTED_ARCHITECTURES[arch].multimodal:  # the language model's facts are its text config's
         mm_config, hf = hf, hf.get_text_config()
+        build_image_spec(mm_config)  # an unsupported vision tower fails at load, naming itself
     num_heads = hf.num_attention_heads
     # Per-layer head sizes (Gemma 4): the model-wide fields are layer 0's, `layer_kv_shapes` each layer's.
     first = hf.per_layer_config[0] if getattr(hf, "is_heterogeneous", False) else hf

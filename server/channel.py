@@ -44,6 +44,7 @@ class MediaItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shape: list[int]
     dtype: str
     data: bytes
+    grid: list[int] | None = None  # (rows, cols) of patches for a variable-resolution encoder (Gemma 4)
 
 
 class AddRequest(Message, tag="add"):

@@ -17,7 +17,8 @@ def to_wire(mm: MMInputs) -> list[MediaItem]:
         name = str(t.dtype).removeprefix("torch.")
         if name not in _DTYPES:
             raise ValueError(f"image pixel values of dtype {name} cannot be sent to the engine")
-        out.append(MediaItem(it.offset, it.length, it.digest, list(t.shape), name, t.view(torch.uint8).numpy().tobytes()))
+        out.append(MediaItem(it.offset, it.length, it.digest, list(t.shape), name, t.view(torch.uint8).numpy().tobytes(),
+                             list(it.grid) if it.grid is not None else None))
     return out
 
 
@@ -34,5 +35,7 @@ def from_wire(items: list[MediaItem]) -> MMInputs:
         if numel * dtype.itemsize != len(w.data):
             raise ValueError(f"image item of shape {w.shape} holds {len(w.data)} bytes")
         pixels = torch.frombuffer(bytearray(w.data), dtype=torch.uint8).view(dtype).view(w.shape)
-        out.append(MMItem(w.offset, w.length, w.digest, pixels))
+        if w.grid is not None and len(w.grid) != 2:
+            raise ValueError(f"image item with patch grid {w.grid}")
+        out.append(MMItem(w.offset, w.length, w.digest, pixels, tuple(w.grid) if w.grid is not None else None))
     return MMInputs(tuple(out))

@@ -111,7 +111,7 @@ def image_processor(model_dir: Path, media: MediaSettings) -> Any:
         return None
     from engine.mm.processor import ImageProcessor
 
-    proc = ImageProcessor(model_dir, mc.mm_config.image_token_id, mc.mm_config.mm_tokens_per_image)
+    proc = ImageProcessor(model_dir, mc.image_spec)
     log.info("images: this model takes image_url content parts in chat messages (data: URLs%s%s; at most %d per "
              "prompt); other content parts are refused by name", ", http(s) from " + ", ".join(sorted(media.domains))
              if media.domains else "", ", file: under " + media.allowed_local_media_path

@@ -99,9 +99,7 @@ class EngineCore:
         if mm is not None:
             if not self.model_config.multimodal:
                 raise ValueError(f"{self.model_config.architecture} takes no images")
-            mc, vc = self.model_config.mm_config, self.model_config.mm_config.vision_config
-            mm.check_items(prompt_token_ids, mc.image_token_id, (1, vc.num_channels, vc.image_size, vc.image_size),
-                           mc.mm_tokens_per_image)
+            mm.check_items(prompt_token_ids, self.model_config.image_spec)
             mm.check_fits(self.max_num_batched_tokens)
         pd = parse_pd(kv_transfer_params)
         if pd is not None:

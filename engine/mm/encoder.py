@@ -21,8 +21,9 @@ DEFAULT_BYTES = 512 * 2**20  # a Gemma 3 image is 256 x 2560 floats (2.6 MB in f
 
 
 class EncoderCache:
-    def __init__(self, encode: Callable[[torch.Tensor], torch.Tensor], max_bytes: int = DEFAULT_BYTES) -> None:
-        """`encode`: `[n, C, H, W]` pixels -> `[n, tokens, hidden]` embeddings."""
+    def __init__(self, encode: Callable[[Sequence[MMItem]], Sequence[torch.Tensor]],
+                 max_bytes: int = DEFAULT_BYTES) -> None:
+        """`encode`: items whose pixels have one shape -> each one's `[tokens, hidden]` embeddings."""
         if max_bytes < 0:
             raise ValueError(f"encoder cache size must be >= 0 bytes; got {max_bytes}")
         self._encode, self.max_bytes = encode, max_bytes
@@ -49,7 +50,7 @@ class EncoderCache:
         for it in todo.values():
             by_shape.setdefault(tuple(it.pixels.shape), []).append(it)
         for group in by_shape.values():
-            embs = self._encode(torch.cat([it.pixels for it in group]))
+            embs = self._encode(group)
             for it, emb in zip(group, embs):
                 if emb.shape[0] != it.length:
                     raise ValueError(f"the encoder gave {emb.shape[0]} embeddings for an image with {it.length} "

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.mm.spec import ImageSpec
 
 DIGEST_BYTES = 16
 
@@ -24,11 +27,14 @@ class MMItem:
     offset: int
     length: int
     digest: bytes  # of the processed pixels: another image, or another preprocessing, is another digest
-    pixels: Any  # the processor's pixel_values for this item, [1, C, H, W] (a torch tensor)
+    pixels: Any  # the processor's pixel_values for this item (a torch tensor; engine/mm/spec.py has the shapes)
+    grid: tuple[int, int] | None = None  # (rows, cols) of real patches, for a variable-resolution encoder (Gemma 4)
 
     def __post_init__(self) -> None:
         if self.offset < 0 or self.length < 1:
             raise ValueError(f"multimodal item at {self.offset} with {self.length} tokens")
+        if self.grid is not None and (len(self.grid) != 2 or not all(isinstance(g, int) for g in self.grid)):
+            raise ValueError(f"multimodal item grid must be two ints; got {self.grid!r}")
         if len(self.digest) != DIGEST_BYTES:
             raise ValueError(f"multimodal item digest must be {DIGEST_BYTES} bytes; got {len(self.digest)}")
 
@@ -75,18 +81,15 @@ class MMInputs:
                 return it.end - start if it.end - start <= budget else 0
         return n
 
-    def check_items(self, token_ids: Sequence[int], image_token_id: int, pixel_shape: tuple[int, ...],
-                    tokens_per_image: int) -> None:
-        """ValueError unless every item sits on `tokens_per_image` image placeholder tokens of the
-        prompt and has pixels of `pixel_shape` (one image, the encoder's input size): a request
+    def check_items(self, token_ids: Sequence[int], spec: ImageSpec) -> None:
+        """ValueError unless every item sits on image placeholder tokens of the prompt and has
+        pixels the encoder takes, as many placeholders as they make (`spec.check`): a request
         built elsewhere (the server's channel) must not reach the encoder or overwrite text."""
         for it in self.items:
-            if it.length != tokens_per_image or it.end > len(token_ids) or \
-                    any(t != image_token_id for t in token_ids[it.offset:it.end]):
-                raise ValueError(f"an image item at {it.offset} ({it.length} tokens) does not sit on "
-                                 f"{tokens_per_image} image placeholder tokens of the prompt")
-            if tuple(it.pixels.shape) != pixel_shape:
-                raise ValueError(f"an image item's pixels are {tuple(it.pixels.shape)}, not {pixel_shape}")
+            if it.end > len(token_ids) or any(t != spec.image_token_id for t in token_ids[it.offset:it.end]):
+                raise ValueError(f"an image item at {it.offset} ({it.length} tokens) does not sit on image "
+                                 "placeholder tokens of the prompt")
+            spec.check(it)
 
     def check_fits(self, budget: int) -> None:
         """ValueError unless every item fits in one step of `budget` tokens."""
@@ -96,8 +99,10 @@ class MMInputs:
                                  "(max_num_batched_tokens)")
 
 
-def items_from_spans(spans: Sequence[tuple[int, int]], digests: Sequence[bytes], pixels: Sequence[Any]) -> MMInputs:
-    """MMInputs from (offset, length) spans with their digests and pixels, one each."""
-    if not len(spans) == len(digests) == len(pixels):
+def items_from_spans(spans: Sequence[tuple[int, int]], digests: Sequence[bytes], pixels: Sequence[Any],
+                     grids: Sequence[tuple[int, int] | None] | None = None) -> MMInputs:
+    """MMInputs from (offset, length) spans with their digests, pixels and grids, one each."""
+    grids = grids if grids is not None else [None] * len(pixels)
+    if not len(spans) == len(digests) == len(pixels) == len(grids):
         raise ValueError(f"{len(spans)} image placeholder runs but {len(pixels)} images")
-    return MMInputs(tuple(MMItem(o, n, d, p) for (o, n), d, p in zip(spans, digests, pixels)))
+    return MMInputs(tuple(MMItem(o, n, d, p, g) for (o, n), d, p, g in zip(spans, digests, pixels, grids)))

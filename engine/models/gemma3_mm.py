@@ -10,10 +10,11 @@ placeholders attend to each other both ways in the prefill (`PrefillSeq.bidir`).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
+from engine.mm.inputs import MMItem
 from engine.model_config import ModelConfig
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.runner.attention import AttentionBackend
@@ -50,10 +51,11 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
             emb.position_ids = torch.arange(emb.num_positions, device=device).expand((1, -1))
 
     @torch.inference_mode()
-    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
-        """`[n, tokens_per_image, hidden]` embeddings of `[n, C, H, W]` pixel values."""
+    def encode_images(self, items: Sequence[MMItem]) -> torch.Tensor:
+        """`[n, tokens_per_image, hidden]` embeddings of `n` items' `[1, C, H, W]` pixel values."""
         dtype = self.multi_modal_projector.mm_input_projection_weight.dtype
-        hidden = self.vision_tower(pixel_values=pixels.to(dtype)).last_hidden_state
+        pixels = torch.cat([it.pixels for it in items]).to(device=self.embed_tokens.weight.device, dtype=dtype)
+        hidden = self.vision_tower(pixel_values=pixels).last_hidden_state
         return self.multi_modal_projector(hidden)
 
     def language_parameters(self) -> dict[str, torch.nn.Parameter]:

@@ -44,6 +44,7 @@ class PrefillSeq:
     # the span's later keys (Gemma 3's vision blocks attend both ways). A chunk never ends inside
     # one (engine/mm/inputs.py `MMInputs.cut`), so those keys are in this step.
     bidir: tuple[tuple[int, int], ...] = ()
+    bidir_sliding_only: bool = False  # Gemma 4: the spans hold in sliding-window layers, not full ones
 
     _on_device: dict[tuple[str, torch.dtype | None], torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -53,7 +54,12 @@ class PrefillSeq:
             self._on_device[key] = self.block_ids.to(device)
         return self._on_device[key]
 
-    def additive_mask(self, dtype: torch.dtype, device: torch.device, window: int = 0) -> torch.Tensor:
+    def spans_for(self, window: int) -> tuple[tuple[int, int], ...]:
+        """The image spans a layer attending within `window` (0: full attention) sees both ways."""
+        return self.bidir if window > 0 or not self.bidir_sliding_only else ()
+
+    def additive_mask(self, dtype: torch.dtype, device: torch.device, window: int = 0,
+                      spans: tuple[tuple[int, int], ...] | None = None) -> torch.Tensor:
         """The causal mask of a chunk after cached tokens, `[query_len, context_len]`, as 0 / -inf
         in the query's dtype, built on first use and shared by every layer: given a bool mask,
         SDPA's CPU kernel converted it on each call (`aten::where`: 2.6 s of a 35 s 8k-token
@@ -61,13 +67,15 @@ class PrefillSeq:
         log-sum-exp was faster still, but moved hidden states ~1e-6 of their scale away from
         transformers'.) Query i sits at position context_len - query_len + i; with `window` > 0
         it sees only keys j with position - window < j (sliding-window layers). Inside a `bidir`
-        span it also sees the span's later keys (transformers' blockwise mask, under the window)."""
-        key = (str(device), dtype, window)
+        span (`spans`, default `bidir`) it also sees the span's later keys (transformers' blockwise
+        mask, under the window)."""
+        spans = self.bidir if spans is None else spans
+        key = (str(device), dtype, window, spans)
         if key not in self._on_device:
             rows = torch.arange(self.query_len, device=device).unsqueeze(1) + (self.context_len - self.query_len)
             cols = torch.arange(self.context_len, device=device).unsqueeze(0)
             last = rows.clone()  # each query's last visible key
-            for a, b in self.bidir:
+            for a, b in spans:
                 last[(rows >= a) & (rows < b)] = b - 1
             allowed = cols <= last
             if window > 0:
@@ -236,10 +244,11 @@ class TorchPagedAttention(AttentionBackend):
         vs = self._context("v", v_cache, seq).to(q.dtype).transpose(0, 1).unsqueeze(0)
         gqa = q.shape[1] != k_cache.shape[2]
         windowed = 0 < window < seq.context_len
-        if seq.query_len == seq.context_len and not windowed and not seq.bidir:
+        spans = seq.spans_for(window)
+        if seq.query_len == seq.context_len and not windowed and not spans:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            mask = seq.additive_mask(q.dtype, q.device, window if windowed else 0)
+            mask = seq.additive_mask(q.dtype, q.device, window if windowed else 0, spans)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[seq.query_start : seq.query_start + seq.query_len] = o[0].transpose(0, 1)
 

@@ -17,6 +17,7 @@ from engine.config import GraphMode
 from engine.runner.graphs import DecodeGraphs
 from engine.runner.input_batch import InputBatch
 from engine.mm.encoder import EncoderCache
+from engine.mm.spec import ImageAttention
 from engine.kv.kv_groups import KVLayout
 from engine.sample.prompt_logprobs import PromptLogprob, PromptRows, prompt_logprobs
 from engine.sample.prompt_logprobs import select as select_prompt_rows
@@ -159,6 +160,10 @@ class ModelRunner:
         self.last_aux: torch.Tensor | None = None
         # A model that takes images: their encoder outputs, kept by digest (engine/mm/encoder.py).
         self.encoder = EncoderCache(model.encode_images) if cfg.multimodal else None
+        # How image placeholders attend in the prefill: their spans go to the attention metadata.
+        attn = cfg.image_spec.attention if cfg.multimodal else ImageAttention.CAUSAL
+        self._image_spans = attn is not ImageAttention.CAUSAL
+        self._spans_sliding_only = attn is ImageAttention.BIDIRECTIONAL_SLIDING
 
     def use_eager(self) -> None:
         """Runs the model as it is from now on (the compiled forward failed)."""
@@ -302,7 +307,9 @@ class ModelRunner:
                 ids = table[: -(-ctx // bs)]
                 run = ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
                 prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(ids, dtype=torch.long), run,
-                                           bidir=tuple((it.offset, it.end) for it in item.mm)))
+                                           bidir=tuple((it.offset, it.end) for it in item.mm)
+                                           if self._image_spans else (),
+                                           bidir_sliding_only=self._spans_sliding_only))
         token_rows = torch.tensor(batch_rows, dtype=torch.long, device=self.device).repeat_interleave(counts)
         return AttentionMetadata(
             slot_mapping=batch.block_table[token_rows, positions_t // bs] * bs + positions_t % bs,
