@@ -88,9 +88,9 @@ def build_gemma3_mm(path: Path, *, seed: int = 0, text: dict | None = None, visi
 
 
 @torch.no_grad()
-def _randomize(model, seed: int) -> None:
-    """The text model as ``checkpoints._randomize`` draws it; the vision tower and projector at
-    the same scale, so that an image moves the output."""
+def _randomize(model, seed: int, vision: list | None = None) -> None:
+    """The text model as ``checkpoints._randomize`` draws it; the vision tower and projector
+    (`vision`: named parameters, default Gemma 3's) at the same scale, so that an image moves the output."""
     g = torch.Generator().manual_seed(seed + 1)
     lm = model.model.language_model
 
@@ -111,7 +111,9 @@ def _randomize(model, seed: int) -> None:
             return lm.get_input_embeddings()
 
     C._randomize(_Text(), seed)
-    for name, p in [*model.model.vision_tower.named_parameters(), *model.model.multi_modal_projector.named_parameters()]:
+    if vision is None:
+        vision = [*model.model.vision_tower.named_parameters(), *model.model.multi_modal_projector.named_parameters()]
+    for name, p in vision:
         if "norm" in name and name.endswith("weight"):
             p.copy_(1.0 + C.INIT_STD * torch.randn(p.shape, generator=g))
         else:
@@ -146,6 +148,88 @@ def load_hf_mm(path: Path):
 def hf_greedy_mm(model, processor, text: str, images: list, max_new_tokens: int) -> list[int]:
     """transformers' greedy continuation of `text` with `images` (EOS never stops it)."""
     inputs = processor(text=text, images=images or None, return_tensors="pt")
+    out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=[],
+                         pad_token_id=C.PAD_ID)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+# Gemma 4: its image token is the prompt's marker (expanded to boi + soft tokens + eoi), so its
+# chat template renders an image part as the image token.
+GEMMA4_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(BOI, IMG)
+GEMMA4_PATCH, GEMMA4_POOL, GEMMA4_MAX_SOFT = 4, 2, 70  # up to 70 tokens an image (280 patches of 4x4)
+
+
+def build_gemma4_mm(path: Path, *, seed: int = 0, text: dict | None = None, vision: dict | None = None,
+                    bidirectional: str | None = "vision", randomize: bool = True) -> Path:
+    """Writes the ``gemma4_mm`` checkpoint: the ``gemma4`` text kind (untied, sliding window 48,
+    KV sharing, per-layer embeddings) with `use_bidirectional_attention` = `bidirectional`, under a
+    2-layer Gemma 4 vision tower of 4x4 patches pooled 2x2; images keep their aspect ratio within
+    70 soft tokens (a 40x50 image: 63). Weights, tokenizer (with GEMMA4_CHAT_TEMPLATE) and the
+    image processor; no Gemma4Processor (it needs torchvision for its video part)."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4VisionConfig, GenerationConfig
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    tok.chat_template = GEMMA4_CHAT_TEMPLATE
+    text_cfg = C._config("gemma4", len(tok), {"use_bidirectional_attention": bidirectional, **(text or {})}).to_dict()
+    vision_cfg = Gemma4VisionConfig(**{**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                              pooling_kernel_size=GEMMA4_POOL, patch_size=GEMMA4_PATCH,
+                                              position_embedding_size=64), **(vision or {})})
+    cfg = Gemma4Config(text_config=text_cfg, vision_config=vision_cfg.to_dict(), audio_config=None,
+                       boi_token_id=tok.boi_token_id, eoi_token_id=tok.eoi_token_id,
+                       image_token_id=tok.image_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(cfg).eval()
+    if randomize:
+        _randomize(model, seed, vision=[*model.model.vision_tower.named_parameters(),
+                                        *model.model.embed_vision.named_parameters()])
+    model.generation_config = GenerationConfig(bos_token_id=C.BOS_ID, eos_token_id=C.EOS_ID, pad_token_id=C.PAD_ID)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    Gemma4ImageProcessorPil(patch_size=vision_cfg.patch_size, pooling_kernel_size=vision_cfg.pooling_kernel_size,
+                            max_soft_tokens=GEMMA4_MAX_SOFT).save_pretrained(path)
+    return path
+
+
+def gemma4_inputs(text: str, images: list) -> dict:
+    """What transformers' Gemma4Processor would give for `text` with `images` (built from its
+    image processor and its `replace_image_token`, since the processor needs torchvision)."""
+    from types import SimpleNamespace
+
+    from transformers import Gemma4Processor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    tok = build_tokenizer()
+    pieces = text.split(IMG)
+    assert len(pieces) == len(images) + 1
+    feats = {}
+    if images:
+        ip = Gemma4ImageProcessorPil(patch_size=GEMMA4_PATCH, pooling_kernel_size=GEMMA4_POOL,
+                                     max_soft_tokens=GEMMA4_MAX_SOFT)
+        feats = ip(images=images, return_tensors="pt")
+        me = SimpleNamespace(boi_token=BOI, eoi_token=EOI, image_token=IMG)
+        text = pieces[0] + "".join(Gemma4Processor.replace_image_token(me, feats, i) + p
+                                   for i, p in enumerate(pieces[1:]))
+    ids = torch.tensor([tok.encode(text)])
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+           "mm_token_type_ids": (ids == tok.image_token_id).long()}
+    if images:
+        out.update(pixel_values=feats["pixel_values"], image_position_ids=feats["image_position_ids"])
+    return out
+
+
+def load_hf_gemma4_mm(path: Path):
+    from transformers import Gemma4ForConditionalGeneration
+
+    return Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+@torch.no_grad()
+def hf_greedy_gemma4_mm(model, text: str, images: list, max_new_tokens: int) -> list[int]:
+    inputs = gemma4_inputs(text, images)
     out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=[],
                          pad_token_id=C.PAD_ID)
     return out[0, inputs["input_ids"].shape[1]:].tolist()

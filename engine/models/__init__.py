@@ -7,6 +7,7 @@ from typing import Any, Callable
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gemma3_mm import Gemma3ForConditionalGeneration
 from engine.models.gemma4 import Gemma4ForCausalLM
+from engine.models.gemma4_mm import Gemma4ForConditionalGeneration
 from engine.models.llama import LlamaFamilyForCausalLM
 
 
@@ -32,5 +33,7 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchSpec] = {
     "Gemma3ForCausalLM": ArchSpec(Gemma3ForCausalLM, _bias_flag, qk_norm=True),
     "Gemma4ForCausalLM": ArchSpec(Gemma4ForCausalLM, _bias_flag, qk_norm=True),
     "Gemma3ForConditionalGeneration": ArchSpec(Gemma3ForConditionalGeneration, _bias_flag, qk_norm=True,
+                                               multimodal=True),
+    "Gemma4ForConditionalGeneration": ArchSpec(Gemma4ForConditionalGeneration, _bias_flag, qk_norm=True,
                                                multimodal=True),
 }

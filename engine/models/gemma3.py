@@ -72,8 +72,11 @@ def check_gemma3_config(hf) -> None:
     act = getattr(hf, "hidden_activation", "gelu_pytorch_tanh")
     if act != "gelu_pytorch_tanh":
         raise ValueError(f"Gemma with hidden_activation={act!r} is not supported (gelu_pytorch_tanh is)")
-    if getattr(hf, "use_bidirectional_attention", False):
-        raise ValueError("Gemma with use_bidirectional_attention is not supported (a causal LM is served)")
+    # "vision" (Gemma 4): image placeholders attend both ways, in the multimodal model (engine/mm/spec.py);
+    # text stays causal.
+    if getattr(hf, "use_bidirectional_attention", None) not in (None, False, "vision"):
+        raise ValueError(f"Gemma with use_bidirectional_attention={hf.use_bidirectional_attention!r} is not "
+                         "supported (a causal LM is served)")
 
 
 class Gemma3ForCausalLM(LlamaFamilyForCausalLM):

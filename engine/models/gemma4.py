@@ -170,6 +170,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
 
     layer_cls = Gemma4DecoderLayer
     norm_cls = Gemma4RMSNorm
+    own_prefixes: tuple[str, ...] = ()  # modules a subclass loads itself (engine/models/gemma4_mm.py)
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_len: int) -> None:
         super().__init__(cfg, backend, max_len)
@@ -182,6 +183,10 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             self.per_layer_model_projection = nn.Linear(h, n * self.ple, bias=False)
             self.per_layer_projection_norm = Gemma4RMSNorm(self.ple, cfg.rms_norm_eps)
 
+    def language_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The ids the embeddings read (the multimodal model's media tokens read the pad token's)."""
+        return input_ids
+
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor | None:
         """`[tokens, layers, ple]`: the token's own per-layer embedding plus a projection of its
         embedding, averaged (transformers' get_per_layer_inputs + project_per_layer_inputs)."""
@@ -193,8 +198,13 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         proj = self.per_layer_model_projection(embeds) * self.cfg.hidden_size ** -0.5
         return (self.per_layer_projection_norm(proj.reshape(shape)) + own) * 2.0 ** -0.5
 
-    def forward(self, input_ids, positions, kv_caches, meta, capture_layers=()):
+    def forward(self, input_ids, positions, kv_caches, meta, capture_layers=(), mm=None):
+        """As LlamaFamilyForCausalLM.forward. `mm` (rows, embeddings): image placeholders' rows and
+        the embeddings that replace theirs."""
+        input_ids = self.language_ids(input_ids)
         h = self.embed(input_ids)
+        if mm is not None:
+            h = h.index_copy(0, mm[0], mm[1].to(h.dtype))
         ple = self.per_layer_inputs(input_ids, h)
         rope = self.layer_rope(positions)
         captured = [h] if 0 in capture_layers else []
@@ -213,7 +223,8 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads HF-named tensors (the names are this module's); K/V weights of layers that
         reuse another's KV, which transformers ignores too, are skipped."""
-        params = self.state_dict(keep_vars=True)  # parameters and persistent buffers (layer_scalar)
+        params = {n: t for n, t in self.state_dict(keep_vars=True).items()  # and persistent buffers (layer_scalar)
+                  if not n.startswith(self.own_prefixes)}
         skip = {f"layers.{i}.self_attn.{w}.weight" for i, src in enumerate(self.kv_sources) if src != i
                 for w in _SHARED_KV_WEIGHTS}
         loaded: set[str] = set()

@@ -106,9 +106,13 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module) -> int:
     """Replaces every `nn.Linear` of a CPU model in place; returns how many were packed. A module
     may name linears to pack in parts with a `packed_parts() -> {child name: output sizes}`, and
-    a module with weights of its own shape (MoE experts) packs them in its `prepack()`."""
-    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if type(child) is nn.Linear]
+    a module with weights of its own shape (MoE experts) packs them in its `prepack()`. The
+    model's `unpacked_modules()`, if it has one, are left as they are (code that reads
+    `linear.weight`)."""
+    keep = {id(m) for top in (model.unpacked_modules() if hasattr(model, "unpacked_modules") else ())
+            for m in top.modules()}
+    targets = [(parent, name, child) for parent in model.modules() if id(parent) not in keep
+               for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in targets:
         parts = parent.packed_parts().get(name) if hasattr(parent, "packed_parts") else None
         setattr(parent, name, PackedLinear(child, parts))

@@ -185,3 +185,29 @@ def test_http_images_only_from_allowed_hosts_and_never_through_a_redirect(strict
             chat(f"http://127.0.0.1:{port}/ok.png")
     finally:
         web.shutdown()
+
+
+def test_gemma4_images_of_two_aspect_ratios_through_the_openai_client(tmp_path):
+    """Gemma 4's variable-resolution items (their patch grid crosses the API-to-core channel): the
+    answer equals transformers', the same image again hits its blocks, another image does not."""
+    from transformers import AutoTokenizer
+
+    ckpt = M.build_gemma4_mm(tmp_path / "gemma4_mm")
+    wide, tall = M.image(61, (30, 70)), M.image(62, (64, 32))
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": TEXT_BEFORE}, {"type": "image"},
+                                      {"type": "text", "text": "what is in the image"}]}],
+        tokenize=False, add_generation_prompt=True)
+    want = M.hf_greedy_gemma4_mm(M.load_hf_gemma4_mm(ckpt), rendered, [wide], 6)
+    srv = serve(ckpt)
+    try:
+        oa = openai.OpenAI(base_url=srv.v1, api_key="unused", max_retries=0, timeout=60)
+        first, other, same = ask(oa, M.data_url(wide)), ask(oa, M.data_url(tall)), ask(oa, M.data_url(wide))
+        got = first.choices[0].token_ids  # ask() does not ignore EOS: a prefix of transformers' run
+        assert got and got == want[:len(got)]
+        assert cached(other) == 32 and cached(same) == (first.usage.prompt_tokens - 1) // BLOCK * BLOCK
+        assert first.usage.prompt_tokens != other.usage.prompt_tokens  # another aspect ratio, other count
+        assert same.choices[0].message.content == first.choices[0].message.content
+    finally:
+        assert srv.stop() == 0
