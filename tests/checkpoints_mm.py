@@ -120,6 +120,12 @@ def _randomize(model, seed: int, vision: list | None = None) -> None:
             p.copy_(C.INIT_STD * torch.randn(p.shape, generator=g))
 
 
+def words(n: int, seed: int) -> str:
+    """`n` random words of the test vocabulary (no special tokens)."""
+    vocab = C._vocab_words()[:-3]
+    return " ".join(vocab[i] for i in np.random.default_rng(seed).integers(0, len(vocab), n))
+
+
 def image(seed: int, size: tuple[int, int] = (40, 50)):
     """A random RGB PIL image (resized to 32x32 by the processor)."""
     from PIL import Image

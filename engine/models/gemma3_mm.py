@@ -17,17 +17,13 @@ import torch
 from engine.mm.inputs import MMItem
 from engine.model_config import ModelConfig
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.mm_weights import load_multimodal
 from engine.runner.attention import AttentionBackend
 
 # Where checkpoints keep each part, by transformers version (4.x on the Hub, 5.x's own names).
 _VISION = ("model.vision_tower.vision_model.", "model.vision_tower.", "vision_tower.vision_model.", "vision_tower.")
 _PROJECTOR = ("model.multi_modal_projector.", "multi_modal_projector.")
-_LANGUAGE = ("model.language_model.", "language_model.model.")
 _OWN = ("vision_tower.", "multi_modal_projector.")  # this class's modules, loaded by it
-
-
-def _strip(name: str, prefixes: tuple[str, ...]) -> str | None:
-    return next((name[len(p):] for p in prefixes if name.startswith(p)), None)
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
@@ -64,31 +60,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The language model's tensors go to Gemma 3's loader (under its names), the vision
         tower's and projector's into those modules; an unknown or missing tensor is an error."""
-        parts = {"vision_tower": self.vision_tower.state_dict(),
-                 "multi_modal_projector": self.multi_modal_projector.state_dict()}
-        seen: set[tuple[str, str]] = set()
-
-        def language() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if (rest := _strip(name, _LANGUAGE)) is not None:
-                    yield "model." + rest, tensor
-                    continue
-                if name in ("lm_head.weight", "language_model.lm_head.weight"):
-                    yield "lm_head.weight", tensor
-                    continue
-                for part, prefixes in (("vision_tower", _VISION), ("multi_modal_projector", _PROJECTOR)):
-                    if (rest := _strip(name, prefixes)) is not None:
-                        break
-                else:
-                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
-                dst = parts[part].get(rest)
-                if dst is None or dst.shape != tensor.shape:
-                    raise ValueError(f"unexpected weight {name!r} (shape {tuple(tensor.shape)}) in checkpoint")
-                dst.copy_(tensor)
-                seen.add((part, rest))
-
-        super().load_weights(language())
-        missing = [f"{part}.{n}" for part, sd in parts.items() for n in sd
-                   if (part, n) not in seen and not n.endswith("position_ids")]
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+        load_multimodal(weights, super().load_weights,
+                        {"vision_tower": (self.vision_tower, _VISION),
+                         "multi_modal_projector": (self.multi_modal_projector, _PROJECTOR)},
+                        optional=lambda n: n.endswith("position_ids"))

@@ -20,15 +20,12 @@ import torch
 
 from engine.mm.inputs import MMItem
 from engine.model_config import ModelConfig
-from engine.models.gemma3_mm import _strip
 from engine.models.gemma4 import Gemma4ForCausalLM
+from engine.models.mm_weights import load_multimodal
 from engine.runner.attention import AttentionBackend
 
 log = logging.getLogger(__name__)
 
-_LANGUAGE = ("model.language_model.", "language_model.model.")
-_PARTS = {"vision_tower": ("model.vision_tower.", "vision_tower."),
-          "embed_vision": ("model.embed_vision.", "embed_vision.")}
 _AUDIO = ("model.audio_tower.", "model.embed_audio.", "audio_tower.", "embed_audio.")
 
 
@@ -94,37 +91,9 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The language model's tensors go to Gemma 4's loader, the vision tower's and embedder's
         into those modules, an audio tower's nowhere; an unknown or missing tensor is an error."""
-        parts = {"vision_tower": self.vision_tower.state_dict(keep_vars=True),
-                 "embed_vision": self.embed_vision.state_dict(keep_vars=True)}
-        seen: set[tuple[str, str]] = set()
-        audio = 0
-
-        def language() -> Iterable[tuple[str, torch.Tensor]]:
-            nonlocal audio
-            for name, tensor in weights:
-                if (rest := _strip(name, _LANGUAGE)) is not None:
-                    yield "model." + rest, tensor
-                    continue
-                if name in ("lm_head.weight", "language_model.lm_head.weight"):
-                    yield "lm_head.weight", tensor
-                    continue
-                if name.startswith(_AUDIO):
-                    audio += 1
-                    continue
-                for part, prefixes in _PARTS.items():
-                    if (rest := _strip(name, prefixes)) is not None:
-                        break
-                else:
-                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
-                dst = parts[part].get(rest)
-                if dst is None or dst.shape != tensor.shape:
-                    raise ValueError(f"unexpected weight {name!r} (shape {tuple(tensor.shape)}) in checkpoint")
-                dst.data.copy_(tensor)
-                seen.add((part, rest))
-
-        super().load_weights(language())
+        audio = load_multimodal(weights, super().load_weights,
+                                {"vision_tower": (self.vision_tower, ("model.vision_tower.", "vision_tower.")),
+                                 "embed_vision": (self.embed_vision, ("model.embed_vision.", "embed_vision."))},
+                                skip=_AUDIO)
         if audio:
             log.info("Gemma 4: skipped the audio tower's %d tensors (audio content is not supported)", audio)
-        missing = [f"{part}.{n}" for part, sd in parts.items() for n in sd if (part, n) not in seen]
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")

@@ -7,7 +7,6 @@ chunked around the images; and the engine itself for isolation (the same text wi
 image must not hit the first image's blocks, in G1 or in G3 after a restart)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -24,9 +23,7 @@ MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def words(n: int, seed: int) -> str:
-    vocab = C._vocab_words()[:-3]
-    return " ".join(vocab[i] for i in np.random.default_rng(seed).integers(0, len(vocab), n))
+words = M.words
 
 
 def prompt(parts: list[int], seed: int) -> str:

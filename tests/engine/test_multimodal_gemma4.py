@@ -9,10 +9,8 @@ variable-resolution items, the pad token's per-layer embeddings at image positio
 placeholders attending both ways in sliding-window layers only."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-import checkpoints as C
 import checkpoints_mm as M
 from engine.llm import LLM
 from engine.mm.inputs import MMInputs, MMItem
@@ -24,9 +22,7 @@ MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def words(n: int, seed: int) -> str:
-    vocab = C._vocab_words()[:-3]
-    return " ".join(vocab[i] for i in np.random.default_rng(seed).integers(0, len(vocab), n))
+words = M.words
 
 
 def prompt(parts: list[int], seed: int) -> str:
