@@ -21,6 +21,7 @@ import torch
 from connectors.hidden_spec import HiddenStatesSpec
 from engine.model_config import (DTYPES, KV_CACHE_DTYPES, KV_OFFLOAD_DTYPES, check_kv_cache_dtype,
                                  check_kv_offload_dtype, check_offload_dtype_use)
+from engine.lora.adapter import TARGETS as LORA_TARGETS, allowed_targets, parse_lora_modules, parse_lora_targets
 from engine.spec.config import SpeculativeConfig, parse_speculative_config
 from engine.sample.thinking import ReasoningConfig
 from policies import check_policy
@@ -126,18 +127,20 @@ class Group(str, enum.Enum):
     ENGINE = "engine"
     OFFLOAD = "KV offload (G2 host memory, G3 disk, G4 Redis/Valkey)"
     SPECULATIVE = "speculative decoding and hidden-state export"
+    LORA = "LoRA adapters"
 
 
 def setting(default: Any, help: str, *, group: enum.Enum = Group.ENGINE, flag: str | None = None,
             aliases: tuple[str, ...] = (), metavar: str | None = None, choices: tuple[Any, ...] | None = None,
-            check: Callable[[str], Any] | None = None, env: str | None = None) -> Any:
+            check: Callable[[str], Any] | None = None, env: str | None = None, nargs: str | None = None) -> Any:
     """A settings field (EngineConfig's, or a command's own) declared once: its default, and the help text and CLI flag that
     server/args.py generates from it. `flag` defaults to the field's name in kebab case (vLLM's
     flag names); `%(default)s` in the help is the default; `check` turns the flag's string into
     the value (a ValueError is a usage error); `env`: an environment variable whose value, when
     set, is the flag's default instead. `group` titles the flag's section of `--help`."""
     return field(default=default, metadata={"help": help, "group": group, "flag": flag, "aliases": aliases,
-                                            "metavar": metavar, "choices": choices, "check": check, "env": env})
+                                            "metavar": metavar, "choices": choices, "check": check, "env": env,
+                                            "nargs": nargs})
 
 
 @dataclass(frozen=True)
@@ -295,6 +298,24 @@ class EngineConfig:
         "stop (an OpenMP team sharing a core with a busy process waits for it at every barrier: 3-12x slower "
         "steps); each change is logged (default: on; off under --tensor-parallel-size, whose ranks keep their "
         "cores)")
+    enable_lora: bool = setting(
+        False, "serve LoRA adapters (PEFT's format) on the base model: requests name one (offline: "
+        "LLM.generate(lora_request=...); kvtier serve: the request's model field, --lora-modules), and steps mix "
+        "adapters and the base model. Runs eagerly for now (no torch.compile or CUDA graphs)", group=Group.LORA)
+    max_loras: int = setting(
+        1, "adapters loaded at once, and so the most one step mixes; an adapter added beyond that replaces one "
+        "no unfinished request uses (default: %(default)s)", group=Group.LORA, metavar="N")
+    max_lora_rank: int = setting(
+        16, "largest adapter rank taken; a bigger one is refused when it is loaded (default: %(default)s)",
+        group=Group.LORA, metavar="R")
+    lora_target_modules: tuple[str, ...] | None = setting(
+        None, "the projections adapters may touch, comma-separated PEFT names (default: all of "
+        + ",".join(LORA_TARGETS) + "); an adapter with another is refused when it is loaded", group=Group.LORA,
+        metavar="NAME,...", check=parse_lora_targets)
+    lora_modules: tuple[tuple[str, str], ...] = setting(
+        (), "adapters loaded at start-up, as name=path (or vLLM's JSON: '{\"name\": ..., \"path\": ...}'); "
+        "kvtier serve serves each under its name in the model field and lists it in /v1/models",
+        group=Group.LORA, metavar="NAME=PATH", check=parse_lora_modules, nargs="+")
     # Who runs the engine (not a flag: the command says it), for the defaults that depend on it.
     usage_context: UsageContext = UsageContext.OFFLINE
     # The secret itself, read in __post_init__: never in repr, never compared.
@@ -334,6 +355,7 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
         object.__setattr__(self, "usage_context", UsageContext(self.usage_context))
+        self._check_lora()
         self._resolve_graphs()
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
@@ -399,6 +421,28 @@ class EngineConfig:
         if refused:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not work with "
                              f"{'; '.join(refused)} yet")
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1; got {self.max_loras}, {self.max_lora_rank}")
+        if self.lora_target_modules is not None:
+            object.__setattr__(self, "lora_target_modules", parse_lora_targets(self.lora_target_modules))
+        object.__setattr__(self, "lora_modules", parse_lora_modules(self.lora_modules or ()))
+        defaults = {f.name: f.default for f in fields(self)}
+        given = [n for n in ("max_loras", "max_lora_rank", "lora_target_modules", "lora_modules")
+                 if getattr(self, n) != defaults[n]]
+        if given and not self.enable_lora:
+            raise ValueError(f"{', '.join(given)} applies to LoRA adapters: it needs enable_lora")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
+        if self.enable_lora and self.optimization_level:
+            log.info("enable_lora: the model runs eagerly (optimization_level %d not applied)", self.optimization_level)
+            object.__setattr__(self, "optimization_level", 0)
+
+    @property
+    def lora_targets(self) -> frozenset[str]:
+        """The PEFT modules adapters may touch (lora_target_modules, default all)."""
+        return allowed_targets(self.lora_target_modules)
 
     def _resolve_graphs(self) -> None:
         """cudagraph_mode and the capture sizes, resolved; a given value that cannot apply is refused."""

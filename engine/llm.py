@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig, engine_settings
+from engine.lora.adapter import LoRARequest
 from engine.mm.images import MediaError, data_url_bytes, decode_image, image_url, template_parts
 from engine.mm.inputs import MMInputs
 from engine.mm.processor import ImageProcessor
@@ -76,10 +77,12 @@ class LLM:
         cache_salt: str | Sequence[str | None] | None = None,
         request_ids: Sequence[str] | None = None,
         session: str | Sequence[str | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """`request_ids` name the requests (and their hidden-state files); default: a counter.
         `session`: each request's conversation hint for the tiers' eviction policies (what the
-        server takes from `prompt_cache_key` or `user`)."""
+        server takes from `prompt_cache_key` or `user`). `lora_request`: the LoRA adapter of every
+        prompt, or one per prompt (None: the base model); needs enable_lora."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         n = len(prompts)
@@ -91,7 +94,8 @@ class LLM:
         salts = _broadcast(cache_salt if not isinstance(cache_salt, str) and cache_salt is not None else cache_salt, n,
                            "cache_salt")
         sessions = _broadcast(session, n, "session")
-        return self._submit([self._tokenize(p) for p in prompts], params, use_tqdm, ids, prios, salts, sessions)
+        return self._submit([self._tokenize(p) for p in prompts], params, use_tqdm, ids, prios, salts, sessions,
+                            _broadcast(lora_request, n, "lora_request"))
 
     def chat(
         self,
@@ -101,6 +105,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Each conversation through the chat template. A model that takes images takes content
         parts too: text, OpenAI's `image_url` with a data: URL, and vLLM's `image_pil` (a PIL image)."""
@@ -128,7 +133,8 @@ class LLM:
         n = len(prompts)
         return self._submit(list(zip(prompts, media)), _broadcast(sampling_params or SamplingParams(), n,
                                                                   "sampling_params"), use_tqdm,
-                            [str(next(self._ids)) for _ in prompts], [0] * n, [None] * n, [None] * n)
+                            [str(next(self._ids)) for _ in prompts], [0] * n, [None] * n, [None] * n,
+                            _broadcast(lora_request, n, "lora_request"))
 
     def next_token_logits(self, prompts: PromptType | Sequence[PromptType]) -> list[torch.Tensor]:
         """Float32 logits `[vocab]` the model gives after each full prompt (for parity checks)."""
@@ -172,11 +178,14 @@ class LLM:
         return self._images.process(prompt["prompt"], images if isinstance(images, (list, tuple)) else [images])
 
     def _submit(self, prompts: list[tuple[list[int], MMInputs | None]], params: list[SamplingParams], use_tqdm: bool,
-                ids: list[str], prios: list[int], salts: list[str | None], sessions: list[str | None]
-                ) -> list[RequestOutput]:
+                ids: list[str], prios: list[int], salts: list[str | None], sessions: list[str | None],
+                loras: list[LoRARequest | None]) -> list[RequestOutput]:
+        refs = {lr: self.engine.add_lora(lr) for lr in dict.fromkeys(loras) if lr is not None}
         # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
-        reqs = [self.engine.make_request(rid, token_ids, sp, priority=pr, cache_salt=salt, session=ses, mm=mm)
-                for rid, (token_ids, mm), sp, pr, salt, ses in zip(ids, prompts, params, prios, salts, sessions)]
+        reqs = [self.engine.make_request(rid, token_ids, sp, priority=pr, cache_salt=salt, session=ses, mm=mm,
+                                         lora=refs[lr] if lr is not None else None)
+                for rid, (token_ids, mm), sp, pr, salt, ses, lr in zip(ids, prompts, params, prios, salts, sessions,
+                                                                      loras)]
         return self._run(reqs, use_tqdm)
 
     def _run(self, reqs: list[Request], use_tqdm: bool) -> list[RequestOutput]:

@@ -2,7 +2,8 @@
 
 key(block i) = sha256(key(block i-1) || token ids as little-endian int64 || extra), truncated to
 16 bytes. `extra` carries the request's cache salt on the first block (tenant isolation), so
-two salts never share any block, and the digests of the images whose placeholder tokens a block
+two salts never share any block, and with it the digest of the LoRA adapter's files (`adapter`:
+the same tokens under two adapters, or two versions of one, have other KV), and the digests of the images whose placeholder tokens a block
 holds (`media`: the same placeholder ids stand for any image). Python's hash() is never used: it is salted per process.
 """
 from __future__ import annotations
@@ -30,12 +31,15 @@ def block_key(parent: BlockKey, token_ids: Sequence[int], extra: bytes = b"") ->
 
 def chain_keys(
     token_ids: Sequence[int], block_size: int, cache_salt: str | None = None, start: int = 0,
-    parent: BlockKey = ROOT_KEY, media: Callable[[int], bytes] | None = None,
+    parent: BlockKey = ROOT_KEY, media: Callable[[int], bytes] | None = None, adapter: bytes = b"",
 ) -> list[BlockKey]:
     """Keys of the full blocks of `token_ids`, from block index `start` (whose parent is `parent`).
-    `media(i)`: the content digests of block i's images (b"" for none)."""
+    `media(i)`: the content digests of block i's images (b"" for none). `adapter`: the LoRA
+    adapter's digest (b"" for the base model)."""
     keys: list[BlockKey] = []
     salt = cache_salt.encode() if cache_salt else b""
+    if adapter:  # tagged with a byte no UTF-8 text (a salt) holds, then length-prefixed
+        salt = b"\xfflora" + len(salt).to_bytes(4, "little") + salt + adapter
     for i in range(start, len(token_ids) // block_size):
         extra = salt if i == 0 else b""
         if media is not None and (digests := media(i)):
@@ -52,10 +56,11 @@ def token_digest(token_ids: Sequence[int]) -> bytes:
 
 
 def extend_keys(keys: list[BlockKey], token_ids: Sequence[int], block_size: int, cache_salt: str | None,
-                media: Callable[[int], bytes] | None = None) -> None:
+                media: Callable[[int], bytes] | None = None, adapter: bytes = b"") -> None:
     """Appends to `keys` (a request's key list, grown lazily) the keys of its new full blocks."""
     if len(keys) < len(token_ids) // block_size:
-        keys.extend(chain_keys(token_ids, block_size, cache_salt, len(keys), keys[-1] if keys else ROOT_KEY, media))
+        keys.extend(chain_keys(token_ids, block_size, cache_salt, len(keys), keys[-1] if keys else ROOT_KEY, media,
+                               adapter))
 
 
 def group_key(key: BlockKey, group: int) -> BlockKey:

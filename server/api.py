@@ -135,7 +135,7 @@ class API(OutputFormats):
             loc = ".".join(str(x) for x in err.get("loc", ()))
             raise APIError(400, f"{loc + ': ' if loc else ''}{err['msg']}", param=loc or None) from None
         name = getattr(parsed, "model", None)
-        if name is not None and name not in self.s.served_model_names:
+        if name is not None and name not in self.s.served_model_names and name not in self.s.lora_names:
             raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
         return parsed
 
@@ -328,7 +328,9 @@ class API(OutputFormats):
                 queues.append(await self.client.add(c.request_id, c.prompt_ids, p, priority=req.priority,
                                                     cache_salt=req.cache_salt,
                                                     session=req.prompt_cache_key or req.user,
-                                                    kv_transfer_params=req.kv_transfer_params, ack=prepared, **extra))
+                                                    kv_transfer_params=req.kv_transfer_params, ack=prepared,
+                                                    lora=req.model if req.model in self.s.lora_names else None,
+                                                    **extra))
         except EngineDeadError as e:
             await self.client.abort([c.request_id for c in choices])
             raise APIError(503, str(e), "ServiceUnavailableError") from None

@@ -50,6 +50,9 @@ def add_setting_args(p: argparse.ArgumentParser, config: type,
             kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
         else:
             kw["type"] = _flag_type(f, m["check"])
+            if m.get("nargs"):  # each value checked alone, kept as given: the config parses the list
+                kw["nargs"], typed = m["nargs"], kw["type"]
+                kw["type"] = lambda v, typed=typed: (typed(v), v)[1]
             if m["choices"] is not None:
                 kw["choices"] = m["choices"]
             if m["metavar"] is not None:

@@ -56,6 +56,7 @@ class AddRequest(Message, tag="add"):
     session: str | None = None  # the prompt_cache_key or user that eviction policies group by
     kv_transfer_params: dict[str, Any] | None = None
     media: list[MediaItem] | None = None  # the prompt's images, in order
+    lora: str | None = None  # the LoRA adapter it runs under (a name loaded at start-up), None: the base model
 
 
 class Abort(Message, tag="abort"):

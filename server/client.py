@@ -118,7 +118,8 @@ class EngineClient:
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                   priority: int = 0, cache_salt: str | None = None, session: str | None = None,
                   kv_transfer_params: dict[str, Any] | None = None,
-                  ack: bool = False, media: list[ch.MediaItem] | None = None) -> asyncio.Queue[ch.Delta | BaseException]:
+                  ack: bool = False, media: list[ch.MediaItem] | None = None,
+                  lora: str | None = None) -> asyncio.Queue[ch.Delta | BaseException]:
         """Queues a request; its deltas (`server.channel.Delta`) arrive on the returned queue,
         the last one with a finish_reason, or an exception if the core dies. `ack`: the core
         prepares it first (engine.core.request_factory.needs_preparation); `accepted` waits for that."""
@@ -127,7 +128,7 @@ class EngineClient:
             raise ValueError(f"request id {request_id!r} is already in flight")
         try:  # packed before the queue exists: a value msgpack cannot carry must not leak a pending slot
             msg = ch.encode(ch.AddRequest(request_id, prompt_token_ids, params_to_wire(params), priority, cache_salt,
-                                          session, kv_transfer_params, media))
+                                          session, kv_transfer_params, media, lora))
         except (OverflowError, UnicodeEncodeError, TypeError, ValueError) as e:
             raise ValueError(f"request {request_id!r} cannot be sent to the engine: {e}") from None
         self._send(msg)

@@ -20,6 +20,7 @@ import zmq
 
 from engine.core.request import FINISH_REASONS, Request
 from engine.core.request_factory import Prepared, needs_preparation
+from engine.lora.registry import AdapterRef
 from engine.sampling_params import SamplingParams
 from server import channel as ch
 from server.media_wire import from_wire
@@ -93,9 +94,17 @@ class CoreLoop:
         req = self.engine.make_request(a.request_id, a.prompt_token_ids, params, priority=a.priority,
                                        cache_salt=a.cache_salt, session=a.session,
                                        kv_transfer_params=a.kv_transfer_params, prepared=prepared,
-                                       mm=from_wire(a.media) if a.media else None)
+                                       mm=from_wire(a.media) if a.media else None, lora=self._lora(a.lora))
         self.engine.add_request(req)
         self.sent[req.request_id] = 0
+
+    def _lora(self, name: str | None) -> AdapterRef | None:
+        if name is None:
+            return None
+        ref = self.engine.loras.get(name) if self.engine.loras is not None else None
+        if ref is None:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded")
+        return ref
 
     def admit_prepared(self) -> None:
         """Schedules the requests whose preparation ended; refuses those it failed or timed out."""

@@ -95,17 +95,20 @@ def build_app(api: API) -> FastAPI:
         return Response(DASHBOARD_HTML, media_type="text/html; charset=utf-8", headers=DASHBOARD_HEADERS)
 
     def model_card(name: str) -> dict[str, Any]:
+        """A LoRA adapter's card names its folder as root and the base model as parent (vLLM's)."""
         info = api.client.info
-        return {"id": name, "object": "model", "created": api.created, "owned_by": "kvtier", "root": s.model_path,
-                "parent": None, "max_model_len": info.max_model_len if info else None}
+        adapter = dict(s.lora_modules).get(name) if name not in s.served_model_names else None
+        return {"id": name, "object": "model", "created": api.created, "owned_by": "kvtier",
+                "root": adapter or s.model_path, "parent": model_name if adapter else None,
+                "max_model_len": info.max_model_len if info else None}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(n) for n in s.served_model_names]}
+        return {"object": "list", "data": [model_card(n) for n in (*s.served_model_names, *s.lora_names)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id not in s.served_model_names:
+        if model_id not in s.served_model_names and model_id not in s.lora_names:
             raise APIError(404, f"The model `{model_id}` does not exist.", "NotFoundError", param="model")
         return model_card(model_id)
 

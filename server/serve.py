@@ -119,6 +119,22 @@ def image_processor(model_dir: Path, media: MediaSettings) -> Any:
     return proc
 
 
+def check_lora_modules(kwargs: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """--lora-modules, each adapter read and checked against the LoRA flags here, so a bad one
+    exits 2 before the engine starts."""
+    from engine.lora.adapter import allowed_targets, parse_lora_modules, read_info
+
+    modules = parse_lora_modules(kwargs["lora_modules"] or ())
+    if modules and not kwargs["enable_lora"]:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if len(modules) > kwargs["max_loras"]:
+        raise ValueError(f"--lora-modules names {len(modules)} adapters but --max-loras is {kwargs['max_loras']}")
+    targets = allowed_targets(kwargs["lora_target_modules"])
+    for name, path in modules:
+        read_info(name, path, kwargs["max_lora_rank"], targets)
+    return modules
+
+
 def _fail(msg: str) -> int:
     print(f"kvtier serve: error: {msg}", file=sys.stderr)
     return 2
@@ -166,7 +182,8 @@ def main(argv: list[str]) -> int:
             ns, served_model_names=tuple(ns.served_model_name or [model_dir.name]), model_path=str(model_dir),
             system_fingerprint=system_fingerprint(kwargs), sampling_defaults=defaults,
             request_logger=request_log if ns.enable_log_requests else None,
-            limits=RequestLimits.from_json(ns.request_limits), media=MediaSettings.from_flags(ns))
+            limits=RequestLimits.from_json(ns.request_limits), media=MediaSettings.from_flags(ns),
+            lora_modules=check_lora_modules(kwargs))
         # Probe the config in this process (cheap: no weights) so flag errors exit 2 before a spawn.
         from engine.config import JSON_SETTINGS, parse_json_setting
 

@@ -91,6 +91,7 @@ class ServerSettings:
     system_fingerprint: str = ""  # OpenAI's: names the backend configuration answers come from
     limits: RequestLimits = RequestLimits()  # --request-limits: what one request may make the server do
     media: MediaSettings = MediaSettings()  # where images may come from and how big (server/media.py)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # --lora-modules: (name, path) of each adapter served by name
 
     def __post_init__(self) -> None:
         if not self.api_key:
@@ -99,6 +100,8 @@ class ServerSettings:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if not self.served_model_names:
             raise ValueError("served_model_names must not be empty")
+        if clash := sorted(set(self.lora_names) & set(self.served_model_names)):
+            raise ValueError(f"--lora-modules name(s) {clash} are also --served-model-name(s)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535]; got {self.port}")
         for name, least, value in (("max_request_bytes", 1024, self.max_request_bytes),
@@ -112,6 +115,10 @@ class ServerSettings:
                             ("engine_start_timeout", self.engine_start_timeout)):
             if value <= 0:
                 raise ValueError(f"{name} must be > 0; got {value}")
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.lora_modules)
 
     @classmethod
     def flag_fields(cls) -> tuple[Field[Any], ...]:

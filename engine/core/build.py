@@ -24,6 +24,8 @@ from engine.core.setup import (attention_backend, eos_ids, kv_layout, step_token
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_events import ZmqEventPublisher, open_events
 from engine.kv.kv_groups import KVLayout
+from engine.lora.registry import LoRARegistry
+from engine.lora.slots import LoRASlots
 from engine.model_config import ModelConfig, load_model_config, resolve_offload_dtype
 from engine.parallel.ranks import Ranks
 from engine.parallel.shard import TPShard
@@ -62,6 +64,7 @@ class EngineParts:
     sampler: Sampler
     spec: SpecDecoder | None
     scheduler: Scheduler
+    loras: LoRARegistry | None  # enable_lora: the adapters and their slots
 
 
 def _one_group_reason(config: EngineConfig) -> str | None:
@@ -129,6 +132,9 @@ def build(config: EngineConfig) -> EngineParts:
     if hidden is not None:
         hidden.check_model(mc.num_layers)
     plan = DraftPlan.make(config.speculative, config, mc) if config.speculative is not None else None
+    if config.enable_lora and (mc.multimodal or (plan is not None and (plan.draft or plan.eagle3))):
+        raise ValueError("enable_lora with a model that takes images, or with a draft model or EAGLE-3, is not "
+                         "supported yet (ngram speculation is)")
     if plan is not None and (plan.draft or plan.eagle3) and mc.multimodal:
         raise ValueError("speculative decoding with a draft model or EAGLE-3 on a model that takes images is not "
                          "supported yet (ngram is)")
@@ -185,11 +191,13 @@ def build(config: EngineConfig) -> EngineParts:
     pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy, num_blocks), config.enable_prefix_caching, events)
     kv = KVCacheManager(pool, bs, layout)
     graph_mode = _graph_mode(config, model)
+    slots = LoRASlots(model, mc.num_layers, config.max_loras, config.max_lora_rank, config.lora_targets, mc.dtype,
+                      config.device) if config.enable_lora else None
     runner = ModelRunner(model, mc, num_blocks, bs, config.device, hidden, group_decodes=backend.pads_decodes,
                          max_rows=config.max_num_seqs, max_model_len=max_len,
                          forward=CompiledForward(model, backend) if compiled else None,
                          aux_layer_ids=plan.aux_layer_ids if plan is not None else (), layout=layout, peers=ranks,
-                         graph_mode=graph_mode, capture_sizes=config.cudagraph_capture_sizes or ())
+                         graph_mode=graph_mode, capture_sizes=config.cudagraph_capture_sizes or (), lora=slots)
     if config.device != "cpu":
         threads = None
     elif ranks is not None:  # rank 0 runs on its share of the CPUs; the governor does not move ranks
@@ -214,4 +222,6 @@ def build(config: EngineConfig) -> EngineParts:
     log.info("G1: %d blocks of %d tokens (%.2f GiB), max_model_len=%d, max_num_batched_tokens=%d",
              num_blocks, bs, num_blocks * per_block / 2**30, max_len, budget)
     return EngineParts(mc, tokenizer, eos, RequestFactory(tokenizer, mc.vocab_size, eos, config.reasoning), max_len,
-                       budget, pool, kv, runner, threads, events, publisher, connector, sampler, spec, scheduler)
+                       budget, pool, kv, runner, threads, events, publisher, connector, sampler, spec, scheduler,
+                       LoRARegistry(config.max_loras, config.max_lora_rank, config.lora_targets, slots.load)
+                       if slots is not None else None)

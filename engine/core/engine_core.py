@@ -25,6 +25,8 @@ from engine.core.request import Request
 from engine.core.request_factory import Prepared
 from engine.core.stats import EngineInfo, EngineStats
 from engine.core.step_io import SchedulerOutput, StepResult
+from engine.lora.adapter import LoRARequest
+from engine.lora.registry import AdapterRef
 from engine.mm.inputs import MMInputs
 from engine.runner.model_runner import ModelOutput
 from engine.sample.stop import detokenize
@@ -48,6 +50,9 @@ class EngineCore:
         self.pool, self.kv, self.runner, self.threads = p.pool, p.kv, p.runner, p.threads
         self.events, self.publisher, self.connector = p.events, p.publisher, p.connector
         self.sampler, self.spec, self.scheduler = p.sampler, p.spec, p.scheduler
+        self.loras = p.loras
+        for i, (name, path) in enumerate(config.lora_modules):  # --lora-modules: served from the start
+            self.add_lora(LoRARequest(name, i + 1, path))
         # Async scheduling: the bookkeeping thread, the step planned to run next and the one that
         # ran but is not applied yet.
         self._helper = ThreadPoolExecutor(1, "kvtier-bookkeeping", initializer=one_torch_thread
@@ -90,12 +95,16 @@ class EngineCore:
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                      prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
                      session: str | None = None, kv_transfer_params: dict[str, Any] | None = None,
-                     prepared: Prepared | None = None, mm: MMInputs | None = None) -> Request:
+                     prepared: Prepared | None = None, mm: MMInputs | None = None,
+                     lora: AdapterRef | None = None) -> Request:
         """Validates and builds a request without touching engine state. `session`: the client's
         conversation hint (OpenAI's `prompt_cache_key`, else `user`), which eviction policies see.
         `kv_transfer_params`: prefill/decode disaggregation (connectors/pd.py), which the
         connector must support. `prepared`: `self.requests.prepare(params)`, done off the step loop
-        (None: done here)."""
+        (None: done here). `lora`: its adapter (`add_lora`)."""
+        if lora is not None and (self.loras is None or self.loras.get(lora.name) != lora):
+            raise ValueError(f"LoRA adapter {lora.name!r} is not loaded" if self.loras is not None else
+                             "a LoRA adapter was requested but LoRA is off (enable_lora)")
         if mm is not None:
             if not self.model_config.multimodal:
                 raise ValueError(f"{self.model_config.architecture} takes no images")
@@ -106,7 +115,23 @@ class EngineCore:
             self.connector.check_pd(pd)
         return self.requests.make(request_id, prompt_token_ids, params, self.max_model_len, prompt=prompt,
                                   priority=priority, cache_salt=cache_salt, session=session, pd=pd, prepared=prepared,
-                                  mm=mm)
+                                  mm=mm, lora=lora)
+
+    # -- LoRA adapters --------------------------------------------------------------------
+    def add_lora(self, req: LoRARequest) -> AdapterRef:
+        """Loads (or finds) an adapter; ValueError naming what is wrong. Requests then name it
+        through `make_request(lora=...)`."""
+        if self.loras is None:
+            raise ValueError("LoRA adapters need enable_lora")
+        return self.loras.add(req, self._lora_in_use)
+
+    def remove_lora(self, name: str) -> None:
+        if self.loras is None:
+            raise ValueError("LoRA adapters need enable_lora")
+        self.loras.remove(name, self._lora_in_use)
+
+    def _lora_in_use(self, name: str) -> bool:
+        return any(r.lora is not None and r.lora.name == name for r in self.scheduler.requests.values())
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add_request(req)

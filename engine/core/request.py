@@ -9,6 +9,7 @@ import torch
 
 from connectors.pd import PDRequest
 from engine.sample.logit_controls import NO_BAD_WORDS, BadWords
+from engine.lora.registry import AdapterRef
 from engine.mm.inputs import MMInputs
 from engine.sampling_params import SamplingParams
 from engine.sample.prompt_logprobs import PromptLogprob
@@ -60,6 +61,7 @@ class Request:
         thinking: ThinkingTracker | None = None,
         pd: PDRequest | None = None,
         mm: MMInputs | None = None,
+        lora: AdapterRef | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -75,6 +77,7 @@ class Request:
         self.session = session  # the client's conversation hint (prompt_cache_key or user), for eviction policies
         self.pd = pd  # prefill/decode disaggregation: this request's role (connectors/pd.py)
         self.mm = mm  # its images (engine/mm/inputs.py): their digests enter the block keys
+        self.lora = lora  # its LoRA adapter (engine/lora/registry.py): its digest enters the first block's key
         self.arrival_time = time.monotonic()
         # For the per-phase latencies (queue, prefill) the server exports: set once, on this clock.
         self.first_scheduled_time: float | None = None
@@ -157,7 +160,8 @@ class Request:
         """The keys of its full blocks so far, computed once each (chained: a key names the block
         and everything before it). Read-only for callers."""
         media = None if self.mm is None else (lambda i: self.mm.block_extra(i, block_size))  # type: ignore[union-attr]
-        extend_keys(self.block_keys, self.all_token_ids, block_size, self.cache_salt, media)
+        extend_keys(self.block_keys, self.all_token_ids, block_size, self.cache_salt, media,
+                    self.lora.digest if self.lora is not None else b"")
         return self.block_keys
 
     def fail(self, why: str) -> None:

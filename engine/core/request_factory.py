@@ -13,6 +13,7 @@ from typing import Any
 from connectors.pd import PDRequest
 from engine.sample.logit_controls import NO_BAD_WORDS, BadWords, check_controls, checked_bad_words
 from engine.core.request import Request, RequestId
+from engine.lora.registry import AdapterRef
 from engine.mm.inputs import MMInputs
 from engine.sampling_params import SamplingParams
 from engine.sample.structured import LazyGrammarCompiler
@@ -57,7 +58,7 @@ class RequestFactory:
     def make(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, *,
              prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
              session: str | None = None, pd: PDRequest | None = None, prepared: Prepared | None = None,
-             mm: MMInputs | None = None) -> Request:
+             mm: MMInputs | None = None, lora: AdapterRef | None = None) -> Request:
         """ValueError naming what is wrong with the request. `prepared`: `prepare(params)` done
         already (elsewhere); None prepares here."""
         n = len(prompt_token_ids)
@@ -76,4 +77,5 @@ class RequestFactory:
         thinking = tracker_for(self._markers, default_budget, params.thinking_token_budget, prompt_token_ids)
         return Request(RequestId(request_id), prompt_token_ids, params, prompt=prompt, priority=priority,
                        cache_salt=cache_salt, session=session, eos_token_ids=self.eos_token_ids, max_total_tokens=max_model_len,
-                       bad_word_ids=prepared.bad_words, grammar=grammar, thinking=thinking, pd=pd, mm=mm)
+                       bad_word_ids=prepared.bad_words, grammar=grammar, thinking=thinking, pd=pd, mm=mm,
+                       lora=lora)

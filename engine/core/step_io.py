@@ -30,6 +30,7 @@ class PlannedRequest:
     prompt_logprobs: int | None = None  # top-k: this step scores prompt positions (`prompt_token_ids` is the prompt)
     prompt_token_ids: Sequence[int] = ()  # the request's own list: not copied every step
     mm: tuple[MMItem, ...] = ()  # images with placeholders among this step's tokens (engine/mm/inputs.py)
+    lora_slot: int = -1  # the runner slot of its LoRA adapter (-1: the base model)
 
     def __post_init__(self) -> None:
         if self.num_placeholders < 0 or self.start < 0:
@@ -45,9 +46,11 @@ class PlannedRequest:
         known = tuple(req.all_token_ids[start:start + n - len(spec)])
         scores = getattr(req, "wants_prompt_logprobs", False)
         media = getattr(req, "mm", None)
+        lora = getattr(req, "lora", None)
         return cls(req.request_id, known, n - len(spec) - len(known), spec, start, samples,
                    (req.params.prompt_logprobs or 0) if scores else None, req.prompt_token_ids if scores else (),
-                   media.overlapping(start, start + n) if media is not None else ())
+                   media.overlapping(start, start + n) if media is not None else (),
+                   lora.slot if lora is not None else -1)
 
 
 @dataclass(frozen=True)

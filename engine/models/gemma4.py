@@ -183,6 +183,10 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             self.per_layer_model_projection = nn.Linear(h, n * self.ple, bias=False)
             self.per_layer_projection_norm = Gemma4RMSNorm(self.ple, cfg.rms_norm_eps)
 
+    def lora_sites(self) -> list:
+        raise ValueError("LoRA adapters on Gemma 4 are not supported yet (Llama, Mistral, Qwen2, Qwen3 and Gemma 3 "
+                         "take them)")
+
     def language_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The ids the embeddings read (the multimodal model's media tokens read the pad token's)."""
         return input_ids

@@ -249,6 +249,20 @@ class LlamaFamilyForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def lora_sites(self) -> list[tuple[int, nn.Module, str, tuple[str, ...], tuple[int, ...]]]:
+        """Where LoRA adapters apply (engine/lora/slots.py): `(layer, parent, attribute, PEFT module
+        names, their output sizes)` of each projection; an MoE layer's experts take none."""
+        sites = []
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            sites.append((i, attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"), (attn.q_size, attn.kv_size, attn.kv_size)))
+            sites.append((i, attn, "o_proj", ("o_proj",), (attn.o_proj.out_features,)))
+            if isinstance(layer.mlp, MLP):
+                half = layer.mlp.gate_up_proj.out_features // 2
+                sites.append((i, layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"), (half, half)))
+                sites.append((i, layer.mlp, "down_proj", ("down_proj",), (layer.mlp.down_proj.out_features,)))
+        return sites
+
     def language_parameters(self) -> dict[str, nn.Parameter]:
         """The parameters `load_weights` fills (a model with a vision part loads that itself)."""
         return dict(self.named_parameters(remove_duplicate=False))

@@ -18,6 +18,7 @@ from engine.runner.graphs import DecodeGraphs
 from engine.runner.input_batch import InputBatch
 from engine.mm.encoder import EncoderCache
 from engine.mm.spec import ImageAttention
+from engine.lora.slots import LoRASlots
 from engine.kv.kv_groups import KVLayout
 from engine.sample.prompt_logprobs import PromptLogprob, PromptRows, prompt_logprobs
 from engine.sample.prompt_logprobs import select as select_prompt_rows
@@ -69,6 +70,7 @@ class StepInputs:
     plan: RunPlan | None = None
     tables: list | None = None
     mm: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, embeddings) of images' placeholders
+    lora: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (adapter slot, its rows)
 
     @torch.inference_mode()
     def fill_placeholders(self, tokens: dict[RequestId, int]) -> None:
@@ -121,12 +123,14 @@ class ModelRunner:
                  max_model_len: int, forward: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] | None = None,
                  aux_layer_ids: tuple[int, ...] = (), layout: KVLayout | None = None,
                  peers: Peers | None = None, computes_logits: bool = True, graph_mode: GraphMode = GraphMode.NONE,
-                 capture_sizes: tuple[int, ...] = ()) -> None:
+                 capture_sizes: tuple[int, ...] = (), lora: LoRASlots | None = None) -> None:
         """`peers`: the other tensor-parallel ranks (engine/parallel/ranks.py), sent each step before
         this rank runs its shard; `computes_logits=False`: a worker rank, whose logits nobody reads;
         `graph_mode`/`capture_sizes`: decode steps through CUDA graphs (engine/runner/graphs.py),
-        which pad into one more G1 block than the scheduler's `num_blocks`."""
+        which pad into one more G1 block than the scheduler's `num_blocks`. `lora`: the adapters'
+        slots in the model's projections (engine/lora/slots.py), told each step's rows."""
         self.model = model
+        self.lora = lora
         self.peers = peers
         self.computes_logits = computes_logits
         self.forward = forward or model  # engine/runner/compiled.py's CompiledForward, or the eager model
@@ -211,6 +215,8 @@ class ModelRunner:
             filled = {rid: int(step.input_ids[pos]) for pos, rid in step.placeholders}
             self.peers.step(step.plan, step.tables, filled)
         capture = self.capture_ids
+        if self.lora is not None:
+            self.lora.set_step(step.lora)
         if step.mm is not None:  # one step in a prompt's life: eager (the compiled graph takes token ids only)
             hidden, captured = self.model(step.input_ids, step.positions, self.layer_caches, step.meta, capture,
                                           mm=step.mm)
@@ -272,7 +278,17 @@ class ModelRunner:
         meta = metas[0] if len(metas) == 1 else replace(metas[0], groups=tuple(metas), layer_groups=self.layer_groups)
         return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=self.device), positions_t, meta,
                           sample_rows, sampled, row_starts, placeholders, prompt_rows, plan, block_tables,
-                          self._image_embeddings(plan, spans))
+                          self._image_embeddings(plan, spans), self._lora_rows(plan, spans))
+
+    def _lora_rows(self, plan: RunPlan, spans: list[tuple[int, int, int]]) -> list[tuple[int, torch.Tensor]]:
+        """Each adapter slot's query rows in the step (the requests with no adapter have none)."""
+        if self.lora is None:
+            return []
+        rows: dict[int, list[int]] = {}
+        for item, (q_start, n, _) in zip(plan.requests, spans):
+            if item.lora_slot >= 0:
+                rows.setdefault(item.lora_slot, []).extend(range(q_start, q_start + n))
+        return [(slot, torch.tensor(r, dtype=torch.long, device=self.device)) for slot, r in sorted(rows.items())]
 
     def _image_embeddings(self, plan: RunPlan, spans: list[tuple[int, int, int]]
                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
