@@ -243,6 +243,8 @@ class Scheduler:
             self.waiting.add(req, front=True)
         if deferred:
             self._run_deferred(out, deferred, budget, scheduled, finishes_prompt)
+        if any(s.req.lora is not None for s in out.scheduled):  # each adapter's rows side by side: one slice
+            out.scheduled.sort(key=lambda s: -1 if s.req.lora is None else s.req.lora.slot)  # (engine/lora/layers.py)
         return out
 
     def _inflight_keys(self) -> dict[BlockKey, Request]:

@@ -1,10 +1,11 @@
 """Batched LoRA in one forward (runner side): each targeted projection of the model becomes a
 `LoRALinear` that adds, to the rows of each adapter in the step, that adapter's low-rank update.
 
-Rows are grouped by adapter slot once per step (`LoRABatch`); each group is one gather, two thin
-GEMMs (x A^T, then B^T with the scaling folded into B) and one index_add into the base output, so
-a step mixing three adapters and the base model costs three small GEMM pairs per projection beside
-the base GEMM, whatever the number of requests. The base projection runs as before (prepacked on
+Rows are grouped by adapter slot once per step (`LoRABatch`); the scheduler orders a step's
+requests by adapter, so each group is a slice of rows and costs two thin GEMMs (x A^T, then an
+addmm of B^T into the base output, the scaling folded into B); a step mixing three adapters and
+the base model costs three small GEMM pairs per projection beside the base GEMM, whatever the
+number of requests. (Rows that are not side by side take a gather and an index_add.) The base projection runs as before (prepacked on
 CPU, engine/models/packed_linear.py).
 
 The engine's fused projections hold several PEFT modules (q/k/v in `qkv_proj`, gate/up in
@@ -19,11 +20,14 @@ import torch
 from torch import nn
 
 
+LoRARows = slice | torch.Tensor  # a slot's rows in a step: side by side, or indices
+
+
 @dataclass
 class LoRABatch:
     """The step's rows of each adapter slot (rows of no adapter are in none). Written by the
     runner before each forward (`LoRASlots.set_step`), read by every LoRALinear."""
-    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (slot, row indices)
+    groups: list[tuple[int, LoRARows]] = field(default_factory=list)
 
 
 class LoRALinear(nn.Module):
@@ -68,6 +72,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         for slot, rows in self.batch.groups:
-            xs = x.index_select(0, rows)
-            y.index_add_(0, rows, (xs @ self.lora_a[slot].T) @ self.lora_b[slot].T)
+            if isinstance(rows, slice):  # the scheduler orders a step by adapter: usually side by side
+                y[rows].addmm_(x[rows] @ self.lora_a[slot].T, self.lora_b[slot].T)
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ self.lora_a[slot].T) @ self.lora_b[slot].T)
         return y

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.lora.adapter import AdapterInfo, read_weights
-from engine.lora.layers import LoRABatch, LoRALinear
+from engine.lora.layers import LoRABatch, LoRALinear, LoRARows
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,11 @@ class LoRASlots:
         for lin in self.layers.values():
             lin.set_slot(slot, per_layer.get(lin, {}), info.scaling)
 
-    def set_step(self, groups: Sequence[tuple[int, torch.Tensor]]) -> None:
+    def set_step(self, groups: Sequence[tuple[int, LoRARows]]) -> None:
         """The rows of each slot in the next forward (runner thread, just before it)."""
         self.batch.groups = list(groups)
 
     def check_integrity(self) -> None:
         for slot, rows in self.batch.groups:
-            if not 0 <= slot < self.slots or rows.dim() != 1:
-                raise AssertionError(f"LoRA step group for slot {slot} with rows {tuple(rows.shape)}")
+            if not 0 <= slot < self.slots or (not isinstance(rows, slice) and rows.dim() != 1):
+                raise AssertionError(f"LoRA step group for slot {slot} with rows {rows}")

@@ -18,6 +18,7 @@ from engine.runner.graphs import DecodeGraphs
 from engine.runner.input_batch import InputBatch
 from engine.mm.encoder import EncoderCache
 from engine.mm.spec import ImageAttention
+from engine.lora.layers import LoRARows
 from engine.lora.slots import LoRASlots
 from engine.kv.kv_groups import KVLayout
 from engine.sample.prompt_logprobs import PromptLogprob, PromptRows, prompt_logprobs
@@ -70,7 +71,7 @@ class StepInputs:
     plan: RunPlan | None = None
     tables: list | None = None
     mm: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, embeddings) of images' placeholders
-    lora: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (adapter slot, its rows)
+    lora: list[tuple[int, LoRARows]] = field(default_factory=list)  # (adapter slot, its rows)
 
     @torch.inference_mode()
     def fill_placeholders(self, tokens: dict[RequestId, int]) -> None:
@@ -280,15 +281,17 @@ class ModelRunner:
                           sample_rows, sampled, row_starts, placeholders, prompt_rows, plan, block_tables,
                           self._image_embeddings(plan, spans), self._lora_rows(plan, spans))
 
-    def _lora_rows(self, plan: RunPlan, spans: list[tuple[int, int, int]]) -> list[tuple[int, torch.Tensor]]:
-        """Each adapter slot's query rows in the step (the requests with no adapter have none)."""
+    def _lora_rows(self, plan: RunPlan, spans: list[tuple[int, int, int]]) -> list[tuple[int, LoRARows]]:
+        """Each adapter slot's query rows in the step (the requests with no adapter have none):
+        a slice when they are side by side (the scheduler orders a step by adapter), else indices."""
         if self.lora is None:
             return []
         rows: dict[int, list[int]] = {}
         for item, (q_start, n, _) in zip(plan.requests, spans):
             if item.lora_slot >= 0:
                 rows.setdefault(item.lora_slot, []).extend(range(q_start, q_start + n))
-        return [(slot, torch.tensor(r, dtype=torch.long, device=self.device)) for slot, r in sorted(rows.items())]
+        return [(slot, slice(r[0], r[-1] + 1) if r[-1] - r[0] + 1 == len(r) else
+                 torch.tensor(r, dtype=torch.long, device=self.device)) for slot, r in sorted(rows.items())]
 
     def _image_embeddings(self, plan: RunPlan, spans: list[tuple[int, int, int]]
                           ) -> tuple[torch.Tensor, torch.Tensor] | None:

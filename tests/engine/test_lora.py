@@ -60,10 +60,14 @@ def test_mixed_batches_of_three_adapters_and_the_base_equal_peft_merged(adapters
         llm.engine.loras.check_integrity()
 
 
-def test_chunked_prefill_and_decode_batches_keep_each_rows_adapter(adapters):
+@pytest.mark.parametrize("settings", [
+    {}, {"async_scheduling": True},
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}},
+], ids=["sync", "async", "ngram"])
+def test_chunked_prefill_and_decode_batches_keep_each_rows_adapter(adapters, settings):
     base, dirs, want = adapters["llama"]
     with LLM(str(base), dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=64,
-             max_num_batched_tokens=24, enable_prefix_caching=False) as llm:
+             max_num_batched_tokens=24, enable_prefix_caching=False, **settings) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False,
                             lora_request=[request(dirs[i % 3], i % 3) for i in range(len(PROMPTS))])
     assert [o.outputs[0].token_ids for o in outs] == [want[dirs[i % 3]][i] for i in range(len(PROMPTS))]
