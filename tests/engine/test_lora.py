@@ -147,3 +147,20 @@ def test_adapters_over_the_limits_are_refused_by_name(adapters, tmp_path):
             llm.generate(prompt, GREEDY, lora_request=request(dirs[0], 0))
     with pytest.raises(ValueError, match="max_loras applies to LoRA adapters"):
         LLM(str(base), dtype="float32", max_loras=2)
+
+
+def test_g2_hits_only_for_the_same_adapter(adapters):
+    base, dirs, want = adapters["qwen3"]
+    a, b = request(dirs[0], 0), request(dirs[2], 2)
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    with LLM(str(base), dtype="float32", enable_lora=True, max_loras=2, kv_offloading_size=0.05,
+             kv_offload_block_size=BLOCK) as llm:
+        first = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=a)[0]
+        llm.engine.connector.flush()
+        llm.engine.pool.reset_prefix_cache()  # G1 emptied: what hits now comes from G2
+        other = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=b)[0]
+        llm.engine.pool.reset_prefix_cache()
+        same = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=a)[0]
+    assert other.num_cached_tokens == 0 and other.outputs[0].token_ids == want[dirs[2]][0]
+    assert dict(same.cached_tokens_by_tier) == {"G2": (len(PROMPTS[0]) - 1) // BLOCK * BLOCK}
+    assert same.outputs[0].token_ids == first.outputs[0].token_ids == want[dirs[0]][0]
