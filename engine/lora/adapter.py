@@ -150,8 +150,10 @@ def read_info(name: str, path: str | Path, max_rank: int, allowed: frozenset[str
 
 
 def _targets(name: str, value: object) -> frozenset[str]:
-    if isinstance(value, str):  # PEFT takes a regex too: which of the known projections it names
-        found = frozenset(t for t in TARGETS if re.search(value, f"model.layers.0.x.{t}"))
+    if isinstance(value, str):  # a regex PEFT full-matches against module names: which projections it names
+        found = frozenset(t for t in TARGETS if any(
+            re.fullmatch(value, f"{pre}layers.{i}.{'self_attn' if t in ATTENTION_TARGETS else 'mlp'}.{t}")
+            for pre in ("model.", "base_model.model.model.") for i in (0, 1)))
     elif isinstance(value, list) and all(isinstance(t, str) for t in value):
         found = frozenset(value)
     else:

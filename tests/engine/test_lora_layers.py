@@ -3,6 +3,7 @@ adapter, the fused projections' parts each with their own A and B (or none), wit
 slot side by side (a slice) or scattered (indices)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.lora.layers import LoRABatch, LoRALinear
@@ -45,3 +46,18 @@ def test_rows_get_their_slots_update_as_slices_or_indices():
     lin.set_slot(0, {}, 1.0)  # emptied: slot 0's rows are the base model's again
     with torch.no_grad():
         torch.testing.assert_close(lin(x)[:3], base(x)[:3])
+
+
+def test_a_regex_target_names_the_projections_peft_would_match(tmp_path):
+    import json
+
+    from engine.lora.adapter import TARGETS, read_info
+
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    for regex, want in ((r".*\.(q_proj|v_proj)", {"q_proj", "v_proj"}), (r".*mlp\..*", {"gate_proj", "up_proj", "down_proj"}),
+                        (r".*_proj", set(TARGETS))):
+        (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "target_modules": regex}))
+        assert read_info("x", tmp_path, 16, frozenset(TARGETS)).targets == want
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "target_modules": "q_proj"}))
+    with pytest.raises(ValueError, match="not supported"):  # PEFT full-matches: a bare name targets nothing
+        read_info("x", tmp_path, 16, frozenset(TARGETS))
