@@ -115,6 +115,18 @@ class _EngineCollector(Collector):
             yield counter("mm_encoder_cache_hits", "Images whose encoder output was reused.", enc["hits"])
             yield counter("mm_encoder_cache_misses", "Images encoded.", enc["misses"])
             yield gauge("mm_encoder_cache_bytes", "Host memory the kept encoder outputs take.", enc["bytes"])
+        lo = s.get("lora")
+        if lo is not None:  # enable_lora; vLLM's lora_requests_info, and requests per adapter
+            info = GaugeMetricFamily(P + "lora_requests_info", "LoRA adapters of running and waiting requests "
+                                     "(value 1).", labels=lab + ["max_lora", "running_lora_adapters",
+                                                                  "waiting_lora_adapters"])
+            info.add_metric(m + [str(lo["max_lora"]), ",".join(lo["running"]), ",".join(lo["waiting"])], 1)
+            yield info
+            per = CounterMetricFamily(P + "lora_requests", "Requests admitted under each LoRA adapter.",
+                                      labels=lab + ["lora_name"])
+            for name, n in sorted(lo["requests"].items()):
+                per.add_metric(m + [name], n)
+            yield per
         tiers = s.get("tiers") or {}
         hits = CounterMetricFamily(P + "offload_hit_tokens", "Prompt tokens served by an offload tier.",
                                    labels=lab + ["tier"])

@@ -135,6 +135,8 @@ class EngineCore:
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add_request(req)
+        if req.lora is not None and self.loras is not None:
+            self.loras.count_request(req.lora.name)
 
     def abort_request(self, request_id: str) -> bool:
         found = self.scheduler.abort(request_id)
@@ -355,7 +357,16 @@ class EngineCore:
             kv_groups=self.kv.group_usage(),
             num_free_blocks=self.pool.num_free_blocks(),
             encoder_cache=self.runner.encoder.stats() if self.runner.encoder is not None else None,
+            lora=self._lora_stats() if self.loras is not None else None,
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        """vLLM's lora_requests_info: the adapters of running and of waiting requests, and the limit;
+        with the requests admitted under each adapter."""
+        running = {r.lora.name for r in self.scheduler.running if r.lora is not None}
+        waiting = {r.lora.name for r in self.scheduler.requests.values() if r.lora is not None} - running
+        return {"max_lora": self.loras.max_loras, "running": sorted(running), "waiting": sorted(waiting),
+                "requests": dict(self.loras.requests)}
 
     def info(self) -> EngineInfo:
         return EngineInfo(self.max_model_len, self.model_config.vocab_size, self.pool.num_blocks,

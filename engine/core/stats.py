@@ -41,6 +41,8 @@ class EngineStats:
     num_free_blocks: int = 0  # G1 blocks neither held by a request nor cached
     # A model that takes images: the encoder cache's hits, misses and bytes (engine/mm/encoder.py).
     encoder_cache: dict[str, int] | None = None
+    # enable_lora: the adapters of running and waiting requests, max_loras, requests per adapter.
+    lora: dict[str, Any] | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -29,6 +29,10 @@ class LoRARegistry:
         self.max_loras, self.max_rank, self.targets = max_loras, max_rank, targets
         self._load = load
         self._by_name: dict[str, tuple[AdapterInfo, int]] = {}
+        self.requests: dict[str, int] = {}  # requests admitted under each adapter name (metrics)
+
+    def count_request(self, name: str) -> None:
+        self.requests[name] = self.requests.get(name, 0) + 1
 
     def add(self, req: LoRARequest, in_use: Callable[[str], bool]) -> AdapterRef:
         """The adapter of `req`, read and loaded if it is new or its files changed; ValueError

@@ -39,6 +39,11 @@ def test_each_adapter_by_name_through_the_openai_client(lora_setup):
         assert got == {"base": [want["base"]], "a": [want["a"], want["a"]], "b": [want["b"]]}
         with pytest.raises(openai.NotFoundError, match="The model `c` does not exist"):
             oa.completions.create(model="c", prompt=PROMPT, max_tokens=2)
+        with srv.client() as c:
+            metrics = c.get("/metrics").text
+        assert 'kvtier:lora_requests_total{lora_name="a",model_name="base"} 2.0' in metrics
+        assert 'kvtier:lora_requests_total{lora_name="b",model_name="base"} 1.0' in metrics
+        assert 'max_lora="2"' in metrics and "kvtier:lora_requests_info{" in metrics
         cards = {m.id: m for m in oa.models.list().data}
         assert set(cards) == {"base", "a", "b"}
         assert cards["a"].parent == "base" and cards["a"].root == str(a) and cards["base"].parent is None
