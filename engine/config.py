@@ -11,16 +11,16 @@ import enum
 import json
 import logging
 import os
-import re
 from dataclasses import Field, dataclass, field, fields
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import torch
 
 from connectors.hidden_spec import HiddenStatesSpec
 from engine.model_config import (DTYPES, KV_CACHE_DTYPES, KV_OFFLOAD_DTYPES, check_kv_cache_dtype,
                                  check_kv_offload_dtype, check_offload_dtype_use)
+from engine.run_mode import (DISTRIBUTED_TIMEOUT_S, OPT_LEVEL_ENV, GraphMode, _optimization_level,  # noqa: F401
+                             default_capture_sizes, parse_capture_sizes, resolve_device)
 from engine.lora.adapter import TARGETS as LORA_TARGETS, allowed_targets, parse_lora_modules, parse_lora_targets
 from engine.spec.config import SpeculativeConfig, parse_speculative_config
 from engine.sample.thinking import ReasoningConfig
@@ -40,34 +40,6 @@ class SchedulingPolicy(str, enum.Enum):
     SHORTEST_PREFILL = "shortest_prefill"
 
 
-class GraphMode(str, enum.Enum):
-    """`--cudagraph-mode` (engine/runner/graphs.py): NONE runs every step eagerly; FULL_DECODE_ONLY
-    (vLLM's name) captures steps that only decode in CUDA graphs; EAGER_REPLAY runs those steps
-    through the same static, padded buffers without capturing, on any device (for tests)."""
-    NONE = "none"
-    FULL_DECODE_ONLY = "full_decode_only"
-    EAGER_REPLAY = "eager_replay"
-
-
-def default_capture_sizes(max_size: int) -> tuple[int, ...]:
-    """vLLM's ladder of decode batch sizes: 1, 2, 4, then every multiple of 8, up to `max_size` (included)."""
-    if max_size < 1:
-        raise ValueError(f"max_cudagraph_capture_size must be >= 1; got {max_size}")
-    sizes = {s for s in (1, 2, 4) if s <= max_size} | set(range(8, max_size + 1, 8)) | {max_size}
-    return tuple(sorted(sizes))
-
-
-def parse_capture_sizes(value: str | Sequence[int]) -> tuple[int, ...]:
-    """`--cudagraph-capture-sizes 1,2,4,8` (or a list): sorted, distinct, positive."""
-    try:
-        sizes = [int(x) for x in value.split(",")] if isinstance(value, str) else [int(x) for x in value]
-    except (TypeError, ValueError):
-        raise ValueError(f"cudagraph_capture_sizes must be batch sizes like 1,2,4,8; got {value!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"cudagraph_capture_sizes must be positive batch sizes; got {value!r}")
-    return tuple(sorted(set(sizes)))
-
-
 class UsageContext(str, enum.Enum):
     """Who runs the engine, which picks some defaults (vLLM's UsageContext)."""
     OFFLINE = "offline"  # LLM, kvtier generate / extract: a batch, for throughput
@@ -83,43 +55,6 @@ class UsageContext(str, enum.Enum):
 # G1 size on CPU when neither kv_cache_memory_gib nor num_gpu_blocks is given (on CUDA the
 # budget comes from gpu_memory_utilization instead).
 CPU_KV_CACHE_GIB = 2.0
-
-
-def resolve_device(name: str) -> str:
-    """`auto` is CUDA when torch sees a GPU, else the CPU; an explicit CUDA device must exist."""
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cpu":
-        return name
-    if name == "cuda" or re.fullmatch(r"cuda:\d+", name):
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r}: torch sees no CUDA device here (use 'cpu' or 'auto')")
-        index = int(name.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) here")
-        return name
-    raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {name!r}")
-
-
-OPT_LEVEL_ENV = "KVTIER_OPTIMIZATION_LEVEL"
-# An all-reduce across tensor-parallel ranks that waits longer means a rank hangs (a layer takes far less).
-DISTRIBUTED_TIMEOUT_S = 30.0
-
-
-def _optimization_level(level: int | None, device: str, enforce_eager: bool) -> int:
-    where = "optimization_level"
-    if level is None and os.environ.get(OPT_LEVEL_ENV):
-        where, level = f"${OPT_LEVEL_ENV}", os.environ[OPT_LEVEL_ENV]
-        level = int(level) if level.isdigit() else level
-    if level is not None and (type(level) is not int or level not in (0, 1, 2, 3)):
-        raise ValueError(f"{where} must be 0, 1, 2 or 3; got {level!r}")
-    if enforce_eager:
-        if level:
-            log.warning("%s=%d not applied: enforce_eager runs the model eagerly", where, level)
-        return 0
-    if level is None:
-        return 1  # CPU and CUDA: compiled was faster than eager on both (docs/CPU.md, docs/gpu.md)
-    return level
 
 
 class Group(str, enum.Enum):

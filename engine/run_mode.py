@@ -1,0 +1,79 @@
+"""Where and how the model runs: the device (`resolve_device`), the optimization level
+(`-O`, `$KVTIER_OPTIMIZATION_LEVEL`, enforce_eager) and the CUDA-graph modes and capture sizes.
+EngineConfig (engine/config.py) declares the settings; these resolve and check them."""
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import re
+from collections.abc import Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class GraphMode(str, enum.Enum):
+    """`--cudagraph-mode` (engine/runner/graphs.py): NONE runs every step eagerly; FULL_DECODE_ONLY
+    (vLLM's name) captures steps that only decode in CUDA graphs; EAGER_REPLAY runs those steps
+    through the same static, padded buffers without capturing, on any device (for tests)."""
+    NONE = "none"
+    FULL_DECODE_ONLY = "full_decode_only"
+    EAGER_REPLAY = "eager_replay"
+
+
+def default_capture_sizes(max_size: int) -> tuple[int, ...]:
+    """vLLM's ladder of decode batch sizes: 1, 2, 4, then every multiple of 8, up to `max_size` (included)."""
+    if max_size < 1:
+        raise ValueError(f"max_cudagraph_capture_size must be >= 1; got {max_size}")
+    sizes = {s for s in (1, 2, 4) if s <= max_size} | set(range(8, max_size + 1, 8)) | {max_size}
+    return tuple(sorted(sizes))
+
+
+def parse_capture_sizes(value: str | Sequence[int]) -> tuple[int, ...]:
+    """`--cudagraph-capture-sizes 1,2,4,8` (or a list): sorted, distinct, positive."""
+    try:
+        sizes = [int(x) for x in value.split(",")] if isinstance(value, str) else [int(x) for x in value]
+    except (TypeError, ValueError):
+        raise ValueError(f"cudagraph_capture_sizes must be batch sizes like 1,2,4,8; got {value!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"cudagraph_capture_sizes must be positive batch sizes; got {value!r}")
+    return tuple(sorted(set(sizes)))
+
+
+def resolve_device(name: str) -> str:
+    """`auto` is CUDA when torch sees a GPU, else the CPU; an explicit CUDA device must exist."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return name
+    if name == "cuda" or re.fullmatch(r"cuda:\d+", name):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: torch sees no CUDA device here (use 'cpu' or 'auto')")
+        index = int(name.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+        return name
+    raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {name!r}")
+
+
+OPT_LEVEL_ENV = "KVTIER_OPTIMIZATION_LEVEL"
+# An all-reduce across tensor-parallel ranks that waits longer means a rank hangs (a layer takes far less).
+DISTRIBUTED_TIMEOUT_S = 30.0
+
+
+def _optimization_level(level: int | None, device: str, enforce_eager: bool) -> int:
+    where = "optimization_level"
+    if level is None and os.environ.get(OPT_LEVEL_ENV):
+        where, level = f"${OPT_LEVEL_ENV}", os.environ[OPT_LEVEL_ENV]
+        level = int(level) if level.isdigit() else level
+    if level is not None and (type(level) is not int or level not in (0, 1, 2, 3)):
+        raise ValueError(f"{where} must be 0, 1, 2 or 3; got {level!r}")
+    if enforce_eager:
+        if level:
+            log.warning("%s=%d not applied: enforce_eager runs the model eagerly", where, level)
+        return 0
+    if level is None:
+        return 1  # CPU and CUDA: compiled was faster than eager on both (docs/CPU.md, docs/gpu.md)
+    return level
