@@ -11,9 +11,15 @@ from collections.abc import Sequence
 import torch
 
 from engine.lora.adapter import AdapterInfo, read_weights
-from engine.lora.layers import LoRABatch, LoRALinear, LoRARows
+from engine.lora.layers import LoRABatch, LoRALinear, LoRARows, plan_step
 
 log = logging.getLogger(__name__)
+
+
+def _kernels_available() -> bool:
+    from engine import kernels
+
+    return kernels.available()
 
 
 class LoRASlots:
@@ -22,7 +28,8 @@ class LoRASlots:
         """Wraps `model`'s projections that hold any of `targets` (its `lora_sites()`)."""
         if not hasattr(model, "lora_sites"):
             raise ValueError(f"LoRA adapters on {type(model).__name__} are not supported")
-        self.num_layers, self.slots = num_layers, slots
+        self.num_layers, self.slots, self.device = num_layers, slots, device
+        self.kernel = torch.device(device).type == "cuda" and _kernels_available()  # engine/kernels/lora_sgmv.py
         self.batch = LoRABatch()
         self.layers: dict[tuple[int, str], LoRALinear] = {}  # (layer, attribute) -> its wrapper
         for layer, parent, attr, parts, sizes in model.lora_sites():
@@ -53,9 +60,9 @@ class LoRASlots:
 
     def set_step(self, groups: Sequence[tuple[int, LoRARows]]) -> None:
         """The rows of each slot in the next forward (runner thread, just before it)."""
-        self.batch.groups = list(groups)
+        self.batch.step = plan_step(groups, self.device, self.kernel)
 
     def check_integrity(self) -> None:
-        for slot, rows in self.batch.groups:
+        for slot, rows in self.batch.step.groups:
             if not 0 <= slot < self.slots or (not isinstance(rows, slice) and rows.dim() != 1):
                 raise AssertionError(f"LoRA step group for slot {slot} with rows {rows}")

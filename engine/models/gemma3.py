@@ -15,7 +15,6 @@ from torch import nn
 from engine.runner.attention import AttentionBackend
 from engine.model_config import ModelConfig
 from engine.models.llama import MLP, Attention, LlamaFamilyForCausalLM, rope_tables_for
-from engine.models.packed_linear import PackedLinear
 
 
 class GemmaRMSNorm(nn.Module):
@@ -40,7 +39,7 @@ class GemmaAttention(Attention):
 
 class GemmaMLP(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.gate_up_proj, PackedLinear):
+        if getattr(self.gate_up_proj, "splits_output", False):  # packed in parts, maybe under LoRA
             gate, up = self.gate_up_proj.forward_parts(x)
         else:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

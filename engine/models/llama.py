@@ -15,7 +15,6 @@ from engine import cpu_kernels
 from engine.runner.attention import AttentionBackend, AttentionMetadata
 from engine.model_config import UNSCALED, KVScale, ModelConfig
 from engine.models.moe import SparseMoeBlock, expert_weight_slot, is_moe_layer
-from engine.models.packed_linear import PackedLinear
 
 
 class RMSNorm(nn.Module):
@@ -145,7 +144,7 @@ class MLP(nn.Module):
         return {"gate_up_proj": (half, half)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.gate_up_proj, PackedLinear):
+        if getattr(self.gate_up_proj, "splits_output", False):  # packed in parts, maybe under LoRA
             gate, up = self.gate_up_proj.forward_parts(x)
             return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))
         if not torch.compiler.is_compiling() and x.shape[0] >= SPLIT_GEMM_MIN_TOKENS \

@@ -85,6 +85,12 @@ class PackedLinear(nn.Module):
         self.key = next(_keys)
         _live[self.key] = weakref.ref(self, lambda _, k=self.key: _live.pop(k, None))
 
+    @property
+    def splits_output(self) -> bool:
+        """Whether `forward_parts` returns more than one tensor (a caller that can take the parts
+        apart skips the concatenation)."""
+        return len(self.packed) > 1
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.packed) == 1:
             return self._part(x, 0)
