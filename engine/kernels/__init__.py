@@ -8,6 +8,7 @@ tensors under TRITON_INTERPRET=1, which must be set before this package is first
 - `paged_prefill`: varlen prefill attention over cached context + the chunk itself, causal.
 - `kv_write`: store a step's new K/V at their slots.
 - `gather_blocks` / `scatter_blocks`: many cache blocks to/from a contiguous staging buffer.
+- `sgmv`: one GEMM per segment of rows, each with its own weight (batched LoRA, engine/lora).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from engine.kernels._triton import HAS_TRITON, available, interpreting, unavaila
 if HAS_TRITON:
     from engine.kernels.block_copy import gather_blocks, scatter_blocks
     from engine.kernels.kv_write import kv_write
+    from engine.kernels.lora_sgmv import sgmv
     from engine.kernels.paged_decode import paged_decode
     from engine.kernels.paged_prefill import paged_prefill
 else:
@@ -33,8 +35,9 @@ else:
     kv_write = _missing("kv_write")
     gather_blocks = _missing("gather_blocks")
     scatter_blocks = _missing("scatter_blocks")
+    sgmv = _missing("sgmv")
 
 __all__ = [
     "HAS_TRITON", "available", "interpreting", "unavailable_reason", "reference",
-    "paged_decode", "paged_prefill", "kv_write", "gather_blocks", "scatter_blocks",
+    "paged_decode", "paged_prefill", "kv_write", "gather_blocks", "scatter_blocks", "sgmv",
 ]

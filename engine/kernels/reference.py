@@ -89,3 +89,12 @@ def gather_blocks_ref(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.T
 def scatter_blocks_ref(src: torch.Tensor, block_ids: torch.Tensor, cache: torch.Tensor, block_dim: int = 2) -> None:
     """`cache.index_copy_(block_dim, block_ids, src)`: the inverse of gather (ids must be distinct)."""
     cache.index_copy_(block_dim, block_ids.long(), src)
+
+
+def sgmv_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+             slots: torch.Tensor, max_len: int, accumulate: bool) -> torch.Tensor:
+    """`lora_sgmv.sgmv`'s contract: one GEMM per segment, in fp32."""
+    for s, n, slot in zip(starts.tolist(), lens.tolist(), slots.tolist()):
+        y = x[s:s + n].float() @ w[slot].float()
+        out[s:s + n] = (out[s:s + n].float() + y if accumulate else y).to(out.dtype)
+    return out
