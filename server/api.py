@@ -28,6 +28,7 @@ from server.client import CoreState, EngineClient, EngineDeadError
 from server.detok import IncrementalDetokenizer
 from server.fields import unsupported
 from server.limits import LimitExceeded, check_constraint, check_lists
+from server.lora_routes import LoRACatalog
 from server.media import MediaError, image_urls, load_image
 from server.media_wire import to_wire
 from server.metrics import Metrics
@@ -87,6 +88,7 @@ class API(OutputFormats):
                  images: ImageProcessor | None = None) -> None:
         """`images`: the checkpoint's processor, for a model that takes images (engine/mm/processor.py)."""
         self.client, self.tok, self.s, self.images = client, tokenizer, settings, images
+        self.loras = LoRACatalog(settings.lora_modules)  # the adapters served by name (server/lora_routes.py)
         self.metrics = Metrics(settings.served_model_names[0])
         self.created = int(time.time())
         self.tokenizing = Tokenizing(tokenizer, settings.tokenizer_threads, settings.chat_template_timeout_s)
@@ -135,7 +137,7 @@ class API(OutputFormats):
             loc = ".".join(str(x) for x in err.get("loc", ()))
             raise APIError(400, f"{loc + ': ' if loc else ''}{err['msg']}", param=loc or None) from None
         name = getattr(parsed, "model", None)
-        if name is not None and name not in self.s.served_model_names and name not in self.s.lora_names:
+        if name is not None and name not in self.s.served_model_names and name not in self.loras:
             raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
         return parsed
 
@@ -329,7 +331,7 @@ class API(OutputFormats):
                                                     cache_salt=req.cache_salt,
                                                     session=req.prompt_cache_key or req.user,
                                                     kv_transfer_params=req.kv_transfer_params, ack=prepared,
-                                                    lora=req.model if req.model in self.s.lora_names else None,
+                                                    lora=req.model if req.model in self.loras else None,
                                                     **extra))
         except EngineDeadError as e:
             await self.client.abort([c.request_id for c in choices])

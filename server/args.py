@@ -40,8 +40,8 @@ def add_setting_args(p: argparse.ArgumentParser, config: type,
         group = groups.get(m["group"]) or groups.setdefault(m["group"], p.add_argument_group(m["group"].value))
         names = (*m["aliases"], m["flag"] or "--" + f.name.replace("_", "-"))
         default = f.default.value if isinstance(f.default, enum.Enum) else f.default
-        if m["env"] is not None:
-            default = os.environ.get(m["env"], default)
+        if m["env"] is not None and m["env"] in os.environ:
+            default = _env_value(m["env"], default)
         text = m["help"]
         if f.name == "kv_eviction_policy":  # the built-ins are plugins' to list, not the config's
             text = text.replace("a built-in,", f"a built-in ({', '.join(available_policies())}),", 1)
@@ -58,6 +58,20 @@ def add_setting_args(p: argparse.ArgumentParser, config: type,
             if m["metavar"] is not None:
                 kw["metavar"] = m["metavar"]
         group.add_argument(*names, **kw)
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _env_value(env: str, default: Any) -> Any:
+    """A setting's default from its environment variable: as given, or for a switch one of
+    1/true/yes/on or 0/false/no/off (any case); anything else is a usage error naming it."""
+    value = os.environ[env]
+    if not isinstance(default, bool):
+        return value
+    if value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise SystemExit(f"error: ${env}={value!r} must be one of 1, true, yes, on, 0, false, no, off")
 
 
 def _flag_type(f: dataclasses.Field, check: Callable[[Any], Any] | None) -> Callable[[str], Any]:

@@ -9,11 +9,11 @@ its decoder validates types and names the field and path of an error in C, and i
 step's deltas faster than building dicts did.
 
 API -> core: AddRequest, Abort, StatsQuery, Shutdown (finish running requests for up to grace_s,
-abort the rest, flush offload writes, exit 0).
+abort the rest, flush offload writes, exit 0), LoRAUpdate (load or unload an adapter at run time).
 Core -> API: Ready (`engine.core.stats.EngineInfo`), StartupError (configuration rejected; the process
 exits 2), Outputs (a `Delta` per request that advanced this step), StatsReply, AddError, Accepted
 (a request that needed preparation, bad words or a grammar: server/core_prep.py, is built and
-scheduled), Heartbeat (from a thread of its own every HEARTBEAT_INTERVAL_S: seconds since the step
+scheduled), LoRAReply (a LoRAUpdate's outcome), Heartbeat (from a thread of its own every HEARTBEAT_INTERVAL_S: seconds since the step
 loop last went round), Stopped (after a requested shutdown only), Fatal (the loop raised: the core
 exits 1, a death, not a stop).
 
@@ -28,7 +28,7 @@ import msgspec
 
 from engine.core.stats import EngineInfo  # a frozen dataclass: msgspec carries it as it is
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class Message(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fields=True, omit_defaults=True):
@@ -71,6 +71,16 @@ class Shutdown(Message, tag="shutdown"):
     grace_s: float
 
 
+class LoRAUpdate(Message, tag="lora_update"):
+    """Loads adapter `name` from `path` (vLLM's /v1/load_lora_adapter; `load_inplace`: a name
+    already loaded is re-read, its KV then keyed by the new files' digest), or with no path
+    unloads it (/v1/unload_lora_adapter)."""
+    nonce: int
+    name: str
+    path: str | None = None
+    load_inplace: bool = False
+
+
 class Ready(Message, tag="ready"):
     info: EngineInfo
 
@@ -111,6 +121,13 @@ class StatsReply(Message, tag="stats"):
     stats: dict[str, Any]  # server.core.stats_snapshot: EngineStats' fields and two gauges
 
 
+class LoRAReply(Message, tag="lora_reply"):
+    """A LoRAUpdate's outcome: no error, or why not, and whether it is because the name is unknown."""
+    nonce: int
+    error: str | None = None
+    unknown: bool = False
+
+
 class AddError(Message, tag="add_error"):
     request_id: str | None
     message: str
@@ -132,8 +149,8 @@ class Fatal(Message, tag="fatal"):
     message: str
 
 
-ToCore = Union[AddRequest, Abort, StatsQuery, Shutdown]
-FromCore = Union[Ready, StartupError, Outputs, StatsReply, AddError, Accepted, Heartbeat, Stopped, Fatal]
+ToCore = Union[AddRequest, Abort, StatsQuery, Shutdown, LoRAUpdate]
+FromCore = Union[Ready, StartupError, Outputs, StatsReply, LoRAReply, AddError, Accepted, Heartbeat, Stopped, Fatal]
 _ENCODER = msgspec.msgpack.Encoder()
 _HEADER = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
 _TO_CORE = msgspec.msgpack.Decoder(ToCore)

@@ -64,7 +64,7 @@ class EngineClient:
         self.info: EngineInfo | None = None
         self._queues: dict[str, asyncio.Queue[ch.Delta | BaseException]] = {}
         self._acks: dict[str, asyncio.Future[None]] = {}  # requests whose preparation the API waits for
-        self._stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._replies: dict[int, asyncio.Future[Any]] = {}  # nonce -> a StatsQuery's or LoRAUpdate's answer
         self._nonce = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
@@ -185,15 +185,24 @@ class EngineClient:
             log.debug("abort not sent: the engine core is not connected")
 
     async def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        return await self._ask(lambda nonce: ch.StatsQuery(nonce), timeout_s)
+
+    async def update_lora(self, name: str, path: str | None, load_inplace: bool = False,
+                          timeout_s: float = 120.0) -> ch.LoRAReply:
+        """Loads adapter `name` from `path`, or with no path unloads it (server/channel.py LoRAUpdate)."""
+        return await self._ask(lambda nonce: ch.LoRAUpdate(nonce, name, path, load_inplace), timeout_s)
+
+    async def _ask(self, make: Any, timeout_s: float) -> Any:
+        """Sends `make(nonce)` and waits for the reply carrying that nonce."""
         self._check_alive()
         nonce = next(self._nonce)
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._stats_waiters[nonce] = fut
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._replies[nonce] = fut
         try:
-            self._send(ch.encode(ch.StatsQuery(nonce)))
+            self._send(ch.encode(make(nonce)))
             return await asyncio.wait_for(fut, timeout_s)
         finally:
-            self._stats_waiters.pop(nonce, None)
+            self._replies.pop(nonce, None)
 
     def _check_alive(self) -> None:
         if self.state is not CoreState.READY:
@@ -211,10 +220,10 @@ class EngineClient:
                     if d.finished:
                         del self._queues[d.id]
                     q.put_nowait(d)
-            elif isinstance(msg, ch.StatsReply):
-                fut = self._stats_waiters.get(msg.nonce)
+            elif isinstance(msg, (ch.StatsReply, ch.LoRAReply)):
+                fut = self._replies.get(msg.nonce)
                 if fut is not None and not fut.done():
-                    fut.set_result(msg.stats)
+                    fut.set_result(msg.stats if isinstance(msg, ch.StatsReply) else msg)
             elif isinstance(msg, ch.AddError):
                 q = self._queues.pop(msg.request_id, None)
                 if q is not None:
@@ -288,7 +297,7 @@ class EngineClient:
         self._queues.clear()
         for rid in list(self._acks):
             self._settle(rid, err)
-        for fut in self._stats_waiters.values():
+        for fut in self._replies.values():
             if not fut.done():
                 fut.set_exception(err)
 

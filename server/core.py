@@ -20,6 +20,7 @@ import zmq
 
 from engine.core.request import FINISH_REASONS, Request
 from engine.core.request_factory import Prepared, needs_preparation
+from engine.lora.adapter import LoRARequest
 from engine.lora.registry import AdapterRef
 from engine.sampling_params import SamplingParams
 from server import channel as ch
@@ -85,6 +86,8 @@ class CoreLoop:
                     log.info("request %s aborted", rid)
         elif isinstance(msg, ch.StatsQuery):
             self.push.send(ch.encode(ch.StatsReply(msg.nonce, stats_snapshot(self.llm))))
+        elif isinstance(msg, ch.LoRAUpdate):
+            self.push.send(ch.encode(self._lora_update(msg)))
         elif isinstance(msg, ch.Shutdown):
             self.draining_until = time.monotonic() + float(msg.grace_s)
             log.info("shutdown: draining %d request(s) for up to %.1fs", len(self.sent), float(msg.grace_s))
@@ -105,6 +108,33 @@ class CoreLoop:
         if ref is None:
             raise ValueError(f"LoRA adapter {name!r} is not loaded")
         return ref
+
+    def _lora_update(self, u: ch.LoRAUpdate) -> ch.LoRAReply:
+        """vLLM's semantics: loading a loaded name is refused unless `load_inplace`; unloading an
+        unknown one is `unknown` (a 404). Every served adapter keeps its slot, so a load past
+        --max-loras is refused rather than evicting one that requests name."""
+        loras = self.engine.loras
+        if loras is None:
+            return ch.LoRAReply(u.nonce, "LoRA adapters need --enable-lora")
+        known = loras.get(u.name) is not None
+        try:
+            if u.path is None:
+                if not known:
+                    return ch.LoRAReply(u.nonce, f"The lora adapter '{u.name}' cannot be found.", unknown=True)
+                self.engine.remove_lora(u.name)
+                log.info("LoRA adapter %r unloaded", u.name)
+            elif known and not u.load_inplace:
+                return ch.LoRAReply(u.nonce, f"The lora adapter '{u.name}' has already been loaded. "
+                                             "Pass load_inplace to re-read it.")
+            elif not known and len(loras.adapters()) >= loras.max_loras:
+                return ch.LoRAReply(u.nonce, f"--max-loras {loras.max_loras} adapters are loaded "
+                                             f"({', '.join(sorted(loras.adapters()))}); unload one first, or "
+                                             "raise --max-loras")
+            else:
+                self.engine.add_lora(LoRARequest(u.name, 1, u.path))
+        except ValueError as e:
+            return ch.LoRAReply(u.nonce, str(e))
+        return ch.LoRAReply(u.nonce)
 
     def admit_prepared(self) -> None:
         """Schedules the requests whose preparation ended; refuses those it failed or timed out."""

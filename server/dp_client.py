@@ -167,6 +167,17 @@ class DataParallelClient:
     async def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         return merge_stats(list(await asyncio.gather(*(c.stats(timeout_s) for c in self.clients))))
 
+    async def update_lora(self, name: str, path: str | None, load_inplace: bool = False) -> ch.LoRAReply:
+        """On every core in turn; a load one core refuses is undone on those before it."""
+        for i, c in enumerate(self.clients):
+            reply = await c.update_lora(name, path, load_inplace)
+            if reply.error is not None:
+                if path is not None and not load_inplace:
+                    for done in self.clients[:i]:
+                        await done.update_lora(name, None)
+                return ch.LoRAReply(reply.nonce, f"data-parallel core {i}: {reply.error}", reply.unknown)
+        return reply
+
     async def shutdown(self, grace_s: float) -> None:
         if self._watch is not None:
             self._watch.cancel()

@@ -17,6 +17,7 @@ from connectors.base import tier_entries
 from server.api import API, VERSION, APIError, Choice, _check_error, error_response, sse
 from server.api_output import heavy_output, json_response
 from server.client import CoreState, EngineDeadError
+from server.lora_routes import add_lora_routes
 from server.protocol import (
     BatchChatCompletionRequest,
     ChatCompletionRequest,
@@ -97,18 +98,21 @@ def build_app(api: API) -> FastAPI:
     def model_card(name: str) -> dict[str, Any]:
         """A LoRA adapter's card names its folder as root and the base model as parent (vLLM's)."""
         info = api.client.info
-        adapter = dict(s.lora_modules).get(name) if name not in s.served_model_names else None
+        adapter = api.loras.path(name) if name not in s.served_model_names else None
         return {"id": name, "object": "model", "created": api.created, "owned_by": "kvtier",
                 "root": adapter or s.model_path, "parent": model_name if adapter else None,
                 "max_model_len": info.max_model_len if info else None}
 
+    if s.allow_runtime_lora_updating:
+        add_lora_routes(app, api)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(n) for n in (*s.served_model_names, *s.lora_names)]}
+        return {"object": "list", "data": [model_card(n) for n in (*s.served_model_names, *api.loras.names())]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        if model_id not in s.served_model_names and model_id not in s.lora_names:
+        if model_id not in s.served_model_names and model_id not in api.loras:
             raise APIError(404, f"The model `{model_id}` does not exist.", "NotFoundError", param="model")
         return model_card(model_id)
 

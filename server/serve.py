@@ -184,6 +184,8 @@ def main(argv: list[str]) -> int:
             request_logger=request_log if ns.enable_log_requests else None,
             limits=RequestLimits.from_json(ns.request_limits), media=MediaSettings.from_flags(ns),
             lora_modules=check_lora_modules(kwargs))
+        if settings.allow_runtime_lora_updating and not kwargs["enable_lora"]:
+            raise ValueError("--allow-runtime-lora-updating (or $VLLM_ALLOW_RUNTIME_LORA_UPDATING) needs --enable-lora")
         # Probe the config in this process (cheap: no weights) so flag errors exit 2 before a spawn.
         from engine.config import JSON_SETTINGS, parse_json_setting
 

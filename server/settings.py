@@ -92,6 +92,11 @@ class ServerSettings:
     limits: RequestLimits = RequestLimits()  # --request-limits: what one request may make the server do
     media: MediaSettings = MediaSettings()  # where images may come from and how big (server/media.py)
     lora_modules: tuple[tuple[str, str], ...] = ()  # --lora-modules: (name, path) of each adapter served by name
+    allow_runtime_lora_updating: bool = _server(
+        False, "with --enable-lora, serve vLLM's POST /v1/load_lora_adapter ({\"lora_name\", \"lora_path\", "
+        "\"load_inplace\"}) and /v1/unload_lora_adapter ({\"lora_name\"}): anyone who can reach the API may "
+        "then make the server read a folder of its choice (default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING, as in vLLM; "
+        "unset: off, and the routes are 404)", env="VLLM_ALLOW_RUNTIME_LORA_UPDATING")
 
     def __post_init__(self) -> None:
         if not self.api_key:

@@ -15,9 +15,11 @@ FULL_DELTA = ch.Delta("r", [3, 4], [{3: -0.1, 9: -2.5}, {4: -0.2}], [[1, {5: -0.
                       kv_transfer_params={"do_remote_decode": True}, queue_s=0.01, prefill_s=0.02, thinking_tokens=3,
                       thinking_forced_tokens=1)
 TO_CORE = [ch.AddRequest("r", [1, 2], {"max_tokens": 3}, 1, "salt", "user-1", {"do_remote_prefill": True}),
-           ch.AddRequest("r", [1, 2], {"max_tokens": 3}), ch.Abort(["a", "b"]), ch.StatsQuery(7), ch.Shutdown(2.5)]
+           ch.AddRequest("r", [1, 2], {"max_tokens": 3}), ch.Abort(["a", "b"]), ch.StatsQuery(7), ch.Shutdown(2.5),
+           ch.LoRAUpdate(3, "a", "/adapters/a", True), ch.LoRAUpdate(4, "a")]
 FROM_CORE = [ch.Ready(ch.EngineInfo(8, 5, 2, (1, 2), 16)), ch.StartupError("bad"),
-             ch.Outputs([ch.Delta("r", [3]), FULL_DELTA]), ch.StatsReply(7, {"x": 1}), ch.AddError("r", "why"),
+             ch.Outputs([ch.Delta("r", [3]), FULL_DELTA]), ch.StatsReply(7, {"x": 1}), ch.LoRAReply(3),
+             ch.LoRAReply(4, "not loaded", unknown=True), ch.AddError("r", "why"),
              ch.AddError(None, "no id"), ch.Accepted("r"), ch.Heartbeat(0.25), ch.Stopped(), ch.Fatal("boom")]
 
 
