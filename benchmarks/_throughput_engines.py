@@ -155,9 +155,11 @@ class VllmEngine:
 
     def __init__(self, python: str, model: str, dtype: str, seed: int, threads: int, wl: Workload, warmup: int,
                  kv_gib: float, extra_env: list[str], workdir: Path, prefill: list[int] | None = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, lora: dict[str, Any] | None = None):
+        """`lora`: {"max_loras", "max_lora_rank", "adapters": [[name, folder], ...]}: request i runs
+        under adapter i mod len(adapters) (benchmarks/lora.py)."""
         spec = {"model": model, "dtype": dtype, "seed": seed, "warmup": warmup, "prompts": wl.prompts,
-                "outputs": wl.outputs, "prefill": prefill, "tensor_parallel_size": tensor_parallel_size}
+                "outputs": wl.outputs, "prefill": prefill, "tensor_parallel_size": tensor_parallel_size, "lora": lora}
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "spec.json").write_text(json.dumps(spec))
         self.worker = JsonWorker([python, str(THROUGHPUT), "--_vllm-worker", str(workdir / "spec.json")],
@@ -192,13 +194,23 @@ def vllm_worker(spec_path: str, reply_fd: int) -> None:
         from vllm import LLM, SamplingParams
 
         spec = json.loads(Path(spec_path).read_text())
+        lora = spec.get("lora")
         t0 = time.perf_counter()
+        extra = {} if lora is None else {"enable_lora": True, "max_loras": lora["max_loras"],
+                                         "max_lora_rank": lora["max_lora_rank"]}
         llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=spec["seed"],
-                  tensor_parallel_size=spec.get("tensor_parallel_size", 1))
+                  tensor_parallel_size=spec.get("tensor_parallel_size", 1), **extra)
+        loras = None
+        if lora is not None:
+            from vllm.lora.request import LoRARequest
+
+            adapters = [LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(lora["adapters"])]
+            loras = [adapters[i % len(adapters)] for i in range(len(spec["prompts"]))]
         warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         for w in range(spec["warmup"]):
-            llm.generate([{"prompt_token_ids": list(range(MIN_TOKEN_ID + 16 * w, MIN_TOKEN_ID + 16 * w + 16))}] * 2,
-                         warm, use_tqdm=False)
+            n = 2 if loras is None else len(adapters)  # every adapter loaded before the timed runs
+            llm.generate([{"prompt_token_ids": list(range(MIN_TOKEN_ID + 16 * w, MIN_TOKEN_ID + 16 * w + 16))}] * n,
+                         warm, use_tqdm=False, lora_request=None if loras is None else adapters)
         sched = getattr(getattr(llm.llm_engine, "vllm_config", None), "scheduler_config", None)
         send(vllm=vllm.__version__, load_s=time.perf_counter() - t0, kv_gib=os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
              max_num_batched_tokens=getattr(sched, "max_num_batched_tokens", None))
@@ -215,7 +227,7 @@ def vllm_worker(spec_path: str, reply_fd: int) -> None:
                 continue
             t = time.perf_counter()
             params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in spec["outputs"]]
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
             wall = time.perf_counter() - t
             got = [len(o.outputs[0].token_ids) for o in outs]
             if got != spec["outputs"]:

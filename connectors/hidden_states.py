@@ -4,7 +4,8 @@ which the `speculators` training library reads):
 
     hidden_states  [num_tokens, num_layer_ids, hidden]  model dtype
     token_ids      [num_tokens]                          int64
-    metadata       model, layer_ids (JSON list), format_version
+    metadata       model, layer_ids (JSON list), format_version; lora_name and lora_id when the
+                   request ran under a LoRA adapter (its states are the adapted model's)
 
 The engine keeps hidden states in paged G1 blocks beside the KV (connectors/hidden_spec.py), so
 tokens that came from the prefix cache or an offload tier have their states without being
@@ -90,6 +91,7 @@ class _Pending:
     blocks: list[BlockId]
     token_ids: list[int]
     path: Path
+    metadata: dict[str, str]
 
 
 class HiddenStatesConnector(KVConnector):
@@ -140,7 +142,10 @@ class HiddenStatesConnector(KVConnector):
             name = free_name(self.path, request.request_id, self._reserved)
             self._reserved.add(name)
         path = self.path / name
-        self._pending.append(_Pending(request.request_id, blocks, list(request.all_token_ids[:n]), path))
+        meta = self.metadata
+        if request.lora_tag is not None:  # kvstore.events.LoRATag: the id comes from the adapter's files
+            meta = {**meta, "lora_name": request.lora_tag.name, "lora_id": str(request.lora_tag.id)}
+        self._pending.append(_Pending(request.request_id, blocks, list(request.all_token_ids[:n]), path, meta))
         return {"hidden_states_path": str(path)}
 
     # ---- worker side -------------------------------------------------------------------
@@ -167,7 +172,7 @@ class HiddenStatesConnector(KVConnector):
             states = self.hidden_cache.index_select(0, idx).flatten(0, 1)[: len(p.token_ids)].cpu()
             self.pool.release(reversed(p.blocks))
             tensors = {"hidden_states": states.contiguous(), "token_ids": torch.tensor(p.token_ids, dtype=torch.int64)}
-            self._queue.put((p.path, tensors))  # blocks when full: backpressure
+            self._queue.put((p.path, tensors, p.metadata))  # blocks when full: backpressure
 
     def _writer(self) -> None:
         one_torch_thread()
@@ -176,9 +181,9 @@ class HiddenStatesConnector(KVConnector):
             try:
                 if item is _STOP:
                     return
-                path, tensors = item
+                path, tensors, metadata = item
                 try:
-                    write_atomically(path, tensors, self.metadata)
+                    write_atomically(path, tensors, metadata)
                     with self._lock:
                         self.files_written += 1
                         self.tokens_written += tensors["token_ids"].numel()

@@ -121,7 +121,7 @@ class OffloadPlanner:
         k, t = self.g1_per_chunk, self.layout.tokens
         keys = request.full_block_keys(self.layout.block_size)
         return ChunkBlocks(tuple(keys[j * k:(j + 1) * k]), keys[j * k - 1] if j else None,
-                           tuple(request.all_token_ids[j * t:(j + 1) * t]), self.layout.block_size)
+                           tuple(request.all_token_ids[j * t:(j + 1) * t]), self.layout.block_size, request.lora_tag)
 
     def _run(self, cands: list[Cand], count: bool) -> list[Chunk]:
         """The leading run of `cands` found below G1 (`leading_run`). `count`: add the misses to

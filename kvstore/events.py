@@ -43,6 +43,20 @@ class TierKind(Enum):
 
 
 @dataclass(frozen=True)
+class LoRATag:
+    """The LoRA adapter a block's KV was computed under, as events name it (vLLM's `lora_name`
+    and `lora_id`). `id` comes from the digest of the adapter's files, not from a number a client
+    picked: every engine that loads the same files sends the same id, and a changed adapter
+    another one, as its block keys differ."""
+    name: str
+    id: int
+
+    @classmethod
+    def of(cls, name: str, digest: bytes) -> LoRATag:
+        return cls(name, int.from_bytes(digest[:4], "big") & 0x7FFFFFFF or 1)  # a positive int32, as vLLM's
+
+
+@dataclass(frozen=True)
 class ChunkBlocks:
     """The G1 blocks one offload block holds, as its events describe them: scheduler-side
     metadata that travels with a store or load plan to the tier that announces the block."""
@@ -51,6 +65,7 @@ class ChunkBlocks:
     parent_block_hash: BlockKey | None  # the G1 key of the block before it; None at a prompt's start
     token_ids: tuple[int, ...]
     block_size: int  # G1's, so a router splits token_ids into the same blocks as the G1 events
+    lora: LoRATag | None = None  # the adapter they were computed under; None: the base model
 
 
 @dataclass(frozen=True)
@@ -60,10 +75,12 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     tier: TierKind
+    lora: LoRATag | None = None
 
     @classmethod
     def of(cls, blocks: ChunkBlocks, tier: TierKind) -> BlockStored:
-        return cls(list(blocks.block_hashes), blocks.parent_block_hash, list(blocks.token_ids), blocks.block_size, tier)
+        return cls(list(blocks.block_hashes), blocks.parent_block_hash, list(blocks.token_ids), blocks.block_size, tier,
+                   blocks.lora)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import torch
 from connectors.pd import PDRequest
 from engine.sample.logit_controls import NO_BAD_WORDS, BadWords
 from engine.lora.registry import AdapterRef
+from kvstore.events import LoRATag
 from engine.mm.inputs import MMInputs
 from engine.sampling_params import SamplingParams
 from engine.sample.prompt_logprobs import PromptLogprob
@@ -78,6 +79,7 @@ class Request:
         self.pd = pd  # prefill/decode disaggregation: this request's role (connectors/pd.py)
         self.mm = mm  # its images (engine/mm/inputs.py): their digests enter the block keys
         self.lora = lora  # its LoRA adapter (engine/lora/registry.py): its digest enters the first block's key
+        self.lora_tag = LoRATag.of(lora.name, lora.digest) if lora is not None else None  # as KV events name it
         self.arrival_time = time.monotonic()
         # For the per-phase latencies (queue, prefill) the server exports: set once, on this clock.
         self.first_scheduled_time: float | None = None

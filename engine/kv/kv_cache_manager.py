@@ -183,7 +183,7 @@ class KVCacheManager:
                 if group == 0 and self.pool.events is not None and block.key is not None:
                     self.pool.events.append(BlockStored([block.key], keys[i - 1] if i else None,
                                                         req.all_token_ids[i * bs:(i + 1) * bs], bs,
-                                                        TierKind.DEVICE))
+                                                        TierKind.DEVICE, req.lora_tag))
 
     def free(self, req: Request) -> None:
         tables = self._tables.pop(req.request_id, ())

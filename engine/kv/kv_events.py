@@ -13,10 +13,12 @@ whose first key "type" is the class name, then the fields in declaration order, 
 always (None as nil) and defaulted ones only when set:
 
     {"type": "BlockStored", "block_hashes": [h, ...], "parent_block_hash": h | nil,
-     "token_ids": [...], "block_size": n, "lora_id": nil, "medium": m, "lora_name": nil,
+     "token_ids": [...], "block_size": n, "lora_id": i | nil, "medium": m, "lora_name": s | nil,
      "locality": l}                         # "locality" only where the tier has one
     {"type": "BlockRemoved", "block_hashes": [h, ...], "medium": m, "locality": l}
 
+`lora_name`/`lora_id` name the LoRA adapter the blocks were computed under (`kvstore.events.LoRATag`:
+the id comes from the digest of its files), nil for the base model.
 Hashes are the 16-byte G1 block keys as msgpack bin (vLLM's ExternalBlockHash is bytes or int).
 `medium` / `locality` come from the tier (`kvstore.events.TierKind`): G1 "GPU"; G2 "CPU",
 "LOCAL"; G3 "STORAGE", "LOCAL"; G4 "STORAGE", "REMOTE".
@@ -92,7 +94,8 @@ def encode(event: KVEvent) -> dict[str, Any]:
     if isinstance(event, BlockStored):
         out = {"type": "BlockStored", "block_hashes": list(event.block_hashes),
                "parent_block_hash": event.parent_block_hash, "token_ids": list(event.token_ids),
-               "block_size": event.block_size, "lora_id": None, "medium": event.tier.medium, "lora_name": None}
+               "block_size": event.block_size, "lora_id": event.lora.id if event.lora else None,
+               "medium": event.tier.medium, "lora_name": event.lora.name if event.lora else None}
     else:
         assert isinstance(event, BlockRemoved)
         out = {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": event.tier.medium}

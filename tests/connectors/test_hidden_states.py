@@ -225,7 +225,7 @@ def test_writer_queue_is_bounded_and_applies_backpressure(tmp_path, monkeypatch)
     for i in range(4):  # four finished 6-token requests, each on its own two blocks
         blocks = pool.allocate(2)
         req = SimpleNamespace(error=None, num_computed_tokens=6, num_prompt_tokens=6, num_tokens=7,
-                              request_id=f"r{i}", all_token_ids=list(range(7)))
+                              request_id=f"r{i}", all_token_ids=list(range(7)), lora_tag=None)
         conn.request_finished(req, blocks)
         pool.release(blocks)
     worker = threading.Thread(target=conn.get_finished)

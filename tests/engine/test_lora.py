@@ -60,17 +60,26 @@ def test_mixed_batches_of_three_adapters_and_the_base_equal_peft_merged(adapters
         llm.engine.loras.check_integrity()
 
 
-@pytest.mark.parametrize("settings", [
-    {}, {"async_scheduling": True},
-    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}},
-], ids=["sync", "async", "ngram"])
-def test_chunked_prefill_and_decode_batches_keep_each_rows_adapter(adapters, settings):
+@pytest.mark.parametrize("variant", ["sync", "async", "ngram", "draft", "eagle3"])
+def test_chunked_prefill_and_decode_batches_keep_each_rows_adapter(adapters, variant, tmp_path):
+    """Also under speculation: the draft (the base checkpoint itself, or an EAGLE-3 head) runs
+    without the adapter; verification under it keeps the tokens the merged model's."""
     base, dirs, want = adapters["llama"]
+    settings = {"sync": {}, "async": {"async_scheduling": True},
+                "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}},
+                "draft": {"speculative_config": {"method": "draft_model", "model": str(base), "num_speculative_tokens": 3,
+                                                 "adaptive": False}}}.get(variant)
+    if variant == "eagle3":
+        draft = C.build_eagle3_draft(base, tmp_path / "eagle", seed=4)
+        settings = {"speculative_config": {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3,
+                                           "adaptive": False}}
     with LLM(str(base), dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=64,
              max_num_batched_tokens=24, enable_prefix_caching=False, **settings) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False,
                             lora_request=[request(dirs[i % 3], i % 3) for i in range(len(PROMPTS))])
+        proposed = llm.engine.spec.stats.num_draft_tokens if variant in ("draft", "eagle3") else None
     assert [o.outputs[0].token_ids for o in outs] == [want[dirs[i % 3]][i] for i in range(len(PROMPTS))]
+    assert proposed is None or proposed > 0
 
 
 def test_the_same_prompt_under_two_adapters_shares_no_blocks(adapters):
@@ -164,3 +173,55 @@ def test_g2_hits_only_for_the_same_adapter(adapters):
     assert other.num_cached_tokens == 0 and other.outputs[0].token_ids == want[dirs[2]][0]
     assert dict(same.cached_tokens_by_tier) == {"G2": (len(PROMPTS[0]) - 1) // BLOCK * BLOCK}
     assert same.outputs[0].token_ids == first.outputs[0].token_ids == want[dirs[0]][0]
+
+
+def test_kv_events_and_hidden_state_files_name_the_adapter(adapters, tmp_path):
+    """G1 and G2 BlockStored events carry vLLM's lora_name and lora_id (from the adapter's digest,
+    kvstore.events.LoRATag), nil for the base model's blocks; the hidden-state file of a request
+    under an adapter records it."""
+    import time
+
+    import msgpack
+    import zmq
+    from safetensors import safe_open
+
+    from kvstore.events import LoRATag
+
+    base, dirs, _ = adapters["llama"]
+    a = request(dirs[0], 0)
+    events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*", "topic": "t"}
+    with LLM(str(base), dtype="float32", enable_lora=True, kv_events_config=events_cfg, kv_offloading_size=0.05,
+             kv_offload_block_size=BLOCK) as llm:
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.connect(llm.engine.publisher.endpoint)
+        sub.setsockopt(zmq.SUBSCRIBE, b"t")
+        time.sleep(0.3)  # ZMQ's slow joiner
+        llm.generate({"prompt_token_ids": PROMPTS[2]}, GREEDY, use_tqdm=False, lora_request=a)
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)
+        llm.engine.flush_offload()
+        llm.generate({"prompt_token_ids": C.random_prompt(5, 10)}, GREEDY, use_tqdm=False)  # publishes the offloads
+        tag = LoRATag.of(a.lora_name, llm.engine.loras.get(a.lora_name).digest)
+        events, until = [], time.monotonic() + 1.5
+        while time.monotonic() < until:
+            if sub.poll(100):
+                events.extend(msgpack.unpackb(sub.recv_multipart()[2], raw=False)[1])
+        sub.close()
+    stored = [e for e in events if e["type"] == "BlockStored"]
+    first = {p: {(e["medium"], e["lora_name"], e["lora_id"]) for e in stored
+                 if e["parent_block_hash"] is None and e["token_ids"][:BLOCK] == PROMPTS[p][:BLOCK]} for p in (2, 0)}
+    assert first == {2: {("GPU", a.lora_name, tag.id), ("CPU", a.lora_name, tag.id)},
+                     0: {("GPU", None, None), ("CPU", None, None)}}
+    assert {(e["lora_name"], e["lora_id"]) for e in stored} == {(a.lora_name, tag.id), (None, None)}
+    assert 0 < tag.id < 2**31
+
+    from connectors.hidden_spec import speculative_config
+
+    conn = {"kv_connector": "HiddenStatesConnector", "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+    with LLM(str(base), dtype="float32", enable_lora=True, speculative_config=speculative_config([1]),
+             kv_transfer_config=conn) as llm:
+        outs = llm.generate([{"prompt_token_ids": PROMPTS[1]}] * 2, SamplingParams(max_tokens=1), use_tqdm=False,
+                            lora_request=[a, None])
+        llm.engine.connector.flush()
+    meta = [safe_open(o.kv_transfer_params["hidden_states_path"], "pt").metadata() for o in outs]
+    assert (meta[0]["lora_name"], int(meta[0]["lora_id"])) == (a.lora_name, tag.id)
+    assert "lora_name" not in meta[1] and "lora_id" not in meta[1]
