@@ -368,8 +368,6 @@ class EngineConfig:
                  if getattr(self, n) != defaults[n]]
         if given and not self.enable_lora:
             raise ValueError(f"{', '.join(given)} applies to LoRA adapters: it needs enable_lora")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
         if self.enable_lora and self.optimization_level:
             log.info("enable_lora: the model runs eagerly (optimization_level %d not applied)", self.optimization_level)
             object.__setattr__(self, "optimization_level", 0)

@@ -24,6 +24,7 @@ from engine.core.setup import (attention_backend, eos_ids, kv_layout, step_token
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_events import ZmqEventPublisher, open_events
 from engine.kv.kv_groups import KVLayout
+from engine.lora.adapter import AdapterInfo
 from engine.lora.registry import LoRARegistry
 from engine.lora.slots import LoRASlots
 from engine.model_config import ModelConfig, load_model_config, resolve_offload_dtype
@@ -105,6 +106,14 @@ def _warm_up(runner: ModelRunner, threads: cpu_threads.ThreadGovernor | cpu_thre
                     "ones; -O0 or --enforce-eager avoid this): %s", str(e).strip().splitlines()[0][:300])
 
 
+def _load_lora(slots: LoRASlots, ranks: Ranks | None, slot: int, info: AdapterInfo) -> None:
+    """Rank 0 reads and checks the adapter into `slot` first (a ValueError leaves it as it was);
+    then every other tensor-parallel rank loads its shard of the same files."""
+    slots.load(slot, info)
+    if ranks is not None:
+        ranks.load_lora(slot, info.name, str(info.path), info.digest)
+
+
 def _graph_mode(config: EngineConfig, model: torch.nn.Module) -> GraphMode:
     """config.cudagraph_mode, unless the model syncs with the host inside its forward (MoE routing
     reads expert counts), which a CUDA graph cannot hold: then decode runs eagerly, and the log says so."""
@@ -175,6 +184,8 @@ def build(config: EngineConfig) -> EngineParts:
         if model is None:
             model = load_model(model_dir, mc, backend, max_len, config.device, compiled=compiled, shard=shard,
                                full_config=full)
+        slots = LoRASlots(model, mc.num_layers, config.max_loras, config.max_lora_rank, config.lora_targets, mc.dtype,
+                          config.device, shard, full) if config.enable_lora else None  # before the hooks: see LoRASlots
         if ranks is not None:
             ranks.connect()
             shard.attach(model, ranks.all_reduce)
@@ -195,8 +206,6 @@ def build(config: EngineConfig) -> EngineParts:
     pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy, num_blocks), config.enable_prefix_caching, events)
     kv = KVCacheManager(pool, bs, layout)
     graph_mode = _graph_mode(config, model)
-    slots = LoRASlots(model, mc.num_layers, config.max_loras, config.max_lora_rank, config.lora_targets, mc.dtype,
-                      config.device) if config.enable_lora else None
     runner = ModelRunner(model, mc, num_blocks, bs, config.device, hidden, group_decodes=backend.pads_decodes,
                          max_rows=config.max_num_seqs, max_model_len=max_len,
                          forward=CompiledForward(model, backend) if compiled else None,
@@ -227,5 +236,5 @@ def build(config: EngineConfig) -> EngineParts:
              num_blocks, bs, num_blocks * per_block / 2**30, max_len, budget)
     return EngineParts(mc, tokenizer, eos, RequestFactory(tokenizer, mc.vocab_size, eos, config.reasoning), max_len,
                        budget, pool, kv, runner, threads, events, publisher, connector, sampler, spec, scheduler,
-                       LoRARegistry(config.max_loras, config.max_lora_rank, config.lora_targets, slots.load)
-                       if slots is not None else None)
+                       LoRARegistry(config.max_loras, config.max_lora_rank, config.lora_targets,
+                                    partial(_load_lora, slots, ranks)) if slots is not None else None)

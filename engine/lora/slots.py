@@ -12,6 +12,8 @@ import torch
 
 from engine.lora.adapter import AdapterInfo, read_weights
 from engine.lora.layers import LoRABatch, LoRALinear, LoRARows, plan_step
+from engine.model_config import ModelConfig
+from engine.parallel.shard import TPShard
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +26,18 @@ def _kernels_available() -> bool:
 
 class LoRASlots:
     def __init__(self, model: torch.nn.Module, num_layers: int, slots: int, max_rank: int,
-                 targets: frozenset[str], dtype: torch.dtype, device: str | torch.device) -> None:
-        """Wraps `model`'s projections that hold any of `targets` (its `lora_sites()`)."""
+                 targets: frozenset[str], dtype: torch.dtype, device: str | torch.device,
+                 shard: TPShard | None = None, full: ModelConfig | None = None) -> None:
+        """Wraps `model`'s projections that hold any of `targets` (its `lora_sites()`). `shard`,
+        `full`: a tensor-parallel rank's part and the whole model's config; each adapter is then cut
+        as the base weights are. Under tensor parallelism the wrapping comes before the all-reduce
+        hooks (`TPShard.attach`), so a row-parallel projection's hook sums base and update together."""
         if not hasattr(model, "lora_sites"):
             raise ValueError(f"LoRA adapters on {type(model).__name__} are not supported")
         self.num_layers, self.slots, self.device = num_layers, slots, device
+        self.shard, self.full = shard, full
+        if shard is not None and not shard.trivial and full is None:
+            raise ValueError("a tensor-parallel rank's LoRA slots need the whole model's config")
         self.kernel = torch.device(device).type == "cuda" and _kernels_available()  # engine/kernels/lora_sgmv.py
         self.batch = LoRABatch()
         self.layers: dict[tuple[int, str], LoRALinear] = {}  # (layer, attribute) -> its wrapper
@@ -54,6 +63,8 @@ class LoRASlots:
             if lin is None:
                 raise ValueError(f"LoRA adapter {info.name!r}: layer {layer} {part} takes no adapter in this model "
                                  "(an MoE layer's experts, or outside --lora-target-modules)")
+            if self.shard is not None and not self.shard.trivial:
+                ab = self.shard.lora_part(self.full, layer, part, *ab)
             per_layer.setdefault(lin, {})[part] = ab
         for lin in self.layers.values():
             lin.set_slot(slot, per_layer.get(lin, {}), info.scaling)

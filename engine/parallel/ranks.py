@@ -51,6 +51,13 @@ class RankFailed(Exception):
     """A tensor-parallel rank died, hung or failed to start; the engine cannot go on."""
 
 
+class LoRASpec(msgspec.Struct):
+    """enable_lora's limits, for a worker's LoRA slots (engine/lora/slots.py)."""
+    max_loras: int
+    max_rank: int
+    targets: list[str]
+
+
 class WorkerSpec(msgspec.Struct, tag="spec"):
     """What a worker needs to build its rank: the first message it gets."""
     rank: int
@@ -71,6 +78,16 @@ class WorkerSpec(msgspec.Struct, tag="spec"):
     timeout_s: float  # the longest an all-reduce waits for the other ranks
     offload: OffloadSettings | None = None  # the offload tiers: each rank builds its own (connectors/sharded.py)
     kv_offload_dtype: str = "auto"  # their entries' dtype (--kv-offload-dtype)
+    lora: LoRASpec | None = None  # enable_lora: the LoRA slots each rank holds its shard of
+
+
+class LoadLoRA(msgspec.Struct, tag="load_lora"):
+    """An adapter rank 0 has loaded into `slot` (its files read and checked there): each worker reads
+    its shard of the same files, and refuses to go on if their digest differs (changed in between)."""
+    slot: int
+    name: str
+    path: str
+    digest: bytes
 
 
 class Step(msgspec.Struct, tag="step"):
@@ -94,7 +111,7 @@ class Failed(msgspec.Struct, tag="failed"):
 
 
 encode_message = msgspec.msgpack.Encoder().encode
-to_worker = msgspec.msgpack.Decoder(Union[WorkerSpec, Step, Stop, Transfers, FlushTransfers])  # what a worker reads
+to_worker = msgspec.msgpack.Decoder(Union[WorkerSpec, Step, Stop, Transfers, FlushTransfers, LoadLoRA])  # what a worker reads
 to_rank0 = msgspec.msgpack.Decoder(Union[Ready, Failed, TransfersDone, Flushed])  # what rank 0 reads
 
 
@@ -167,7 +184,9 @@ class Ranks:
                 conn.send_bytes(encode_message(WorkerSpec(
                     rank, size, config.model, config.dtype, config.device, config.kv_cache_dtype, config.block_size,
                     config.max_num_seqs, num_blocks, max_len, one_group, self._store, shm.name,
-                    self.cpus[rank], config.cpu_threads, self.timeout_s, offload, config.kv_offload_dtype)))
+                    self.cpus[rank], config.cpu_threads, self.timeout_s, offload, config.kv_offload_dtype,
+                    LoRASpec(config.max_loras, config.max_lora_rank, sorted(config.lora_targets))
+                    if config.enable_lora else None)))
         except OSError as e:
             self.close()
             raise RankFailed(f"starting the tensor-parallel workers failed: {e}") from None
@@ -277,6 +296,11 @@ class Ranks:
         self.check_alive()
         released, self._released = self._released, []  # releases come from the bookkeeping thread too
         self._send_all(encode_message(Step(plan, [t if isinstance(t, tuple) else (t,) for t in tables], released, filled)))
+
+    def load_lora(self, slot: int, name: str, path: str, digest: bytes) -> None:
+        """An adapter rank 0 loaded into `slot`: the workers load their shards of it before the next step."""
+        self.check_alive()
+        self._send_all(encode_message(LoadLoRA(slot, name, path, digest)))
 
     def release(self, request_id: str) -> None:
         """A finished request's rows: the workers drop theirs with the next step."""

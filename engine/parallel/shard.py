@@ -122,6 +122,35 @@ class TPShard:
                 t = torch.zeros_like(t)  # added once, by rank 0, before the all-reduce sums the ranks
             yield name, t.contiguous()
 
+    def lora_part(self, mc: ModelConfig, layer: int, module: str, a: torch.Tensor, b: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a LoRA adapter's (A [r, in], B [out, r]) for `module` of `layer`,
+        cut as its base weight is (`mc`: the whole model's config): a column-parallel module
+        (q/k/v, gate/up) keeps A whole and its rows of B; a row-parallel one (o, down) its columns of
+        A and B whole, so each rank adds x_r A_r^T B^T to its partial output and the all-reduce that
+        follows sums the update with the base (o and down stay wrapped by the hook: engine/lora/slots.py)."""
+        if self.trivial:
+            return a, b
+        q = self.q_heads(mc)
+        if module == "q_proj":
+            d = b.shape[0] // mc.num_heads
+            b = b.narrow(0, q.start * d, len(q) * d)
+        elif module in ("k_proj", "v_proj"):
+            kv, d = self.kv_heads(mc, layer), mc.kv_shape(layer)[1]
+            b = b.narrow(0, kv.start * d, len(kv) * d)
+        elif module in ("gate_proj", "up_proj"):
+            per = b.shape[0] // self.size
+            b = b.narrow(0, self.rank * per, per)
+        elif module == "o_proj":
+            d = a.shape[1] // mc.num_heads
+            a = a.narrow(1, q.start * d, len(q) * d)
+        elif module == "down_proj":
+            per = a.shape[1] // self.size
+            a = a.narrow(1, self.rank * per, per)
+        else:
+            raise ValueError(f"tensor-parallel sharding: no LoRA rule for {module!r}")
+        return a.contiguous(), b.contiguous()
+
     def _expert_part(self, name: str, t: torch.Tensor, full: int, mi: int) -> torch.Tensor:
         """This rank's slice of an expert tensor: per-expert gate/up rows and down columns, or of the
         fused `experts.gate_up_proj` [E, 2 * full, hidden] both halves' rows, `experts.down_proj`

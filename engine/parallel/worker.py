@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from connectors.offload_transfer import TransferEngine
-from engine.parallel.ranks import (Failed, Ready, Step, Stop, WorkerSpec, all_max, encode_message,
+from engine.parallel.ranks import (Failed, LoadLoRA, Ready, Step, Stop, WorkerSpec, all_max, encode_message,
                                    process_group, to_worker)
 from engine.parallel.shm import AllReduce, ShmAllReduce
 from engine.parallel.shard import TPShard
@@ -48,10 +48,16 @@ def build(spec: WorkerSpec):
                        full_config=full)
     calibrates = mc.kv_dtype in FP8_DTYPES or KV_DTYPES.get(spec.kv_offload_dtype) in FP8_DTYPES
     tokenizer = load_tokenizer(model_dir) if calibrates else None
-    return shard, mc, model, tokenizer
+    slots = None
+    if spec.lora is not None:  # wrapped before the all-reduce hooks go on (engine/lora/slots.py)
+        from engine.lora.slots import LoRASlots
+
+        slots = LoRASlots(model, mc.num_layers, spec.lora.max_loras, spec.lora.max_rank, frozenset(spec.lora.targets),
+                          mc.dtype, spec.device, shard, full)
+    return shard, mc, model, tokenizer, slots
 
 
-def start(spec: WorkerSpec, mc, model, tokenizer, pg):
+def start(spec: WorkerSpec, mc, model, tokenizer, pg, lora=None):
     """What a worker builds once the process group is joined: an fp8 cache's scales, which every rank
     calibrates together (rank 0's engine/core/build.py at the same point), then the runner and the
     offload tiers, whose namespace names the scales."""
@@ -70,7 +76,8 @@ def start(spec: WorkerSpec, mc, model, tokenizer, pg):
                           spec.max_len, reduce_max=reduce_max)
     runner = ModelRunner(model, mc, spec.num_blocks, spec.block_size, spec.device,
                          group_decodes=attention_backend(spec.device).pads_decodes, max_rows=spec.max_num_seqs,
-                         max_model_len=spec.max_len, layout=kv_layout(mc, spec.one_group), computes_logits=False)
+                         max_model_len=spec.max_len, layout=kv_layout(mc, spec.one_group), computes_logits=False,
+                         lora=lora)
     return runner, _offload(spec, mc, model_dir, runner, quant)
 
 
@@ -136,7 +143,7 @@ def serve(conn: Connection) -> None:
         raise SystemExit(f"tensor-parallel worker: expected its spec first, got {type(spec).__name__}")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {spec.rank} %(levelname)s %(name)s: %(message)s")
     try:
-        shard, mc, model, tokenizer = build(spec)
+        shard, mc, model, tokenizer, slots = build(spec)
     except START_ERRORS as e:  # told to rank 0, which raises it
         conn.send_bytes(encode_message(Failed(spec.rank, f"{type(e).__name__}: {e}")))
         return
@@ -145,19 +152,20 @@ def serve(conn: Connection) -> None:
     shm = ShmAllReduce(spec.shm_name, spec.rank, spec.size, mc.dtype, spec.timeout_s)
     shard.attach(model, AllReduce(shm, pg))
     try:
-        runner, transfer = start(spec, mc, model, tokenizer, pg)
+        runner, transfer = start(spec, mc, model, tokenizer, pg, slots)
     except START_ERRORS as e:  # rank 0 reads it before its first step (Ranks.check_alive)
         conn.send_bytes(encode_message(Failed(spec.rank, f"{type(e).__name__}: {e}")))
         return
     reporter = Reporter(spec.rank, conn, transfer) if transfer is not None else None
     try:
-        _loop(conn, runner, transfer, reporter)
+        _loop(conn, runner, transfer, reporter, spec)
     finally:
         if reporter is not None:
             reporter.close()  # finishes the tier writes: a G3 entry outlives the engine
 
 
-def _loop(conn: Connection, runner, transfer: TransferEngine | None, reporter: Reporter | None) -> None:
+def _loop(conn: Connection, runner, transfer: TransferEngine | None, reporter: Reporter | None,
+          spec: WorkerSpec) -> None:
     from engine.core.isolation import FORWARD_ERRORS
 
     while True:
@@ -167,6 +175,9 @@ def _loop(conn: Connection, runner, transfer: TransferEngine | None, reporter: R
             return  # rank 0 is gone
         if isinstance(msg, Stop):
             return
+        if isinstance(msg, LoadLoRA):
+            _load_lora(runner.lora, spec, msg)
+            continue
         if isinstance(msg, Transfers | FlushTransfers):
             if transfer is None or reporter is None:
                 raise SystemExit("tensor-parallel worker: got offload transfers but was started without offload")
@@ -190,6 +201,24 @@ def _loop(conn: Connection, runner, transfer: TransferEngine | None, reporter: R
             log.warning("step failed on this rank: %s: %s", type(e).__name__, e)
         for rid in msg.released:  # async scheduling: rank 0 may have planned this step before they ended
             runner.release(rid)
+
+
+def _load_lora(slots, spec: WorkerSpec, msg: LoadLoRA) -> None:
+    """This rank's shard of the adapter rank 0 loaded. Its files must be the ones rank 0 read:
+    ranks computing with different weights would answer wrongly, so a changed digest (or files
+    this rank cannot read) stops the worker, and rank 0 fails the engine naming this rank."""
+    from engine.lora.adapter import read_info
+
+    if slots is None or spec.lora is None:
+        raise SystemExit("tensor-parallel worker: got a LoRA adapter but was started without enable_lora")
+    try:
+        info = read_info(msg.name, msg.path, spec.lora.max_rank, frozenset(spec.lora.targets))
+        if info.digest != msg.digest:
+            raise ValueError("its files changed since rank 0 read them")
+        slots.load(msg.slot, info)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"tensor-parallel rank {spec.rank}: LoRA adapter {msg.name!r} from {msg.path}: {e}") from None
+    log.info("LoRA adapter %r in slot %d", msg.name, msg.slot)
 
 
 if __name__ == "__main__":

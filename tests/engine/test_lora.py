@@ -225,3 +225,46 @@ def test_kv_events_and_hidden_state_files_name_the_adapter(adapters, tmp_path):
     meta = [safe_open(o.kv_transfer_params["hidden_states_path"], "pt").metadata() for o in outs]
     assert (meta[0]["lora_name"], int(meta[0]["lora_id"])) == (a.lora_name, tag.id)
     assert "lora_name" not in meta[1] and "lora_id" not in meta[1]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_two_tensor_parallel_ranks_give_peft_merged_tokens(adapters, kind):
+    """Adapters cut as their base modules are (B's rows on q/k/v and gate/up, A's columns on o and
+    down, whose all-reduce then sums base and update): two gloo ranks, three adapters and the base
+    in one batch, loaded by rank 0 and sent to the worker, equal transformers + peft."""
+    base, dirs, want = adapters[kind]
+    choices = [None, *dirs]
+    pairs = [(p, d) for p in range(len(PROMPTS)) for d in choices]
+    with LLM(str(base), dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=64, tensor_parallel_size=2,
+             max_num_batched_tokens=64) as llm:
+        outs = llm.generate([{"prompt_token_ids": PROMPTS[p]} for p, _ in pairs], GREEDY, use_tqdm=False,
+                            lora_request=[request(d, choices.index(d)) for _, d in pairs])
+    assert [o.outputs[0].token_ids for o in outs] == [want[d][p] for p, d in pairs]
+
+
+def test_structured_outputs_under_an_adapter_equal_the_merged_checkpoints(adapters, tmp_path):
+    """A choice and a regex under an adapter, beside unconstrained and base rows, pick what the
+    same constraints pick on a checkpoint with the adapter merged into its weights (LoRA off)."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    base, dirs, _ = adapters["llama"]
+    merged = tmp_path / "merged"
+    L.load_merged(base, dirs[0]).save_pretrained(merged)
+    tok = AutoTokenizer.from_pretrained(base)
+    tok.save_pretrained(merged)
+    words = [tok.decode([i]) for i in range(40, 60)]  # one token each: the tokenizer has no space token
+    choices = words[:10]
+    regex = "|".join(words[10:])
+    params = [SamplingParams(temperature=0, max_tokens=12, structured_outputs={"choice": choices}),
+              SamplingParams(temperature=0, max_tokens=12, structured_outputs={"regex": regex}), GREEDY]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    with LLM(str(base), dtype="float32", enable_lora=True) as llm:
+        got = llm.generate(prompts * 2, params * 2, use_tqdm=False, lora_request=[request(dirs[0], 0)] * 3 + [None] * 3)
+    with LLM(str(merged), dtype="float32") as llm:
+        want = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got[:3]] == [o.outputs[0].token_ids for o in want]
+    assert got[0].outputs[0].text in choices and re.fullmatch(regex, got[1].outputs[0].text), got[1].outputs[0].text
+    assert got[3].outputs[0].text in choices and re.fullmatch(regex, got[4].outputs[0].text)
+    assert [o.outputs[0].text for o in got[:2]] != [o.outputs[0].text for o in got[3:5]]  # the adapter moved a pick
