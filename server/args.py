@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import enum
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -71,7 +72,8 @@ def _env_value(env: str, default: Any) -> Any:
         return value
     if value.strip().lower() in _TRUE + _FALSE:
         return value.strip().lower() in _TRUE
-    raise SystemExit(f"error: ${env}={value!r} must be one of 1, true, yes, on, 0, false, no, off")
+    print(f"error: ${env}={value!r} must be one of 1, true, yes, on, 0, false, no, off", file=sys.stderr)
+    raise SystemExit(2)  # a usage error, as argparse's
 
 
 def _flag_type(f: dataclasses.Field, check: Callable[[Any], Any] | None) -> Callable[[str], Any]:

@@ -63,13 +63,31 @@ def test_adapters_over_the_flags_exit_2_naming_them(lora_setup, tmp_path):
              [*common, "--lora-target-modules", "q_proj,v_proj", "--lora-modules", f"a={a}"],
              [str(base), "--lora-modules", f"b={b}"],
              [*common, "--lora-modules", f"a={tmp_path / 'missing'}"],
-             [*common, "--lora-modules", "noequals"]]
-    (r1, e1), (r2, e2), (r3, e3), (r4, e4), (r5, e5) = run_cli_many(cases)
+             [*common, "--lora-modules", "noequals"],
+             [str(base), "--allow-runtime-lora-updating"]]
+    (r1, e1), (r2, e2), (r3, e3), (r4, e4), (r5, e5), (r6, e6) = run_cli_many(cases)
     assert r1 == 2 and "rank 8 is over --max-lora-rank 4" in e1
     assert r2 == 2 and "outside --lora-target-modules" in e2 and "'down_proj'" in e2
     assert r3 == 2 and "--lora-modules needs --enable-lora" in e3
     assert r4 == 2 and "not found" in e4
     assert r5 == 2 and "name=path" in e5
+    assert r6 == 2 and "--allow-runtime-lora-updating (or $VLLM_ALLOW_RUNTIME_LORA_UPDATING) needs --enable-lora" in e6
+
+
+def test_a_switch_from_the_environment_is_parsed_strictly():
+    import os
+    import subprocess
+    import sys
+
+    from serving import REPO
+
+    def serve_help(value: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": value}
+        return subprocess.run([sys.executable, "-m", "server.cli", "serve", "--help"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120, check=False)
+    bad, good = serve_help("maybe"), serve_help("True")
+    assert bad.returncode == 2 and "$VLLM_ALLOW_RUNTIME_LORA_UPDATING='maybe' must be one of" in bad.stderr
+    assert good.returncode == 0 and "--allow-runtime-lora-updating" in good.stdout
 
 
 def _complete(oa: openai.OpenAI, model: str) -> tuple[list[int], int]:
