@@ -35,10 +35,10 @@ from engine.config import EngineConfig, LoadFailurePolicy, SchedulingPolicy
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestId, RequestStatus
 from engine.core.expensive import ExpensiveWork
+from engine.core.inflight import add_inflight, being_computed, inflight_keys
 from engine.core.step_io import ScheduledRequest, SchedulerOutput, StepResult
 from engine.sample.stop import append_tokens
 from engine.core.waiting import BlockHolders, WaitingQueue
-from kvstore.keys import BlockKey
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class Scheduler:
             shortest = self.waiting.sort(self._prompt_left)
         deferred: list[Request] = []  # running prompts that sit out this step unless nothing shorter runs
         finishes_prompt = False  # a prompt completes in this step
-        inflight = self._inflight_keys()
+        inflight = inflight_keys(self.kv, self.running, bool(len(self.waiting)))
         held: list[Request] = []  # waiting requests that sit this step out (see the module docstring)
         holders = BlockHolders(self.waiting, lambda r: bool(self.kv.block_table(r)))
         out.prompt_logprobs_allowance = self.expensive.begin_step(
@@ -182,7 +182,7 @@ class Scheduler:
             fresh = not self.kv.block_table(req)  # else resuming after an async load
             lookup = fresh and not req.wants_prompt_logprobs  # those need every prompt position's logits
             hits = self.kv.get_computed_blocks(req) if lookup else []
-            if lookup and (owner := self._being_computed(req, len(hits), inflight)) is not None:
+            if lookup and (owner := being_computed(self.kv, req, len(hits), inflight)) is not None:
                 self.expensive.follow(req, owner)
                 held.append(self.waiting.pop())  # reads that block once it is cached
                 continue
@@ -238,7 +238,7 @@ class Scheduler:
             self.expensive.spend(req, n)
             finishes_prompt |= n == remaining
             if fresh and self.kv.pool.enable_caching and len(self.waiting):  # admitted now: computing from here
-                self._add_inflight(inflight, req, num_cached)
+                add_inflight(self.kv, inflight, req, num_cached)
         for req in reversed(held):  # back in their places, for the next step
             self.waiting.add(req, front=True)
         if deferred:
@@ -246,30 +246,6 @@ class Scheduler:
         if any(s.req.lora is not None for s in out.scheduled):  # each adapter's rows side by side: one slice
             out.scheduled.sort(key=lambda s: -1 if s.req.lora is None else s.req.lora.slot)  # (engine/lora/layers.py)
         return out
-
-    def _inflight_keys(self) -> dict[BlockKey, Request]:
-        """Keys of the full prompt blocks running requests have still to compute, and who computes
-        them (empty without prefix caching, or with nobody waiting to share them)."""
-        if not self.kv.pool.enable_caching or not len(self.waiting):
-            return {}
-        inflight: dict[BlockKey, Request] = {}
-        for r in self.running:
-            if r.num_computed_tokens < r.num_prompt_tokens:
-                self._add_inflight(inflight, r, r.num_computed_tokens)
-        return inflight
-
-    def _add_inflight(self, inflight: dict[BlockKey, Request], req: Request, num_computed: int) -> None:
-        bs = self.kv.block_size
-        inflight.update(dict.fromkeys(self.kv.prompt_keys(req)[num_computed // bs:req.num_prompt_tokens // bs], req))
-
-    def _being_computed(self, req: Request, num_hit_blocks: int, inflight: dict[BlockKey, Request]) -> Request | None:
-        """Who is computing the request's next block after its hits, if a running prompt is."""
-        if not inflight:
-            return None
-        keys = self.kv.prompt_keys(req)
-        if num_hit_blocks < min(len(keys), (req.num_tokens - 1) // self.kv.block_size):
-            return inflight.get(keys[num_hit_blocks])
-        return None
 
     def step_ran(self, out: SchedulerOutput, seconds: float) -> None:
         """A scheduled step's forward took `seconds` (the engine's measurement)."""
