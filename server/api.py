@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
@@ -26,6 +25,7 @@ from server.api_output import OutputFormats
 from server.channel import Delta
 from server.client import CoreState, EngineClient, EngineDeadError
 from server.detok import IncrementalDetokenizer
+from server.errors import APIError, error_response  # noqa: F401 (re-exported: routes import them from here)
 from server.fields import unsupported
 from server.limits import LimitExceeded, check_constraint, check_lists
 from server.lora_routes import LoRACatalog
@@ -47,18 +47,6 @@ from server.settings import ServerSettings
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 _LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
-
-
-def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}},
-                        status_code=e.status, headers=e.headers)
 
 
 @dataclass

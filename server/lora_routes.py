@@ -17,6 +17,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.client import EngineDeadError
+from server.errors import APIError
+
 if TYPE_CHECKING:
     from server.api import API
 
@@ -60,9 +63,6 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 def add_lora_routes(app: FastAPI, api: API) -> None:
-    from server.api import APIError
-    from server.client import EngineDeadError
-
     catalog = api.loras
 
     async def update(name: str, path: str | None, load_inplace: bool = False) -> None:

@@ -24,7 +24,7 @@ from engine.core.setup import (attention_backend, eos_ids, kv_layout, step_token
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_events import ZmqEventPublisher, open_events
 from engine.kv.kv_groups import KVLayout
-from engine.lora.adapter import AdapterInfo
+from engine.lora.adapter import AdapterInfo, max_adapter_bytes
 from engine.lora.registry import LoRARegistry
 from engine.lora.slots import LoRASlots
 from engine.model_config import ModelConfig, load_model_config, resolve_offload_dtype
@@ -104,6 +104,15 @@ def _warm_up(runner: ModelRunner, threads: cpu_threads.ThreadGovernor | cpu_thre
         runner.use_eager()
         log.warning("torch.compile failed, the model runs eagerly (with torch ops, not the fused C++ "
                     "ones; -O0 or --enforce-eager avoid this): %s", str(e).strip().splitlines()[0][:300])
+
+
+def _adapter_bytes(mc: ModelConfig, max_rank: int) -> int:
+    """The largest adapter weights file this model can take (`max_adapter_bytes`), from the whole
+    model's shapes (a tensor-parallel rank's are a share of them)."""
+    h, q, kv, inter = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim, mc.intermediate_size
+    return max_adapter_bytes(mc.num_layers, max_rank, {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv),
+                                                       "o_proj": (q, h), "gate_proj": (h, inter),
+                                                       "up_proj": (h, inter), "down_proj": (inter, h)})
 
 
 def _load_lora(slots: LoRASlots, ranks: Ranks | None, slot: int, info: AdapterInfo) -> None:
@@ -237,4 +246,5 @@ def build(config: EngineConfig) -> EngineParts:
     return EngineParts(mc, tokenizer, eos, RequestFactory(tokenizer, mc.vocab_size, eos, config.reasoning), max_len,
                        budget, pool, kv, runner, threads, events, publisher, connector, sampler, spec, scheduler,
                        LoRARegistry(config.max_loras, config.max_lora_rank, config.lora_targets,
-                                    partial(_load_lora, slots, ranks)) if slots is not None else None)
+                                    partial(_load_lora, slots, ranks), _adapter_bytes(full, config.max_lora_rank))
+                       if slots is not None else None)

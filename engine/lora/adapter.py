@@ -110,14 +110,31 @@ class AdapterInfo:
             raise ValueError(f"adapter {self.name!r}: rank {self.rank}, targets {sorted(self.targets)}")
 
 
-def read_info(name: str, path: str | Path, max_rank: int, allowed: frozenset[str]) -> AdapterInfo:
+MAX_CONFIG_BYTES = 1 << 20  # PEFT's adapter_config.json is a few hundred bytes
+
+
+def max_adapter_bytes(num_layers: int, max_rank: int, shapes: dict[str, tuple[int, int]]) -> int:
+    """The largest weights file an adapter of rank <= `max_rank` can need on a model whose
+    projections have `shapes` (module -> (in, out)): every layer, every module, 8 bytes an element
+    (float64 included), plus 1 MiB for the safetensors header."""
+    return num_layers * max_rank * sum(i + o for i, o in shapes.values()) * 8 + (1 << 20)
+
+
+def read_info(name: str, path: str | Path, max_rank: int, allowed: frozenset[str],
+              max_bytes: int | None = None) -> AdapterInfo:
     """The adapter at `path`, checked against `max_rank` and the `allowed` target modules;
     ValueError naming what is wrong (a missing file, a setting not computed here, a rank or module
-    over the limits)."""
+    over the limits, a weights file over `max_bytes`: the engine reads adapters in its step loop,
+    so what one request can make it read is bounded before any of it is read)."""
     path = Path(path)
     for f in (CONFIG, WEIGHTS):
         if not (path / f).is_file():
             raise ValueError(f"LoRA adapter {name!r}: {path / f} not found (PEFT's format: {CONFIG} + {WEIGHTS})")
+    for f, most in ((CONFIG, MAX_CONFIG_BYTES), (WEIGHTS, max_bytes)):
+        size = (path / f).stat().st_size
+        if most is not None and size > most:
+            raise ValueError(f"LoRA adapter {name!r}: {path / f} is {size} bytes, more than an adapter within "
+                             f"--max-lora-rank {max_rank} can be on this model ({most})")
     raw = (path / CONFIG).read_bytes()
     try:
         cfg = json.loads(raw)

@@ -24,9 +24,10 @@ class AdapterRef:
 
 class LoRARegistry:
     def __init__(self, max_loras: int, max_rank: int, targets: frozenset[str],
-                 load: Callable[[int, AdapterInfo], None]) -> None:
-        """`load(slot, info)`: the runner writes an adapter's weights into a slot."""
-        self.max_loras, self.max_rank, self.targets = max_loras, max_rank, targets
+                 load: Callable[[int, AdapterInfo], None], max_bytes: int | None = None) -> None:
+        """`load(slot, info)`: the runner writes an adapter's weights into a slot. `max_bytes`: the
+        largest weights file an adapter within the limits can have on this model (`max_adapter_bytes`)."""
+        self.max_loras, self.max_rank, self.targets, self.max_bytes = max_loras, max_rank, targets, max_bytes
         self._load = load
         self._by_name: dict[str, tuple[AdapterInfo, int]] = {}
         self.requests: dict[str, int] = {}  # requests admitted under each adapter name (metrics)
@@ -38,7 +39,7 @@ class LoRARegistry:
         """The adapter of `req`, read and loaded if it is new or its files changed; ValueError
         naming what is wrong (the files, the limits, no free slot). `in_use(name)`: whether an
         unfinished request uses that adapter (its slot cannot change under it)."""
-        info = read_info(req.lora_name, req.lora_path, self.max_rank, self.targets)
+        info = read_info(req.lora_name, req.lora_path, self.max_rank, self.targets, self.max_bytes)
         known = self._by_name.get(info.name)
         if known is not None and known[0].digest == info.digest:
             return AdapterRef(info.name, known[1], info.digest)

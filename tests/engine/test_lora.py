@@ -147,6 +147,12 @@ def test_adapters_over_the_limits_are_refused_by_name(adapters, tmp_path):
             llm.generate(prompt, GREEDY, lora_request=LoRARequest("dora", 9, str(bad)))
         with pytest.raises(ValueError, match="not found"):
             llm.generate(prompt, GREEDY, lora_request=LoRARequest("none", 9, str(tmp_path / "missing")))
+        huge = tmp_path / "huge"  # bounded before anything is read: the step loop reads adapters
+        shutil.copytree(dirs[0], huge)
+        with open(huge / "adapter_model.safetensors", "ab") as f:
+            f.write(b"\0" * (2 << 20))
+        with pytest.raises(ValueError, match=r"bytes, more than an adapter within --max-lora-rank 16 can be"):
+            llm.generate(prompt, GREEDY, lora_request=LoRARequest("huge", 9, str(huge)))
         assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     with LLM(str(base), dtype="float32", enable_lora=True, lora_target_modules="q_proj,v_proj") as llm:
         with pytest.raises(ValueError, match=r"module\(s\) \['down_proj', 'gate_proj', 'k_proj'"):
