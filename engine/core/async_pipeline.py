@@ -18,10 +18,13 @@ write.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
 from engine.runner.model_runner import StepInputs
+from engine.runner.step_timer import StepTimer
+from engine.sample.device_tokens import DeviceTokens
 from engine.core.request import Request, RequestId
 from engine.core.step_io import ScheduledRequest, SchedulerOutput, StepResult
 
@@ -44,10 +47,26 @@ class PlannedStep:
 
 
 @dataclass(frozen=True, eq=False)
+class ForwardTime:
+    """A step's forward, timed without waiting for it (read when the step is applied)."""
+    timer: StepTimer
+    ok: bool  # it ran through (a failed one counts in the stats, not in the step-cost fits)
+    propose_seconds: float  # the proposals' time, charged to the verify step
+
+
+@dataclass(frozen=True, eq=False)
 class RanStep:
-    """Ran and sampled, not yet applied to its requests."""
+    """Ran and sampled, not yet applied to its requests. A step sampled on the device (`device`,
+    engine/sample/device_tokens.py) reads its host values when `result` is first asked for: on the
+    bookkeeping thread, while the next step runs."""
     planned: PlannedStep
-    result: StepResult
+    resolve: Callable[[], StepResult]
+    forward: ForwardTime | None = None  # None: its forward was skipped
+    device: DeviceTokens | None = None
+
+    @cached_property
+    def result(self) -> StepResult:
+        return self.resolve()
 
     def tokens(self) -> dict[RequestId, int]:
         """Each sampling request's new token, for the next step's placeholders."""

@@ -34,6 +34,7 @@ from engine.runner import cpu_runtime, cpu_threads
 from engine.runner.compiled import COMPILE_ERRORS, CompiledForward
 from engine.runner import kv_quant
 from engine.runner.loader import load_model, load_tokenizer, weight_files
+from engine.runner.graphs import graph_mode_for
 from engine.runner.model_runner import ModelRunner, kv_cache_bytes_per_block
 from engine.sample.sampler import Sampler
 from engine.sample.stop import detokenize
@@ -123,17 +124,6 @@ def _load_lora(slots: LoRASlots, ranks: Ranks | None, slot: int, info: AdapterIn
         ranks.load_lora(slot, info.name, str(info.path), info.digest)
 
 
-def _graph_mode(config: EngineConfig, model: torch.nn.Module) -> GraphMode:
-    """config.cudagraph_mode, unless the model syncs with the host inside its forward (MoE routing
-    reads expert counts), which a CUDA graph cannot hold: then decode runs eagerly, and the log says so."""
-    mode = config.cudagraph_mode
-    if mode is GraphMode.FULL_DECODE_ONLY and any(getattr(m, "syncs_with_host", False) for m in model.modules()):
-        log.warning("CUDA graphs off for this model: its MoE layers read expert counts on the host each step "
-                    "(engine/models/moe.py), which a graph cannot replay; decode runs eagerly")
-        return GraphMode.NONE
-    return mode
-
-
 def build(config: EngineConfig) -> EngineParts:
     model_dir = Path(config.model)
     full = load_model_config(model_dir, config.dtype, config.device, config.kv_cache_dtype)
@@ -214,7 +204,7 @@ def build(config: EngineConfig) -> EngineParts:
     events, publisher = open_events(config.kv_events_config)
     pool = BlockPool(num_blocks, make_policy(config.kv_eviction_policy, num_blocks), config.enable_prefix_caching, events)
     kv = KVCacheManager(pool, bs, layout)
-    graph_mode = _graph_mode(config, model)
+    graph_mode = graph_mode_for(config.cudagraph_mode, model)
     runner = ModelRunner(model, mc, num_blocks, bs, config.device, hidden, group_decodes=backend.pads_decodes,
                          max_rows=config.max_num_seqs, max_model_len=max_len,
                          forward=CompiledForward(model, backend) if compiled else None,

@@ -11,6 +11,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from connectors.base import NullConnector
 from connectors.pd import parse as parse_pd
 from engine.config import EngineConfig
-from engine.core.async_pipeline import PlannedStep, RanStep, mark_in_flight
+from engine.core.async_pipeline import ForwardTime, PlannedStep, RanStep, mark_in_flight
 from engine.core.build import build
 from engine.core.isolation import FORWARD_ERRORS, execute_isolating
 from engine.core.request import Request
@@ -29,6 +30,7 @@ from engine.lora.adapter import LoRARequest
 from engine.lora.registry import AdapterRef
 from engine.mm.inputs import MMInputs
 from engine.runner.model_runner import ModelOutput
+from engine.sample.device_tokens import DeviceTokens, device_greedy
 from engine.sample.stop import detokenize
 from engine.sampling_params import SamplingParams
 from engine.spec.decode import sample_outputs
@@ -61,6 +63,7 @@ class EngineCore:
         self._ran: RanStep | None = None
         self.busy_seconds = 0.0  # steps that ran a forward, and the forwards in them (EngineStats)
         self.forward_seconds = 0.0
+        self.device_filled_steps = 0  # async steps whose inputs took the last step's tokens on the device
 
     def _publish_events(self) -> None:
         if self.publisher is not None and self.events is not None:
@@ -170,19 +173,22 @@ class EngineCore:
         forward_start = time.perf_counter()
         out, failed, sched = execute_isolating(self.runner, sched, tables)
         self.runner.synchronize()
-        self._timed(sched, time.perf_counter() - forward_start, not failed)
+        self._timed(sched, time.perf_counter() - forward_start, not failed, self._propose_seconds())
         updated += self._apply(sched, meta, self._sample(sched, out, failed))
         self.busy_seconds += time.perf_counter() - start
         return updated
 
-    def _timed(self, sched: SchedulerOutput, forward: float, ok: bool) -> None:
+    def _timed(self, sched: SchedulerOutput, forward: float, ok: bool, propose: float) -> None:
         """A forward's time: the stats, and (when it ran through) the scheduler's and speculation's
-        step-cost fits; a proposal costs its verify tokens and the proposer's time."""
+        step-cost fits; a proposal costs its verify tokens and the proposer's time (`propose`)."""
         self.forward_seconds += forward
         if ok:
             self.scheduler.step_ran(sched, forward)
         if ok and self.spec is not None and all(s.num_committed_tokens == 1 for s in sched.scheduled):
-            self.spec.budget.observe_step(sched.num_tokens, forward + self.spec.last_propose_seconds)
+            self.spec.budget.observe_step(sched.num_tokens, forward + propose)
+
+    def _propose_seconds(self) -> float:
+        return self.spec.last_propose_seconds if self.spec is not None else 0.0
 
     def _plan(self) -> tuple[SchedulerOutput, list[tuple[list[int], ...]], object]:
         """Schedule -> block tables -> connector metadata, with this step's loads started."""
@@ -260,34 +266,54 @@ class EngineCore:
         cur, ran = self._planned, self._ran
         if ran is not None and self.spec is not None:
             cur = self._planned = self._speculate(ran, cur)
-        cur.inputs.fill_placeholders(ran.tokens() if ran is not None else {})
+        self._fill_placeholders(cur, ran)
         skip = cur.only_finished()  # before the helper starts finishing requests
         pending = self._helper.submit(self._bookkeep, ran)
-        out, failed = None, []
+        out, failed, forward = None, [], None
         if skip:
             out = ModelOutput(torch.empty(0, 0), [], [])
         else:
             self.sampler.prefetch([s.req for s in cur.sched.scheduled if s.samples])
-            forward_start = time.perf_counter()
+            # Not waited for: the helper reads its time when it applies the step (engine/runner/step_timer.py).
+            timer = self.runner.timer()
             try:
                 out = self.runner.run(cur.inputs)
-                self.runner.synchronize()
             except FORWARD_ERRORS:
                 pass  # rerun below through execute_isolating, which finds the request(s) to blame
-            self._timed(cur.sched, time.perf_counter() - forward_start, out is not None)
+            forward = ForwardTime(timer.stop(), out is not None, self._propose_seconds())
         more, self._planned = pending.result()
         updated += more
         if out is None:
             out, failed, ran_sched = execute_isolating(self.runner, cur.sched, cur.tables)
             cur = replace(cur, sched=ran_sched)  # without the failed requests; `entries` keeps them all
-        self._ran = RanStep(cur, self._sample(cur.sched, out, failed))
+        self._ran = self._sampled(cur, out, failed, forward)
         self.busy_seconds += time.perf_counter() - start
         return updated
+
+    def _sampled(self, cur: PlannedStep, out: ModelOutput, failed: list[tuple[Request, str]],
+                 forward: ForwardTime | None) -> RanStep:
+        """The sample stage of an async step: on the device when every entry is plain greedy (the
+        host reads the tokens when the helper applies the step), else on the host now."""
+        tokens = None if failed else device_greedy(out.logits, [cur.sched.scheduled[i] for i in out.sampled])
+        if tokens is None:
+            result = self._sample(cur.sched, out, failed)
+            return RanStep(cur, lambda: result, forward)
+        return RanStep(cur, partial(_device_result, out, tokens), forward, tokens)
+
+    def _fill_placeholders(self, cur: PlannedStep, ran: RanStep | None) -> None:
+        """The tokens `ran` samples, into `cur`'s inputs: from the device when it left them there."""
+        if ran is not None and ran.device is not None and \
+                cur.inputs.fill_placeholders_on_device(ran.device.ids, ran.device.rows):
+            self.device_filled_steps += 1
+            return
+        cur.inputs.fill_placeholders(ran.tokens() if ran is not None else {})
 
     def _bookkeep(self, ran: RanStep | None) -> tuple[list[Request], PlannedStep | None]:
         """Apply `ran` to its requests, then plan the next step."""
         updated: list[Request] = []
         if ran is not None:
+            if ran.forward is not None:
+                self._timed(ran.planned.sched, ran.forward.timer.seconds(), ran.forward.ok, ran.forward.propose_seconds)
             mark_in_flight(ran.planned.entries, -1)
             updated = self._apply(ran.planned.sched, ran.planned.meta, ran.result)
             self.scheduler.release_applied(ran.planned.entries)
@@ -393,3 +419,10 @@ class EngineCore:
             batch.check_integrity()
             if not batch.request_ids() <= set(self.scheduler.requests) | set(self.scheduler.deferred):
                 raise RuntimeError("input-batch rows outlive their requests")
+
+
+def _device_result(out: ModelOutput, tokens: DeviceTokens) -> StepResult:
+    """A step sampled on the device, as host values (waits for the tokens' copy)."""
+    host = tokens.host()
+    return StepResult(tuple(out.sampled), tuple([t] for t in host), (None,) * len(host),
+                      prompt_logprobs=out.prompt_logprobs)

@@ -42,6 +42,17 @@ class GraphStats:
 Forward = Callable[..., tuple[torch.Tensor, list[torch.Tensor]]]
 
 
+def graph_mode_for(mode: GraphMode, model: torch.nn.Module) -> GraphMode:
+    """`mode` (config.cudagraph_mode), unless the model syncs with the host inside its forward (MoE
+    routing reads expert counts), which a CUDA graph cannot hold: then decode runs eagerly, and the
+    log says so."""
+    if mode is GraphMode.FULL_DECODE_ONLY and any(getattr(m, "syncs_with_host", False) for m in model.modules()):
+        log.warning("CUDA graphs off for %s: its MoE layers read expert counts on the host each step "
+                    "(engine/models/moe.py), which a graph cannot replay; decode runs eagerly", type(model).__name__)
+        return GraphMode.NONE
+    return mode
+
+
 class _GroupBuffers:
     """One KV group's static decode metadata (engine/kv/kv_groups.py: each group has its own tables and slots)."""
 
@@ -87,20 +98,24 @@ class DecodeGraphs:
     once, after warm-up, with the G1 cache in place (graphs bake its address in)."""
 
     def __init__(self, mode: GraphMode, sizes: tuple[int, ...], *, block_size: int, max_blocks: int,
-                 pad_block: int, device: str, masks: bool, layer_groups: tuple[int, ...] = ()) -> None:
+                 pad_block: int, device: str, masks: bool, layer_groups: tuple[int, ...] = (),
+                 capture_ids: tuple[int, ...] = ()) -> None:
         """`max_blocks`: a block table row's width; `pad_block`: the block padded rows write to;
         `masks`: whether the attention backend reads `DecodeGroup.mask` (one that pads decodes);
-        `layer_groups`: each layer's KV group when there are several (else empty)."""
+        `layer_groups`: each layer's KV group when there are several (else empty); `capture_ids`:
+        the layers whose outputs every step keeps (EAGLE-3's features, exported hidden states),
+        which become static outputs of the graphs too."""
         if mode is GraphMode.NONE:
             raise ValueError("DecodeGraphs needs a graph mode other than none")
         self.mode, self.sizes, self.pad_block, self.layer_groups = mode, sizes, pad_block, layer_groups
+        self.capture_ids = capture_ids
         n, dev = self.sizes[-1], torch.device(device)
         self.ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self._groups = [_GroupBuffers(n, max_blocks, block_size, pad_block, masks, dev)
                         for _ in range(max(layer_groups, default=0) + 1)]
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._replays = dict.fromkeys(self.sizes, 0)
         self._eager = 0
 
@@ -112,11 +127,11 @@ class DecodeGraphs:
         return AttentionMetadata(metas[0].slot_mapping, [], metas[0].decodes, groups=tuple(metas),
                                  layer_groups=self.layer_groups)
 
-    def fits(self, meta: AttentionMetadata, num_tokens: int, keeps_hidden: bool) -> bool:
-        """Whether a step runs here: only decodes, nothing captured, and a batch no bigger than the
-        largest capture size. Counts the ones that do not fit but decode only."""
+    def fits(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether a step runs here: only decodes, and a batch no bigger than the largest capture
+        size. Counts the ones that do not fit but decode only."""
         metas = meta.groups or (meta,)
-        if keeps_hidden or len(metas) != len(self._groups) or any(m.prefills or not m.decodes for m in metas):
+        if len(metas) != len(self._groups) or any(m.prefills or not m.decodes for m in metas):
             return False
         if sum(g.query_idx.numel() for g in meta.decodes) != num_tokens:  # proposed tokens ride along
             return False
@@ -140,17 +155,19 @@ class DecodeGraphs:
         return size
 
     def run(self, forward: Forward, caches: list, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
-        """The hidden states of a fitting step's rows (`fits` said yes)."""
+            meta: AttentionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The hidden states of a fitting step's rows (`fits` said yes), and the `capture_ids`
+        layers' outputs of those rows."""
         b = input_ids.shape[0]
         size = self._load(input_ids, positions, meta)
         self._replays[size] += 1
         graph = self._graphs.get(size)
         if graph is None:  # EAGER_REPLAY, or a size whose capture has not happened
-            hidden, _ = forward(self.ids[:size], self.positions[:size], caches, self.meta(size), ())
-            return hidden[:b]
-        graph.replay()
-        return self._outputs[size][:b]
+            hidden, captured = forward(self.ids[:size], self.positions[:size], caches, self.meta(size), self.capture_ids)
+        else:
+            graph.replay()
+            hidden, captured = self._outputs[size]
+        return hidden[:b], [c[:b] for c in captured]
 
     @torch.inference_mode()
     def capture(self, forward: Forward, caches: list) -> None:
@@ -167,11 +184,11 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for size in reversed(self.sizes):
-                forward(self.ids[:size], self.positions[:size], caches, self.meta(size), ())
+                forward(self.ids[:size], self.positions[:size], caches, self.meta(size), self.capture_ids)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    hidden, _ = forward(self.ids[:size], self.positions[:size], caches, self.meta(size), ())
-                self._graphs[size], self._outputs[size] = graph, hidden
+                    out = forward(self.ids[:size], self.positions[:size], caches, self.meta(size), self.capture_ids)
+                self._graphs[size], self._outputs[size] = graph, (out[0], list(out[1]))
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
         log.info("CUDA graphs: %d decode sizes (1..%d) captured in %.1f s, %.2f GiB", len(self.sizes),

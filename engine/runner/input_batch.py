@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from engine.core.request import RequestId
+from engine.runner.h2d import to_device
 
 
 class InputBatch:
@@ -37,7 +38,7 @@ class InputBatch:
         if n > self.block_table.shape[1]:
             raise ValueError(f"request {req_id}: {n} blocks exceed the batch's {self.block_table.shape[1]} a row")
         if n > done:
-            self.block_table[row, done:n] = torch.tensor(table[done:n], dtype=torch.long)
+            self.block_table[row, done:n] = to_device(table[done:n], self.block_table.device)
             self._written[row] = n
         return row
 

@@ -15,6 +15,8 @@ from engine.runner.attention import AttentionMetadata, DecodeGroup, PrefillSeq
 from engine.model_config import ModelConfig
 from engine.config import GraphMode
 from engine.runner.graphs import DecodeGraphs
+from engine.runner.h2d import to_device
+from engine.runner.step_timer import StepTimer
 from engine.runner.input_batch import InputBatch
 from engine.mm.encoder import EncoderCache
 from engine.mm.spec import ImageAttention
@@ -78,9 +80,22 @@ class StepInputs:
         """Writes the sampled tokens in; a request that sampled none (it failed) gets 0, and
         its row is discarded."""
         if self.placeholders:
-            at = torch.tensor([pos for pos, _ in self.placeholders], dtype=torch.long)
-            ids = torch.tensor([tokens.get(rid, 0) for _, rid in self.placeholders], dtype=torch.long)
-            self.input_ids[at.to(self.input_ids.device)] = ids.to(self.input_ids.device)
+            dev = self.input_ids.device
+            at = to_device([pos for pos, _ in self.placeholders], dev)
+            self.input_ids[at] = to_device([tokens.get(rid, 0) for _, rid in self.placeholders], dev)
+
+    @torch.inference_mode()
+    def fill_placeholders_on_device(self, ids: torch.Tensor, rows: dict[RequestId, int]) -> bool:
+        """Writes in tokens a step sampled and left on the device (`ids[rows[request]]`,
+        engine/sample/device_tokens.py) without reading them on the host; False, writing nothing,
+        when a placeholder's request has no row there."""
+        src = [rows.get(rid) for _, rid in self.placeholders]
+        if None in src:
+            return False
+        if src:
+            dev = self.input_ids.device
+            self.input_ids[to_device([pos for pos, _ in self.placeholders], dev)] = ids[to_device(src, dev)]
+        return True
 
 
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, hidden_layers: int = 0, slots: int | None = None) -> int:
@@ -139,6 +154,7 @@ class ModelRunner:
         self.cfg = cfg
         self.block_size = block_size
         self.device = device
+        self._dev = torch.device(device)
         # A block holds one KV group's layers, slot by slot (engine/kv/kv_groups.py); with one group,
         # every layer: [num_layers, 2, num_blocks, ...], which is what connectors copy from.
         self.layout = layout or KVLayout.single(cfg.num_layers, sources=cfg.kv_sources)
@@ -148,10 +164,6 @@ class ModelRunner:
         self.layer_groups = tuple(g for g, _, _ in self.layout.placement())
         max_blocks = -(-max_model_len // block_size)
         self.batches = [InputBatch(max_rows, max_blocks, device) for _ in self.layout.groups]
-        self.graphs = DecodeGraphs(graph_mode, capture_sizes, block_size=block_size, max_blocks=max_blocks,
-                                   pad_block=num_blocks, device=device, masks=group_decodes,
-                                   layer_groups=self.layer_groups if len(self.layout.groups) > 1 else ()) \
-            if graphs else None
         self.batch = self.batches[0]  # group 0's (connectors and drafts index that group)
         # Exported hidden states live in paged blocks beside the KV, so a prefix hit has them.
         self.hidden_spec = hidden_spec
@@ -162,6 +174,15 @@ class ModelRunner:
         # EAGLE-3: these layers' residual streams, concatenated, are kept from each step (`last_aux`).
         self.aux_layer_ids = aux_layer_ids
         self.capture_ids = tuple(sorted(set(aux_layer_ids) | set(hidden_spec.capture_order if hidden_spec else ())))
+        self.graphs = DecodeGraphs(graph_mode, capture_sizes, block_size=block_size, max_blocks=max_blocks,
+                                   pad_block=num_blocks, device=device, masks=group_decodes,
+                                   layer_groups=self.layer_groups if len(self.layout.groups) > 1 else (),
+                                   capture_ids=self.capture_ids) if graphs else None
+        # With decode graphs, a speculative verify entry (1 + k tokens over cached context) becomes
+        # 1 + k decode rows, row j seeing the context up to its own token (the step writes all of
+        # their K/V before attending), so verify steps replay the decode graphs too. Each row reads
+        # the context again: k more reads of it, against a launch per kernel saved.
+        self._verify_as_decodes = graphs
         self.last_aux: torch.Tensor | None = None
         # A model that takes images: their encoder outputs, kept by digest (engine/mm/encoder.py).
         self.encoder = EncoderCache(model.encode_images) if cfg.multimodal else None
@@ -179,6 +200,10 @@ class ModelRunner:
         forward time (stats, the step-cost fits) must be the GPU's, not the launches'."""
         if self.kv_cache.is_cuda:
             torch.cuda.current_stream(self.kv_cache.device).synchronize()
+
+    def timer(self) -> StepTimer:
+        """Times a forward without waiting for it (engine/runner/step_timer.py)."""
+        return StepTimer(self._dev)
 
     def capture_graphs(self) -> None:
         """Captures the decode graphs (after warm-up: the forward is compiled, G1 in place)."""
@@ -221,9 +246,9 @@ class ModelRunner:
         if step.mm is not None:  # one step in a prompt's life: eager (the compiled graph takes token ids only)
             hidden, captured = self.model(step.input_ids, step.positions, self.layer_caches, step.meta, capture,
                                           mm=step.mm)
-        elif self.graphs is not None and self.graphs.fits(step.meta, step.input_ids.shape[0], bool(capture)):
-            hidden = self.graphs.run(self.forward, self.layer_caches, step.input_ids, step.positions, step.meta)
-            captured: list[torch.Tensor] = []
+        elif self.graphs is not None and self.graphs.fits(step.meta, step.input_ids.shape[0]):
+            hidden, captured = self.graphs.run(self.forward, self.layer_caches, step.input_ids, step.positions,
+                                               step.meta)
         else:
             hidden, captured = self.forward(step.input_ids, step.positions, self.layer_caches, step.meta, capture)
         if self.hidden_cache is not None:
@@ -233,7 +258,13 @@ class ModelRunner:
         if self.aux_layer_ids:  # EAGLE-3 features: the aux layers side by side, in their given order
             self.last_aux = torch.cat([captured[capture.index(i)] for i in self.aux_layer_ids], dim=-1)
         rows = step.sample_rows if self.computes_logits else []
-        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0)
+        # Rows rise strictly, so a last row of len - 1 means all of them (a decode step): a view then,
+        # where an index would be one more copy to the device.
+        if rows:
+            picked = hidden[:len(rows)] if rows[-1] == len(rows) - 1 else hidden[to_device(rows, self._dev)]
+            logits = self.model.compute_logits(picked)
+        else:
+            logits = hidden.new_empty(0, 0)
         prompt = prompt_logprobs(hidden, step.prompt_rows, self.model.compute_logits) \
             if step.prompt_rows and self.computes_logits else {}
         return ModelOutput(logits.float(), step.sampled, step.row_starts, prompt)
@@ -271,13 +302,13 @@ class ModelRunner:
                 row_starts.append(len(sample_rows))
                 sample_rows.extend(range(q_start + n - 1 - len(spec), q_start + n))
                 sampled.append(idx)
-        positions_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        counts = torch.tensor([s.num_new_tokens for s in plan.requests], dtype=torch.long, device=self.device)
+        positions_t = to_device(positions, self._dev)
+        counts = to_device([s.num_new_tokens for s in plan.requests], self._dev)
         tables = [t if isinstance(t, tuple) else (t,) for t in block_tables]
         metas = [self._group_meta(g, plan, [t[g] for t in tables], spans, positions_t, counts)
                  for g in range(len(self.batches))]
         meta = metas[0] if len(metas) == 1 else replace(metas[0], groups=tuple(metas), layer_groups=self.layer_groups)
-        return StepInputs(torch.tensor(input_ids, dtype=torch.long, device=self.device), positions_t, meta,
+        return StepInputs(to_device(input_ids, self._dev), positions_t, meta,
                           sample_rows, sampled, row_starts, placeholders, prompt_rows, plan, block_tables,
                           self._image_embeddings(plan, spans), self._lora_rows(plan, spans))
 
@@ -291,7 +322,7 @@ class ModelRunner:
             if item.lora_slot >= 0:
                 rows.setdefault(item.lora_slot, []).extend(range(q_start, q_start + n))
         return [(slot, slice(r[0], r[-1] + 1) if r[-1] - r[0] + 1 == len(r) else
-                 torch.tensor(r, dtype=torch.long, device=self.device)) for slot, r in sorted(rows.items())]
+                 to_device(r, self._dev)) for slot, r in sorted(rows.items())]
 
     def _image_embeddings(self, plan: RunPlan, spans: list[tuple[int, int, int]]
                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -305,7 +336,7 @@ class ModelRunner:
                 lo, hi = max(item.start, it.offset), min(item.start + n, it.end)
                 rows.extend(range(q_start + lo - item.start, q_start + hi - item.start))
                 parts.append(emb[lo - it.offset:hi - it.offset])
-        return torch.tensor(rows, dtype=torch.long, device=self.device), torch.cat(parts).to(self.device)
+        return to_device(rows, self._dev), torch.cat(parts).to(self.device)
 
     def _group_meta(self, group: int, plan: RunPlan, tables: list[list[int]],
                     spans: list[tuple[int, int, int]], positions_t: torch.Tensor, counts: torch.Tensor
@@ -318,10 +349,11 @@ class ModelRunner:
         decode_batch_rows: list[int] = []
         decode_lens: list[int] = []
         for (q_start, n, ctx), row, table, item in zip(spans, batch_rows, tables, plan.requests):
-            if n == 1 and ctx > 1:
-                decode_rows.append(q_start)
-                decode_batch_rows.append(row)
-                decode_lens.append(ctx)
+            if n == 1 and ctx > 1 or (self._verify_as_decodes and item.spec_token_ids and ctx > n):
+                for j in range(n):  # a verify entry's tokens: one decode row each, seeing up to itself
+                    decode_rows.append(q_start + j)
+                    decode_batch_rows.append(row)
+                    decode_lens.append(ctx - n + 1 + j)
             else:
                 ids = table[: -(-ctx // bs)]
                 run = ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
@@ -329,7 +361,7 @@ class ModelRunner:
                                            bidir=tuple((it.offset, it.end) for it in item.mm)
                                            if self._image_spans else (),
                                            bidir_sliding_only=self._spans_sliding_only))
-        token_rows = torch.tensor(batch_rows, dtype=torch.long, device=self.device).repeat_interleave(counts)
+        token_rows = to_device(batch_rows, self._dev).repeat_interleave(counts)
         return AttentionMetadata(
             slot_mapping=batch.block_table[token_rows, positions_t // bs] * bs + positions_t % bs,
             prefills=prefills,
@@ -374,8 +406,8 @@ class ModelRunner:
     def _decode_group(self, batch: InputBatch, rows: list[int], batch_rows: list[int], lens: list[int]) -> DecodeGroup:
         width = -(-max(lens) // self.block_size)
         # Entries past a row's own blocks are stale or 0; the mask and the kernels' lengths skip them.
-        padded = batch.block_table[torch.tensor(batch_rows, dtype=torch.long, device=self.device), :width]
-        lens_t = torch.tensor(lens, dtype=torch.long, device=self.device)
+        padded = batch.block_table[to_device(batch_rows, self._dev), :width]
+        lens_t = to_device(lens, self._dev)
         mask = torch.arange(width * self.block_size, device=self.device).unsqueeze(0) < lens_t.unsqueeze(1)
-        return DecodeGroup(torch.tensor(rows, dtype=torch.long, device=self.device), padded, lens_t,
+        return DecodeGroup(to_device(rows, self._dev), padded, lens_t,
                            mask[:, None, None, :])

@@ -107,8 +107,10 @@ class DraftModelProposer:
         while live:
             plan = plan_after([views[i] for i in live], [views[i].num_tokens - views[i].num_computed_tokens for i in live])
             out = self.runner.execute(plan, [tables[i] for i in live])
+            # Greedy rows' argmaxes in one call and one copy to the host, not one of each per row.
+            best = out.logits.max(dim=-1).indices.tolist() if any(reqs[i].params.greedy for i in live) else None
             for row, i in enumerate(live):
-                token, q = draw_draft_token(out.logits[row], reqs[i], self.generator)
+                token, q = draw_draft_token(out.logits[row], reqs[i], self.generator, best[row] if best else None)
                 drafts[i].append(token)
                 if q is not None:
                     probs[i].append(q)
@@ -129,11 +131,13 @@ def fitting_proposal(limit: int, num_tokens: int, table: list, block_size: int) 
     return min(limit, len(table) * block_size - num_tokens + 1)
 
 
-def draw_draft_token(logits: torch.Tensor, req: Request, generator: torch.Generator) -> tuple[int, torch.Tensor | None]:
+def draw_draft_token(logits: torch.Tensor, req: Request, generator: torch.Generator, best: int | None = None
+                     ) -> tuple[int, torch.Tensor | None]:
     """A draft's token for `req` from its logits row: the argmax for a greedy request (a point
-    mass), else a draw from the request's own sampling distribution, returned with it (float32)."""
+    mass; `best`, when the caller took it already), else a draw from the request's own sampling
+    distribution, returned with it (float32)."""
     if req.params.greedy:
-        return int(logits.argmax()), None
+        return (best if best is not None else int(logits.argmax())), None
     q = sampling_distribution(logits[None], req)[0]
     e = torch.empty_like(q).exponential_(generator=req.generator or generator)
     return int((q / e).argmax()), q.float()

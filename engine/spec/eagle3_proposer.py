@@ -55,6 +55,18 @@ class Eagle3Proposer:
         # written yet: the first pass runs when the request next proposes (or its rows pile up),
         # so a request the budget keeps from proposing costs no draft work.
         self._pending: dict[RequestId, tuple[Request, int, torch.Tensor]] = {}
+        # One-token proposal steps replay the draft's decode graphs; the rows fed back (the last
+        # outputs) go in through a static buffer of their own.
+        graphs = runner.graphs
+        self._feed = None if graphs is None else torch.zeros(
+            graphs.sizes[-1], runner.cfg.hidden_size, dtype=runner.cfg.dtype, device=runner.kv_cache.device)
+        if graphs is not None:
+            graphs.capture(self._graph_forward, runner.layer_caches)
+
+    def _graph_forward(self, ids: torch.Tensor, positions: torch.Tensor, caches: list, meta, capture: tuple
+                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The draft's forward in `DecodeGraphs`' form, fed from `_feed`."""
+        return self.draft(ids, self._feed[:ids.shape[0]], positions, caches[0], meta), []
 
     def release(self, req_id: RequestId) -> None:
         self._pending.pop(req_id, None)
@@ -128,6 +140,12 @@ class Eagle3Proposer:
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward; the output and logits of each view's last row."""
         step = self.runner.prepare(plan_after(views, counts), tables)
-        out = self.draft(step.input_ids, hidden, step.positions, self.runner.layer_caches[0], step.meta)
+        graphs = self.runner.graphs
+        if graphs is not None and graphs.fits(step.meta, step.input_ids.shape[0]):
+            self._feed[:hidden.shape[0]].copy_(hidden)
+            out, _ = graphs.run(self._graph_forward, self.runner.layer_caches, step.input_ids, step.positions,
+                                step.meta)
+        else:
+            out = self.draft(step.input_ids, hidden, step.positions, self.runner.layer_caches[0], step.meta)
         last = out[step.sample_rows]
         return last, self.draft.compute_logits(last)

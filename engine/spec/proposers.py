@@ -14,6 +14,7 @@ from engine.spec.draft_proposer import DraftModelProposer, draft_model_config
 from engine.spec.eagle3_proposer import Eagle3Proposer
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.runner.loader import load_model
+from engine.runner.graphs import graph_mode_for
 from engine.runner.model_runner import ModelRunner, kv_cache_bytes_per_block
 from engine.models.eagle3 import Eagle3Config, Eagle3Draft, load_eagle3_config
 from engine.models.packed_linear import pack_linears, packing_available
@@ -60,7 +61,13 @@ class DraftPlan:
             model.eval().requires_grad_(False)
             if dev == "cpu" and layer.dtype in (torch.float32, torch.bfloat16) and packing_available(layer.dtype):
                 pack_linears(model)  # oneDNN's prepacked GEMMs, as the target's
+        # Proposal steps after the first decode one token per request: they replay the draft's own
+        # decode graphs (EAGLE-3's proposer captures its own: its forward also takes fed-back rows).
         runner = ModelRunner(model, layer, num_blocks, bs, dev, group_decodes=backend.pads_decodes,
-                             max_rows=config.max_num_seqs, max_model_len=max_len)
-        cls = DraftModelProposer if self.draft is not None else Eagle3Proposer
-        return cls(runner, kv, generator)
+                             max_rows=config.max_num_seqs, max_model_len=max_len,
+                             graph_mode=graph_mode_for(config.cudagraph_mode, model),
+                             capture_sizes=config.cudagraph_capture_sizes or ())
+        if self.draft is not None:
+            runner.capture_graphs()
+            return DraftModelProposer(runner, kv, generator)
+        return Eagle3Proposer(runner, kv, generator)

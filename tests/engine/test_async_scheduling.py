@@ -157,3 +157,32 @@ def test_the_bubble_is_measured(engines):
 
 
 
+
+
+def test_greedy_steps_hand_their_tokens_on_without_the_host(engines, ckpt_dir):
+    """Issue 42, device-resident step state: when every request of a step is plain greedy, its
+    argmax stays on the device and fills the next step's placeholders there (the host reads it
+    while that step runs), also through the graph runner's static buffers. A step with a request
+    that reads more of its logits (logprobs here) samples on the host. Oracle: the synchronous
+    engine's outputs."""
+    greedy = [SamplingParams(temperature=0.0, max_tokens=12 + 5 * i, ignore_eos=True) for i in range(4)]
+    prompts = _prompts(4, random_prompt(40, 7300))
+    want = _run(engines[False], prompts, greedy, 4)
+    graphs = LLM(str(ckpt_dir("llama")), async_scheduling=True, cudagraph_mode="eager_replay",
+                 cudagraph_capture_sizes=(1, 2, 4), **ENGINE)
+    try:
+        for llm in (engines[True], graphs):
+            core = llm.engine
+            before = core.device_filled_steps
+            _assert_same(_run(llm, prompts, greedy, 4), want)
+            assert core.device_filled_steps - before >= 12, core.device_filled_steps - before
+            core.check_integrity()
+        assert sum(graphs.engine.runner.graphs.stats().replays.values()) > 0
+    finally:
+        graphs.engine.shutdown()
+    # One request with logprobs runs through every decode step: none of them fills on the device.
+    mixed = greedy[:3] + [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1)]
+    want = _run(engines[False], prompts, mixed, 4)
+    before = engines[True].engine.device_filled_steps
+    _assert_same(_run(engines[True], prompts, mixed, 4), want)
+    assert engines[True].engine.device_filled_steps == before

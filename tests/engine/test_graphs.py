@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoints import KINDS, random_prompt
+from checkpoints import KINDS, build_eagle3_draft, random_prompt
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, GraphMode, default_capture_sizes, parse_capture_sizes
 from engine.runner.graphs import padded_size
@@ -99,8 +99,8 @@ def test_every_model_kind_decodes_the_same_through_the_graph_buffers(kind, ckpt_
     pair["on"].engine.check_integrity()
 
 
-@pytest.mark.parametrize("feature", ["compiled", "chunked-preempted-prefix", "async", "ngram"])
-def test_graph_buffers_compose_with_engine_features(feature, llama_ckpt):
+@pytest.mark.parametrize("feature", ["compiled", "chunked-preempted-prefix", "async", "ngram", "draft", "eagle3"])
+def test_graph_buffers_compose_with_engine_features(feature, llama_ckpt, monkeypatch, tmp_path):
     kw: dict = dict(num_gpu_blocks=128, optimization_level=0)
     shared = None
     if feature == "compiled":
@@ -111,13 +111,38 @@ def test_graph_buffers_compose_with_engine_features(feature, llama_ckpt):
     elif feature == "async":
         kw["async_scheduling"] = True
         shared = random_prompt(40, 78)
+    elif feature == "draft":  # the target as its own draft: the draft's one-token steps replay its graphs
+        kw["speculative_config"] = {"method": "draft_model", "model": str(llama_ckpt), "num_speculative_tokens": 3,
+                                    "adaptive": False}
+    elif feature == "eagle3":  # the target keeps its aux layers' outputs through the graphs; the draft replays its own
+        kw["speculative_config"] = {"method": "eagle3", "model": str(build_eagle3_draft(llama_ckpt, tmp_path / "e3", seed=5)),
+                                    "num_speculative_tokens": 3, "adaptive": False}
     else:
         # Fixed proposal lengths: the adaptive ones follow measured step times, so no two runs schedule alike.
         kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                                     "adaptive": False}
     pair = _pair(str(llama_ckpt), **kw)
+    runner = pair["on"].engine.runner
+    verify_replays = []  # verify steps (more logits rows than sampling entries) that replayed a graph
+
+    def run(step, real=runner.run):
+        before = sum(runner.graphs.stats().replays.values())
+        out = real(step)
+        if len(step.sample_rows) > len(step.sampled) and sum(runner.graphs.stats().replays.values()) > before:
+            verify_replays.append(step.input_ids.shape[0])
+        return out
+
+    monkeypatch.setattr(runner, "run", run)
+    proposed: dict[str, list] = {"off": [], "on": []}  # each engine's proposals, in order
+    for key, llm in pair.items():
+        if llm.engine.spec is not None:
+            def propose(*args, real=llm.engine.spec.proposer.propose, into=proposed[key]):
+                out = real(*args)
+                into.append([p.token_ids for p in out])
+                return out
+            monkeypatch.setattr(llm.engine.spec.proposer, "propose", propose)
     prompts, params = _prompts(12, shared), _params(12)
-    if feature == "ngram":  # repetitive prompts, so that proposals come (verify steps run eagerly)
+    if feature == "ngram":  # repetitive prompts, so that proposals come
         prompts = [{"prompt_token_ids": p["prompt_token_ids"][:6] * 4} for p in prompts]
     want = _run(pair["off"], prompts, params)
     _assert_same(_run(pair["on"], prompts, params), want)
@@ -128,6 +153,16 @@ def test_graph_buffers_compose_with_engine_features(feature, llama_ckpt):
     st = pair["on"].get_stats()
     if feature == "chunked-preempted-prefix":
         assert st.num_preemptions > 0 and st.prefix_cache_hits > 0, st
+    if feature in ("ngram", "draft", "eagle3"):  # verify entries ride as decode rows, 1 + k per request
+        assert len(verify_replays) >= 2, verify_replays
+        # The same proposals (greedy tokens alone would not show a draft fed wrong features or
+        # rows: verification corrects it).
+        assert proposed["on"] == proposed["off"] and any(any(p) for p in proposed["on"]), proposed
+    if feature in ("draft", "eagle3"):
+        draft = pair["on"].engine.spec.proposer.runner.graphs
+        assert draft is not None and sum(draft.stats().replays.values()) > 5, draft and draft.stats()
+        assert pair["off"].engine.spec.proposer.runner.graphs is None
+        assert st.spec_decode["num_drafts"] > 0, st.spec_decode
     _check_live_blocks_equal(pair)
     for llm in pair.values():
         llm.engine.check_integrity()

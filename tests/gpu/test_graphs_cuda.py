@@ -21,12 +21,14 @@ def _exact_fp32():
     torch.backends.cuda.matmul.allow_tf32 = old
 
 
-def _run(model: str, mode: str, level: int = 0):
+def _run(model: str, mode: str, level: int = 0, filled: list | None = None, **kw):
+    """Greedy tokens, graph stats and the pad block's sum; `filled` gets the async steps whose inputs
+    took the last step's ids on the device."""
     from engine import LLM, SamplingParams
 
     llm = LLM(model, dtype="float32", device="cuda", kv_cache_memory_gib=0.25, max_num_seqs=8, max_model_len=1024,
               optimization_level=level, cudagraph_mode=mode,
-              cudagraph_capture_sizes=(1, 2, 4, 8) if mode != "none" else None)
+              cudagraph_capture_sizes=(1, 2, 4, 8) if mode != "none" else None, **kw)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                             SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
@@ -34,6 +36,8 @@ def _run(model: str, mode: str, level: int = 0):
         stats = runner.graphs.stats() if runner.graphs is not None else None
         pad = runner.kv_cache[:, :, runner.graphs.pad_block].abs().sum().item() if runner.graphs is not None else None
         llm.engine.check_integrity()
+        if filled is not None:
+            filled.append(llm.engine.device_filled_steps)
         return [o.outputs[0].token_ids for o in outs], stats, pad
     finally:
         llm.close()
@@ -54,3 +58,27 @@ def test_compiled_model_in_graphs_gives_the_eager_tokens(llama_ckpt):
     want, _, _ = _run(str(llama_ckpt), "none")
     got, stats, _ = _run(str(llama_ckpt), "full_decode_only", level=1)
     assert got == want and sum(stats.replays.values()) > 10, stats
+
+
+@pytest.mark.parametrize("feature", ["async", "ngram", "draft", "eagle3"])
+def test_graphs_compose_with_async_and_speculation(feature, llama_ckpt, tmp_path):
+    """Async scheduling with the sampled ids kept on the device, and verify and proposal steps in
+    graphs: the plain engine's greedy tokens."""
+    from checkpoints import build_eagle3_draft
+
+    want, _, _ = _run(str(llama_ckpt), "none")
+    kw: dict = {}
+    if feature == "async":
+        kw["async_scheduling"] = True
+    elif feature == "ngram":
+        kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    elif feature == "draft":
+        kw["speculative_config"] = {"method": "draft_model", "model": str(llama_ckpt), "num_speculative_tokens": 3}
+    else:
+        kw["speculative_config"] = {"method": "eagle3", "model": str(build_eagle3_draft(llama_ckpt, tmp_path / "e3")),
+                                    "num_speculative_tokens": 3}
+    filled: list[int] = []
+    got, stats, _ = _run(str(llama_ckpt), "full_decode_only", filled=filled, **kw)
+    assert got == want and sum(stats.replays.values()) > 5, stats
+    if feature == "async":
+        assert filled[0] > 5, filled
