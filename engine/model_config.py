@@ -122,6 +122,11 @@ def resolve_dtype(name: str, checkpoint_dtype: Any, device: str = "cpu", native_
         return found
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {name!r}")
+    if device == "cpu" and name == "bfloat16" and not (cpu_isa().native_bf16 if native_bf16 is None else native_bf16):
+        # Asked for, so kept; but on an AVX2-only EPYC bf16 ran 2.7x (workload) and 3.9x (4k-token
+        # prefill) slower than float32 (docs/CPU.md), and the user should know why.
+        log.warning("dtype bfloat16 on a CPU without AMX or AVX512-BF16: oneDNN emulates it through float32, "
+                    "which is slower than float32 itself (docs/CPU.md); --dtype auto picks float32 here")
     return DTYPES[name]
 
 

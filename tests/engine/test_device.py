@@ -49,10 +49,15 @@ def test_auto_dtype(ckpt, device, want):
 
 
 @pytest.mark.parametrize("ckpt", [torch.bfloat16, "float16", torch.float32])
-def test_auto_dtype_on_a_cpu_without_native_bf16_is_float32(ckpt):
+def test_auto_dtype_on_a_cpu_without_native_bf16_is_float32(ckpt, caplog):
     """AVX2 or AVX-512 without BF16: oneDNN would emulate bf16 through float32."""
     assert resolve_dtype("auto", ckpt, "cpu", native_bf16=False) == torch.float32
-    assert resolve_dtype("bfloat16", ckpt, "cpu", native_bf16=False) == torch.bfloat16  # asked for: kept
+    assert not caplog.records
+    assert resolve_dtype("bfloat16", ckpt, "cpu", native_bf16=False) == torch.bfloat16  # asked for: kept, with a warning
+    assert any("emulates it through float32" in r.getMessage() for r in caplog.records), caplog.records
+    caplog.clear()
+    assert resolve_dtype("bfloat16", ckpt, "cpu", native_bf16=True) == torch.bfloat16
+    assert not caplog.records
 
 
 def test_auto_reads_the_cpu():
