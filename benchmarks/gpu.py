@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default="kernels,ttft,decode", help="which sections run (default: all)")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "gpu.json", help="JSON results (default %(default)s)")
     args = ap.parse_args(argv)
-    from engine.cache_dir import cache_root
+    from kvstore.cache_dir import cache_root
     from engine.config import resolve_device
 
     try:

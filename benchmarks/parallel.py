@@ -57,7 +57,7 @@ def demo_shaped_model() -> str:
     """The default model (module docstring), built on first use."""
     from checkpoints import build_checkpoint
 
-    from engine.cache_dir import cache_root
+    from kvstore.cache_dir import cache_root
 
     out = cache_root() / "bench-models" / "llama-demo-shaped-8h-d64"
     if not (out / "model.safetensors").is_file():

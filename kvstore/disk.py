@@ -27,6 +27,8 @@ Guarantees:
   a hole counted in `used_bytes` until its file's last entry goes.
 - Every read verifies the payload checksum (or MAC); a mismatch, truncation or IO error is counted,
   removed, logged and reported as a miss. Bytes that failed verification are never served.
+- A file's reads and checks run in one call of a native loop without the GIL (`kvstore.native`),
+  or in Python where it cannot be built: the same checks, the same results.
 - Entries are opened without following links and without blocking (`disk_layout.open_regular`):
   a FIFO, device node, directory, socket or symlink at an entry's path is a miss, logged once and
   removed (at start-up too), never a read that blocks a tier thread. One planted where a write
@@ -50,13 +52,14 @@ from typing import Any
 
 from kvstore.backend import (IO_BYTES, BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_infos,
                              check_keys, check_outs)
-from kvstore.disk_files import file_ident, read_run, runs, scan_directory, write_temp
+from kvstore.disk_files import file_ident, read_file_native, read_file_python, scan_directory, write_temp
 from kvstore.disk_index import DiskIndex, FileName, Loc
-from kvstore.disk_layout import (entry_key, entry_path, fsync_dir, list_files, open_regular, reason,
+from kvstore.disk_layout import (entry_key, entry_path, fsync_dir, list_files, reason,
                                  remove_entry_path, unlink_quietly)
 # MAGIC, HEADER_SIZE and encode_header are also imported from here (the format's old home).
 from kvstore.entry import HEADER_SIZE, MAGIC, CorruptEntry, EntryCodec, EntryHeader, check_secret, encode_header  # noqa: F401
 from kvstore.disk_config import DiskConfig  # noqa: F401 - re-exported: kvstore.disk.DiskConfig
+from kvstore import native
 from kvstore.keys import BlockKey
 from kvstore.namespace_info import write_disk_record
 from policies import BlockInfo, PolicySpecLike, check_candidates, make_policy
@@ -74,11 +77,12 @@ class DiskBackend(StorageBackend):
         self, root: Path | str, capacity_bytes: int, namespace: bytes, policy: PolicySpecLike = "lru",
         fsync: bool = False, retry_after_s: float = 30.0, secret: bytes | None = None,
         entry_bytes: int | None = None, touch_on_read: bool = True, info: Mapping[str, Any] | None = None,
-        file_bytes: int = IO_BYTES,
+        file_bytes: int = IO_BYTES, native_io: bool = True,
     ) -> None:
         self.config = DiskConfig(Path(root), capacity_bytes, namespace, policy, fsync, retry_after_s, secret,
-                                 entry_bytes, touch_on_read, info, file_bytes)
+                                 entry_bytes, touch_on_read, info, file_bytes, native_io)
         self._codec = EntryCodec(secret)
+        self._reader = native.reader() if native_io else None
         self.directory = self.config.root / namespace.hex()
         self.stats = BackendStats()
         self._dir = str(self.directory)
@@ -238,36 +242,32 @@ class DiskBackend(StorageBackend):
         the reads were planned; another file there now (replaced since) is a miss, not damage."""
         path = self._path(name)
         try:
-            fd, st = open_regular(path)
+            if self._reader is not None:
+                ident, checked, read_s, check_s = read_file_native(self._reader, path, wanted, targets, keys,
+                                                                   self._codec, self.config.namespace)
+            else:
+                ident, checked, read_s, check_s = read_file_python(path, wanted, targets, keys, self._codec,
+                                                                   self.config.namespace)
         except FileNotFoundError:
             self._vanished(name, path, len(wanted))
             return []
         except OSError as e:  # a stranger at the path (NotRegularFile), an I/O error: the file is lost
             self._file_lost(name, path, len(wanted), reason(e))
             return []
-        ident, good, read_s, check_s = (st.st_dev, st.st_ino), [], 0.0, 0.0
-        if expected is not None and ident != expected:
-            with self._lock:
-                replaced = self._index.ident(name) != expected
-                self.stats.misses += len(wanted) if replaced else 0
-            if replaced:  # by this process's put since the reads were planned: a miss, not damage
-                os.close(fd)
-                return []
-            # else something outside put another file there: read it, the checks judge it
-        try:
-            for run in runs(wanted):
-                checked, r, c = read_run(fd, run, targets, keys, self._codec, self.config.namespace)
-                read_s, check_s = read_s + r, check_s + c
-                for i, loc, err in checked:
-                    if err is None:
-                        good.append(i)
-                    else:
-                        self._corrupt(keys[i], loc, path, ident, err)
-        finally:
-            os.close(fd)
         with self._lock:
             self.stats.read_seconds += read_s
             self.stats.check_seconds += check_s
+            replaced = expected is not None and ident != expected and self._index.ident(name) != expected
+            self.stats.misses += len(wanted) if replaced else 0
+        if replaced:  # by this process's put since the reads were planned: a miss, not damage
+            return []
+        # (another identity put there by something outside this process: the checks judge it)
+        good = []
+        for i, loc, err in checked:
+            if err is None:
+                good.append(i)
+            else:
+                self._corrupt(keys[i], loc, path, ident, err)
         return good
 
     def touch(self, keys: Sequence[BlockKey], priority: int) -> None:

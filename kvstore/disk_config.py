@@ -33,6 +33,9 @@ class DiskConfig:
     # the `kvtier kv` tools (kvstore.namespace_info); informational, never read back by the tier.
     info: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
     file_bytes: int = IO_BYTES  # the most bytes one file gathers from a put (a single entry may exceed it)
+    # Reads through the native loop (kvstore.native) where it builds; False: Python's reads, the
+    # same checks and results (tests compare the two).
+    native_io: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))

@@ -1,4 +1,5 @@
-"""G3's file I/O: scanning the directory at start-up, cutting reads into runs, writing a file.
+"""G3's file I/O: scanning the directory at start-up, reading a file's entries (in Python, or in
+the native loop of kvstore/native), writing a file.
 
 No bookkeeping: `kvstore.disk` decides what to read and write and keeps the index.
 """
@@ -10,11 +11,13 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvstore.disk_index import FileName, Loc
-from kvstore.disk_layout import (entry_key, open_regular, pid_alive, reason, remove_entry_path, temp_path, temp_writer,
-                                 write_all)
+from kvstore.backend import Buffer
+from kvstore.disk_index import FileName, Ident, Loc
+from kvstore.disk_layout import (entry_key, not_regular, open_regular, pid_alive, reason, remove_entry_path, temp_path,
+                                 temp_writer, write_all)
 from kvstore.entry import HEADER_SIZE, CorruptEntry, EntryCodec, EntryHeader
 from kvstore.keys import BlockKey
+from kvstore.native import ENTRY_OK, ENTRY_SHORT, FILE_NOT_REGULAR, NativeReader
 
 logger = logging.getLogger("kvstore.disk")  # the tier's own logger: its warnings read as the tier's
 
@@ -174,30 +177,69 @@ def write_file(path: str, parts: list[memoryview], fsync: bool) -> None:
         raise
 
 
-def read_run(fd: int, run: list[tuple[int, Loc]], targets: dict[int, memoryview], keys: Sequence[BlockKey],
-             codec: EntryCodec, namespace: bytes) -> tuple[list[tuple[int, Loc, str | None]], float, float]:
-    """Reads a run of adjacent entries in one preadv, each payload straight into its target, and
-    checks each: (index, loc, None) if it is `keys[index]`'s, (index, loc, why not) if not; with
-    the seconds spent reading and checking."""
-    heads = [bytearray(HEADER_SIZE) for _ in run]
-    iov = [b for (i, _), h in zip(run, heads) for b in (h, targets[i])]
-    start = run[0][1].offset
-    t0 = time.perf_counter()
+Checked = list[tuple[int, Loc, str | None]]  # (index, loc, None if verified else why not)
+
+
+def read_file_python(path: str, wanted: list[tuple[int, Loc]], targets: dict[int, memoryview],
+                     keys: Sequence[BlockKey], codec: EntryCodec, namespace: bytes) -> tuple[Ident, Checked, float, float]:
+    """Reads `wanted` (sorted by offset) of the file at `path`, each run of adjacent entries in one
+    preadv straight into `targets`, and checks each: (the file's identity, the entries checked,
+    seconds reading, seconds checking). OSError (NotRegularFile, FileNotFoundError, ...) if the
+    file cannot be opened, having read nothing."""
+    fd, st = open_regular(path)
+    checked: Checked = []
+    read_s = check_s = 0.0
     try:
-        n, err = os.preadv(fd, iov, start), "truncated"
-    except OSError as e:
-        n, err = 0, e.strerror or str(e)
-    t1 = time.perf_counter()
-    out: list[tuple[int, Loc, str | None]] = []
-    for (i, loc), h in zip(run, heads):
-        try:
-            if loc.offset + loc.size - start > n:
-                raise CorruptEntry(err)
-            head = codec.open_header(h)
-            check_entry(head, namespace, keys[i], 0, loc.size)
-            codec.check_payload(head, targets[i])
-        except CorruptEntry as e:
-            out.append((i, loc, str(e)))
-            continue
-        out.append((i, loc, None))
-    return out, t1 - t0, time.perf_counter() - t1
+        for run in runs(wanted):
+            heads = [bytearray(HEADER_SIZE) for _ in run]
+            iov = [b for (i, _), h in zip(run, heads) for b in (h, targets[i])]
+            start = run[0][1].offset
+            t0 = time.perf_counter()
+            try:
+                n, err = os.preadv(fd, iov, start), "truncated"
+            except OSError as e:
+                n, err = 0, e.strerror or str(e)
+            t1 = time.perf_counter()
+            for (i, loc), h in zip(run, heads):
+                short = loc.offset + loc.size - start > n
+                checked.append((i, loc, err if short else entry_error(h, targets[i], keys[i], codec, namespace, loc)))
+            read_s, check_s = read_s + t1 - t0, check_s + time.perf_counter() - t1
+    finally:
+        os.close(fd)
+    return (st.st_dev, st.st_ino), checked, read_s, check_s
+
+
+def read_file_native(reader: NativeReader, path: str, wanted: list[tuple[int, Loc]], targets: dict[int, memoryview],
+                     keys: Sequence[BlockKey], codec: EntryCodec, namespace: bytes) -> tuple[Ident, Checked, float, float]:
+    """`read_file_python`'s contract, in one call of the native loop (kvstore/native): it opens,
+    reads and checks the file without the GIL. Entries it could not verify are checked here, so
+    the reasons are Python's own."""
+    got = reader.read(path, [loc.offset for _, loc in wanted], [loc.size for _, loc in wanted],
+                      [targets[i] for i, _ in wanted], [keys[i] for i, _ in wanted], namespace, not codec.keyed)
+    if got.code == FILE_NOT_REGULAR:
+        raise not_regular(path, got.ident[0])
+    if got.code < 0:
+        raise OSError(-got.code, os.strerror(-got.code), path)  # FileNotFoundError for ENOENT
+    t0 = time.perf_counter()
+    checked: Checked = []
+    for j, ((i, loc), status) in enumerate(zip(wanted, got.status)):
+        if status == ENTRY_OK:
+            checked.append((i, loc, None))
+        elif status == ENTRY_SHORT:
+            checked.append((i, loc, os.strerror(got.errno) if got.errno else "truncated"))
+        else:
+            head = got.heads[j * HEADER_SIZE:(j + 1) * HEADER_SIZE]
+            checked.append((i, loc, entry_error(head, targets[i], keys[i], codec, namespace, loc)))
+    return got.ident, checked, got.read_s, got.check_s + time.perf_counter() - t0
+
+
+def entry_error(head: Buffer, payload: memoryview, key: BlockKey, codec: EntryCodec, namespace: bytes,
+                loc: Loc) -> str | None:
+    """None if the entry read at `loc` (its header bytes, its payload) is `key`'s, else why not."""
+    try:
+        h = codec.open_header(head)
+        check_entry(h, namespace, key, 0, loc.size)
+        codec.check_payload(h, payload)
+    except CorruptEntry as e:
+        return str(e)
+    return None

@@ -75,16 +75,21 @@ def open_regular(path: str) -> tuple[int, os.stat_result]:
     O_NONBLOCK changes nothing for a regular file's reads."""
     st = os.lstat(path)
     if not stat.S_ISREG(st.st_mode):
-        raise NotRegularFile(errno.EINVAL, f"a {_kind(st.st_mode)}, not a regular file", path)
+        raise not_regular(path, st.st_mode)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise NotRegularFile(errno.EINVAL, f"a {_kind(st.st_mode)}, not a regular file", path)
+            raise not_regular(path, st.st_mode)
     except BaseException:
         os.close(fd)
         raise
     return fd, st
+
+
+def not_regular(path: str, mode: int) -> NotRegularFile:
+    """The error for a `mode` that is not a regular file's where an entry should be."""
+    return NotRegularFile(errno.EINVAL, f"a {_kind(mode)}, not a regular file", path)
 
 
 def reason(e: Exception) -> str:

@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from engine.cache_dir import cache_root
+from kvstore.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.cache_dir import cache_root
+from kvstore.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 

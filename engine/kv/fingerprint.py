@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.cache_dir import cache_root
+from kvstore.cache_dir import cache_root
 from engine.model_config import ModelConfig
 from engine.runner.loader import weight_files
 

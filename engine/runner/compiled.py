@@ -26,7 +26,7 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from engine.model_config import UNSCALED, KVScale
 from engine.runner.attention import AttentionBackend, AttentionMetadata
-from engine.cache_dir import cache_root
+from kvstore.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import kvstore.disk_files as disk_files
+from kvstore import native
 from kvstore.disk import HEADER_SIZE, DiskBackend
 
 NS = bytes.fromhex("00112233445566778899aabbccddeeff")
@@ -20,9 +21,18 @@ def payload(k: bytes) -> bytes:
     return random.Random(k).randbytes(SIZE)
 
 
-def disk(tmp_path: Path, **kw) -> DiskBackend:
+@pytest.fixture(params=["native", "python"], autouse=True)
+def io(request: pytest.FixtureRequest) -> str:
+    """Every test here runs with the native read loop (kvstore/native) and with Python's reads."""
+    if request.param == "native" and native.reader() is None:
+        pytest.skip("the native read loop is unavailable here")
+    return request.param
+
+
+def disk(tmp_path: Path, io: str, **kw) -> DiskBackend:
     kw.setdefault("file_bytes", 1 << 20)
-    return DiskBackend(tmp_path / "g3", capacity_bytes=kw.pop("capacity", 64 << 20), namespace=NS, **kw)
+    return DiskBackend(tmp_path / "g3", capacity_bytes=kw.pop("capacity", 64 << 20), namespace=NS,
+                       native_io=io == "native", **kw)
 
 
 def file_of(b: DiskBackend, first: bytes) -> Path:
@@ -30,27 +40,44 @@ def file_of(b: DiskBackend, first: bytes) -> Path:
 
 
 @pytest.fixture
-def stored(tmp_path: Path) -> DiskBackend:
-    b = disk(tmp_path)
+def stored(tmp_path: Path, io: str) -> DiskBackend:
+    b = disk(tmp_path, io)
     assert b.put(KEYS, [payload(k) for k in KEYS]) == [True] * 8
     assert list(b.directory.rglob("*.kvb")) == [file_of(b, KEYS[0])]  # one file of eight entries
     return b
 
 
-def count_preadv(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def count_preadv(monkeypatch: pytest.MonkeyPatch, b: DiskBackend) -> list[int]:
+    """The bytes of each preadv a read makes: Python's calls, or the runs the native loop is given
+    (it reads each run of adjacent entries in one preadv)."""
     calls: list[int] = []
-    real = os.preadv
+    if b._reader is None:
+        real = os.preadv
 
-    def counting(fd, buffers, offset, *a):
-        calls.append(sum(memoryview(x).nbytes for x in buffers))
-        return real(fd, buffers, offset, *a)
+        def counting(fd, buffers, offset, *a):
+            calls.append(sum(memoryview(x).nbytes for x in buffers))
+            return real(fd, buffers, offset, *a)
 
-    monkeypatch.setattr(disk_files.os, "preadv", counting)
+        monkeypatch.setattr(disk_files.os, "preadv", counting)
+        return calls
+    real_read = b._reader.read
+
+    def runs_of(path, offsets, sizes, *a):
+        for o, n in zip(offsets, sizes):
+            if calls and o == end[0]:
+                calls[-1] += n
+            else:
+                calls.append(n)
+            end[0] = o + n
+        return real_read(path, offsets, sizes, *a)
+
+    end = [-1]
+    monkeypatch.setattr(b._reader, "read", runs_of)
     return calls
 
 
 def test_every_entry_of_a_file_is_found_and_read_alone(stored: DiskBackend, monkeypatch) -> None:
-    calls = count_preadv(monkeypatch)
+    calls = count_preadv(monkeypatch, stored)
     assert stored.exists(KEYS) == [True] * 8
     for n in range(1, 9):  # a prefix ending at every entry boundary inside the file
         bufs = [bytearray(SIZE) for _ in range(n)]
@@ -83,21 +110,21 @@ def test_a_damaged_entry_is_a_miss_and_its_neighbours_are_served(stored: DiskBac
     stored.check_integrity()
 
 
-def test_restart_reuses_files_of_several_entries(tmp_path: Path, stored: DiskBackend) -> None:
+def test_restart_reuses_files_of_several_entries(tmp_path: Path, stored: DiskBackend, io: str) -> None:
     more = [bytes([0x40 + i]) * 16 for i in range(3)]
     assert stored.put(more, [payload(k) for k in more]) == [True] * 3
     stored.close()
-    again = disk(tmp_path)
+    again = disk(tmp_path, io)
     assert len(again) == 11 and again.stats.corrupt == 0
     assert again.get(KEYS + more) == [payload(k) for k in KEYS + more]
     again.check_integrity()
 
 
-def test_a_torn_file_keeps_the_entries_before_the_tear(tmp_path: Path, stored: DiskBackend) -> None:
+def test_a_torn_file_keeps_the_entries_before_the_tear(tmp_path: Path, stored: DiskBackend, io: str) -> None:
     stored.close()
     path = file_of(stored, KEYS[0])
     os.truncate(path, 5 * (HEADER_SIZE + SIZE) + HEADER_SIZE + 10)  # inside entry 5
-    again = disk(tmp_path)
+    again = disk(tmp_path, io)
     assert again.stats.corrupt == 1 and len(again) == 5
     assert again.get(KEYS) == [payload(k) for k in KEYS[:5]] + [None] * 3
     assert path.stat().st_size == 5 * (HEADER_SIZE + SIZE)  # the torn tail is cut off
@@ -115,9 +142,9 @@ def test_a_stranger_at_a_files_path_loses_its_entries_only(tmp_path: Path, store
     stored.check_integrity()
 
 
-def test_eviction_removes_the_victims_whole_file(tmp_path: Path) -> None:
+def test_eviction_removes_the_victims_whole_file(tmp_path: Path, io: str) -> None:
     per = HEADER_SIZE + SIZE
-    b = disk(tmp_path, capacity=10 * per, file_bytes=4 * per)
+    b = disk(tmp_path, io, capacity=10 * per, file_bytes=4 * per)
     assert b.put(KEYS, [payload(k) for k in KEYS]) == [True] * 8  # files of 4 + 4
     b.get(KEYS[:4])  # the first file's entries are the most recently used
     newer = [bytes([0x70 + i]) * 16 for i in range(3)]
@@ -131,9 +158,9 @@ def test_eviction_removes_the_victims_whole_file(tmp_path: Path) -> None:
     b.check_integrity()
 
 
-def test_a_put_is_cut_into_files_of_at_most_file_bytes(tmp_path: Path) -> None:
+def test_a_put_is_cut_into_files_of_at_most_file_bytes(tmp_path: Path, io: str) -> None:
     per = HEADER_SIZE + SIZE
-    b = disk(tmp_path, file_bytes=3 * per)
+    b = disk(tmp_path, io, file_bytes=3 * per)
     assert b.put(KEYS, [payload(k) for k in KEYS]) == [True] * 8
     sizes = sorted(p.stat().st_size for p in b.directory.rglob("*.kvb"))
     assert sizes == [2 * per, 3 * per, 3 * per]
@@ -141,23 +168,25 @@ def test_a_put_is_cut_into_files_of_at_most_file_bytes(tmp_path: Path) -> None:
     b.check_integrity()
 
 
-def test_a_file_replaced_by_a_put_after_a_read_was_planned_is_a_miss_not_damage(tmp_path: Path, monkeypatch) -> None:
+def test_a_file_replaced_by_a_put_after_a_read_was_planned_is_a_miss_not_damage(tmp_path: Path, monkeypatch,
+                                                                                 io: str) -> None:
     """A put that replaces a file (same first key, other entries) between a read's planning and its
     open: the old offsets now hold other entries. A miss, not corruption, and nothing valid dropped."""
     import kvstore.disk as disk_module
 
-    b = disk(tmp_path)
+    b = disk(tmp_path, io)
     assert b.put(KEYS[:4], [payload(k) for k in KEYS[:4]]) == [True] * 4
     others = [KEYS[0]] + [bytes([0x50 + i]) * 16 for i in range(3)]
-    real, fired = disk_module.open_regular, []
+    name = "read_file_native" if io == "native" else "read_file_python"
+    real, fired = getattr(disk_module, name), []
 
-    def racing(path):
+    def racing(*a):
         if not fired:
-            fired.append(path)
+            fired.append(a)
             assert b.put(others, [payload(k) for k in others]) == [True] * 4  # same file name
-        return real(path)
+        return real(*a)
 
-    monkeypatch.setattr(disk_module, "open_regular", racing)
+    monkeypatch.setattr(disk_module, name, racing)
     assert b.get([KEYS[2]]) == [None] and fired
     assert b.stats.corrupt == 0
     assert b.get(others) == [payload(k) for k in others]

@@ -1,5 +1,6 @@
 """kvtier's per-user cache directory: `$KVTIER_CACHE_DIR`, else `$XDG_CACHE_HOME/kvtier`, else
-`~/.cache/kvtier` (the converted demo model, weights digests of read-only model directories)."""
+`~/.cache/kvtier` (the converted demo model, weights digests of read-only model directories, the C libraries built
+on first use)."""
 from __future__ import annotations
 
 import os

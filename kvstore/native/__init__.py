@@ -1,0 +1,166 @@
+"""G3's native read loop (`read_entries.c`): a file's reads and checks in one call without the GIL.
+
+Built with the system C compiler on first use and cached under `$KVTIER_CACHE_DIR/native_io/<key>/`
+(the key hashes the source, flags and compiler version; plain C, no CPU-specific flags). Where it
+cannot be built or loaded (no compiler, no `xxhash`, a self-test that fails), `reader()` is None,
+the reason is logged once, and G3 reads in Python as before: same results, slower on fast media.
+`KVTIER_NATIVE_IO=off` chooses Python's reads (to compare the two, or to rule the loop out).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+from kvstore.cache_dir import cache_root
+from kvstore.entry import HEADER_SIZE, EntryCodec
+from kvstore.keys import KEY_BYTES
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "read_entries.c"
+_FLAGS = ("-O2", "-fPIC", "-shared", "-std=c11", "-D_GNU_SOURCE")
+_ABI = 1
+_BUILD_TIMEOUT_S = 60
+ENV = "KVTIER_NATIVE_IO"
+
+ENTRY_OK, ENTRY_SHORT, ENTRY_UNCHECKED = 0, 1, 2  # as in read_entries.c
+FILE_NOT_REGULAR = 1
+
+
+class NativeUnavailable(RuntimeError):
+    """The native loop cannot run here; the message says why."""
+
+
+class FileRead(NamedTuple):
+    """What one call did to one file. `code`: 0, FILE_NOT_REGULAR, or -errno of lstat/open/fstat
+    (then nothing was read); `status[i]`: ENTRY_OK (read and verified), ENTRY_SHORT (not all its
+    bytes came: `errno` says why, 0 = end of file) or ENTRY_UNCHECKED (read; Python must check it)."""
+
+    code: int
+    status: list[int]
+    errno: int
+    ident: tuple[int, int]  # (st_dev, st_ino); st_mode in [0] when code == FILE_NOT_REGULAR
+    heads: bytes  # the entries' headers, HEADER_SIZE bytes each
+    read_s: float
+    check_s: float
+
+
+class NativeReader:
+    def __init__(self, lib: ctypes.CDLL, h64: int, h128: int) -> None:
+        self._fn = lib.kvt_read_entries
+        self._h64, self._h128 = h64, h128
+
+    def read(self, path: str, offsets: Sequence[int], sizes: Sequence[int], targets: Sequence[memoryview],
+             keys: Sequence[bytes], namespace: bytes, check: bool) -> FileRead:
+        """Reads entry i (`offsets[i]`, `sizes[i]` bytes with its header, sorted by offset) of the
+        file at `path`, its payload into `targets[i]` (writable, `sizes[i] - HEADER_SIZE` bytes),
+        and with `check` verifies it holds `keys[i]` of `namespace` (unkeyed xxh3 entries only)."""
+        n = len(offsets)
+        anchors = [ctypes.c_char.from_buffer(t) if t.nbytes else None for t in targets]  # pin the buffers
+        ptrs = (ctypes.c_void_p * n)(*[ctypes.addressof(a) if a is not None else None for a in anchors])
+        heads = ctypes.create_string_buffer(n * HEADER_SIZE)
+        status = (ctypes.c_int8 * n)()
+        err, ident, spent = ctypes.c_int(0), (ctypes.c_uint64 * 2)(), (ctypes.c_int64 * 2)()
+        code = self._fn(os.fsencode(path), n, (ctypes.c_int64 * n)(*offsets), (ctypes.c_int64 * n)(*sizes), ptrs,
+                        heads, b"".join(keys), namespace, int(check), self._h64, self._h128, status,
+                        ctypes.byref(err), ident, spent)
+        del anchors
+        return FileRead(code, list(status), err.value, (ident[0], ident[1]), heads.raw, spent[0] / 1e9, spent[1] / 1e9)
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        raise NativeUnavailable("no C compiler (set CC, or install gcc)")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeUnavailable(f"{cc} --version failed: {e}") from e
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
+    out_dir = cache_root() / "native_io" / key
+    lib = out_dir / "libkvtier_io.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=out_dir, prefix=".build-"))
+    try:
+        cmd = [cc, *_FLAGS, str(_SOURCE), "-o", str(work / lib.name)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise NativeUnavailable(f"{' '.join(cmd)} failed: {e}") from e
+        if proc.returncode != 0:
+            raise NativeUnavailable(f"{' '.join(cmd)} failed (exit {proc.returncode}): {proc.stderr.strip()[-1000:]}")
+        os.replace(work / lib.name, lib)  # atomic: concurrent builders each publish a whole library
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return lib
+
+
+def _xxh3_pointers() -> tuple[int, int]:
+    """Addresses of XXH3_64bits and XXH3_128bits in the `xxhash` package's extension: the same
+    code that computes the sums G3 writes."""
+    try:
+        import xxhash._xxhash as ext
+    except ImportError as e:
+        raise NativeUnavailable(f"no xxhash extension ({e})") from e
+    try:
+        so = ctypes.CDLL(ext.__file__)
+        return (ctypes.cast(so.XXH3_64bits, ctypes.c_void_p).value or 0,
+                ctypes.cast(so.XXH3_128bits, ctypes.c_void_p).value or 0)
+    except (OSError, AttributeError) as e:
+        raise NativeUnavailable(f"xxhash's extension does not export XXH3_64bits/XXH3_128bits ({e})") from e
+
+
+def _self_test(reader: NativeReader) -> None:
+    """Reads one sealed entry from a temp file: it must verify, and a flipped payload byte must not."""
+    ns, key, payload = bytes(range(KEY_BYTES)), bytes(range(1, KEY_BYTES + 1)), os.urandom(4096)
+    entry = EntryCodec().seal(ns, key, payload) + payload
+    with tempfile.TemporaryDirectory() as d:
+        good, bad = os.path.join(d, "good"), os.path.join(d, "bad")
+        Path(good).write_bytes(entry)
+        Path(bad).write_bytes(entry[:-1] + bytes([entry[-1] ^ 1]))
+        got = [reader.read(p, [0], [len(entry)], [memoryview(bytearray(len(payload)))], [key], ns, True).status
+               for p in (good, bad)]
+    if got != [[ENTRY_OK], [ENTRY_UNCHECKED]]:
+        raise NativeUnavailable(f"self-test failed (statuses {got}, expected [[0], [2]])")
+
+
+@functools.cache
+def reader() -> NativeReader | None:
+    """The native reader, built and self-tested once per process; None where it is unavailable."""
+    choice = os.environ.get(ENV, "on")
+    if choice not in ("on", "off"):
+        raise ValueError(f"{ENV}={choice!r}: use 'on' (the default) or 'off'")
+    if choice == "off":
+        log.info("G3 reads in Python: %s=off", ENV)
+        return None
+    try:
+        path = _build()
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise NativeUnavailable(f"cannot load {path}: {e}") from e
+        lib.kvt_read_abi.restype = ctypes.c_int
+        if lib.kvt_read_abi() != _ABI:
+            raise NativeUnavailable(f"{path} has ABI {lib.kvt_read_abi()}, expected {_ABI}")
+        p = ctypes.c_void_p
+        lib.kvt_read_entries.restype = ctypes.c_int
+        lib.kvt_read_entries.argtypes = [ctypes.c_char_p, ctypes.c_int, p, p, p, p, ctypes.c_char_p, ctypes.c_char_p,
+                                         ctypes.c_int, p, p, p, p, p, p]
+        out = NativeReader(lib, *_xxh3_pointers())
+        _self_test(out)
+    except NativeUnavailable as e:
+        log.warning("G3 reads in Python (slower on fast media): the native read loop is unavailable: %s", e)
+        return None
+    log.debug("G3 native read loop: %s", path)
+    return out
