@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.sample.batched import sample_rows
 from engine.sample.logit_controls import apply_controls, has_controls
 from engine.core.request import Request
 from engine.sample.structured import MaskPrefetch
@@ -29,10 +30,15 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, batch_on_device: bool | None = None) -> None:
+        """`batch_on_device`: draw unseeded sampled rows together where the logits are
+        (engine/sample/batched.py); None: on CUDA only, so CPU runs keep their token streams."""
         # Unseeded requests share one engine-wide stream, seeded once for reproducible runs.
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
         self.masks = MaskPrefetch()
+        self.batch_on_device = batch_on_device
+        self._device_generators: dict[torch.device, torch.Generator] = {}
 
     def prefetch(self, reqs: list[Request]) -> None:
         """A step that will sample `reqs` is about to run its forward: their grammars' masks are
@@ -46,13 +52,14 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         out = SamplerOutput([], [])
         greedy = self._plain_greedy(logits, reqs)
+        drawn = self._batched(logits, reqs)
         for i, req in enumerate(reqs):
             try:
                 forced = req.thinking.forced_next() if req.thinking is not None else None
                 if forced is not None:  # a spent thinking budget: the end marker, whatever the logits
                     token = forced
                 else:
-                    token = greedy[i] if greedy[i] >= 0 else self._sample(logits[i], req)
+                    token = greedy[i] if greedy[i] >= 0 else drawn[i] if i in drawn else self._sample(logits[i], req)
                     if (grammar := req.active_grammar()) is not None:
                         grammar.accept(token)
                 if req.thinking is not None:
@@ -79,6 +86,32 @@ class Sampler:
             for i, t in zip(rows, picked.tolist()):
                 tokens[i] = t
         return tokens
+
+    @staticmethod
+    def batchable(req: Request) -> bool:
+        """Whether a row can be drawn in the device batch: sampled, unseeded, and shaped by nothing
+        but temperature, top-k, top-p and min-p."""
+        return not req.params.greedy and req.generator is None and req.thinking is None and not has_penalty(req)
+
+    def _batched(self, logits: torch.Tensor, reqs: list[Request]) -> dict[int, int]:
+        """Tokens of the batchable rows, drawn together on the logits' device (row -> token); {}
+        where that path is off or fails (the rows are then sampled one by one, and a row whose
+        settings fail is reported there)."""
+        if not (logits.is_cuda if self.batch_on_device is None else self.batch_on_device):
+            return {}
+        rows = [i for i, r in enumerate(reqs) if self.batchable(r)]
+        if not rows:
+            return {}
+        gen = self._device_generators.get(logits.device)
+        if gen is None:
+            gen = self._device_generators[logits.device] = torch.Generator(logits.device).manual_seed(self.seed)
+        try:
+            picked = sample_rows(logits if len(rows) == len(reqs) else logits[rows], [reqs[i] for i in rows], gen)
+        except (RuntimeError, ValueError) as e:
+            log.warning("batched sampling of %d rows failed (%s: %s); sampling them one by one", len(rows),
+                        type(e).__name__, e)
+            return {}
+        return dict(zip(rows, picked))
 
     def _sample(self, row: torch.Tensor, req: Request) -> int:
         p = req.params

@@ -105,6 +105,28 @@ def test_seeded_sampling_is_reproducible_on_the_gpu(llama_ckpt):
         llm.close()
 
 
+def test_unseeded_sampled_rows_are_drawn_on_the_device(llama_ckpt, monkeypatch):
+    """engine/sample/batched.py on CUDA: unseeded sampled rows go through the device batch (none
+    through the host's per-row path), and top-k holds."""
+    import engine.sample.sampler as sampler_module
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    host_rows: list[int] = []
+    real = sampler_module.Sampler._sample
+    monkeypatch.setattr(sampler_module.Sampler, "_sample", lambda self, row, req: host_rows.append(1) or real(self, row, req))
+    llm = LLM(str(llama_ckpt), dtype="float32", device="cuda", kv_cache_memory_gib=0.5)  # float32: no top ties
+    try:
+        sp = SamplingParams(temperature=0.8, top_k=1, max_tokens=8, ignore_eos=True)  # top-k 1: greedy's tokens
+        greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        prompts = [{"prompt_token_ids": random_prompt(40, s)} for s in range(6)]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert got == want and host_rows == []
+    finally:
+        llm.close()
+
+
 def test_g2_slab_is_page_locked_in_spans_and_released():
     import gc
 
