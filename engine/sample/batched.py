@@ -1,15 +1,18 @@
-"""Sampled rows drawn together on the logits' device (issue 42).
+"""Sampled and penalised rows drawn together on the logits' device (issue 42).
 
-The host sampler (engine/sample/sampler.py) takes each sampled row to the host and filters it
-there: on a GPU, a batch of 64 such rows was 64 device-to-host copies of a whole vocabulary row and
-64 host softmaxes and sorts per step. Here the rows that need nothing but temperature, top-k,
-top-p and min-p are filtered as one batch where the logits are, and one exponential race over
-the batch picks their tokens; one copy of the ids goes to the host.
+The host sampler (engine/sample/sampler.py) takes each such row to the host and processes it
+there: on a GPU, a batch of 64 was 64 device-to-host copies of a whole vocabulary row and 64 host
+softmaxes and sorts per step. Here the rows shaped by temperature, top-k, top-p, min-p,
+repetition/presence/frequency penalties and min_tokens are processed as one batch where the
+logits are: the penalties from index tensors built once per step, the filter batched, greedy rows
+by argmax and sampled rows by one exponential race; one copy of the ids goes to the host. Grammar
+masks, logit controls and thinking budgets stay on the host path.
 
-Only unseeded requests take this path. Their noise comes from a generator on the logits' device,
+Sampled rows take this path only when unseeded (greedy rows draw nothing, so any greedy row may). Their noise comes from a generator on the logits' device,
 seeded with the engine's seed, so a run is reproducible on the same device. A seeded request keeps
 its own host generator and the host path, so it draws the same tokens on any device, whatever else
-is in the batch. The filter is `_filtered_probs`'s rule row for row (tests compare them).
+is in the batch. The filter is `_filtered_probs`'s rule and the penalties `_apply_penalties`'s,
+row for row (tests compare them).
 """
 from __future__ import annotations
 
@@ -19,11 +22,12 @@ from engine.core.request import Request
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probs `[n, vocab]` float32, degenerate `[n]` bool): each row's distribution under its own
-    settings (per-row tensors), as `_filtered_probs` makes it; a degenerate row (inf/NaN logits,
-    nothing left) is drawn as its argmax."""
+                   min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(probs `[n, vocab]` float32, degenerate `[n]` bool, fallback `[n]`): each row's distribution
+    under its own settings (per-row tensors), as `_filtered_probs` makes it; a degenerate row
+    (inf/NaN logits, nothing left) is drawn as `fallback`, the argmax of its tempered logits."""
     rows = logits.float() / temperature[:, None]
+    fallback = rows.argmax(dim=1)
     vocab = rows.shape[1]
     use_k = (top_k > 0) & (top_k < vocab)
     if bool(use_k.any()):
@@ -42,7 +46,41 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     if bool((min_p > 0).any()):
         probs = probs.masked_fill(probs < (min_p[:, None] * probs.max(dim=1, keepdim=True).values), 0.0)
     degenerate |= ~(probs.sum(dim=1) > 0.0)
-    return probs, degenerate
+    return probs, degenerate, fallback
+
+
+def penalised(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """`logits` (float32 `[n, vocab]`, not modified) with each row's min_tokens suppression,
+    repetition, presence and frequency penalties applied, in `_apply_penalties`'s order and
+    arithmetic. Each kind is one indexed operation over the batch."""
+    out = logits.clone()
+    dev, vocab = logits.device, logits.shape[1]
+
+    def index(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor(pairs, dtype=torch.long).to(dev).unbind(1)
+
+    stops = [(i, t) for i, r in enumerate(reqs) if r.num_output_suppressed() for t in r.stop_ids if t < vocab]
+    if stops:
+        out.index_put_(index(stops), torch.tensor(float("-inf"), device=dev))
+    seen = [(i, t) for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0 for t in sorted(set(r.all_token_ids))]
+    if seen:
+        rows, cols = index(seen)
+        # float32 factors: the host divides by the penalty as a scalar, which torch rounds to float32
+        rp = torch.tensor([reqs[i].params.repetition_penalty for i, _ in seen], dtype=out.dtype).to(dev)
+        vals = out[rows, cols]
+        out[rows, cols] = torch.where(vals > 0, vals / rp, vals * rp)
+    counted = [i for i, r in enumerate(reqs)
+               if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids]
+    if counted:
+        pairs = [(j, t) for j, i in enumerate(counted) for t in reqs[i].output_token_ids]
+        rows, cols = index(pairs)
+        counts = torch.zeros(len(counted), vocab, dtype=out.dtype, device=dev)
+        counts.index_put_((rows, cols), torch.ones((), dtype=out.dtype, device=dev), accumulate=True)
+        freq, pres = torch.tensor([[reqs[i].params.frequency_penalty, reqs[i].params.presence_penalty]
+                                   for i in counted], dtype=out.dtype).to(dev).unbind(1)
+        at = torch.tensor(counted, dtype=torch.long).to(dev)
+        out[at] -= freq[:, None] * counts + pres[:, None] * (counts > 0).to(out.dtype)
+    return out
 
 
 @torch.inference_mode()
@@ -50,9 +88,20 @@ def sample_rows(logits: torch.Tensor, reqs: list[Request], gen: torch.Generator)
     """Tokens for `reqs` (all `Sampler.batchable`), one row of `logits` each, drawn on the logits' device."""
     dev = logits.device
     params = [r.params for r in reqs]
-    settings = torch.tensor([[p.temperature, p.top_k, p.top_p, p.min_p] for p in params], dtype=torch.float64)
+    logits = logits.float()
+    if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
+           or r.num_output_suppressed() for r in reqs):
+        logits = penalised(logits, reqs)
+    best = logits.max(dim=1).indices  # the first maximum, as the host's argmax picks it
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        return best.tolist()
+    settings = torch.tensor([[params[i].temperature, params[i].top_k, params[i].top_p, params[i].min_p]
+                             for i in sampled], dtype=torch.float64)
     t, k, p, m = settings.to(dev).unbind(1)
-    probs, degenerate = filtered_probs(logits, t.float(), k.long(), p.float(), m.float())
+    rows = logits if len(sampled) == len(reqs) else logits[sampled]
+    probs, degenerate, fallback = filtered_probs(rows, t.float(), k.long(), p.float(), m.float())
     q = torch.empty_like(probs).exponential_(generator=gen)  # Gumbel-max's equivalent, as on the host
-    picked = torch.where(degenerate, logits.argmax(dim=1), torch.nan_to_num(probs / q).argmax(dim=1))
-    return picked.tolist()
+    picked = torch.where(degenerate, fallback, torch.nan_to_num(probs / q).argmax(dim=1))
+    at = torch.tensor(sampled, dtype=torch.long).to(dev)
+    return best.index_copy(0, at, picked).tolist()

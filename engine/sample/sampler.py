@@ -52,7 +52,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         out = SamplerOutput([], [])
         greedy = self._plain_greedy(logits, reqs)
-        drawn = self._batched(logits, reqs)
+        drawn = self._batched(logits, reqs, greedy)
         for i, req in enumerate(reqs):
             try:
                 forced = req.thinking.forced_next() if req.thinking is not None else None
@@ -89,17 +89,19 @@ class Sampler:
 
     @staticmethod
     def batchable(req: Request) -> bool:
-        """Whether a row can be drawn in the device batch: sampled, unseeded, and shaped by nothing
-        but temperature, top-k, top-p and min-p."""
-        return not req.params.greedy and req.generator is None and req.thinking is None and not has_penalty(req)
+        """Whether a row can be processed in the device batch: no grammar, logit controls or
+        thinking budget, and greedy or unseeded (a seeded row keeps its host generator)."""
+        p = req.params
+        return (req.thinking is None and req.grammar is None and not has_controls(p)
+                and (p.greedy or req.generator is None))
 
-    def _batched(self, logits: torch.Tensor, reqs: list[Request]) -> dict[int, int]:
-        """Tokens of the batchable rows, drawn together on the logits' device (row -> token); {}
-        where that path is off or fails (the rows are then sampled one by one, and a row whose
-        settings fail is reported there)."""
+    def _batched(self, logits: torch.Tensor, reqs: list[Request], greedy: list[int]) -> dict[int, int]:
+        """Tokens of the batchable rows not picked by `_plain_greedy` (`greedy[i] >= 0`), processed
+        together on the logits' device (row -> token); {} where that path is off or fails (the
+        rows are then sampled one by one, and a row whose settings fail is reported there)."""
         if not (logits.is_cuda if self.batch_on_device is None else self.batch_on_device):
             return {}
-        rows = [i for i, r in enumerate(reqs) if self.batchable(r)]
+        rows = [i for i, r in enumerate(reqs) if greedy[i] < 0 and self.batchable(r)]
         if not rows:
             return {}
         gen = self._device_generators.get(logits.device)

@@ -1,13 +1,14 @@
-"""Unseeded sampled rows drawn as one batch on the logits' device (engine/sample/batched.py), run
-here on CPU: the batch's filter is the host's per-row rule (`_filtered_probs`) row for row, its
-draws follow each row's distribution, and only the rows it may take go there."""
+"""Sampled and penalised rows processed as one batch on the logits' device
+(engine/sample/batched.py), run here on CPU: the batch's filter and penalties are the host's per-row
+rules (`_filtered_probs`, `_apply_penalties`) row for row, greedy rows with penalties give the host
+path's tokens, draws follow each row's distribution, and only the rows it may take go there."""
 from __future__ import annotations
 
 import torch
 
 from engine.core.request import Request, RequestId
-from engine.sample.batched import filtered_probs
-from engine.sample.sampler import Sampler, _filtered_probs, sampling_distribution
+from engine.sample.batched import filtered_probs, penalised
+from engine.sample.sampler import Sampler, _apply_penalties, _filtered_probs, sampling_distribution
 from engine.sampling_params import SamplingParams
 
 SETTINGS = [  # temperature, top_k, top_p, min_p
@@ -16,8 +17,11 @@ SETTINGS = [  # temperature, top_k, top_p, min_p
 ]
 
 
-def _req(i: int, **kw) -> Request:
-    return Request(RequestId(str(i)), [1, 2, 3], SamplingParams(**kw), max_total_tokens=64)
+def _req(i: int, outputs: tuple[int, ...] = (), prompt: tuple[int, ...] = (1, 2, 3), **kw) -> Request:
+    r = Request(RequestId(str(i)), list(prompt), SamplingParams(**kw), max_total_tokens=64)
+    for t in outputs:
+        r.append_token(t)
+    return r
 
 
 def test_the_batch_filter_is_the_host_rule_row_for_row() -> None:
@@ -28,12 +32,46 @@ def test_the_batch_filter_is_the_host_rule_row_for_row() -> None:
     logits[-1, :] = float("-inf")
     settings = SETTINGS + [(1.0, 0, 1.0, 0.0)] * 2
     t, k, p, m = (torch.tensor(c) for c in zip(*settings))
-    probs, degenerate = filtered_probs(logits, t.float(), k.long(), p.float(), m.float())
+    probs, degenerate, fallback = filtered_probs(logits, t.float(), k.long(), p.float(), m.float())
     for i, (temp, top_k, top_p, min_p) in enumerate(settings):
         host = _filtered_probs(logits[i] / temp, top_k, top_p, min_p)
         assert bool(degenerate[i]) == (host is None), i
-        if host is not None:
+        if host is None:
+            assert int(fallback[i]) == int((logits[i] / temp).argmax()), i
+        else:
             torch.testing.assert_close(probs[i], host, rtol=0, atol=1e-7, msg=f"row {i}: {settings[i]}")
+
+
+PENALTIES = [  # (sampling params, outputs so far)
+    (dict(repetition_penalty=1.3), (7, 9, 7)),
+    (dict(presence_penalty=0.7), (5, 5, 11, 2)),
+    (dict(frequency_penalty=0.4), (5, 5, 5, 11)),
+    (dict(presence_penalty=-0.5, frequency_penalty=0.25, repetition_penalty=0.8), (3, 3, 40)),
+    (dict(min_tokens=5, stop_token_ids=[4, 8]), (1,)),
+    (dict(min_tokens=1, stop_token_ids=[4]), (1, 2)),  # past min_tokens: nothing suppressed
+    (dict(), ()),
+    (dict(frequency_penalty=1.0), ()),  # no outputs yet: nothing to count
+]
+
+
+def test_batch_penalties_are_the_host_rule_row_for_row() -> None:
+    logits = torch.randn(len(PENALTIES), 48, generator=torch.Generator().manual_seed(3)) * 4
+    reqs = [_req(i, outs, prompt=(3, 6, 9, 12), temperature=0.0, **kw) for i, (kw, outs) in enumerate(PENALTIES)]
+    got = penalised(logits, reqs)
+    assert torch.equal(logits, logits.clone()) and not torch.equal(got, logits)
+    for i, r in enumerate(reqs):
+        assert torch.equal(got[i], _apply_penalties(logits[i].clone(), r)), (i, PENALTIES[i])
+
+
+def test_greedy_rows_with_penalties_give_the_host_paths_tokens() -> None:
+    g = torch.Generator().manual_seed(4)
+    for trial in range(20):
+        logits = torch.randn(len(PENALTIES), 48, generator=g) * 2
+        reqs = [_req(i, outs, prompt=(3, 6, 9, 12), temperature=0.0, seed=trial if i % 2 else None, **kw)
+                for i, (kw, outs) in enumerate(PENALTIES)]
+        on = Sampler(seed=0, batch_on_device=True)(logits, reqs)
+        off = Sampler(seed=0, batch_on_device=False)(logits, reqs)
+        assert not on.errors and on.token_ids == off.token_ids
 
 
 def test_batched_draws_follow_each_rows_distribution() -> None:
@@ -62,10 +100,12 @@ def test_only_unseeded_plain_rows_take_the_batch(monkeypatch) -> None:
     monkeypatch.setattr(sampler_module, "sample_rows",
                         lambda lg, rs, gen: taken.append([r.request_id for r in rs]) or real(lg, rs, gen))
     reqs = [_req(0, temperature=1.0), _req(1, temperature=1.0, seed=3), _req(2, temperature=0.0),
-            _req(3, temperature=0.9, top_k=4, presence_penalty=0.5), _req(4, temperature=0.9, top_p=0.5)]
+            _req(3, (5,), temperature=0.9, top_k=4, presence_penalty=0.5), _req(4, temperature=0.9, top_p=0.5),
+            _req(5, temperature=0.9, logit_bias={3: 5.0}), _req(6, temperature=0.0, seed=2, repetition_penalty=1.2)]
     logits = torch.randn(len(reqs), 40, generator=torch.Generator().manual_seed(2))
     out = Sampler(seed=0, batch_on_device=True)(logits, reqs)
-    assert not out.errors and taken == [["0", "4"]]
+    # not: a seeded sampled row (1), a plain greedy row (2: picked before), logit controls (5)
+    assert not out.errors and taken == [["0", "3", "4", "6"]]
     # A seeded row draws what it draws alone on the host path, whatever else is in the batch.
     alone = Sampler(seed=0, batch_on_device=False)(logits[1:2], [_req(1, temperature=1.0, seed=3)])
     assert out.token_ids[1] == alone.token_ids[0]
