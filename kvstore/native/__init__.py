@@ -13,14 +13,13 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
-import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 from kvstore.cache_dir import cache_root
+from kvstore.clib import BuildError, compiler, open_library, publish, run, version
 from kvstore.entry import HEADER_SIZE, EntryCodec
 from kvstore.keys import KEY_BYTES
 
@@ -34,10 +33,6 @@ ENV = "KVTIER_NATIVE_IO"
 
 ENTRY_OK, ENTRY_SHORT, ENTRY_UNCHECKED = 0, 1, 2  # as in read_entries.c
 FILE_NOT_REGULAR = 1
-
-
-class NativeUnavailable(RuntimeError):
-    """The native loop cannot run here; the message says why."""
 
 
 class FileRead(NamedTuple):
@@ -78,32 +73,10 @@ class NativeReader:
 
 
 def _build() -> Path:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if not cc:
-        raise NativeUnavailable("no C compiler (set CC, or install gcc)")
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise NativeUnavailable(f"{cc} --version failed: {e}") from e
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
-    out_dir = cache_root() / "native_io" / key
-    lib = out_dir / "libkvtier_io.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(dir=out_dir, prefix=".build-"))
-    try:
-        cmd = [cc, *_FLAGS, str(_SOURCE), "-o", str(work / lib.name)]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise NativeUnavailable(f"{' '.join(cmd)} failed: {e}") from e
-        if proc.returncode != 0:
-            raise NativeUnavailable(f"{' '.join(cmd)} failed (exit {proc.returncode}): {proc.stderr.strip()[-1000:]}")
-        os.replace(work / lib.name, lib)  # atomic: concurrent builders each publish a whole library
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return lib
+    cc = compiler("CC", ("gcc", "cc"))
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + version(cc).encode()).hexdigest()[:16]
+    return publish(cache_root() / "native_io" / key / "libkvtier_io.so",
+                   lambda work, out: run([cc, *_FLAGS, str(_SOURCE), "-o", str(out)], _BUILD_TIMEOUT_S))
 
 
 def _xxh3_pointers() -> tuple[int, int]:
@@ -112,13 +85,13 @@ def _xxh3_pointers() -> tuple[int, int]:
     try:
         import xxhash._xxhash as ext
     except ImportError as e:
-        raise NativeUnavailable(f"no xxhash extension ({e})") from e
+        raise BuildError(f"no xxhash extension ({e})") from e
     try:
         so = ctypes.CDLL(ext.__file__)
         return (ctypes.cast(so.XXH3_64bits, ctypes.c_void_p).value or 0,
                 ctypes.cast(so.XXH3_128bits, ctypes.c_void_p).value or 0)
     except (OSError, AttributeError) as e:
-        raise NativeUnavailable(f"xxhash's extension does not export XXH3_64bits/XXH3_128bits ({e})") from e
+        raise BuildError(f"xxhash's extension does not export XXH3_64bits/XXH3_128bits ({e})") from e
 
 
 def _self_test(reader: NativeReader) -> None:
@@ -132,7 +105,7 @@ def _self_test(reader: NativeReader) -> None:
         got = [reader.read(p, [0], [len(entry)], [memoryview(bytearray(len(payload)))], [key], ns, True).status
                for p in (good, bad)]
     if got != [[ENTRY_OK], [ENTRY_UNCHECKED]]:
-        raise NativeUnavailable(f"self-test failed (statuses {got}, expected [[0], [2]])")
+        raise BuildError(f"self-test failed (statuses {got}, expected [[0], [2]])")
 
 
 @functools.cache
@@ -146,20 +119,14 @@ def reader() -> NativeReader | None:
         return None
     try:
         path = _build()
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            raise NativeUnavailable(f"cannot load {path}: {e}") from e
-        lib.kvt_read_abi.restype = ctypes.c_int
-        if lib.kvt_read_abi() != _ABI:
-            raise NativeUnavailable(f"{path} has ABI {lib.kvt_read_abi()}, expected {_ABI}")
+        lib = open_library(path, "kvt_read_abi", _ABI)
         p = ctypes.c_void_p
         lib.kvt_read_entries.restype = ctypes.c_int
         lib.kvt_read_entries.argtypes = [ctypes.c_char_p, ctypes.c_int, p, p, p, p, ctypes.c_char_p, ctypes.c_char_p,
                                          ctypes.c_int, p, p, p, p, p, p]
         out = NativeReader(lib, *_xxh3_pointers())
         _self_test(out)
-    except NativeUnavailable as e:
+    except BuildError as e:
         log.warning("G3 reads in Python (slower on fast media): the native read loop is unavailable: %s", e)
         return None
     log.debug("G3 native read loop: %s", path)
