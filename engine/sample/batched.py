@@ -24,27 +24,29 @@ from engine.core.request import Request
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(probs `[n, vocab]` float32, degenerate `[n]` bool, fallback `[n]`): each row's distribution
-    under its own settings (per-row tensors), as `_filtered_probs` makes it; a degenerate row
-    (inf/NaN logits, nothing left) is drawn as `fallback`, the argmax of its tempered logits."""
-    rows = logits.float() / temperature[:, None]
+    under its own settings (per-row host tensors: float32 temperature, top_p, min_p, int64 top_k),
+    as `_filtered_probs` makes it; a degenerate row (inf/NaN logits, nothing left) is drawn as
+    `fallback`, the argmax of its tempered logits. Which filters run is decided from the host
+    tensors, so nothing here waits for the device."""
+    dev, vocab = logits.device, logits.shape[1]
+    use_k, use_p, use_min = (top_k > 0) & (top_k < vocab), top_p < 1.0, min_p > 0
+    rows = logits.float() / temperature.to(dev)[:, None]
     fallback = rows.argmax(dim=1)
-    vocab = rows.shape[1]
-    use_k = (top_k > 0) & (top_k < vocab)
     if bool(use_k.any()):
         kmax = int(torch.where(use_k, top_k, 1).max())
-        kth = rows.topk(kmax, dim=1).values.gather(1, (top_k.clamp(1, kmax) - 1)[:, None])
-        rows = rows.masked_fill(use_k[:, None] & (rows < kth), float("-inf"))
+        at = (top_k.clamp(1, kmax) - 1).to(dev)[:, None]
+        kth = rows.topk(kmax, dim=1).values.gather(1, at)
+        rows = rows.masked_fill(use_k.to(dev)[:, None] & (rows < kth), float("-inf"))
     probs = torch.softmax(rows, dim=1)
     degenerate = ~torch.isfinite(probs).all(dim=1)
-    use_p = top_p < 1.0
     if bool(use_p.any()):
         sorted_p, idx = probs.sort(dim=1, descending=True)
-        drop = (sorted_p.cumsum(1) - sorted_p) >= top_p[:, None]
+        drop = (sorted_p.cumsum(1) - sorted_p) >= top_p.to(dev)[:, None]
         drop[:, 0] = False  # the first token always stays, however small top_p is
-        drop &= use_p[:, None]
+        drop &= use_p.to(dev)[:, None]
         probs = probs.scatter(1, idx, sorted_p.masked_fill(drop, 0.0))
-    if bool((min_p > 0).any()):
-        probs = probs.masked_fill(probs < (min_p[:, None] * probs.max(dim=1, keepdim=True).values), 0.0)
+    if bool(use_min.any()):
+        probs = probs.masked_fill(probs < (min_p.to(dev)[:, None] * probs.max(dim=1, keepdim=True).values), 0.0)
     degenerate |= ~(probs.sum(dim=1) > 0.0)
     return probs, degenerate, fallback
 
@@ -98,7 +100,7 @@ def sample_rows(logits: torch.Tensor, reqs: list[Request], gen: torch.Generator)
         return best.tolist()
     settings = torch.tensor([[params[i].temperature, params[i].top_k, params[i].top_p, params[i].min_p]
                              for i in sampled], dtype=torch.float64)
-    t, k, p, m = settings.to(dev).unbind(1)
+    t, k, p, m = settings.unbind(1)  # host tensors: filtered_probs decides from them without waiting
     rows = logits if len(sampled) == len(reqs) else logits[sampled]
     probs, degenerate, fallback = filtered_probs(rows, t.float(), k.long(), p.float(), m.float())
     q = torch.empty_like(probs).exponential_(generator=gen)  # Gumbel-max's equivalent, as on the host
