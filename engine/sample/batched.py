@@ -54,25 +54,27 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 def penalised(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """`logits` (float32 `[n, vocab]`, not modified) with each row's min_tokens suppression,
     repetition, presence and frequency penalties applied, in `_apply_penalties`'s order and
-    arithmetic. Each kind is one indexed operation over the batch."""
-    out = logits.clone()
+    arithmetic; `logits` itself when no row has any. Each kind is one indexed operation over the batch."""
     dev, vocab = logits.device, logits.shape[1]
+    stops = [(i, t) for i, r in enumerate(reqs) if r.num_output_suppressed() for t in r.stop_ids if t < vocab]
+    seen = [(i, t) for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0 for t in sorted(set(r.all_token_ids))]
+    counted = [i for i, r in enumerate(reqs)
+               if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids]
+    if not (stops or seen or counted):
+        return logits
+    out = logits.clone()
 
     def index(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.tensor(pairs, dtype=torch.long).to(dev).unbind(1)
 
-    stops = [(i, t) for i, r in enumerate(reqs) if r.num_output_suppressed() for t in r.stop_ids if t < vocab]
     if stops:
         out.index_put_(index(stops), torch.tensor(float("-inf"), device=dev))
-    seen = [(i, t) for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0 for t in sorted(set(r.all_token_ids))]
     if seen:
         rows, cols = index(seen)
         # float32 factors: the host divides by the penalty as a scalar, which torch rounds to float32
         rp = torch.tensor([reqs[i].params.repetition_penalty for i, _ in seen], dtype=out.dtype).to(dev)
         vals = out[rows, cols]
         out[rows, cols] = torch.where(vals > 0, vals / rp, vals * rp)
-    counted = [i for i, r in enumerate(reqs)
-               if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_token_ids]
     if counted:
         pairs = [(j, t) for j, i in enumerate(counted) for t in reqs[i].output_token_ids]
         rows, cols = index(pairs)
@@ -89,21 +91,18 @@ def penalised(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 def sample_rows(logits: torch.Tensor, reqs: list[Request], gen: torch.Generator) -> list[int]:
     """Tokens for `reqs` (all `Sampler.batchable`), one row of `logits` each, drawn on the logits' device."""
     dev = logits.device
-    params = [r.params for r in reqs]
-    logits = logits.float()
-    if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
-           or r.num_output_suppressed() for r in reqs):
-        logits = penalised(logits, reqs)
-    best = logits.max(dim=1).indices  # the first maximum, as the host's argmax picks it
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if not sampled:
-        return best.tolist()
-    settings = torch.tensor([[params[i].temperature, params[i].top_k, params[i].top_p, params[i].min_p]
-                             for i in sampled], dtype=torch.float64)
-    t, k, p, m = settings.unbind(1)  # host tensors: filtered_probs decides from them without waiting
-    rows = logits if len(sampled) == len(reqs) else logits[sampled]
-    probs, degenerate, fallback = filtered_probs(rows, t.float(), k.long(), p.float(), m.float())
-    q = torch.empty_like(probs).exponential_(generator=gen)  # Gumbel-max's equivalent, as on the host
-    picked = torch.where(degenerate, fallback, torch.nan_to_num(probs / q).argmax(dim=1))
-    at = torch.tensor(sampled, dtype=torch.long).to(dev)
-    return best.index_copy(0, at, picked).tolist()
+    logits = penalised(logits.float(), reqs)
+    greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+    sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    out = torch.empty(len(reqs), dtype=torch.long, device=dev)
+    if greedy:  # the first maximum, as the host's argmax picks it
+        out[greedy] = (logits if len(greedy) == len(reqs) else logits[greedy]).max(dim=1).indices
+    if sampled:
+        settings = torch.tensor([[reqs[i].params.temperature, reqs[i].params.top_k, reqs[i].params.top_p,
+                                  reqs[i].params.min_p] for i in sampled], dtype=torch.float64)
+        t, k, p, m = settings.unbind(1)  # host tensors: filtered_probs decides from them without waiting
+        rows = logits if len(sampled) == len(reqs) else logits[sampled]
+        probs, degenerate, fallback = filtered_probs(rows, t.float(), k.long(), p.float(), m.float())
+        q = torch.empty_like(probs).exponential_(generator=gen)  # Gumbel-max's equivalent, as on the host
+        out[sampled] = torch.where(degenerate, fallback, torch.nan_to_num(probs / q).argmax(dim=1))
+    return out.tolist()
