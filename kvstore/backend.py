@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from kvstore.keys import KEY_BYTES, BlockKey
 from policies import BlockInfo
@@ -26,6 +28,50 @@ Buffer = Any  # bytes, bytearray, memoryview: anything exposing the buffer proto
 # docs/performance/tier-io.md: per-file and per-call overhead stops mattering at a few MiB.
 IO_BYTES = 4 * 2**20
 
+
+
+@dataclass(frozen=True, eq=False)
+class Scatter:
+    """Where one value goes when it is not one buffer: `lengths[i]` bytes at the raw address
+    `addresses[i]`, in order (the pieces of the G1 blocks a stored entry fills). The caller owns
+    that memory: it stays allocated and untouched by anyone else until the read returns, and
+    after a False its contents are unspecified."""
+
+    addresses: np.ndarray  # int64
+    lengths: np.ndarray  # int64, each > 0
+    # What owns the memory (a tensor, a buffer), kept alive with this: a read that outlives its
+    # caller's timeout must still land in memory that exists.
+    keep: Any = field(default=None, repr=False)
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        # The addresses are trusted (they are raw memory: no check could make a wrong one safe);
+        # the shapes and lengths are cheap to check, and a negative length would be a huge one.
+        if self.addresses.shape != self.lengths.shape or self.addresses.ndim != 1 or not len(self.addresses):
+            raise ValueError(f"Scatter needs two 1-D arrays of one non-zero length; got {self.addresses.shape} "
+                             f"and {self.lengths.shape}")
+        if self.lengths.min() <= 0:
+            raise ValueError("Scatter pieces need positive lengths")
+        object.__setattr__(self, "nbytes", int(self.lengths.sum()))
+
+    def views(self) -> list[memoryview]:
+        """The pieces as writable byte views (valid while the caller's memory is)."""
+        import ctypes
+
+        return [memoryview((ctypes.c_char * int(n)).from_address(int(a))).cast("B")
+                for a, n in zip(self.addresses, self.lengths)]
+
+
+class ScatterReads(ABC):
+    """A backend whose `get_into` also takes `Scatter` outputs: it reads a value straight into
+    its final places, saving the copy out of a buffer. Optional: kvtier passes Scatter outputs
+    only while `scatter_reads` is True, and plain buffers otherwise."""
+
+    @property
+    @abstractmethod
+    def scatter_reads(self) -> bool:
+        """Whether Scatter outputs are worth using here, and safe: a read that outlives the
+        caller's timeout still returns (the caller waits for it before reusing the memory)."""
 
 class BackendError(RuntimeError):
     """The backend cannot serve the call at all (closed, misconfigured, unreachable).
@@ -215,4 +261,12 @@ def check_outs(keys: Sequence[BlockKey], outs: Sequence[Buffer]) -> list[memoryv
     if len(keys) != len(outs):
         raise ValueError(f"get_into got {len(keys)} keys but {len(outs)} buffers")
     return [byte_view(o, writable=True) for o in outs]
+
+
+def check_scatter_outs(keys: Sequence[BlockKey], outs: Sequence[Buffer | Scatter]) -> list[memoryview | Scatter]:
+    """`check_outs` for a `ScatterReads` backend: Scatter outputs pass as they are."""
+    check_keys(keys)
+    if len(keys) != len(outs):
+        raise ValueError(f"get_into got {len(keys)} keys but {len(outs)} buffers")
+    return [o if isinstance(o, Scatter) else byte_view(o, writable=True) for o in outs]
 

@@ -50,9 +50,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstore.backend import (IO_BYTES, BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_infos,
-                             check_keys, check_outs)
-from kvstore.disk_files import file_ident, read_file_native, read_file_python, scan_directory, write_temp
+from kvstore.backend import (IO_BYTES, BackendError, BackendStats, Buffer, Scatter, ScatterReads, StorageBackend,
+                             check_blocks, check_infos, check_keys, check_scatter_outs)
+from kvstore.disk_files import Target, file_ident, read_file_native, read_file_python, scan_directory, write_temp
 from kvstore.disk_index import DiskIndex, FileName, Loc
 from kvstore.disk_layout import (entry_key, entry_path, fsync_dir, list_files, reason,
                                  remove_entry_path, unlink_quietly)
@@ -68,7 +68,7 @@ logger = logging.getLogger(__name__)
 
 
 
-class DiskBackend(StorageBackend):
+class DiskBackend(StorageBackend, ScatterReads):
     """The G3 tier. See the module docstring for the format and guarantees."""
 
     name = "disk"  # its name in a tier stack (connectors.stack) and in /v1/kv/stats
@@ -95,6 +95,11 @@ class DiskBackend(StorageBackend):
         self._warned = False  # one warning per run of write failures
         self._shards: set[str] = set()  # shard directories known to exist
         self._open_directory()
+        fs = self._reader.local_filesystem(self._dir) if self._reader is not None else None
+        self._scatter = fs is not None
+        logger.info("G3 at %s: %s", self._dir, f"reads land in G1 ({fs})" if fs else
+                    "reads go through buffers (no native read loop)" if self._reader is None else
+                    "reads go through buffers (not a local filesystem)")
         if info is not None and self.writable:
             write_disk_record(self._dir, namespace, info)
         self._scan()
@@ -126,9 +131,13 @@ class DiskBackend(StorageBackend):
         got = self._read(keys, None)
         return [bytes(g) if g is not None else None for g in got]
 
-    def get_into(self, keys: Sequence[BlockKey], outs: Sequence[Buffer]) -> list[bool]:
-        views = check_outs(keys, outs)
+    def get_into(self, keys: Sequence[BlockKey], outs: Sequence[Buffer | Scatter]) -> list[bool]:
+        views = check_scatter_outs(keys, outs)
         return [g is not None for g in self._read(keys, views)]
+
+    @property
+    def scatter_reads(self) -> bool:
+        return self._scatter
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer]) -> list[bool]:
         views = check_blocks(keys, blocks)
@@ -203,7 +212,7 @@ class DiskBackend(StorageBackend):
 
     # ---- reads -----------------------------------------------------------------------
 
-    def _read(self, keys: Sequence[BlockKey], outs: Sequence[memoryview] | None) -> list[memoryview | bytearray | None]:
+    def _read(self, keys: Sequence[BlockKey], outs: Sequence[Target] | None) -> list[Target | bytearray | None]:
         """Each key's payload, read into outs[i] (get_into) or a new buffer (get); None = miss.
         Neighbouring entries of one file are read together."""
         got: list[memoryview | bytearray | None] = [None] * len(keys)
@@ -228,14 +237,14 @@ class DiskBackend(StorageBackend):
                 good.append(i)
         with self._lock:
             self.stats.hits += len(good)
-            self.stats.bytes_read += sum(len(got[i]) for i in good)  # type: ignore[arg-type]
+            self.stats.bytes_read += sum(outs[i].nbytes if outs is not None else len(got[i]) for i in good)  # type: ignore[arg-type]
             if self.config.touch_on_read:
                 for i in sorted(good):  # uses in the caller's order
                     if keys[i] in self._policy:
                         self._policy.touch(keys[i])
         return got
 
-    def _read_file(self, name: FileName, wanted: list[tuple[int, Loc]], targets: dict[int, memoryview],
+    def _read_file(self, name: FileName, wanted: list[tuple[int, Loc]], targets: dict[int, Target],
                    keys: Sequence[BlockKey], expected: tuple[int, int] | None) -> list[int]:
         """Reads `wanted` (by offset) of one file, each run of adjacent entries in one preadv;
         returns the indices that were read and verified. `expected`: the file's identity when

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvstore.backend import Buffer
+from kvstore.backend import Buffer, Scatter
 from kvstore.disk_index import FileName, Ident, Loc
 from kvstore.disk_layout import (entry_key, not_regular, open_regular, pid_alive, reason, remove_entry_path, temp_path,
                                  temp_writer, write_all)
@@ -21,8 +21,8 @@ from kvstore.native import ENTRY_OK, ENTRY_SHORT, FILE_NOT_REGULAR, NativeReader
 
 logger = logging.getLogger("kvstore.disk")  # the tier's own logger: its warnings read as the tier's
 
-# Two iovecs per entry (header, payload) in one preadv.
-MAX_RUN = max(1, (os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024) // 2)
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+MAX_RUN = max(1, IOV_MAX // 2)  # entries one preadv reads: two iovecs each (header, payload) unless scattered
 
 
 def check_entry(head: EntryHeader, namespace: bytes, key: BlockKey | None, offset: int, file_size: int) -> None:
@@ -178,9 +178,14 @@ def write_file(path: str, parts: list[memoryview], fsync: bool) -> None:
 
 
 Checked = list[tuple[int, Loc, str | None]]  # (index, loc, None if verified else why not)
+Target = memoryview | Scatter  # where an entry's payload goes: one buffer, or pieces of memory
 
 
-def read_file_python(path: str, wanted: list[tuple[int, Loc]], targets: dict[int, memoryview],
+def pieces(target: Target) -> list[memoryview]:
+    return target.views() if isinstance(target, Scatter) else [target]
+
+
+def read_file_python(path: str, wanted: list[tuple[int, Loc]], targets: dict[int, Target],
                      keys: Sequence[BlockKey], codec: EntryCodec, namespace: bytes) -> tuple[Ident, Checked, float, float]:
     """Reads `wanted` (sorted by offset) of the file at `path`, each run of adjacent entries in one
     preadv straight into `targets`, and checks each: (the file's identity, the entries checked,
@@ -192,24 +197,38 @@ def read_file_python(path: str, wanted: list[tuple[int, Loc]], targets: dict[int
     try:
         for run in runs(wanted):
             heads = [bytearray(HEADER_SIZE) for _ in run]
-            iov = [b for (i, _), h in zip(run, heads) for b in (h, targets[i])]
+            parts = [pieces(targets[i]) for i, _ in run]
+            iov = [b for h, p in zip(heads, parts) for b in (h, *p)]
             start = run[0][1].offset
             t0 = time.perf_counter()
-            try:
-                n, err = os.preadv(fd, iov, start), "truncated"
-            except OSError as e:
-                n, err = 0, e.strerror or str(e)
+            n, err = preadv_all(fd, iov, start)
             t1 = time.perf_counter()
-            for (i, loc), h in zip(run, heads):
+            for (i, loc), h, p in zip(run, heads, parts):
                 short = loc.offset + loc.size - start > n
-                checked.append((i, loc, err if short else entry_error(h, targets[i], keys[i], codec, namespace, loc)))
+                checked.append((i, loc, err if short else entry_error(h, p, keys[i], codec, namespace, loc)))
             read_s, check_s = read_s + t1 - t0, check_s + time.perf_counter() - t1
     finally:
         os.close(fd)
     return (st.st_dev, st.st_ino), checked, read_s, check_s
 
 
-def read_file_native(reader: NativeReader, path: str, wanted: list[tuple[int, Loc]], targets: dict[int, memoryview],
+def preadv_all(fd: int, iov: list[memoryview | bytearray], offset: int) -> tuple[int, str]:
+    """preadv of `iov` at `offset`, in calls of at most IOV_MAX pieces (a scattered entry may have
+    more): (the bytes read up to the first short call, why it was short)."""
+    done = 0
+    for j in range(0, len(iov), IOV_MAX):
+        part = iov[j:j + IOV_MAX]
+        try:
+            n = os.preadv(fd, part, offset + done)
+        except OSError as e:
+            return done, e.strerror or str(e)
+        done += n
+        if n < sum(memoryview(b).nbytes for b in part):
+            return done, "truncated"
+    return done, "truncated"
+
+
+def read_file_native(reader: NativeReader, path: str, wanted: list[tuple[int, Loc]], targets: dict[int, Target],
                      keys: Sequence[BlockKey], codec: EntryCodec, namespace: bytes) -> tuple[Ident, Checked, float, float]:
     """`read_file_python`'s contract, in one call of the native loop (kvstore/native): it opens,
     reads and checks the file without the GIL. Entries it could not verify are checked here, so
@@ -229,17 +248,17 @@ def read_file_native(reader: NativeReader, path: str, wanted: list[tuple[int, Lo
             checked.append((i, loc, os.strerror(got.errno) if got.errno else "truncated"))
         else:
             head = got.heads[j * HEADER_SIZE:(j + 1) * HEADER_SIZE]
-            checked.append((i, loc, entry_error(head, targets[i], keys[i], codec, namespace, loc)))
+            checked.append((i, loc, entry_error(head, pieces(targets[i]), keys[i], codec, namespace, loc)))
     return got.ident, checked, got.read_s, got.check_s + time.perf_counter() - t0
 
 
-def entry_error(head: Buffer, payload: memoryview, key: BlockKey, codec: EntryCodec, namespace: bytes,
+def entry_error(head: Buffer, payload: list[memoryview], key: BlockKey, codec: EntryCodec, namespace: bytes,
                 loc: Loc) -> str | None:
-    """None if the entry read at `loc` (its header bytes, its payload) is `key`'s, else why not."""
+    """None if the entry read at `loc` (its header bytes, its payload's pieces) is `key`'s, else why not."""
     try:
         h = codec.open_header(head)
         check_entry(h, namespace, key, 0, loc.size)
-        codec.check_payload(h, payload)
+        codec.check_pieces(h, payload)
     except CorruptEntry as e:
         return str(e)
     return None

@@ -33,7 +33,7 @@ import logging
 import os
 import stat
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,10 +109,10 @@ class EntryCodec:
         view = memoryview(payload)
         if self._key is not None:
             head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, ALG_HMAC_SHA256, namespace, key, view.nbytes,
-                              self._payload_mac(namespace, key, view))
+                              self._payload_mac(namespace, key, [view]))
             return head + self._header_mac(head)
         alg = DEFAULT_ALG if alg is None else alg
-        head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, alg, namespace, key, view.nbytes, _payload_sum(alg, view))
+        head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, alg, namespace, key, view.nbytes, _payload_sum(alg, [view]))
         return head + _SUMS[alg][1](head)
 
     def open_header(self, raw: Buffer) -> EntryHeader:
@@ -143,24 +143,30 @@ class EntryCodec:
 
     def check_payload(self, head: EntryHeader, payload: Buffer) -> None:
         """Raise CorruptEntry unless `payload` is what `head` was sealed over."""
+        self.check_pieces(head, [payload])
+
+    def check_pieces(self, head: EntryHeader, pieces: Sequence[Buffer]) -> None:
+        """`check_payload` for a payload read into several places: `pieces` in order."""
         if self._key is not None:
-            if self._payload_mac(head.namespace, head.key, memoryview(payload)) != head.payload_sum:
+            if self._payload_mac(head.namespace, head.key, [memoryview(p) for p in pieces]) != head.payload_sum:
                 raise CorruptEntry("payload MAC mismatch")
-        elif _payload_sum(head.alg, payload) != head.payload_sum:
+        elif _payload_sum(head.alg, pieces) != head.payload_sum:
             raise CorruptEntry("payload checksum mismatch")
 
-    def _payload_mac(self, namespace: bytes, key: bytes, view: memoryview) -> bytes:
-        h = hmac.new(self._key, _BIND.pack(namespace, key, view.nbytes), "sha256")
-        h.update(view)  # hashlib releases the GIL on large buffers: transfer threads run in parallel
+    def _payload_mac(self, namespace: bytes, key: bytes, views: list[memoryview]) -> bytes:
+        h = hmac.new(self._key, _BIND.pack(namespace, key, sum(v.nbytes for v in views)), "sha256")
+        for v in views:
+            h.update(v)  # hashlib releases the GIL on large buffers: transfer threads run in parallel
         return h.digest()[:16]
 
     def _header_mac(self, head: bytes) -> bytes:
         return hmac.digest(self._head_key, head, "sha256")[:8]
 
 
-def _payload_sum(alg: int, payload: Buffer) -> bytes:
+def _payload_sum(alg: int, pieces: Sequence[Buffer]) -> bytes:
     h = _SUMS[alg][0]()
-    h.update(payload)
+    for p in pieces:
+        h.update(p)
     return h.digest()
 
 

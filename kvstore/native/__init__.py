@@ -18,6 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
+
+from kvstore.backend import Scatter
 from kvstore.cache_dir import cache_root
 from kvstore.clib import BuildError, compiler, open_library, publish, run, version
 from kvstore.entry import HEADER_SIZE, EntryCodec
@@ -27,11 +30,18 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "read_entries.c"
 _FLAGS = ("-O2", "-fPIC", "-shared", "-std=c11", "-D_GNU_SOURCE")
-_ABI = 1
+_ABI = 2
 _BUILD_TIMEOUT_S = 60
 ENV = "KVTIER_NATIVE_IO"
 
 ENTRY_OK, ENTRY_SHORT, ENTRY_UNCHECKED = 0, 1, 2  # as in read_entries.c
+# statfs(2) magics of local filesystems, where a read always returns: only there may G3 read
+# straight into G1 (a read outliving its timeout is waited for before the blocks are reused, and
+# on a hung network mount it might never end). linux/magic.h.
+LOCAL_FILESYSTEMS = {
+    0x01021994: "tmpfs", 0x858458F6: "ramfs", 0xEF53: "ext2/3/4", 0x58465342: "xfs", 0x9123683E: "btrfs",
+    0xF2F52010: "f2fs", 0x2FC12FC1: "zfs", 0xCA451A4E: "bcachefs", 0x794C7630: "overlayfs",
+}
 FILE_NOT_REGULAR = 1
 
 
@@ -49,27 +59,51 @@ class FileRead(NamedTuple):
     check_s: float
 
 
-class NativeReader:
-    def __init__(self, lib: ctypes.CDLL, h64: int, h128: int) -> None:
-        self._fn = lib.kvt_read_entries
-        self._h64, self._h128 = h64, h128
+class _Fns(ctypes.Structure):
+    """read_entries.c's xxh_fns: the `xxhash` package's XXH3 functions."""
 
-    def read(self, path: str, offsets: Sequence[int], sizes: Sequence[int], targets: Sequence[memoryview],
+    _fields_ = [(name, ctypes.c_void_p) for name in ("h64", "create", "reset", "update", "digest", "release")]
+
+
+class NativeReader:
+    def __init__(self, lib: ctypes.CDLL, fns: _Fns) -> None:
+        self._fn = lib.kvt_read_entries
+        self._fs_magic = lib.kvt_fs_magic
+        self._fns = fns
+
+    def read(self, path: str, offsets: Sequence[int], sizes: Sequence[int], targets: Sequence[memoryview | Scatter],
              keys: Sequence[bytes], namespace: bytes, check: bool) -> FileRead:
-        """Reads entry i (`offsets[i]`, `sizes[i]` bytes with its header, sorted by offset) of the
-        file at `path`, its payload into `targets[i]` (writable, `sizes[i] - HEADER_SIZE` bytes),
-        and with `check` verifies it holds `keys[i]` of `namespace` (unkeyed xxh3 entries only)."""
+        """Reads entry i (`offsets[i]`, `sizes[i]` bytes with its header) of the file at `path`, its
+        payload into `targets[i]` (a writable buffer, or pieces of memory, of `sizes[i] - HEADER_SIZE`
+        bytes), and with `check` verifies it holds `keys[i]` of `namespace` (unkeyed xxh3 entries only)."""
         n = len(offsets)
-        anchors = [ctypes.c_char.from_buffer(t) if t.nbytes else None for t in targets]  # pin the buffers
-        ptrs = (ctypes.c_void_p * n)(*[ctypes.addressof(a) if a is not None else None for a in anchors])
+        anchors, addrs, lens, nseg = [], [], [], np.zeros(n, dtype=np.int32)
+        for i, t in enumerate(targets):
+            if isinstance(t, Scatter):
+                addrs.append(t.addresses)
+                lens.append(t.lengths)
+                nseg[i] = len(t.addresses)
+            elif t.nbytes:
+                anchors.append(ctypes.c_char.from_buffer(t))  # pins the buffer for the call
+                addrs.append(np.array([ctypes.addressof(anchors[-1])], dtype=np.int64))
+                lens.append(np.array([t.nbytes], dtype=np.int64))
+                nseg[i] = 1
+        ptrs = np.ascontiguousarray(np.concatenate(addrs) if addrs else np.zeros(1, np.int64), dtype=np.int64)
+        lengths = np.ascontiguousarray(np.concatenate(lens) if lens else np.zeros(1, np.int64), dtype=np.int64)
         heads = ctypes.create_string_buffer(n * HEADER_SIZE)
         status = (ctypes.c_int8 * n)()
         err, ident, spent = ctypes.c_int(0), (ctypes.c_uint64 * 2)(), (ctypes.c_int64 * 2)()
-        code = self._fn(os.fsencode(path), n, (ctypes.c_int64 * n)(*offsets), (ctypes.c_int64 * n)(*sizes), ptrs,
-                        heads, b"".join(keys), namespace, int(check), self._h64, self._h128, status,
-                        ctypes.byref(err), ident, spent)
+        code = self._fn(os.fsencode(path), n, (ctypes.c_int64 * n)(*offsets), (ctypes.c_int64 * n)(*sizes),
+                        nseg.ctypes.data, ptrs.ctypes.data, lengths.ctypes.data, heads, b"".join(keys), namespace,
+                        int(check), ctypes.byref(self._fns), status, ctypes.byref(err), ident, spent)
         del anchors
         return FileRead(code, list(status), err.value, (ident[0], ident[1]), heads.raw, spent[0] / 1e9, spent[1] / 1e9)
+
+    def local_filesystem(self, path: str) -> str | None:
+        """The name of the local filesystem `path` is on (LOCAL_FILESYSTEMS); None for any other
+        (a network or FUSE mount) or when statfs fails."""
+        got = self._fs_magic(os.fsencode(path))
+        return LOCAL_FILESYSTEMS.get(got) if got >= 0 else None
 
 
 def _build() -> Path:
@@ -79,33 +113,38 @@ def _build() -> Path:
                    lambda work, out: run([cc, *_FLAGS, str(_SOURCE), "-o", str(out)], _BUILD_TIMEOUT_S))
 
 
-def _xxh3_pointers() -> tuple[int, int]:
-    """Addresses of XXH3_64bits and XXH3_128bits in the `xxhash` package's extension: the same
-    code that computes the sums G3 writes."""
+def _xxh3_functions() -> _Fns:
+    """XXH3_64bits and the XXH3-128 streaming functions of the `xxhash` package's extension: the
+    same code that computes the sums G3 writes."""
     try:
         import xxhash._xxhash as ext
     except ImportError as e:
         raise BuildError(f"no xxhash extension ({e})") from e
     try:
         so = ctypes.CDLL(ext.__file__)
-        return (ctypes.cast(so.XXH3_64bits, ctypes.c_void_p).value or 0,
-                ctypes.cast(so.XXH3_128bits, ctypes.c_void_p).value or 0)
+        names = ("XXH3_64bits", "XXH3_createState", "XXH3_128bits_reset", "XXH3_128bits_update",
+                 "XXH3_128bits_digest", "XXH3_freeState")
+        return _Fns(*(ctypes.cast(getattr(so, name), ctypes.c_void_p).value for name in names))
     except (OSError, AttributeError) as e:
-        raise BuildError(f"xxhash's extension does not export XXH3_64bits/XXH3_128bits ({e})") from e
+        raise BuildError(f"xxhash's extension does not export the XXH3 functions G3 checks with ({e})") from e
 
 
 def _self_test(reader: NativeReader) -> None:
-    """Reads one sealed entry from a temp file: it must verify, and a flipped payload byte must not."""
+    """Reads one sealed entry from a temp file: whole and in three pieces it must verify and hold
+    the payload, and with a flipped payload byte it must not verify."""
     ns, key, payload = bytes(range(KEY_BYTES)), bytes(range(1, KEY_BYTES + 1)), os.urandom(4096)
     entry = EntryCodec().seal(ns, key, payload) + payload
+    pieces = [ctypes.create_string_buffer(n) for n in (1000, 96, 3000)]
+    scatter = Scatter(np.array([ctypes.addressof(b) for b in pieces], dtype=np.int64),
+                      np.array([len(b) for b in pieces], dtype=np.int64))
     with tempfile.TemporaryDirectory() as d:
         good, bad = os.path.join(d, "good"), os.path.join(d, "bad")
         Path(good).write_bytes(entry)
         Path(bad).write_bytes(entry[:-1] + bytes([entry[-1] ^ 1]))
-        got = [reader.read(p, [0], [len(entry)], [memoryview(bytearray(len(payload)))], [key], ns, True).status
-               for p in (good, bad)]
-    if got != [[ENTRY_OK], [ENTRY_UNCHECKED]]:
-        raise BuildError(f"self-test failed (statuses {got}, expected [[0], [2]])")
+        got = [reader.read(p, [0], [len(entry)], [t], [key], ns, True).status
+               for p, t in ((good, memoryview(bytearray(len(payload)))), (good, scatter), (bad, scatter))]
+    if got != [[ENTRY_OK], [ENTRY_OK], [ENTRY_UNCHECKED]] or b"".join(b.raw for b in pieces) != payload[:-1] + bytes([payload[-1] ^ 1]):
+        raise BuildError(f"self-test failed (statuses {got}, expected [[0], [0], [2]], or the pieces' bytes differ)")
 
 
 @functools.cache
@@ -122,9 +161,11 @@ def reader() -> NativeReader | None:
         lib = open_library(path, "kvt_read_abi", _ABI)
         p = ctypes.c_void_p
         lib.kvt_read_entries.restype = ctypes.c_int
-        lib.kvt_read_entries.argtypes = [ctypes.c_char_p, ctypes.c_int, p, p, p, p, ctypes.c_char_p, ctypes.c_char_p,
-                                         ctypes.c_int, p, p, p, p, p, p]
-        out = NativeReader(lib, *_xxh3_pointers())
+        lib.kvt_read_entries.argtypes = [ctypes.c_char_p, ctypes.c_int, p, p, p, p, p, p, ctypes.c_char_p,
+                                         ctypes.c_char_p, ctypes.c_int, p, p, p, p, p]
+        lib.kvt_fs_magic.restype = ctypes.c_int64
+        lib.kvt_fs_magic.argtypes = [ctypes.c_char_p]
+        out = NativeReader(lib, _xxh3_functions())
         _self_test(out)
     except BuildError as e:
         log.warning("G3 reads in Python (slower on fast media): the native read loop is unavailable: %s", e)

@@ -6,8 +6,13 @@
  * Here one ctypes call (ctypes drops the GIL for its length) does a file's whole share:
  *
  *   lstat, refuse anything but a regular file; open without following links or blocking; fstat
- *   again (the path may have been swapped); then, for each run of adjacent entries, one preadv
- *   of (header, payload) pairs straight into the caller's buffers; then each entry's checks.
+ *   again (the path may have been swapped); then, per entry, one preadv of its header and its
+ *   payload's pieces straight into the caller's memory, and at once (while the bytes are still
+ *   in the CPU's caches) that entry's checks.
+ *
+ * An entry's payload may go to several places: the pieces of G1 blocks it fills (the payload is
+ * layer-major, G1 is block-major within a layer), so a hit moves each byte once, not through a
+ * buffer and a copy. The payload sum is then taken over the pieces in order.
  *
  * Checks are the unkeyed xxh3 format of kvstore/entry.py: magic, version, header length,
  * algorithm 1, the header's xxh3-64, namespace, key, payload length and the payload's xxh3-128.
@@ -21,11 +26,12 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
-#define KVT_READ_ABI 1
+#define KVT_READ_ABI 2
 #define HEAD_BODY 68 /* struct "<4sHHB3x16s16sQ16s" */
 #define HEADER_SIZE (HEAD_BODY + 8)
 #define MAX_IOV 1024
@@ -34,10 +40,24 @@ enum { ENTRY_OK = 0, ENTRY_SHORT = 1, ENTRY_UNCHECKED = 2 };
 enum { FILE_OK = 0, FILE_NOT_REGULAR = 1 }; /* negative: -errno of lstat/open/fstat */
 
 typedef struct { uint64_t low64, high64; } h128_t; /* XXH128_hash_t */
-typedef h128_t (*h128_fn)(const void *, size_t);
-typedef uint64_t (*h64_fn)(const void *, size_t);
+
+/* The `xxhash` package's XXH3_64bits and XXH3_128bits streaming functions. */
+typedef struct {
+    uint64_t (*h64)(const void *, size_t);
+    void *(*create)(void);
+    int (*reset)(void *);
+    int (*update)(void *, const void *, size_t);
+    h128_t (*digest)(const void *);
+    int (*release)(void *);
+} xxh_fns;
 
 int kvt_read_abi(void) { return KVT_READ_ABI; }
+
+/* The filesystem type (statfs f_type) of `path`, or -errno. */
+int64_t kvt_fs_magic(const char *path) {
+    struct statfs s;
+    return statfs(path, &s) == 0 ? (int64_t)(uint64_t)s.f_type : -errno;
+}
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -57,32 +77,63 @@ static int eq_be64(const uint8_t *p, uint64_t v) { /* xxhash's canonical digest 
     return 1;
 }
 
-static int verified(const uint8_t *head, const uint8_t *payload, int64_t payload_len, const uint8_t *ns,
-                    const uint8_t *key, h64_fn h64, h128_fn h128) {
+/* The payload is the pieces (ptrs[k], lens[k]) for k < nseg, in order. */
+static int verified(const uint8_t *head, int nseg, void *const *ptrs, const int64_t *lens, int64_t payload_len,
+                    const uint8_t *ns, const uint8_t *key, const xxh_fns *f, void *state) {
     if (memcmp(head, "KVTB", 4) != 0 || le16(head + 4) != 1 || le16(head + 6) != HEADER_SIZE || head[8] != 1)
         return 0;
     if (memcmp(head + 12, ns, 16) != 0 || memcmp(head + 28, key, 16) != 0) return 0;
     if (le64(head + 44) != (uint64_t)payload_len) return 0;
-    if (!eq_be64(head + HEAD_BODY, h64(head, HEAD_BODY))) return 0;
-    h128_t sum = h128(payload, (size_t)payload_len);
+    if (!eq_be64(head + HEAD_BODY, f->h64(head, HEAD_BODY))) return 0;
+    if (f->reset(state) != 0) return 0;
+    for (int k = 0; k < nseg; k++)
+        if (f->update(state, ptrs[k], (size_t)lens[k]) != 0) return 0;
+    h128_t sum = f->digest(state);
     return eq_be64(head + 52, sum.high64) && eq_be64(head + 60, sum.low64);
 }
 
-/* Reads and checks `n` entries of the file at `path`, sorted by offset.
+/* Reads `total` bytes at `pos` into iov[0..cnt) (which it consumes), going on after short reads.
+ * Returns the bytes read; on an error, *err holds its errno (end of file: 0). */
+static int64_t read_fully(int fd, struct iovec *iov, int cnt, int64_t pos, int64_t total, int *err) {
+    int64_t done = 0;
+    while (done < total) {
+        int c = cnt < MAX_IOV ? cnt : MAX_IOV;
+        ssize_t got = preadv(fd, iov, c, pos + done);
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) {
+            if (got < 0) *err = errno;
+            break;
+        }
+        done += got;
+        while (cnt > 0 && (size_t)got >= iov->iov_len) { /* drop what was filled */
+            got -= (ssize_t)iov->iov_len;
+            iov++;
+            cnt--;
+        }
+        if (cnt > 0) {
+            iov->iov_base = (uint8_t *)iov->iov_base + got;
+            iov->iov_len -= (size_t)got;
+        }
+    }
+    return done;
+}
+
+/* Reads and checks `n` entries of the file at `path`.
  *   offsets[i], sizes[i]: entry i's place in the file (header + payload bytes);
- *   payloads[i]: where its payload goes (sizes[i] - HEADER_SIZE bytes); heads: n * HEADER_SIZE
- *   bytes for the headers; keys: n * 16 bytes, the key each entry must hold; ns: 16 bytes;
+ *   nseg[i]: how many pieces its payload goes to; ptrs, lens: all entries' pieces in order
+ *   (entry i's lens sum to sizes[i] - HEADER_SIZE); heads: n * HEADER_SIZE bytes for the headers;
+ *   keys: n * 16 bytes, the key each entry must hold; ns: 16 bytes;
  *   check: 0 = read only (every read entry is UNCHECKED: a keyed codec checks in Python);
- *   status[i] (out): ENTRY_OK, ENTRY_SHORT (not all its bytes came; err_out holds the errno, 0
+ *   status[i] (out): ENTRY_OK, ENTRY_SHORT (not all its bytes came: err_out holds the errno, 0
  *   for end of file) or ENTRY_UNCHECKED; ident (out): st_dev, st_ino of the file read;
  *   ns_out (out): nanoseconds reading, checking.
  * Returns FILE_OK, FILE_NOT_REGULAR (ident[0] holds its st_mode) or -errno. */
-int kvt_read_entries(const char *path, int n, const int64_t *offsets, const int64_t *sizes, void *const *payloads,
-                     uint8_t *heads, const uint8_t *keys, const uint8_t *ns, int check, void *h64p, void *h128p,
-                     int8_t *status, int *err_out, uint64_t *ident, int64_t *ns_out) {
+int kvt_read_entries(const char *path, int n, const int64_t *offsets, const int64_t *sizes, const int32_t *nseg,
+                     void *const *ptrs, const int64_t *lens, uint8_t *heads, const uint8_t *keys, const uint8_t *ns,
+                     int check, const xxh_fns *f, int8_t *status, int *err_out, uint64_t *ident, int64_t *ns_out) {
     struct stat st;
-    int64_t t0 = now_ns();
     *err_out = 0;
+    ns_out[0] = ns_out[1] = 0;
     if (lstat(path, &st) != 0) return -errno;
     if (!S_ISREG(st.st_mode)) {
         ident[0] = st.st_mode;
@@ -102,32 +153,40 @@ int kvt_read_entries(const char *path, int n, const int64_t *offsets, const int6
     }
     ident[0] = st.st_dev;
     ident[1] = st.st_ino;
+    void *state = check ? f->create() : NULL;
     struct iovec iov[MAX_IOV];
-    for (int i = 0; i < n;) {
-        int j = i, k = 0; /* the run [i, j) of adjacent entries */
-        while (j < n && k + 2 <= MAX_IOV && (j == i || offsets[j - 1] + sizes[j - 1] == offsets[j])) {
-            iov[k++] = (struct iovec){heads + (size_t)j * HEADER_SIZE, HEADER_SIZE};
-            iov[k++] = (struct iovec){payloads[j], (size_t)(sizes[j] - HEADER_SIZE)};
-            j++;
+    size_t first = 0; /* entry i's first piece */
+    for (int i = 0; i < n; first += (size_t)nseg[i], i++) {
+        int64_t t0 = now_ns();
+        uint8_t *head = heads + (size_t)i * HEADER_SIZE;
+        int64_t done = 0, want = sizes[i];
+        int k = 0, err = 0;
+        iov[k++] = (struct iovec){head, HEADER_SIZE};
+        for (int s = 0; s <= nseg[i]; s++) { /* an entry with more pieces than MAX_IOV: several reads */
+            if (s == nseg[i] || k == MAX_IOV) {
+                int64_t part = 0;
+                for (int m = 0; m < k; m++) part += (int64_t)iov[m].iov_len;
+                int64_t got = read_fully(fd, iov, k, offsets[i] + done, part, &err);
+                done += got;
+                k = 0;
+                if (got < part) break;
+            }
+            if (s < nseg[i]) iov[k++] = (struct iovec){ptrs[first + s], (size_t)lens[first + s]};
         }
-        ssize_t got = preadv(fd, iov, k, offsets[i]);
-        if (got < 0) {
-            *err_out = errno;
-            got = 0;
+        int64_t t1 = now_ns();
+        ns_out[0] += t1 - t0;
+        if (done < want) {
+            status[i] = ENTRY_SHORT;
+            if (err) *err_out = err;
+            continue;
         }
-        for (int m = i; m < j; m++)
-            status[m] = offsets[m] + sizes[m] - offsets[i] > got ? ENTRY_SHORT : ENTRY_UNCHECKED;
-        i = j;
+        status[i] = ENTRY_UNCHECKED;
+        if (state != NULL && verified(head, nseg[i], ptrs + first, lens + first, want - HEADER_SIZE, ns,
+                                      keys + (size_t)i * 16, f, state))
+            status[i] = ENTRY_OK;
+        ns_out[1] += now_ns() - t1;
     }
+    if (state != NULL) f->release(state);
     close(fd);
-    int64_t t1 = now_ns();
-    if (check)
-        for (int i = 0; i < n; i++)
-            if (status[i] == ENTRY_UNCHECKED &&
-                verified(heads + (size_t)i * HEADER_SIZE, payloads[i], sizes[i] - HEADER_SIZE, ns, keys + (size_t)i * 16,
-                         (h64_fn)h64p, (h128_fn)h128p))
-                status[i] = ENTRY_OK;
-    ns_out[0] = t1 - t0;
-    ns_out[1] = now_ns() - t1;
     return FILE_OK;
 }

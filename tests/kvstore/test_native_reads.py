@@ -3,16 +3,19 @@ misses, corruption counts and logged reasons for every kind of damage; the nativ
 verify (good entries never fall back to Python); and where it cannot be built, Python reads."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import kvstore.disk_files as disk_files
 import kvstore.entry as entry
 from kvstore import native
+from kvstore.backend import Scatter
 from kvstore.disk import HEADER_SIZE, DiskBackend
 
 NS = bytes.fromhex("0f1e2d3c4b5a69788796a5b4c3d2e1f0")
@@ -21,6 +24,11 @@ KEYS = [bytes([0x30 + i]) * 16 for i in range(6)]
 PER = HEADER_SIZE + SIZE
 
 pytestmark = pytest.mark.skipif(native.reader() is None, reason="the native read loop is unavailable here")
+
+
+# Pieces per key for the scattered reads: one entry's pieces exceed IOV_MAX (1024), so its read
+# takes several preadv calls, and a run of entries exceeds it many times over.
+PIECES = [1, 3, 1100, 2, 700, 5]
 
 
 def payload(k: bytes) -> bytes:
@@ -47,6 +55,21 @@ def _flip(path: Path, at: int) -> None:
         f.write(bytes([b[0] ^ 0x40]))
 
 
+def scattered(n: int, seed: int) -> tuple[ctypes.Array, Scatter]:
+    """SIZE bytes as `n` pieces of random lengths, in order, with a gap after each (the pieces
+    of G1 blocks an entry fills are not adjacent either)."""
+    cuts = sorted(random.Random(seed).sample(range(1, SIZE), n - 1))
+    bounds = [0, *cuts, SIZE]
+    store = (ctypes.c_char * (SIZE + 3 * n))()
+    at = ctypes.addressof(store)
+    addrs = [at + a + 3 * j for j, a in enumerate(bounds[:-1])]
+    return store, Scatter(np.array(addrs, np.int64), np.diff(np.array(bounds, np.int64)))
+
+
+def gathered(s: Scatter) -> bytes:
+    return b"".join(ctypes.string_at(int(a), int(n)) for a, n in zip(s.addresses, s.lengths))
+
+
 def run(tmp: Path, io: str, damage, caplog, secret: bytes | None = None) -> tuple:
     b = DiskBackend(tmp / io, 64 << 20, NS, file_bytes=1 << 20, native_io=io == "native", secret=secret)
     assert b.put(KEYS, [payload(k) for k in KEYS]) == [True] * len(KEYS)
@@ -55,6 +78,8 @@ def run(tmp: Path, io: str, damage, caplog, secret: bytes | None = None) -> tupl
         damage(path)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kvstore.disk"):
+        stores, pieces = zip(*(scattered(n, j) for j, n in enumerate(PIECES)))
+        scattered_ok = b.get_into(KEYS, list(pieces))  # first: it meets the damage
         got = b.get(KEYS)
         into = [bytearray(SIZE) for _ in KEYS]
         filled = b.get_into(KEYS, into)
@@ -62,7 +87,7 @@ def run(tmp: Path, io: str, damage, caplog, secret: bytes | None = None) -> tupl
     if damage is not tear:  # a file cut behind the tier's back differs from its index until it goes
         b.check_integrity()
     return got, filled, [bytes(x) if ok else None for x, ok in zip(into, filled)], b.stats.corrupt, \
-        b.stats.misses, b.stats.hits, reasons
+        b.stats.misses, b.stats.hits, reasons, [gathered(p) if ok else None for p, ok in zip(pieces, scattered_ok)]
 
 
 @pytest.mark.parametrize("damage", [None, damage_payload, damage_header, tear],
@@ -75,10 +100,11 @@ def test_native_reads_give_pythons_results(tmp_path: Path, caplog, damage, keyed
     assert nat == py
     served = py[0]
     if damage is None:
-        assert served == [payload(k) for k in KEYS]
+        assert served == [payload(k) for k in KEYS] == py[7]
     else:
         assert None in served and py[3] >= 1 and py[6]  # damage is a logged miss, never served
         assert all(s is None or s == payload(k) for s, k in zip(served, KEYS))
+        assert None in py[7] and all(s is None or s == payload(k) for s, k in zip(py[7], KEYS))
 
 
 def test_good_entries_are_verified_natively(tmp_path: Path, monkeypatch) -> None:
@@ -91,6 +117,9 @@ def test_good_entries_are_verified_natively(tmp_path: Path, monkeypatch) -> None
     assert b._reader is not None
     assert b.put(KEYS, [payload(k) for k in KEYS]) == [True] * len(KEYS)
     assert b.get(KEYS) == [payload(k) for k in KEYS] and asked == []
+    stores, pieces = zip(*(scattered(n, j) for j, n in enumerate(PIECES)))
+    assert b.get_into(KEYS, list(pieces)) == [True] * len(KEYS) and asked == []  # the streamed sums too
+    assert [gathered(p) for p in pieces] == [payload(k) for k in KEYS]
     damage_payload(next(b.directory.rglob("*.kvb")))
     assert b.get(KEYS)[2] is None and asked == [KEYS[2]]  # the failing entry alone is judged in Python
 
