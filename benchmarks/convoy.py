@@ -26,6 +26,7 @@ sys.path.append(str(_HERE))
 
 from _common import (RESULTS_DIR, log, median, preload_allocator, print_table, set_torch_threads,  # noqa: E402
                      usable_cpus, write_json)
+from kvstore.backend import Scatter  # noqa: E402
 
 TARGET = 1.10  # slow TPOT p50 / alone TPOT p50
 
@@ -48,7 +49,7 @@ class Pacer:
     def __call__(self, keys, outs):
         got = self.real(keys, outs)
         if self.on:
-            nbytes = sum(memoryview(o).nbytes for o in outs)
+            nbytes = sum(o.nbytes if isinstance(o, Scatter) else memoryview(o).nbytes for o in outs)
             with self._lock:
                 self._free_at = max(time.perf_counter(), self._free_at) + nbytes / self.rate
                 until = self._free_at

@@ -12,6 +12,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 MAGIC = b"KVBK"
@@ -125,9 +126,14 @@ def write_header(buf: torch.Tensor, layout_id: bytes, token_digest: bytes, paylo
     buf[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
 
-def check_header(buf: torch.Tensor, layout_id: bytes, token_digest: bytes, payload_bytes: int) -> str | None:
-    """None if the header matches what the reader expects, else the reason it does not."""
-    magic, version, _, lid, digest, n = _HEADER.unpack(bytes(buf[:HEADER_BYTES].numpy()))
+def check_header(buf: torch.Tensor | np.ndarray, layout_id: bytes, token_digest: bytes,
+                 payload_bytes: int) -> str | None:
+    """None if the header at the start of `buf` (uint8) matches what the reader expects, else the
+    reason it does not."""
+    raw = buf[:HEADER_BYTES].tobytes() if isinstance(buf, np.ndarray) else bytes(buf[:HEADER_BYTES].numpy())
+    if raw == _HEADER.pack(MAGIC, VERSION, 0, layout_id, token_digest, payload_bytes):
+        return None  # the usual case, in one comparison (a load checks hundreds of these)
+    magic, version, _, lid, digest, n = _HEADER.unpack(raw)
     if magic != MAGIC or version != VERSION:
         return "bad magic or version"
     if lid != layout_id:

@@ -53,6 +53,13 @@ class LoadJob:
     def chunk_info(self, c: Chunk) -> BlockInfo:
         return replace(self.info, depth=c.index, parent=c.parent)
 
+    def full_chunk_blocks(self, c: Chunk, g1_per_chunk: int) -> list[BlockId] | None:
+        """The G1 blocks chunk `c` fills, or None when some of its blocks are in G1 already
+        (before `first_g1`: shared, never a read target)."""
+        start = c.index * g1_per_chunk - self.first_g1
+        blocks = self.dst[start:start + g1_per_chunk] if start >= 0 else ()
+        return list(blocks) if len(blocks) == g1_per_chunk else None
+
 
 @dataclass(frozen=True)
 class StoreJob:

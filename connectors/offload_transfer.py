@@ -8,7 +8,10 @@ tiers' reads. It changes no scheduling state: it reports each finished load or s
 A load walks the job's chunks in lookup order (G2, then the storage tiers top-down), stops at
 the first chunk that is missing, damaged or late, and reports the G1 blocks it did not fill. A
 storage-tier hit is promoted into G2 on the way, and from there written to the parallel tiers
-above the one that served it. A failing tier is a miss and a log line.
+above the one that served it. A failing tier is a miss and a log line. With no G2 and a host G1, a
+tier whose backend takes `Scatter` outputs reads straight into the load's G1 blocks
+(`read_targets.py`); such a read that outlives its timeout ends the hit there, and the load is
+reported only once the read has returned (until then the blocks are its targets).
 
 KV events: a block written or promoted into a tier is announced by that tier with the G1 blocks
 the planner attached to the job or chunk (`blocks`); this engine only carries them along.
@@ -25,17 +28,19 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+import numpy as np
 import torch
 
 from connectors.codec import HEADER_BYTES, BlockLayout, check_header, hidden_payload, payload, write_header
 from connectors.copy_stream import CopyStream
+from connectors.read_targets import ReadTargets, whole
 from connectors.offload_plans import Chunk, LoadDone, LoadJob, StoreDone, StoreJob
 from connectors.storage_tier import StorageTier, TierMode
 from kvstore.events import ChunkBlocks
 from kvstore.g1 import BlockId
 from kvstore.host import HostTier
 from kvstore.keys import BlockKey
-from kvstore.threads import CopyPool, DaemonPool, one_torch_thread
+from kvstore.threads import CopyPool, DaemonPool, after_all, one_torch_thread
 from policies import BlockInfo
 
 log = logging.getLogger(__name__)
@@ -71,13 +76,15 @@ class TransferEngine:
         # a batched one two batches.
         bounce = max([1, *(2 * t.read_threads * t.io_chunks(layout.encoded_bytes) for t in tiers if t.remote is None),
                       *(2 * t.remote.batch for t in tiers if t.remote is not None)])
-        self._bounce: list[torch.Tensor | None] = [None] * bounce
+        self._targets = ReadTargets(layout, bounce)
+        self._late: list[Future] = []  # this load's reads into G1 that outlived their timeout
         self._done: queue.SimpleQueue[LoadDone | StoreDone] = queue.SimpleQueue()
         self._progress = threading.Event()  # set with every _done item: the idle engine waits on it
         self.tier_hits: dict[str, int] = dict.fromkeys([HOST, *(t.name for t in tiers)], 0)  # tokens served
         self.load_seconds = 0.0  # wall time of load jobs on the transfer thread
         self.load_bytes = 0  # entry bytes those jobs placed into G1 (narrower than G1's with --kv-offload-dtype)
         self.copy_seconds = 0.0  # of load_seconds, the copies of storage-tier hits into G1
+        self.direct_blocks = 0  # G1 blocks storage-tier reads filled in place (no copy)
         self.g2_copies = 0  # copy operations G2 loads took (fewer: longer consecutive runs)
         # A tensor-parallel worker's: rank 0's load plan -> this rank's (its own G2 slots and
         # tiers; connectors/sharded.py). Runs on the transfer thread; must not raise.
@@ -165,7 +172,14 @@ class TransferEngine:
                 self.g2.complete_load(list(job.g2_slots))
             self.load_seconds += time.perf_counter() - start
             self.load_bytes += landed * self.layout.payload_bytes // self.layout.g1_blocks
-            self._signal(LoadDone(job.req_id, job.dst[landed:], job.group, landed))
+            done, late, self._late = LoadDone(job.req_id, job.dst[landed:], job.group, landed), self._late, []
+            if late:  # they target this load's G1 blocks, which the scheduler recomputes into or
+                # hands back as soon as it hears of the load: it hears once they have returned
+                log.warning("request %s: %d read(s) into G1 outlived the timeout; its load ends when they return",
+                            job.req_id, len(late))
+                after_all(late, lambda: self._signal(done))
+            else:
+                self._signal(done)
 
     def _g2_ok(self, c: Chunk, job: LoadJob) -> bool:
         assert self.g2 is not None
@@ -225,7 +239,11 @@ class TransferEngine:
         tier = self.tiers[i]
         per = tier.io_chunks(self.layout.encoded_bytes)
         window_size = 2 * tier.read_threads
-        window: deque[tuple[list[Chunk], list[int | None], list[torch.Tensor], Future]] = deque()
+        g1 = self._targets.g1(self.kv_cache, self.hidden_cache) if tier.scatter_reads and self.g2 is None else None
+        # per call in flight: its chunks, their G2 slots, read targets (a buffer, or the header of an
+        # entry read into G1), G1 blocks read into, and the read
+        window: deque[tuple[list[Chunk], list[int | None], list[torch.Tensor | np.ndarray], list[list[BlockId] | None],
+                            Future]] = deque()
         calls = iter(enumerate(chunks[j:j + per] for j in range(0, len(chunks), per)))
         landed, ok, timed_out = 0, True, False
         while True:
@@ -234,14 +252,26 @@ class TransferEngine:
                 if nxt is None:
                     break
                 n, run = nxt
-                slots = [self.g2.prepare_store(c.key, c.digest) if self.g2 is not None else None for c in run]
-                bufs = [self.g2.slot_view(s) if s is not None else self._bounce_buffer((n % window_size) * per + k)
-                        for k, s in enumerate(slots)]
-                window.append((run, slots, bufs, self._reads.submit(tier.backend.get_into, [c.key for c in run],
-                                                                    [memoryview(b.numpy()) for b in bufs])))
+                keys = [c.key for c in run]
+                if g1 is not None:  # straight into G1; a chunk partly in G1 already through a buffer
+                    placed = [job.full_chunk_blocks(c, self.g1_per_chunk) for c in run]
+                    slots = [None] * len(run)
+                    bufs = [self._targets.header((n % window_size) * per + k) if p is not None else
+                            self._bounce_buffer((n % window_size) * per + k) for k, p in enumerate(placed)]
+                    made = iter(g1.scatters([b for b, p in zip(bufs, placed) if p is not None],
+                                            [p for p in placed if p is not None]))
+                    outs = [next(made) if p is not None else whole(b) for b, p in zip(bufs, placed)]
+                    fut = self._reads.submit(tier.backend.get_into, keys, outs)
+                else:
+                    placed = [None] * len(run)
+                    slots = [self.g2.prepare_store(c.key, c.digest) if self.g2 is not None else None for c in run]
+                    bufs = [self.g2.slot_view(s) if s is not None else self._bounce_buffer((n % window_size) * per + k)
+                            for k, s in enumerate(slots)]
+                    fut = self._reads.submit(tier.backend.get_into, keys, [memoryview(b.numpy()) for b in bufs])
+                window.append((run, slots, bufs, placed, fut))
             if not window:
                 return landed, ok
-            run, slots, bufs, fut = window.popleft()
+            run, slots, bufs, placed, fut = window.popleft()
             try:
                 got = fut.result(timeout=tier.read_timeout_s if not timed_out else 0)
                 reasons = [None if hit else "miss" for hit in got]
@@ -253,19 +283,21 @@ class TransferEngine:
                     log.warning("%s read timed out after %.1fs; treating it as a miss", tier.name, tier.read_timeout_s)
                 if not fut.done():  # its worker may never come back: keep the pool's width
                     self._reads.replace_stuck()
-                self._bounce = [None] * len(self._bounce)
+                if g1 is not None:  # it writes into this load's G1 blocks: the load ends after it
+                    self._late.append(fut)
+                self._targets.abandon()
                 ok, timed_out = False, True
                 continue
             except Exception as e:  # a plugin backend may raise anything: a miss, never wrong KV
                 log.warning("%s read failed, treating it as a miss: %s: %s", tier.name, type(e).__name__, e)
                 reasons = ["error"] * len(run)
-            for c, slot, buf, reason in zip(run, slots, bufs, reasons):
+            for c, slot, buf, blocks, reason in zip(run, slots, bufs, placed, reasons):
                 reason = reason or check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
                 if reason not in (None, "miss", "error"):
                     log.warning("%s entry rejected: %s", tier.name, reason)
-                self._promote(i, c, slot, buf, reason is None, job.chunk_info(c))
+                self._promote(i, c, slot, buf, reason is None, job)
                 if ok and reason is None:
-                    landed += self._land(i, c, buf, job)
+                    landed += self._land(i, c, buf, job, blocks)
                 else:
                     ok = False  # later reads in flight still finish (and may still be promoted)
 
@@ -309,31 +341,41 @@ class TransferEngine:
                 reason = reason or check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
                 if reason not in (None, "miss"):
                     log.warning("%s entry rejected: %s", tier.name, reason)
-                self._promote(i, c, slot, buf, reason is None, job.chunk_info(c))
+                self._promote(i, c, slot, buf, reason is None, job)
                 if ok and reason is None:
                     landed += self._land(i, c, buf, job)
                 else:
                     ok = False  # a batch already in flight is still promoted, not scattered
         return landed, ok
 
-    def _land(self, i: int, c: Chunk, buf: torch.Tensor, job: LoadJob) -> int:
-        """A checked hit from tier i: scatter it into G1, count it, tell the tier it was used (the
-        chunk's BlockInfo) and the batched tiers below that it was reused. Returns the G1 blocks filled."""
+    def _land(self, i: int, c: Chunk, buf: torch.Tensor | np.ndarray, job: LoadJob,
+              placed: list[BlockId] | None = None) -> int:
+        """A checked hit from tier i: scatter it into G1 (unless it was read there: `placed`, its
+        blocks, and `buf` its header), count it, tell the tier it was used (the chunk's BlockInfo)
+        and the batched tiers below that it was reused. Returns the G1 blocks filled."""
         tier = self.tiers[i]
-        t0 = time.perf_counter()
-        n = self._scatter(buf, c.index, job)
-        self.copy_seconds += time.perf_counter() - t0
+        if placed is None:
+            t0 = time.perf_counter()
+            n = self._scatter(buf, c.index, job)
+            self.copy_seconds += time.perf_counter() - t0
+            value = lambda: bytes(buf.numpy())  # noqa: E731
+        else:
+            n, g1 = len(placed), self._targets.g1(self.kv_cache, self.hidden_cache)
+            assert g1 is not None
+            self.direct_blocks += n
+            value = lambda: g1.value(buf, placed)  # noqa: E731
         self.tier_hits[tier.name] += n * self.layout.block_size * (job.group == 0)
         tier.touch([c.key], [job.chunk_info(c)])
-        self._note_use(self.tiers[i + 1:], c.key, lambda: bytes(buf.numpy()), c.blocks)
+        self._note_use(self.tiers[i + 1:], c.key, value, c.blocks)
         return n
 
-    def _promote(self, i: int, c: Chunk, slot: int | None, buf: torch.Tensor, good: bool, info: BlockInfo) -> None:
+    def _promote(self, i: int, c: Chunk, slot: int | None, buf: torch.Tensor, good: bool, job: LoadJob) -> None:
         """A read of chunk `c` from tier i that landed in G2 slot `slot`: publish it in G2 (or free
         the slot) and, when good, write it to every parallel tier above i. The rule for every tier."""
         if slot is None:
             return
         assert self.g2 is not None
+        info = job.chunk_info(c)
         self.g2.complete_store(c.key, good, info, c.blocks)
         if good:
             for up in self.tiers[:i]:
@@ -357,13 +399,7 @@ class TransferEngine:
         return tier.writer.submit(key, buf, lambda: self.g2.complete_load([key]), wait, info, blocks)  # type: ignore[union-attr]
 
     def _bounce_buffer(self, i: int) -> torch.Tensor:
-        """The i-th read target outside G2. Page-locked on a GPU: a copy from pageable memory goes
-        through the driver's own staging, and G3 loads without G2 ran at 2.5 GB/s on an H200 that way."""
-        buf = self._bounce[i]
-        if buf is None:
-            buf = self._bounce[i] = torch.empty(self.layout.encoded_bytes, dtype=torch.uint8,
-                                                pin_memory=self.kv_cache is not None and self.kv_cache.is_cuda)
-        return buf
+        return self._targets.bounce(i, pinned=self.kv_cache is not None and self.kv_cache.is_cuda)
 
     def _staged(self, rows: torch.Tensor) -> torch.Tensor:
         """Contiguous host bytes on the cache's device (as they are on CPU), in one DMA, so that the

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from connectors.backend import StorageBackend
-from kvstore.backend import IO_BYTES
+from kvstore.backend import IO_BYTES, ScatterReads
 from connectors.remote_tier import RemoteTier, leading_hits
 from kvstore.threads import one_torch_thread
 from kvstore.events import BlockStored, ChunkBlocks, EventBuffer, TierKind
@@ -201,6 +201,11 @@ class StorageTier:
         except Exception as e:  # a plugin may raise anything: then write (a write that fails is logged)
             log.warning("%s exists failed: %s: %s", self.name, type(e).__name__, e)
             return True
+
+    @property
+    def scatter_reads(self) -> bool:
+        """Whether its backend's get_into takes `Scatter` outputs now (`ScatterReads`)."""
+        return isinstance(self.backend, ScatterReads) and self.backend.scatter_reads
 
     def io_chunks(self, chunk_bytes: int) -> int:
         """How many chunks of `chunk_bytes` one read call asks for (at least one)."""

@@ -142,3 +142,17 @@ class DaemonPool:
         for t in workers:
             t.join(max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in workers)
+
+
+def after_all(futures: list[Future], fn: Callable[[], None]) -> None:
+    """Calls `fn` once every one of `futures` is done (on the thread that finishes the last)."""
+    left, lock = [len(futures)], threading.Lock()
+
+    def one(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            fn()
+    for f in futures:
+        f.add_done_callback(one)
