@@ -28,10 +28,14 @@ Decisions the kit enforces (see `StorageBackend` for the whole contract):
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any
 
-from connectors.backend import BackendError, StorageBackend
+import numpy as np
+import pytest
+
+from connectors.backend import BackendError, Scatter, ScatterReads, StorageBackend
 from connectors.conformance_base import _check_result, _expect_raises, _what_is_wrong, key_of, value_of
 from connectors.conformance_threads import ConcurrencyChecks
 from kvstore.keys import BlockKey
@@ -225,6 +229,32 @@ class BackendConformance(ConcurrencyChecks):
         assert backend.get_into([big_key], [big_buf]) == [True] and big_buf == big, (
             f"get_into of a {len(big)}-byte block did not fill the buffer with the stored bytes"
         )
+
+    def test_scatter_reads(self, backend: StorageBackend) -> None:
+        """Only for a `ScatterReads` backend that offers them: a value read into several pieces
+        of memory, in order, is the stored value; nothing is written outside the pieces."""
+        if not (isinstance(backend, ScatterReads) and backend.scatter_reads):
+            pytest.skip("not a ScatterReads backend, or scatter_reads is off here")
+        k, unknown = key_of("scatter"), key_of("scatter/unknown")
+        value = value_of(k, 0, 5000)
+        self._put_ok(backend, [k], [value], "a block")
+        cuts = [0, 1, 700, 701, 4096, 5000]
+        arena = (ctypes.c_char * 6000)(*([b"\xab"] * 6000))
+        at = ctypes.addressof(arena)
+        # piece j at offset cuts[j] + 100 * j: gaps of 100 bytes between pieces
+        pieces = Scatter(np.array([at + c + 100 * j for j, c in enumerate(cuts[:-1])], np.int64),
+                         np.diff(np.array(cuts, np.int64)), keep=arena)
+        got = backend.get_into([unknown, k], [Scatter(pieces.addresses, pieces.lengths, keep=arena), pieces])
+        _check_result(got, 2, "get_into", bool)
+        assert got == [False, True], "get_into of [unknown, value] into Scatter pieces must return [False, True]"
+        raw = bytes(arena)
+        read = b"".join(raw[c + 100 * j:cuts[j + 1] + 100 * j] for j, c in enumerate(cuts[:-1]))
+        assert read == value, "get_into returned True but the Scatter pieces hold wrong bytes"
+        gaps = b"".join(raw[cuts[j + 1] + 100 * j:cuts[j + 1] + 100 * (j + 1)] for j in range(len(cuts) - 1))
+        assert gaps == b"\xab" * len(gaps), "get_into wrote outside the Scatter pieces it was given"
+        short = Scatter(pieces.addresses[:-1], pieces.lengths[:-1], keep=arena)
+        assert backend.get_into([k], [short]) == [False], "get_into into Scatter pieces of the wrong size must be False"
+        self._expect(backend, k, value, "a key after a Scatter read of the wrong size (entry damaged?)")
 
     def test_get_views(self, backend: StorageBackend) -> None:
         k, empty, unknown = key_of("get-views"), key_of("get-views/empty"), key_of("get-views/unknown")

@@ -3,11 +3,13 @@ conformance kit can be shown to catch it (tests/connectors/test_broken_backends.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections.abc import Sequence
 
-from connectors.backend import BackendError, StorageBackend, check_blocks, check_keys
+from connectors.backend import (BackendError, Scatter, ScatterReads, StorageBackend, check_blocks, check_keys,
+                                check_scatter_outs)
 
 
 class DictBackend(StorageBackend):
@@ -150,3 +152,26 @@ class NoCloseBackend(DictBackend):
 
     def close(self) -> None:
         pass
+
+
+class ReversedScatterBackend(DictBackend, ScatterReads):
+    """Offers Scatter reads but fills the pieces last first (the bytes of each piece right, their
+    order wrong), as a backend that walks an iovec backwards would."""
+
+    scatter_reads = True
+
+    def get_into(self, keys, outs):
+        views = check_scatter_outs(keys, outs)
+        got = self.get(keys)
+        out = []
+        for value, o in zip(got, views):
+            ok = value is not None and len(value) == o.nbytes
+            if ok and isinstance(o, Scatter):
+                at = len(value)
+                for a, n in zip(o.addresses.tolist(), o.lengths.tolist()):  # the first piece gets the tail
+                    ctypes.memmove(a, value[at - n:at], n)
+                    at -= n
+            elif ok:
+                o[:] = value
+            out.append(ok)
+        return out

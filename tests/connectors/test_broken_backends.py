@@ -23,6 +23,7 @@ CASES = [
     (bb.AliasingBackend, "test_put_accepts_buffers_and_copies_them", r"kept a reference to the caller's buffer"),
     (bb.TrustingBackend, "test_bad_keys_rejected", r"with a key .* must raise TypeError or ValueError"),
     (bb.NoCloseBackend, "test_close", r"get after close must raise BackendError"),
+    (bb.ReversedScatterBackend, "test_scatter_reads", r"Scatter pieces hold wrong bytes"),
 ]
 
 
