@@ -154,3 +154,24 @@ def hidden_payload(buf: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     """The hidden-state view `[g1_blocks, block_size, len(ids), hidden]` after the KV."""
     return buf[HEADER_BYTES + layout.kv_bytes:HEADER_BYTES + layout.payload_bytes].view(layout.hidden_element).view(
         layout.hidden_shape)
+
+
+def encode_blocks(buf: torch.Tensor, layout: BlockLayout, kv_cache: torch.Tensor, hidden_cache: torch.Tensor | None,
+                  blocks: list[int]) -> None:
+    """G1 `blocks` (and their hidden states) into the payload of the encoded uint8 buffer `buf`
+    (its header is the caller's). On a GPU, call it on the copy stream that waits for the
+    forward which wrote the blocks."""
+    idx = torch.tensor(blocks, dtype=torch.long, device=kv_cache.device)
+    if layout.converts:  # --kv-offload-dtype: narrowed on the way down
+        payload(buf, layout).copy_(layout.encode(kv_cache.index_select(2, idx)))
+    elif kv_cache.device.type == "cpu":  # straight into the buffer, no temporary
+        torch.index_select(kv_cache, 2, idx, out=payload(buf, layout))
+    else:  # gathered on the device, one copy down
+        payload(buf, layout).copy_(kv_cache.index_select(2, idx))
+    if hidden_cache is None:
+        return
+    if hidden_cache.device.type == "cpu":
+        torch.index_select(hidden_cache, 0, idx, out=hidden_payload(buf, layout))
+    else:
+        hidden_payload(buf, layout).copy_(hidden_cache.index_select(0, idx))
+

@@ -4,6 +4,8 @@ Frozen: once the planner has made a plan, nothing changes it; the transfer engin
 happened through `LoadDone` / `StoreDone`."""
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
@@ -90,3 +92,36 @@ class StoreDone:
     """A store finished copying out of G1: the planner may release its G1 blocks."""
 
     key: BlockKey
+
+
+class Reports:
+    """The transfer engine's finished loads and stores, in order, for the connector to drain; and
+    the event an idle engine sleeps on until one arrives."""
+
+    def __init__(self) -> None:
+        self._done: queue.SimpleQueue[LoadDone | StoreDone] = queue.SimpleQueue()
+        self._progress = threading.Event()  # set with every item
+
+    def put(self, item: LoadDone | StoreDone) -> None:
+        self._done.put(item)
+        self._progress.set()
+
+    def drain(self) -> list[LoadDone | StoreDone]:
+        """Everything finished since the last call, in order."""
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    def wake(self) -> None:
+        """Ends a `wait` now (another rank reported a transfer: connectors/sharded.py)."""
+        self._progress.set()
+
+    def wait(self, timeout: float) -> None:
+        # A set that lands between wait() and clear() is not lost: its item is already queued,
+        # and the engine drains the queue before it waits again.
+        self._progress.wait(timeout)
+        self._progress.clear()
+

@@ -19,8 +19,6 @@ the planner attached to the job or chunk (`blocks`); this engine only carries th
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 import warnings
 from collections import deque
@@ -31,10 +29,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import numpy as np
 import torch
 
-from connectors.codec import HEADER_BYTES, BlockLayout, check_header, hidden_payload, payload, write_header
+from connectors.codec import (HEADER_BYTES, BlockLayout, check_header, encode_blocks, hidden_payload, payload,
+                              write_header)
 from connectors.copy_stream import CopyStream
 from connectors.read_targets import ReadTargets, whole
-from connectors.offload_plans import Chunk, LoadDone, LoadJob, StoreDone, StoreJob
+from connectors.offload_plans import Chunk, LoadDone, LoadJob, Reports, StoreDone, StoreJob
 from connectors.storage_tier import StorageTier, TierMode
 from kvstore.events import ChunkBlocks
 from kvstore.g1 import BlockId
@@ -78,8 +77,7 @@ class TransferEngine:
                       *(2 * t.remote.batch for t in tiers if t.remote is not None)])
         self._targets = ReadTargets(layout, bounce)
         self._late: list[Future] = []  # this load's reads into G1 that outlived their timeout
-        self._done: queue.SimpleQueue[LoadDone | StoreDone] = queue.SimpleQueue()
-        self._progress = threading.Event()  # set with every _done item: the idle engine waits on it
+        self.reports = Reports()  # finished loads and stores, drained by the connector
         self.tier_hits: dict[str, int] = dict.fromkeys([HOST, *(t.name for t in tiers)], 0)  # tokens served
         self.load_seconds = 0.0  # wall time of load jobs on the transfer thread
         self.load_bytes = 0  # entry bytes those jobs placed into G1 (narrower than G1's with --kv-offload-dtype)
@@ -101,29 +99,6 @@ class TransferEngine:
 
     def start_store(self, job: StoreJob) -> None:
         self._xfer.submit(self._run_store, job)
-
-    def drain(self) -> list[LoadDone | StoreDone]:
-        """Everything finished since the last call, in order."""
-        out = []
-        while True:
-            try:
-                out.append(self._done.get_nowait())
-            except queue.Empty:
-                return out
-
-    def _signal(self, item: LoadDone | StoreDone) -> None:
-        self._done.put(item)
-        self._progress.set()
-
-    def wake(self) -> None:
-        """Ends a `wait_for_progress` now (another rank reported a transfer: connectors/sharded.py)."""
-        self._progress.set()
-
-    def wait_for_progress(self, timeout: float) -> None:
-        # A set that lands between wait() and clear() is not lost: its item is already queued,
-        # and the engine drains the queue before it waits again.
-        self._progress.wait(timeout)
-        self._progress.clear()
 
     # ---- loads and stores (transfer thread) -----------------------------------------
     def run_load(self, job: LoadJob) -> None:
@@ -177,9 +152,9 @@ class TransferEngine:
                 # hands back as soon as it hears of the load: it hears once they have returned
                 log.warning("request %s: %d read(s) into G1 outlived the timeout; its load ends when they return",
                             job.req_id, len(late))
-                after_all(late, lambda: self._signal(done))
+                after_all(late, lambda: self.reports.put(done))
             else:
-                self._signal(done)
+                self.reports.put(done)
 
     def _g2_ok(self, c: Chunk, job: LoadJob) -> bool:
         assert self.g2 is not None
@@ -450,24 +425,7 @@ class TransferEngine:
     def _gather(self, src: list[BlockId], buf: torch.Tensor, job: StoreJob) -> None:
         assert self.kv_cache is not None
         write_header(buf, self.layout_id, job.digest, self.layout.payload_bytes)
-        if self.layout.converts:  # --kv-offload-dtype: narrowed on the way down
-            idx = torch.tensor(src, dtype=torch.long, device=self.kv_cache.device)
-            payload(buf, self.layout).copy_(self.layout.encode(self.kv_cache.index_select(2, idx)))
-            if self.hidden_cache is not None:
-                hidden_payload(buf, self.layout).copy_(self.hidden_cache.index_select(0, idx))
-            return
-        if self.kv_cache.device.type == "cpu":  # straight into the buffer, no temporary
-            idx = torch.tensor(src, dtype=torch.long)
-            torch.index_select(self.kv_cache, 2, idx, out=payload(buf, self.layout))
-            if self.hidden_cache is not None:
-                torch.index_select(self.hidden_cache, 0, idx, out=hidden_payload(buf, self.layout))
-            return
-        # On a GPU: gather on the device, one copy down, on the copy stream (`store` entered its
-        # scope, which waits for the forward that wrote these blocks).
-        idx = torch.tensor(src, dtype=torch.long, device=self.kv_cache.device)
-        payload(buf, self.layout).copy_(self.kv_cache.index_select(2, idx))
-        if self.hidden_cache is not None:
-            hidden_payload(buf, self.layout).copy_(self.hidden_cache.index_select(0, idx))
+        encode_blocks(buf, self.layout, self.kv_cache, self.hidden_cache, src)
 
     def _run_store(self, job: StoreJob) -> None:
         try:
@@ -475,7 +433,7 @@ class TransferEngine:
         except (RuntimeError, OSError, ValueError) as e:
             log.warning("offload store failed (block not offloaded): %s", e)
         finally:
-            self._signal(StoreDone(job.key))
+            self.reports.put(StoreDone(job.key))
 
     def store(self, job: StoreJob, wait_for_write_slot: bool) -> bool:
         """Copies job.src out of G1 into G2 (then writes the tiers below from there) or, with no

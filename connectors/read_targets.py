@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from connectors.codec import HEADER_BYTES, BlockLayout
+from connectors.codec import HEADER_BYTES, BlockLayout, encode_blocks
 from kvstore.backend import Scatter
 from kvstore.g1 import BlockId
 
@@ -104,12 +104,10 @@ class G1Targets:
 
     def value(self, header: np.ndarray, blocks: list[BlockId]) -> bytes:
         """The entry's value as the tier holds it, from G1 (for a tier below that copies it)."""
-        idx = torch.tensor(blocks, dtype=torch.long)
-        parts = [self._kv.index_select(2, idx)]
-        if self._hidden is not None:
-            parts.append(self._hidden.index_select(0, idx))
-        return header.tobytes() + b"".join(bytes(p.contiguous().view(torch.uint8).numpy()) for p in parts)
-
+        buf = torch.empty(self.layout.encoded_bytes, dtype=torch.uint8)
+        buf[:HEADER_BYTES] = torch.from_numpy(header)
+        encode_blocks(buf, self.layout, self._kv, self._hidden, blocks)
+        return bytes(buf.numpy())
 
 class ReadTargets:
     """The memory reads land in outside G2, owned by the transfer thread: `count` bounce buffers

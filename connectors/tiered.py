@@ -76,7 +76,7 @@ class TieredOffloadConnector(KVConnector):
         if self.write_back is not None:
             raise ValueError("write_policy=write_back does not work with tensor parallelism yet (a write-back "
                              "copies on the step loop, which the other ranks would have to join); use write_through")
-        self.sharded = ShardedTransfer(peers, self.layout.g1_blocks, self.planner.restore, self.transfer.wake)
+        self.sharded = ShardedTransfer(peers, self.layout.g1_blocks, self.planner.restore, self.transfer.reports.wake)
 
     def as_peer(self) -> TransferEngine:
         """A tensor-parallel worker's side: the transfer engine that runs rank 0's plans over this
@@ -146,7 +146,7 @@ class TieredOffloadConnector(KVConnector):
 
     def get_finished(self) -> FinishedTransfers:
         received: set[str] = set()
-        reports = self.transfer.drain()
+        reports = self.transfer.reports.drain()
         for done in reports if self.sharded is None else self.sharded.combine(reports):
             if isinstance(done, LoadDone):
                 failed = self.planner.load_done(done)
@@ -164,7 +164,7 @@ class TieredOffloadConnector(KVConnector):
         return self.planner.busy()
 
     def wait_for_progress(self, timeout: float) -> None:
-        self.transfer.wait_for_progress(timeout)
+        self.transfer.reports.wait(timeout)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -112,13 +112,13 @@ class Reporter:
 
     def _send_done(self) -> None:
         with self._lock:
-            done = self.transfer.drain()
+            done = self.transfer.reports.drain()
             if done:
                 self.conn.send_bytes(encode_message(done_of(self.rank, done)))
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.transfer.wait_for_progress(REPORT_WAIT_S)
+            self.transfer.reports.wait(REPORT_WAIT_S)
             try:
                 self._send_done()
             except OSError:

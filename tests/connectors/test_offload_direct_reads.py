@@ -125,14 +125,14 @@ def test_a_late_read_into_g1_ends_its_load_only_once_it_returns(model_dir, fille
         return [False] * len(keys)
 
     tr = llm.engine.connector.transfer
-    real_signal = tr._signal
+    real_put = tr.reports.put
 
     def signal(item):
         if isinstance(item, LoadDone):
             reported.append(time.perf_counter())
-        real_signal(item)
+        real_put(item)
 
-    g3.get_into, tr._signal = late_get_into, signal
+    g3.get_into, tr.reports.put = late_get_into, signal
     caplog.set_level(logging.WARNING)
     try:
         outs = run(llm, PROMPTS[:1])

@@ -85,7 +85,7 @@ def test_batched_scatter_matches_per_block_copy(k: int, arrangement: str, partia
     slots = dict(zip([c.key for c in chunks], conn.g2.prepare_load([c.key for c in chunks]) or []))
     job = LoadJob("r", tuple(chunks), first_g1, tuple(BlockId(b) for b in dst), (first_g1 + len(dst)) * 4, slots)
     conn.transfer.run_load(job)  # the transfer thread's body, run inline
-    assert conn.transfer.drain() == [LoadDone("r", (), group=0, num_filled=len(dst))]
+    assert conn.transfer.reports.drain() == [LoadDone("r", (), group=0, num_filled=len(dst))]
     assert torch.equal(conn.transfer.kv_cache, expected)
     assert conn.transfer.tier_hits["G2"] == len(dst) * conn.layout.block_size
     conn.g2.check_integrity()
@@ -104,7 +104,7 @@ def test_fp8_chunks_land_in_scattered_g1_blocks(dtype: torch.dtype) -> None:
     assert conn.g2 is not None
     slots = dict(zip([c.key for c in chunks], conn.g2.prepare_load([c.key for c in chunks]) or []))
     conn.transfer.run_load(LoadJob("r", tuple(chunks), 0, tuple(BlockId(b) for b in dst), len(dst) * 4, slots))
-    assert conn.transfer.drain() == [LoadDone("r", (), group=0, num_filled=len(dst))]
+    assert conn.transfer.reports.drain() == [LoadDone("r", (), group=0, num_filled=len(dst))]
     got = conn.transfer.kv_cache
     assert got is not None and got.dtype == dtype and got.view(torch.uint8).any()
     assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
@@ -122,7 +122,7 @@ def test_corrupt_chunk_stops_the_run_there() -> None:
     expected = reference(conn, chunks[:3], 0, dst)
     slots = dict(zip([c.key for c in chunks], conn.g2.prepare_load([c.key for c in chunks]) or []))
     conn.transfer.run_load(LoadJob("r", tuple(chunks), 0, tuple(BlockId(b) for b in dst), len(dst) * 4, slots))
-    (done,) = conn.transfer.drain()
+    (done,) = conn.transfer.reports.drain()
     assert done.failed_blocks == tuple(dst[6:])
     assert torch.equal(conn.transfer.kv_cache[:, :, 10:16], expected[:, :, 10:16])  # type: ignore[index]
     assert torch.equal(conn.transfer.kv_cache[:, :, 16:], before[:, :, 16:])  # type: ignore[index]
