@@ -208,13 +208,17 @@ class TransferEngine:
         """Reads a parallel tier's chunks in calls of `tier.io_chunks(...)` neighbours (G3 reads
         each call's run of one file in one preadv), `2 * read_threads` calls in flight (a disk
         serves queued reads faster than one at a time), and scatters them in order while later
-        calls read. Each chunk lands in a G2 slot when G2 exists (the promotion) or else in a
+        calls read. Reads into G1 have no copy to overlap: the load is split into one window of
+        larger calls (a call's Python costs as much as a few MiB of reading on a small CPU). Each chunk lands in a G2 slot when G2 exists (the promotion) or else in a
         bounce buffer. Returns the G1 blocks filled and whether every chunk landed; stops at the
         first chunk that is missing, bad or late."""
         tier = self.tiers[i]
         per = tier.io_chunks(self.layout.encoded_bytes)
         window_size = 2 * tier.read_threads
         g1 = self._targets.g1(self.kv_cache, self.hidden_cache) if tier.scatter_reads and self.g2 is None else None
+        if g1 is not None:  # nothing to pipeline but bookkeeping: one window of calls, fewer round trips
+            per = max(per, -(-len(chunks) // window_size))
+            self._targets.reserve(window_size * per)
         # per call in flight: its chunks, their G2 slots, read targets (a buffer, or the header of an
         # entry read into G1), G1 blocks read into, and the read
         window: deque[tuple[list[Chunk], list[int | None], list[torch.Tensor | np.ndarray], list[list[BlockId] | None],
@@ -266,6 +270,7 @@ class TransferEngine:
             except Exception as e:  # a plugin backend may raise anything: a miss, never wrong KV
                 log.warning("%s read failed, treating it as a miss: %s: %s", tier.name, type(e).__name__, e)
                 reasons = ["error"] * len(run)
+            used: list[Chunk] = []
             for c, slot, buf, blocks, reason in zip(run, slots, bufs, placed, reasons):
                 reason = reason or check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
                 if reason not in (None, "miss", "error"):
@@ -273,8 +278,10 @@ class TransferEngine:
                 self._promote(i, c, slot, buf, reason is None, job)
                 if ok and reason is None:
                     landed += self._land(i, c, buf, job, blocks)
+                    used.append(c)
                 else:
                     ok = False  # later reads in flight still finish (and may still be promoted)
+            self._touch(tier, used, job)
 
     def _load_batched(self, i: int, chunks: list[Chunk], job: LoadJob) -> tuple[int, bool]:
         """Reads a batched tier's chunks (one round trip per batch), promotes them, and
@@ -311,6 +318,7 @@ class TransferEngine:
             if bufs is None:  # views: a hit is one of exactly an encoded block's length
                 views, got = got, [v is not None and v.nbytes == size for v in got]
                 bufs = [torch.frombuffer(v, dtype=torch.uint8) if hit else NO_BYTES for v, hit in zip(views, got)]
+            used: list[Chunk] = []
             for c, slot, buf, hit in zip(batch, slots, bufs, got):
                 reason = None if hit else "miss"
                 reason = reason or check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
@@ -319,15 +327,18 @@ class TransferEngine:
                 self._promote(i, c, slot, buf, reason is None, job)
                 if ok and reason is None:
                     landed += self._land(i, c, buf, job)
+                    used.append(c)
                 else:
                     ok = False  # a batch already in flight is still promoted, not scattered
+            self._touch(tier, used, job)
         return landed, ok
 
     def _land(self, i: int, c: Chunk, buf: torch.Tensor | np.ndarray, job: LoadJob,
               placed: list[BlockId] | None = None) -> int:
         """A checked hit from tier i: scatter it into G1 (unless it was read there: `placed`, its
-        blocks, and `buf` its header), count it, tell the tier it was used (the chunk's BlockInfo)
-        and the batched tiers below that it was reused. Returns the G1 blocks filled."""
+        blocks, and `buf` its header), count it, and tell the batched tiers below that it was
+        reused (the caller tells tier i, a read's hits at once: `_touch`). Returns the G1 blocks
+        filled."""
         tier = self.tiers[i]
         if placed is None:
             t0 = time.perf_counter()
@@ -340,9 +351,14 @@ class TransferEngine:
             self.direct_blocks += n
             value = lambda: g1.value(buf, placed)  # noqa: E731
         self.tier_hits[tier.name] += n * self.layout.block_size * (job.group == 0)
-        tier.touch([c.key], [job.chunk_info(c)])
         self._note_use(self.tiers[i + 1:], c.key, value, c.blocks)
         return n
+
+    @staticmethod
+    def _touch(tier: StorageTier, used: list[Chunk], job: LoadJob) -> None:
+        """Tells the tier a read's landed chunks were used, in order, in one call."""
+        if used:
+            tier.touch([c.key for c in used], [job.chunk_info(c) for c in used])
 
     def _promote(self, i: int, c: Chunk, slot: int | None, buf: torch.Tensor, good: bool, job: LoadJob) -> None:
         """A read of chunk `c` from tier i that landed in G2 slot `slot`: publish it in G2 (or free

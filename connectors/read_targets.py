@@ -46,7 +46,7 @@ class G1Targets:
         # one per (slot, K/V), then the hidden states'. A run at block b adds b * `_step`.
         rows = np.arange(slots * 2, dtype=np.int64) * self.num_blocks * self.block_bytes + kv_cache.data_ptr()
         self._at0 = np.concatenate([rows, [hidden_cache.data_ptr()] if hidden_cache is not None else []]).astype(np.int64)
-        self._run_lengths: dict[int, np.ndarray] = {}  # run length -> its pieces' lengths
+        self._run_shapes: dict[int, Scatter] = {}  # run length -> its pieces' lengths (`_shape`)
         self._step = np.array([self.block_bytes] * len(rows) + ([self._hidden_bytes] if hidden_cache is not None else []),
                               dtype=np.int64)
 
@@ -84,7 +84,7 @@ class G1Targets:
             table[:, 1:] = self._at0[None, :] + self._step[None, :] * np.array([runs[j][0][0] for j in simple],
                                                                              dtype=np.int64)[:, None]
             for row, j in zip(table, simple):
-                out[j] = Scatter(row, self._lengths(runs[j][0][1]), keep=(headers[j], self._kv, self._hidden))
+                out[j] = self._shape(runs[j][0][1]).moved(row, keep=(headers[j], self._kv, self._hidden))
         for j, r in enumerate(runs):
             if out[j] is None:  # [pieces, runs]: piece-major, so each (slot, K/V) lists its runs in order
                 first = np.array([b for b, _ in r], dtype=np.int64)
@@ -95,11 +95,13 @@ class G1Targets:
                                  np.concatenate(([HEADER_BYTES], lens)), keep=(headers[j], self._kv, self._hidden))
         return out  # type: ignore[return-value]
 
-    def _lengths(self, n: int) -> np.ndarray:
-        """The pieces' lengths of a value whose blocks are one run of n (header first)."""
-        got = self._run_lengths.get(n)
+    def _shape(self, n: int) -> Scatter:
+        """The pieces of a value whose blocks are one run of n (header first), at no address:
+        `moved` to each entry's."""
+        got = self._run_shapes.get(n)
         if got is None:
-            got = self._run_lengths[n] = np.concatenate(([HEADER_BYTES], self._step * n)).astype(np.int64)
+            lengths = np.concatenate(([HEADER_BYTES], self._step * n)).astype(np.int64)
+            got = self._run_shapes[n] = Scatter(np.zeros_like(lengths), lengths)
         return got
 
     def value(self, header: np.ndarray, blocks: list[BlockId]) -> bytes:
@@ -120,6 +122,13 @@ class ReadTargets:
         self._bounce: list[torch.Tensor | None] = [None] * count
         self._headers: np.ndarray | None = None  # [count, HEADER_BYTES]
         self._g1: G1Targets | None = None
+
+    def reserve(self, n: int) -> None:
+        """Room for n header slots and bounce buffers (a load whose calls are larger than usual).
+        Header slots are remade: a read in flight keeps its old ones alive."""
+        if n > len(self._bounce):
+            self._bounce += [None] * (n - len(self._bounce))
+            self._headers = None
 
     def bounce(self, i: int, pinned: bool) -> torch.Tensor:
         buf = self._bounce[i]

@@ -54,6 +54,17 @@ class Scatter:
             raise ValueError("Scatter pieces need positive lengths")
         object.__setattr__(self, "nbytes", int(self.lengths.sum()))
 
+    def moved(self, addresses: np.ndarray, keep: Any = None) -> Scatter:
+        """The same pieces at other `addresses` (owned by `keep`): lengths checked once, for a
+        caller that makes many values of one shape (hundreds per load)."""
+        if addresses.shape != self.lengths.shape:
+            raise ValueError(f"Scatter.moved needs {self.lengths.shape} addresses; got {addresses.shape}")
+        out = object.__new__(Scatter)
+        for name, value in (("addresses", addresses), ("lengths", self.lengths), ("keep", keep),
+                            ("nbytes", self.nbytes)):
+            object.__setattr__(out, name, value)
+        return out
+
     def views(self) -> list[memoryview]:
         """The pieces as writable byte views (valid while the caller's memory is)."""
         import ctypes
