@@ -5,25 +5,10 @@ target, so they must count exactly what they claim to."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from typing import Any
-
 import pytest
+from bench_scripts import load_script
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _load() -> Any:
-    # By path: `benchmarks` is no package here, and tests/benchmarks would shadow the name.
-    spec = importlib.util.spec_from_file_location("bench_admission", REPO / "benchmarks" / "admission.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-adm = _load()
+adm = load_script("admission.py", "bench_admission")
 
 # Session 0 has two turns (the second extends the first's prompt), session 1 one turn.
 TRACE = [[1, 2], [1, 2, 3], [7, 8]]

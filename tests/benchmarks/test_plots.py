@@ -6,28 +6,19 @@ matplotlib (an optional extra, `.[bench]`) the drawing tests skip; the import-ti
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import struct
 from pathlib import Path
 from typing import Any
 
 import pytest
+from bench_scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _load_plots() -> Any:
-    # By path: `benchmarks` is no package, and tests/benchmarks would shadow the name.
-    spec = importlib.util.spec_from_file_location("bench_plots", REPO / "benchmarks" / "_plots.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-plots = _load_plots()
+plots = load_script("_plots.py", "bench_plots")
 
 
 # -- synthetic results, shaped like each script's JSON ------------------------------------------------
