@@ -208,10 +208,11 @@ class TransferEngine:
         """Reads a parallel tier's chunks in calls of `tier.io_chunks(...)` neighbours (G3 reads
         each call's run of one file in one preadv), `2 * read_threads` calls in flight (a disk
         serves queued reads faster than one at a time), and scatters them in order while later
-        calls read. Reads into G1 have no copy to overlap: the load is split into one window of
-        larger calls (a call's Python costs as much as a few MiB of reading on a small CPU). Each chunk lands in a G2 slot when G2 exists (the promotion) or else in a
-        bounce buffer. Returns the G1 blocks filled and whether every chunk landed; stops at the
-        first chunk that is missing, bad or late."""
+        calls read. Each chunk lands in a G2 slot when G2 exists (the promotion), in G1 itself
+        (`G1Targets`), or else in a bounce buffer. Reads into G1 have no copy to overlap, so the
+        load is split into one window of larger calls (a call's Python costs as much as a few MiB
+        of reading on a small CPU). Returns the G1 blocks filled and whether every chunk landed;
+        stops at the first chunk that is missing, bad or late."""
         tier = self.tiers[i]
         per = tier.io_chunks(self.layout.encoded_bytes)
         window_size = 2 * tier.read_threads
