@@ -12,6 +12,7 @@ from enum import Enum
 from kvstore.events import ChunkBlocks
 from kvstore.g1 import NO_INFO, BlockId
 from kvstore.keys import BlockKey
+from kvstore.threads import drain
 from policies import BlockInfo
 
 
@@ -108,12 +109,7 @@ class Reports:
 
     def drain(self) -> list[LoadDone | StoreDone]:
         """Everything finished since the last call, in order."""
-        out = []
-        while True:
-            try:
-                out.append(self._done.get_nowait())
-            except queue.Empty:
-                return out
+        return drain(self._done)
 
     def wake(self) -> None:
         """Ends a `wait` now (another rank reported a transfer: connectors/sharded.py)."""

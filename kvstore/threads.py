@@ -144,6 +144,16 @@ class DaemonPool:
         return not any(t.is_alive() for t in workers)
 
 
+def drain(q: queue.Queue | queue.SimpleQueue) -> list[Any]:
+    """Everything `q` holds now, in order, without waiting."""
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out
+
+
 def after_all(futures: list[Future], fn: Callable[[], None]) -> None:
     """Calls `fn` once every one of `futures` is done (on the thread that finishes the last)."""
     left, lock = [len(futures)], threading.Lock()

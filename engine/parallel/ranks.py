@@ -38,6 +38,7 @@ from engine.core.connector_setup import OffloadSettings
 from engine.core.step_io import RunPlan
 from engine.parallel.shm import AllReduce, ShmAllReduce
 from engine.parallel.transfers import FlushTransfers, Flushed, Transfers, TransfersDone, reports_of, to_wire
+from kvstore.threads import drain
 
 log = logging.getLogger(__name__)
 
@@ -241,12 +242,7 @@ class Ranks:
         self._send_all(encode_message(to_wire(loads, stores)))
 
     def drain_transfers(self) -> list[tuple[int, LoadDone | StoreDone]]:
-        out = []
-        while True:
-            try:
-                out.append(self._reports.get_nowait())
-            except queue.Empty:
-                return out
+        return drain(self._reports)
 
     def flush_transfers(self) -> None:
         with self._flushed:
