@@ -295,12 +295,12 @@ class TransferEngine:
 
         def issue(batch: list[Chunk]) -> tuple[list[Chunk], list[int | None], list[torch.Tensor] | None, Future]:
             # Targets are reserved here, on the transfer thread (which owns G2's bookkeeping);
-            # only the round trip runs on a reader thread. With no G2 there is nothing to fill:
-            # the blocks are scattered from the bytes the backend received (`read_views`), a copy
-            # fewer than landing them in a buffer first.
-            # (On a GPU, scatters read page-locked bounce buffers: from pageable memory they are slow.)
+            # only the round trip runs on a reader thread, receiving into G2 slots or, with no G2,
+            # into bounce buffers (page-locked on a GPU: scatters from pageable memory are slow),
+            # unless the backend can only copy into them: then the blocks are scattered from the
+            # bytes it received (`read_views`).
             keys = [c.key for c in batch]
-            if self.g2 is None and not self.stage_on_device:
+            if self.g2 is None and not self.stage_on_device and remote.views_first:
                 return batch, [None] * len(batch), None, self._reads.submit(remote.read_views, keys)
             slots = [self.g2.prepare_store(c.key, c.digest) if self.g2 is not None else None for c in batch]
             first = (nxt % 2) * remote.batch  # the other half of the bounce buffers is still being scattered

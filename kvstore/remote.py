@@ -34,10 +34,12 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
+from kvstore import resp
 from kvstore.backend import BackendError, BackendStats, Buffer, StorageBackend, check_blocks, check_keys, check_outs
 from kvstore.entry import HEADER_SIZE, CorruptEntry, EntryCodec, check_secret
 from kvstore.keys import KEY_BYTES, BlockKey
 from kvstore.namespace_info import check_info, encode_record, redis_record_key
+from kvstore.resp import Got, Reply
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +203,7 @@ class RedisBackend(StorageBackend):
         self._closed = False
         self._ns = cfg.namespace.hex()
         self._codec = EntryCodec(cfg.secret)
+        self._direct_reads = True  # get_into receives values in place (kvstore.resp) until a reply says not to
         try:
             self.client = client if client is not None else connect(cfg.url, cfg.timeout_s)
         except self._auth_errors as e:
@@ -223,13 +226,33 @@ class RedisBackend(StorageBackend):
         return [None if v is None else bytes(v) for v in self._fetch(keys)]
 
     def get_into(self, keys: Sequence[BlockKey], outs: Sequence[Buffer]) -> list[bool]:
-        views = check_outs(keys, outs)
-        filled = []
-        for v, out in zip(self._fetch(list(keys)), views):
-            ok = v is not None and v.nbytes == out.nbytes
-            if ok:
-                out[:] = v
-            filled.append(ok)
+        """Values are received straight into `outs` (kvstore.resp), not copied out of replies."""
+        views, keys = check_outs(keys, outs), list(keys)
+        if not keys:
+            return []
+        heads = memoryview(bytearray(HEADER_SIZE * len(keys)))
+        heads_at = [heads[i * HEADER_SIZE:(i + 1) * HEADER_SIZE] for i in range(len(keys))]
+        replies = self._call(lambda: self._direct(keys, heads_at, views)) if self._direct_reads else None
+        if replies is None and self._direct_reads:  # off, or a failure the breaker now knows of
+            self.stats.misses += len(keys)
+            return [False] * len(keys)
+        if replies is None:
+            return self._copy_into(keys, views)
+        results: list[memoryview | CorruptEntry | None] = []
+        again: list[int] = []  # error replies (a cluster's MOVED): asked again the way redis-py asks
+        for i, (k, r) in enumerate(zip(keys, replies)):
+            if r.got is Got.FILLED:
+                results.append(self._checked(lambda: self._open(k, heads_at[i], views[i])))
+            elif r.got is Got.OTHER:  # a header is enough to tell another size from damage
+                results.append(self._checked(lambda: self._open(k, r.value, None, r.length - HEADER_SIZE)))
+            else:
+                results.append(None)
+                if r.got is Got.ERROR:
+                    again.append(i)
+        filled = [isinstance(v, memoryview) and v.nbytes == out.nbytes for v, out in zip(self._settle(keys, results), views)]
+        if again:
+            for i, ok in zip(again, self._copy_into([keys[i] for i in again], [views[i] for i in again])):
+                filled[i] = ok
         return filled
 
     def get_views(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
@@ -304,6 +327,10 @@ class RedisBackend(StorageBackend):
 
     def _pipeline(self, build: Callable[[Any], Any]) -> list[Any] | None:
         """One round trip; None when the tier is off, the breaker is open, or the call failed."""
+        return self._call(lambda: self._execute(build))
+
+    def _call(self, call: Callable[[], Any]) -> Any:
+        """call() on a reachable server; None when the tier is off, the breaker is open, or it failed."""
         if self._closed:
             raise BackendError("G4 backend is closed")
         if self.disabled or not self.breaker.allow():
@@ -312,7 +339,7 @@ class RedisBackend(StorageBackend):
             self.client = self._guarded(lambda: connect(self.cfg.url, self.cfg.timeout_s))
             if self.client is None:
                 return None
-        return self._guarded(lambda: self._execute(build))
+        return self._guarded(call)
 
     def _execute(self, build: Callable[[Any], Any]) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
@@ -337,43 +364,85 @@ class RedisBackend(StorageBackend):
             self.breaker.success()
         return None
 
+    def _copy_into(self, keys: list[BlockKey], views: list[memoryview]) -> list[bool]:
+        """get_into the way redis-py reads: each value copied out of its reply."""
+        filled = []
+        for v, out in zip(self._fetch(keys), views):
+            ok = v is not None and v.nbytes == out.nbytes
+            if ok:
+                out[:] = v
+            filled.append(ok)
+        return filled
+
+    def _direct(self, keys: list[BlockKey], heads: list[memoryview], bodies: list[memoryview]) -> list[Reply] | None:
+        """GETs whose values land in heads[i] + bodies[i] (kvstore.resp), one round trip per
+        node; None (and the copying path from now on) if a connection speaks something else."""
+        names = [self._name(k) for k in keys]
+        groups: dict[int, tuple[Any, list[int]]] = {}  # per connection pool: the keys' indices
+        for i, name in enumerate(names):
+            pool = (self.client.get_redis_connection(self.client.get_node_from_key(name)).connection_pool
+                    if self.cfg.cluster else self.client.connection_pool)
+            groups.setdefault(id(pool), (pool, []))[1].append(i)
+        replies: list[Reply] = [Reply(Got.NULL)] * len(keys)
+        try:
+            for pool, idx in groups.values():
+                for i, r in zip(idx, resp.get_into(pool, [names[i] for i in idx], [heads[i] for i in idx],
+                                                   [bodies[i] for i in idx])):
+                    replies[i] = r
+        except resp.ProtocolError as e:
+            self._direct_reads = False
+            log.warning("G4 remote %s sent a reply a GET cannot have (%s); reading through redis-py from now on",
+                        self.url, e)
+            return None
+        self.breaker.success()
+        return replies
+
     def _fetch(self, keys: list[BlockKey]) -> list[memoryview | None]:
         res = self._pipeline(lambda p: [p.get(self._name(k)) for k in keys])
         if res is None:
             self.stats.misses += len(keys)
             return [None] * len(keys)
-        out: list[memoryview | None] = []
-        bad: list[BlockKey] = []
-        reason = ""
-        for k, raw in zip(keys, res):
-            if raw is None or isinstance(raw, Exception):
-                self.stats.misses += 1
-                out.append(None)
-                continue
-            try:
-                out.append(self._open(k, raw))
-                self.stats.hits += 1
-                self.stats.bytes_read += len(raw)
-            except CorruptEntry as e:
-                self.stats.corrupt += 1
-                self.stats.misses += 1
-                reason = reason if bad else f"{k.hex()}: {e}"
-                bad.append(k)
-                out.append(None)
-        if bad:  # one line per batch, not per block
-            log.warning("G4: %d bad entr%s rejected and deleted (first: %s)", len(bad), "y" if len(bad) == 1 else "ies",
-                        reason)
-            self.delete(bad)
-        return out
+        return self._settle(keys, [None if raw is None or isinstance(raw, Exception) else
+                                   self._checked(lambda: self._open(k, raw, memoryview(raw)[HEADER_SIZE:]))
+                                   for k, raw in zip(keys, res)])
 
-    def _open(self, key: BlockKey, raw: bytes) -> memoryview:
-        head = self._codec.open_header(raw)
+    @staticmethod
+    def _checked(open_: Callable[[], memoryview | None]) -> memoryview | CorruptEntry | None:
+        try:
+            return open_()
+        except CorruptEntry as e:
+            return e
+
+    def _settle(self, keys: list[BlockKey], results: list[memoryview | CorruptEntry | None]) -> list[memoryview | None]:
+        """Counts a read's hits, misses and damaged entries, and deletes the damaged ones (one log
+        line per batch, not per block); the payloads, None for anything not served."""
+        bad = [(k, e) for k, e in zip(keys, results) if isinstance(e, CorruptEntry)]
+        for v in results:
+            if isinstance(v, memoryview):
+                self.stats.hits += 1
+                self.stats.bytes_read += HEADER_SIZE + v.nbytes
+            else:
+                self.stats.misses += 1
+        if bad:
+            self.stats.corrupt += len(bad)
+            log.warning("G4: %d bad entr%s rejected and deleted (first: %s: %s)", len(bad),
+                        "y" if len(bad) == 1 else "ies", bad[0][0].hex(), bad[0][1])
+            self.delete([k for k, _ in bad])
+        return [v if isinstance(v, memoryview) else None for v in results]
+
+    def _open(self, key: BlockKey, header: Buffer, payload: memoryview | None, length: int | None = None) -> memoryview | None:
+        """The checked payload of the value under `key`, given its header bytes and its payload;
+        with no payload (a value of another size than wanted, `length` payload bytes), None if it
+        is an intact entry and CorruptEntry if it is not."""
+        head = self._codec.open_header(header)
         if head.namespace != self.cfg.namespace:
             raise CorruptEntry("written by another model (namespace differs)")
         if head.key != key:
             raise CorruptEntry(f"holds key {head.key.hex()}, not the one it is stored under")
-        payload = memoryview(raw)[HEADER_SIZE:]
-        if payload.nbytes != head.payload_len:
-            raise CorruptEntry(f"truncated: {payload.nbytes} of {head.payload_len} payload bytes")
+        n = payload.nbytes if payload is not None else length
+        if n != head.payload_len:
+            raise CorruptEntry(f"truncated: {n} of {head.payload_len} payload bytes")
+        if payload is None:
+            return None
         self._codec.check_payload(head, payload)
         return payload

@@ -13,6 +13,7 @@ import redis
 
 from checkpoints import random_prompt
 from engine import LLM, SamplingParams
+from kvstore import resp
 from kvstore.keys import extend_keys
 from kvstore.namespace_info import REDIS_SUFFIX
 from kvstore.remote import BreakerState, RedisBackend, RemoteConfig, redact
@@ -37,7 +38,16 @@ def g4_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name in G4_LOGGERS and r.levelno >= logging.WARNING]
 
 
-def test_bad_values_are_misses_and_counted(redis_proc):
+def read(b: RedisBackend, keys: list[bytes], via: str, size: int) -> list[bytes | None]:
+    """b.get, or b.get_into buffers of `size` bytes (values received in place, kvstore.resp)."""
+    if via == "get":
+        return b.get(keys)
+    bufs = [bytearray(size) for _ in keys]
+    return [bytes(buf) if ok else None for ok, buf in zip(b.get_into(keys, bufs), bufs)]
+
+
+@pytest.mark.parametrize("via", ["get", "get_into"])
+def test_bad_values_are_misses_and_counted(redis_proc, via):
     b = backend(redis_proc.url)
     raw_client = redis.Redis(port=redis_proc.port)
     name = b._name
@@ -54,15 +64,46 @@ def test_bad_values_are_misses_and_counted(redis_proc):
     other.put([key("m")], [b"x" * 100])
     raw_client.set(name(key("m")), raw_client.get(other._name(key("m"))))
     bad = [key(t) for t in ("wrong-key", "short", "flipped", "junk", "m")]
-    assert b.get(bad) == [None] * 5
+    # One batch, good and bad interleaved: each bad value is judged and the stream stays in step.
+    mixed = [key("a"), *bad[:2], key("a"), *bad[2:], key("a")]
+    assert read(b, mixed, via, len(good)) == [good, None, None, good, None, None, None, good]
     assert b.stats.corrupt == 5
     assert all(raw_client.get(name(k)) is None for k in bad)  # removed, not left to be re-read
-    assert b.get([key("a")]) == [good]  # the good one is untouched
+    assert read(b, [key("a")], via, len(good)) == [good]  # the good one is untouched
     b.close()
     other.close()
 
 
-def test_dead_redis_costs_one_timeout_per_cooldown_and_logs_once(tmp_path, caplog):
+def test_get_into_misses_values_it_cannot_fill_and_keeps_intact_ones(redis_proc):
+    b = backend(redis_proc.url)
+    raw_client = redis.Redis(port=redis_proc.port)
+    good, longer = bytes(range(256)) * 64, bytes(range(256)) * 65
+    assert b.put([key("a"), key("long")], [good, longer]) == [True, True]
+    raw_client.lpush(b._name(key("list")), b"x")  # GET answers WRONGTYPE: an error reply mid-batch
+    assert read(b, [key("long"), key("list"), key("gone"), key("a")], "get_into", len(good)) == [None, None, None, good]
+    assert b.stats.corrupt == 0
+    assert b.get([key("long")]) == [longer]  # an intact entry of another size is not damage
+    assert b._direct_reads
+
+
+def test_get_into_falls_back_to_redis_py_when_a_reply_is_out_of_step(redis_proc, monkeypatch, caplog):
+    b = backend(redis_proc.url)
+    good = bytes(range(256)) * 64
+    assert b.put([key("a")], [good]) == [True]
+
+    def out_of_step(self, head, body):
+        raise resp.ProtocolError("not a GET reply: b'>3'")
+
+    monkeypatch.setattr(resp.BulkReader, "reply", out_of_step)
+    assert read(b, [key("a")], "get_into", len(good)) == [good]  # this call already reads the other way
+    assert not b._direct_reads and b.breaker.state is BreakerState.CLOSED
+    assert any("reading through redis-py from now on" in m for m in g4_warnings(caplog))
+    assert read(b, [key("a")], "get_into", len(good)) == [good]
+    b.close()
+
+
+@pytest.mark.parametrize("via", ["get", "get_into"])
+def test_dead_redis_costs_one_timeout_per_cooldown_and_logs_once(tmp_path, caplog, via):
     caplog.set_level(logging.INFO)
     r = RedisProc(tmp_path / "redis", free_port()).start()
     b = backend(r.url, cooldown_s=1.0)
@@ -70,7 +111,7 @@ def test_dead_redis_costs_one_timeout_per_cooldown_and_logs_once(tmp_path, caplo
     r.kill()
     t0 = time.monotonic()
     for _ in range(200):
-        assert b.get([key("x")]) == [None]
+        assert read(b, [key("x")], via, 1000) == [None]
         assert b.put([key("y")], [b"v"]) == [False]
     assert time.monotonic() - t0 < 0.9, "an open breaker must not touch the network"
     assert b.breaker.state is BreakerState.OPEN
@@ -78,21 +119,22 @@ def test_dead_redis_costs_one_timeout_per_cooldown_and_logs_once(tmp_path, caplo
     r.start()  # same port, empty (no persistence)
     time.sleep(1.1)
     assert b.put([key("x")], [b"v" * 1000]) == [True]  # the probe succeeds: closed again
-    assert b.get([key("x")]) == [b"v" * 1000]
+    assert read(b, [key("x")], via, 1000) == [b"v" * 1000]
     assert b.breaker.state is BreakerState.CLOSED
     assert any("reachable again" in m for m in g4_warnings(caplog))
     b.close()
     r.stop()
 
 
-def test_paused_redis_times_out_once_then_misses(redis_proc, caplog):
+@pytest.mark.parametrize("via", ["get", "get_into"])
+def test_paused_redis_times_out_once_then_misses(redis_proc, caplog, via):
     caplog.set_level(logging.INFO)
     b = backend(redis_proc.url, timeout_s=0.3, cooldown_s=1.0)
     assert b.put([key("p")], [b"payload"]) == [True]
     redis_proc.pause()
     try:
         t0 = time.monotonic()
-        assert b.get([key("p")]) == [None]  # one socket timeout
+        assert read(b, [key("p")], via, 7) == [None]  # one socket timeout
         first = time.monotonic() - t0
         t0 = time.monotonic()
         assert b.exists([key("p")] * 50) == [False] * 50
@@ -100,7 +142,7 @@ def test_paused_redis_times_out_once_then_misses(redis_proc, caplog):
     finally:
         redis_proc.resume()
     time.sleep(1.1)
-    assert b.get([key("p")]) == [b"payload"]  # back, and the data survived the pause
+    assert read(b, [key("p")], via, 7) == [b"payload"]  # back, and the data survived the pause
     assert len([m for m in g4_warnings(caplog) if "failed" in m]) == 1
     b.close()
 

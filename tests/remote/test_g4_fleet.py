@@ -4,6 +4,7 @@ A served, and its tokens equal A's (and a no-offload run's); another cache_salt 
 gets none."""
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 from checkpoints import random_prompt
 from kvstore.namespace_info import REDIS_SUFFIX
+from kvstore.remote import RedisBackend, RemoteConfig
 from redis_procs import SERVER, start_cluster
 
 pytestmark = pytest.mark.skipif(SERVER is None, reason="redis-server not installed")
@@ -73,6 +75,28 @@ def test_redis_cluster_shares_and_spreads_keys(ckpt_dir, tmp_path):
         per_node = [int(n.cli("dbsize").strip()) for n in nodes]
         # The block entries and one namespace record (both engines write the same one).
         assert sum(per_node) == a["g4"]["written_blocks"] + 1 and all(k > 0 for k in per_node), per_node
+        reads_in_place_per_node(url)
     finally:
         for n in nodes:
             n.stop()
+
+
+def reads_in_place_per_node(url: str) -> None:
+    """A cluster backend's get_into asks each key's node in one round trip per node, values
+    received in place; a key asked of the wrong node (a stale slot map: MOVED) is asked again
+    through redis-py, which follows the redirect."""
+    ns = bytes(range(16))
+    b = RedisBackend(RemoteConfig(url, ns))
+    keys = [hashlib.sha256(b"%d" % i).digest()[:16] for i in range(12)]
+    values = [bytes([i]) * (3000 + i % 2) for i in range(12)]
+    assert b.put(keys, values) == [True] * 12
+    bufs = [bytearray(len(v)) for v in values]
+    assert b.get_into(keys, bufs) == [True] * 12 and bufs == [bytearray(v) for v in values]
+    nodes = {b.client.get_node_from_key(b._name(k)).name for k in keys}
+    assert len(nodes) > 1, "the keys should span nodes"
+    one = b.client.get_node_from_key(b._name(keys[0]))
+    b.client.get_node_from_key = lambda name, replica=False: one  # every key to one node
+    bufs = [bytearray(len(v)) for v in values]
+    assert b.get_into(keys, bufs) == [True] * 12 and bufs == [bytearray(v) for v in values]
+    assert b._direct_reads and b.stats.corrupt == 0
+    b.close()
