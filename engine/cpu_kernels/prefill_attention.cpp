@@ -5,7 +5,8 @@
 // shape, so a row computed after a prefix hit would differ in the last bits from the same row in a
 // fresh prefill. Here every row's arithmetic depends only on the row and its keys:
 // - a work item is 16 consecutive query positions (one per SIMD lane) of one kv head, for each of
-//   its GQA query heads; the lanes never mix, so a row's result does not depend on its tile;
+//   its GQA query heads (or for one of them); the lanes never mix, so a row's result does not
+//   depend on its tile;
 // - keys are taken 16 at a time in slices fixed by absolute position (a block, or a 16-key part of
 //   one), each lane sums its dot products over d = 0..D-1 in order, and the online softmax
 //   visits the slices in order; keys a row must not see get probability exactly 0, and a slice
@@ -46,6 +47,7 @@ struct Seq {  // one prompt chunk: rows [q0, q0 + qlen) of q attend to keys [0, 
 struct Item {
   int32_t seq, kvh;
   int64_t row0;  // first row of the tile, relative to the chunk
+  int32_t h0, h1;  // its kv head's query heads [h0, h1) (of G): all of them, or one when tiles are few
 };
 
 // The cache's element type, chosen at run time: it only decides how a slice is widened into
@@ -82,7 +84,7 @@ void attend_tile(const typename IO::T* q, Cache cache, const void* kc, const voi
   for (int r = 0; r < L; ++r) posf[r] = float(pos0 + std::min(r, rows - 1));  // spare lanes copy the last row
   const V16 rowpos = V16::load(posf);
   V16 m[16], l[16];  // per head (G <= 16, checked by the caller)
-  for (int h = 0; h < G; ++h) {
+  for (int h = it.h0; h < it.h1; ++h) {
     const int qh = it.kvh * G + h;
     for (int r = 0; r < L; ++r) {
       const typename IO::T* qr = q + (sq.q0 + it.row0 + std::min(r, rows - 1)) * s.q_row_stride + int64_t(qh) * D;
@@ -108,7 +110,7 @@ void attend_tile(const typename IO::T* q, Cache cache, const void* kc, const voi
     // every key of the slice is visible to every row (none after a row, none out of a row's window)
     const bool visible = n == L && k0 + L - 1 <= pos0 && (s.window <= 0 || k0 > last - s.window);
     const bool windowed = s.window > 0 && k0 <= last - s.window;  // some row's window starts after k0
-    for (int h = 0; h < G; ++h) {
+    for (int h = it.h0; h < it.h1; ++h) {
       V16 sc[L];
       #pragma GCC unroll 16
       for (int j = 0; j < L; ++j) sc[j] = V16::zero();
@@ -172,7 +174,7 @@ void attend_tile(const typename IO::T* q, Cache cache, const void* kc, const voi
       }
     }
   }
-  for (int h = 0; h < G; ++h) {
+  for (int h = it.h0; h < it.h1; ++h) {
     float inv[L];
     (V16::set1(1.0f) / l[h]).store(inv);  // l >= 1: every row sees its own key
     const float* oh = ot + int64_t(h) * D * L;
@@ -187,16 +189,24 @@ template <class IO, int D_>
 void run(const void* q, Cache cache, const void* k, const void* v, void* out, const Seq* seqs, int64_t nseq,
          const int64_t* tables, const Shape& s, int threads) {
   using T = typename IO::T;
+  const int G = s.heads / s.kv_heads;
+  // A work item is a tile of one kv head with all its query heads, which share the K/V slices. With
+  // fewer tiles than the threads can balance (a step after a prefix hit recomputes one tile per
+  // sequence), each query head is an item of its own: a head's arithmetic is the same either way, so
+  // the bits do not depend on this.
+  int64_t tiles = 0;
+  for (int64_t i = 0; i < nseq; ++i) tiles += (seqs[i].qlen + L - 1) / L * s.kv_heads;
+  const int per = tiles >= 4 * int64_t(threads) ? G : 1;
   std::vector<Item> items;
   for (int64_t i = 0; i < nseq; ++i)
     for (int64_t r = 0; r < seqs[i].qlen; r += L)
-      for (int kvh = 0; kvh < s.kv_heads; ++kvh) items.push_back({int32_t(i), kvh, r});
+      for (int kvh = 0; kvh < s.kv_heads; ++kvh)
+        for (int h = 0; h < G; h += per) items.push_back({int32_t(i), kvh, r, h, std::min(G, h + per)});
   // Longest first (the tiles furthest into their sequence see the most keys), so the dynamic
   // schedule does not end on one thread with a long tile.
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
     return seqs[a.seq].ctx - seqs[a.seq].qlen + a.row0 > seqs[b.seq].ctx - seqs[b.seq].qlen + b.row0;
   });
-  const int G = s.heads / s.kv_heads;
   const size_t floats = size_t(2 * G * s.head_dim * L + 2 * L * s.head_dim);
   const int64_t n = int64_t(items.size());
 #pragma omp parallel num_threads(threads)

@@ -85,6 +85,22 @@ def test_any_chunking_gives_the_bits_of_a_fresh_prefill(dtype, bs):
         assert torch.equal(out, whole), (cuts, (out.float() - whole.float()).abs().max().item())
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_last_block_after_a_long_prefix_splits_by_head_and_keeps_the_bits(threads, monkeypatch):
+    """The step after a prefix hit recomputes one tile (16 rows) over the whole context: the kernel
+    then makes each query head a work item of its own, so every core has work. The rows still
+    equal, bit for bit, those of a fresh prefill (tiles with all their heads), at any thread count."""
+    heads, kv_heads, d, n, bs = 12, 2, 64, 700, 16
+    nb = -(-n // bs)
+    k, v, q, g = _setup(nb, bs, kv_heads, heads, d, n, torch.float32, seed=7)
+    table = torch.randperm(nb, generator=g)
+    whole = _run(q, k, v, [(0, n, n, table)], None, 0.125)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the kernel's thread count
+    last = _run(q, k, v, [(n - 16, 16, n, table)], None, 0.125)
+    assert torch.equal(last[n - 16:], whole[n - 16:])
+    assert torch.isnan(last[:n - 16]).all()
+
+
 def test_rows_of_different_sequences_do_not_mix_tiles():
     """Two sequences in one call give the same bits as each alone."""
     k, v, q, g = _setup(64, 16, 2, 4, 64, 60, torch.float32, seed=3)
