@@ -81,22 +81,23 @@ class LocalRedis:
     def url(self) -> str | None:
         return f"redis://127.0.0.1:{self.port}" if self.proc is not None else None
 
-    def get_GBps(self, value_bytes: int) -> float | None:
-        """redis-benchmark's GET throughput at this value size, in GB/s of values (its SET run first
-        stores the value the GETs read)."""
+    def bench_GBps(self, value_bytes: int) -> dict[str, float]:
+        """redis-benchmark's SET and GET throughput at this value size, in GB/s of values (its SET
+        run stores the value the GETs read); empty without redis-benchmark."""
         import subprocess
 
         if self.bench is None:
-            return None
+            return {}
         n = max(200, min(5000, int(2e9 // value_bytes)))
         cmd = [self.bench, "-p", str(self.port), "-t", "set,get", "-d", str(value_bytes), "-n", str(n),
                "-c", "4", "-P", "8", "--csv", "-q"]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
+        rates = {}
         for line in out.splitlines():
             cells = [c.strip('"') for c in line.split(",")]
-            if cells and cells[0].upper().startswith("GET"):
-                return float(cells[1]) * value_bytes / 1e9
-        return None
+            if cells and cells[0].upper() in ("SET", "GET"):
+                rates[cells[0].upper()] = float(cells[1]) * value_bytes / 1e9
+        return rates
 
     def close(self) -> None:
         if self.proc is not None:
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                      "load / into place", "files"], split_rows)
     if "G4" in engines:
         block = engines["G4"].engine.connector.layout.encoded_bytes
-        raw["redis_get_GBps"] = redis.get_GBps(block) if redis is not None else None  # our own server only
+        raw["redis_get_GBps"] = redis.bench_GBps(block).get("GET") if redis is not None else None  # our own server only
         g4_bw = results["runs"][longest]["median_load_GBps"]["G4"]
         if raw.get("redis_get_GBps"):
             print(f"redis-benchmark GET at {block / 2**10:.0f} KiB values: {raw['redis_get_GBps']:.2f} GB/s; "

@@ -183,12 +183,13 @@ def connect(url: str, timeout_s: float) -> Any:
 
 
 class RedisBackend(StorageBackend):
-    """Blocks in Redis/Valkey (see the module docstring). `client` is for tests."""
+    """Blocks in Redis/Valkey (see the module docstring). `client` is for tests; `in_place=False`
+    sends and reads through redis-py's pipelines only (what it falls back to; for comparisons)."""
 
     name = "redis"  # its name in a tier stack (connectors.stack) and in /v1/kv/stats
     shared = True  # anyone who can write to the server can write entries
 
-    def __init__(self, cfg: RemoteConfig, client: Any = None) -> None:
+    def __init__(self, cfg: RemoteConfig, client: Any = None, *, in_place: bool = True) -> None:
         import redis
         import redis.exceptions
 
@@ -203,7 +204,7 @@ class RedisBackend(StorageBackend):
         self._closed = False
         self._ns = cfg.namespace.hex()
         self._codec = EntryCodec(cfg.secret)
-        self._direct_reads = True  # get_into receives values in place (kvstore.resp) until a reply says not to
+        self._direct_io = in_place  # get_into and put use kvstore.resp until a reply says not to
         try:
             self.client = client if client is not None else connect(cfg.url, cfg.timeout_s)
         except self._auth_errors as e:
@@ -232,8 +233,8 @@ class RedisBackend(StorageBackend):
             return []
         heads = memoryview(bytearray(HEADER_SIZE * len(keys)))
         heads_at = [heads[i * HEADER_SIZE:(i + 1) * HEADER_SIZE] for i in range(len(keys))]
-        replies = self._call(lambda: self._direct(keys, heads_at, views)) if self._direct_reads else None
-        if replies is None and self._direct_reads:  # off, or a failure the breaker now knows of
+        replies = self._call(lambda: self._direct_get(keys, heads_at, views)) if self._direct_io else None
+        if replies is None and self._direct_io:  # off, or a failure the breaker now knows of
             self.stats.misses += len(keys)
             return [False] * len(keys)
         if replies is None:
@@ -261,10 +262,30 @@ class RedisBackend(StorageBackend):
         return self._fetch(list(keys))
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[Buffer]) -> list[bool]:
+        """Values are sent from `blocks` as they are, after their headers (kvstore.resp)."""
         check_keys(keys)
-        views = check_blocks(keys, blocks)
-        values = [self._codec.seal(self.cfg.namespace, k, v) + bytes(v) for k, v in zip(keys, views)]
+        views, keys = check_blocks(keys, blocks), list(keys)
+        if not keys:
+            return []
+        heads = [self._codec.seal(self.cfg.namespace, k, v) for k, v in zip(keys, views)]
         px = None if self.cfg.ttl_s is None else max(int(self.cfg.ttl_s * 1000), 1)
+        replies = self._call(lambda: self._direct_set(keys, heads, views, px)) if self._direct_io else None
+        if replies is None and self._direct_io:  # off, or a failure the breaker now knows of
+            return [False] * len(keys)
+        if replies is None:
+            return self._pipeline_set(keys, heads, views, px)
+        ok = [r.got is Got.OK for r in replies]
+        self.stats.bytes_written += sum(len(h) + v.nbytes for h, v, good in zip(heads, views, ok) if good)
+        again = [i for i, r in enumerate(replies) if r.got is Got.ERROR]  # a cluster's MOVED; or refused again below
+        if again:
+            for i, good in zip(again, self._pipeline_set([keys[i] for i in again], [heads[i] for i in again],
+                                                         [views[i] for i in again], px)):
+                ok[i] = good
+        return ok
+
+    def _pipeline_set(self, keys: list[BlockKey], heads: list[bytes], views: list[memoryview], px: int | None) -> list[bool]:
+        """put the way redis-py sends: each value joined to its header first."""
+        values = [h + bytes(v) for h, v in zip(heads, views)]
         res = self._pipeline(lambda p: [p.set(self._name(k), v, px=px) for k, v in zip(keys, values)])
         if res is None:
             return [False] * len(keys)
@@ -287,10 +308,15 @@ class RedisBackend(StorageBackend):
             if self.client is not None:
                 self.client.close()
 
+    @property
+    def in_place(self) -> bool:
+        """Whether values are sent and received in place (kvstore.resp), not through redis-py's pipelines."""
+        return self._direct_io
+
     def describe(self) -> dict[str, Any]:
         """Stats for /v1/kv/stats: no password, ever."""
         return {"url": self.url, "breaker": self.breaker.state.value, "outages": self.breaker.opens,
-                "disabled": self.disabled, **vars(self.stats)}
+                "disabled": self.disabled, "in_place": self.in_place, **vars(self.stats)}
 
     # -- internals ----------------------------------------------------------------------------
     def _name(self, key: BlockKey) -> str:
@@ -374,9 +400,19 @@ class RedisBackend(StorageBackend):
             filled.append(ok)
         return filled
 
-    def _direct(self, keys: list[BlockKey], heads: list[memoryview], bodies: list[memoryview]) -> list[Reply] | None:
-        """GETs whose values land in heads[i] + bodies[i] (kvstore.resp), one round trip per
-        node; None (and the copying path from now on) if a connection speaks something else."""
+    def _direct_get(self, keys: list[BlockKey], heads: list[memoryview], bodies: list[memoryview]) -> list[Reply] | None:
+        """GETs whose values land in heads[i] + bodies[i] (kvstore.resp), one round trip per node."""
+        return self._per_node(keys, lambda pool, names, idx: resp.get_into(
+            pool, names, [heads[i] for i in idx], [bodies[i] for i in idx]))
+
+    def _direct_set(self, keys: list[BlockKey], heads: list[bytes], bodies: list[memoryview], px: int | None) -> list[Reply] | None:
+        """SETs sent from heads[i] and bodies[i] as they are (kvstore.resp), one round trip per node."""
+        return self._per_node(keys, lambda pool, names, idx: resp.set_many(
+            pool, names, [heads[i] for i in idx], [bodies[i] for i in idx], px))
+
+    def _per_node(self, keys: list[BlockKey], call: Callable[[Any, list[str], list[int]], list[Reply]]) -> list[Reply] | None:
+        """call(pool, names, indices) for each node's share of `keys`, their replies in keys' order;
+        None (and redis-py's own reads and writes from now on) if a connection speaks something else."""
         names = [self._name(k) for k in keys]
         groups: dict[int, tuple[Any, list[int]]] = {}  # per connection pool: the keys' indices
         for i, name in enumerate(names):
@@ -386,12 +422,11 @@ class RedisBackend(StorageBackend):
         replies: list[Reply] = [Reply(Got.NULL)] * len(keys)
         try:
             for pool, idx in groups.values():
-                for i, r in zip(idx, resp.get_into(pool, [names[i] for i in idx], [heads[i] for i in idx],
-                                                   [bodies[i] for i in idx])):
+                for i, r in zip(idx, call(pool, [names[i] for i in idx], idx)):
                     replies[i] = r
         except resp.ProtocolError as e:
-            self._direct_reads = False
-            log.warning("G4 remote %s sent a reply a GET cannot have (%s); reading through redis-py from now on",
+            self._direct_io = False
+            log.warning("G4 remote %s sent a reply a GET or SET cannot have (%s); going through redis-py from now on",
                         self.url, e)
             return None
         self.breaker.success()

@@ -29,9 +29,9 @@ def key(tag: str) -> bytes:
     return hashlib.sha256(tag.encode()).digest()[:16]
 
 
-def backend(url: str, ns: bytes = NS, **kw) -> RedisBackend:
+def backend(url: str, ns: bytes = NS, in_place: bool = True, **kw) -> RedisBackend:
     return RedisBackend(RemoteConfig(url, ns, timeout_s=kw.pop("timeout_s", 0.3), cooldown_s=kw.pop("cooldown_s", 1.0),
-                                     **kw))
+                                     **kw), in_place=in_place)
 
 
 def g4_warnings(caplog) -> list[str]:
@@ -83,7 +83,7 @@ def test_get_into_misses_values_it_cannot_fill_and_keeps_intact_ones(redis_proc)
     assert read(b, [key("long"), key("list"), key("gone"), key("a")], "get_into", len(good)) == [None, None, None, good]
     assert b.stats.corrupt == 0
     assert b.get([key("long")]) == [longer]  # an intact entry of another size is not damage
-    assert b._direct_reads
+    assert b.in_place
 
 
 def test_get_into_falls_back_to_redis_py_when_a_reply_is_out_of_step(redis_proc, monkeypatch, caplog):
@@ -96,8 +96,8 @@ def test_get_into_falls_back_to_redis_py_when_a_reply_is_out_of_step(redis_proc,
 
     monkeypatch.setattr(resp.BulkReader, "reply", out_of_step)
     assert read(b, [key("a")], "get_into", len(good)) == [good]  # this call already reads the other way
-    assert not b._direct_reads and b.breaker.state is BreakerState.CLOSED
-    assert any("reading through redis-py from now on" in m for m in g4_warnings(caplog))
+    assert not b.in_place and b.breaker.state is BreakerState.CLOSED
+    assert any("going through redis-py from now on" in m for m in g4_warnings(caplog))
     assert read(b, [key("a")], "get_into", len(good)) == [good]
     b.close()
 
@@ -242,3 +242,35 @@ def test_a_missing_block_mid_prompt_stops_the_g4_load_there(ckpt_dir, redis_proc
         assert out.cached_tokens_by_tier.get("G4", 0) == 5 * 16
     finally:
         b.close()
+
+
+def test_put_sends_the_bytes_redis_py_would_with_the_ttl(redis_proc):
+    """put sends header and payload as they are (kvstore.resp): the stored value equals the one a
+    redis-py pipeline stores (the old path as the oracle), and the TTL is set."""
+    raw_client = redis.Redis(port=redis_proc.port)
+    b = backend(redis_proc.url, ttl_s=100.0)
+    payloads = [bytes([i]) * (70_000 + i) for i in range(3)] + [b""]
+    keys = [key(f"t{i}") for i in range(4)]
+    assert b.put(keys, payloads) == [True] * 4
+    direct = [raw_client.get(b._name(k)) for k in keys]
+    assert all(0 < raw_client.pttl(b._name(k)) <= 100_000 for k in keys)
+    raw_client.delete(*[b._name(k) for k in keys])
+    b = backend(redis_proc.url, ttl_s=100.0, in_place=False)
+    assert b.put(keys, payloads) == [True] * 4
+    assert [raw_client.get(b._name(k)) for k in keys] == direct
+    assert b.get(keys) == payloads
+    b.close()
+
+
+def test_a_refused_put_is_counted_and_logged_once_per_batch(redis_proc, caplog):
+    raw_client = redis.Redis(port=redis_proc.port)
+    b = backend(redis_proc.url)
+    raw_client.config_set("maxmemory-policy", "noeviction")
+    raw_client.config_set("maxmemory", str(int(raw_client.info("memory")["used_memory"])))  # full: OOM
+    assert b.put([key(f"o{i}") for i in range(8)], [bytes(100_000)] * 8) == [False] * 8
+    assert b.stats.write_errors == 8 and b.in_place
+    assert len([m for m in g4_warnings(caplog) if "refused" in m]) == 1
+    assert b.breaker.state is BreakerState.CLOSED  # a refusal is not an outage
+    raw_client.config_set("maxmemory", "0")
+    assert b.put([key("o0")], [bytes(100_000)]) == [True]
+    b.close()

@@ -98,5 +98,5 @@ def reads_in_place_per_node(url: str) -> None:
     b.client.get_node_from_key = lambda name, replica=False: one  # every key to one node
     bufs = [bytearray(len(v)) for v in values]
     assert b.get_into(keys, bufs) == [True] * 12 and bufs == [bytearray(v) for v in values]
-    assert b._direct_reads and b.stats.corrupt == 0
+    assert b.in_place and b.stats.corrupt == 0
     b.close()
