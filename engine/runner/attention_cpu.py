@@ -3,7 +3,10 @@
 Decodes go through `paged_attention`, prompt chunks through `prefill_attention`: all of a step's
 chunks in one call, causal without computing the masked part, and with each row's result
 depending only on the row and its keys, so rows computed after a prefix hit equal, bit for bit,
-the same rows of a fresh prefill (a prefix hit never changes an output). The torch path (SDPA
+the same rows of a fresh prefill (a prefix hit never changes an output). Not yet for a chunk of
+one token after cached context (the last token after a prefix or tier hit that ends one token
+short): the runner marks it a decode, so it goes to `paged_attention`, whose row can differ from the
+prefill kernel's in the last bits (1.8e-7 measured on random data). The torch path (SDPA
 over the context) is kept for shapes the prefill kernel does not take, and for caches the kernels
 do not read (a float16 one: `cpu_kernels.cache_supported`). An fp8 cache is read in place too,
 each element widened in registers (engine/cpu_kernels/dtypes.h).
