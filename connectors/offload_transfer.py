@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,15 +43,9 @@ from policies import BlockInfo
 
 log = logging.getLogger(__name__)
 
-
 HOST = "G2"  # the host-memory tier's name
 READS_SHUTDOWN_S = 5.0  # the most shutdown waits for tier reads still in flight
 STAGING_BYTES = 256 * 2**20  # on a GPU, the most G2 bytes one scatter stages on the device at once
-NO_BYTES = torch.empty(0, dtype=torch.uint8)  # a missed block's buffer (never read)
-# Loads scatter from the bytes a remote tier received (immutable): torch has no read-only tensors
-# and says so once; these tensors are only read from.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
-                        module=__name__)
 
 
 class TransferEngine:
@@ -293,15 +286,11 @@ class TransferEngine:
         assert remote is not None
         batches = [chunks[j:j + remote.batch] for j in range(0, len(chunks), remote.batch)]
 
-        def issue(batch: list[Chunk]) -> tuple[list[Chunk], list[int | None], list[torch.Tensor] | None, Future]:
+        def issue(batch: list[Chunk]) -> tuple[list[Chunk], list[int | None], list[torch.Tensor], Future]:
             # Targets are reserved here, on the transfer thread (which owns G2's bookkeeping);
             # only the round trip runs on a reader thread, receiving into G2 slots or, with no G2,
-            # into bounce buffers (page-locked on a GPU: scatters from pageable memory are slow),
-            # unless the backend can only copy into them: then the blocks are scattered from the
-            # bytes it received (`read_views`).
+            # into bounce buffers (page-locked on a GPU: scatters from pageable memory are slow).
             keys = [c.key for c in batch]
-            if self.g2 is None and not self.stage_on_device and remote.views_first:
-                return batch, [None] * len(batch), None, self._reads.submit(remote.read_views, keys)
             slots = [self.g2.prepare_store(c.key, c.digest) if self.g2 is not None else None for c in batch]
             first = (nxt % 2) * remote.batch  # the other half of the bounce buffers is still being scattered
             bufs = [self.g2.slot_view(s) if s is not None else self._bounce_buffer(first + k)  # type: ignore[union-attr]
@@ -309,16 +298,12 @@ class TransferEngine:
             return batch, slots, bufs, self._reads.submit(remote.read, keys, [memoryview(b.numpy()) for b in bufs])
 
         landed, ok, nxt = 0, True, 0
-        size = self.layout.encoded_bytes
         pending = issue(batches[0]) if batches else None
         while pending is not None:
             batch, slots, bufs, fut = pending
             nxt += 1
             pending = issue(batches[nxt]) if ok and nxt < len(batches) else None
             got = fut.result()  # bounded by the backend's socket timeout
-            if bufs is None:  # views: a hit is one of exactly an encoded block's length
-                views, got = got, [v is not None and v.nbytes == size for v in got]
-                bufs = [torch.frombuffer(v, dtype=torch.uint8) if hit else NO_BYTES for v, hit in zip(views, got)]
             used: list[Chunk] = []
             for c, slot, buf, hit in zip(batch, slots, bufs, got):
                 reason = None if hit else "miss"

@@ -58,12 +58,6 @@ class RemoteTier:
         if batch < 1 or max_pending_bytes < 1:
             raise ValueError(f"{name}: the batch and max_pending_bytes must be >= 1")
         self.backend, self.name, self.min_uses, self.batch = backend, name, min_uses, batch
-        # A backend that receives values into the caller's memory (Redis: kvstore.resp) is read into
-        # G2 slots or bounce buffers; one that only hands out views of what it received, without
-        # a copy, is better scattered from those (`read_views`) than copied into a buffer first.
-        kind = type(backend)
-        self.views_first = (kind.get_into is StorageBackend.get_into
-                            and kind.get_views is not StorageBackend.get_views)
         self._uses: OrderedDict[BlockKey, int] = OrderedDict()
         self._lock = threading.Lock()
         # Bounded in bytes, not entries: with KV groups an offload block is several smaller
@@ -94,19 +88,6 @@ class RemoteTier:
         for k, ok in zip(keys, got):
             if ok:
                 self._set(k, WRITTEN)  # it is there: never upload it again from here
-        return got
-
-    def read_views(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
-        """`read` with no target: each block's bytes as the backend received them (no copy for
-        Redis), None for a miss. For a load with no G2 slot to fill."""
-        try:
-            got = self.backend.get_views(list(keys))
-        except (BackendError, OSError) as e:
-            log.warning("%s read failed, treating as a miss: %s", self.name, e)
-            return [None] * len(keys)
-        for k, v in zip(keys, got):
-            if v is not None:
-                self._set(k, WRITTEN)
         return got
 
     # -- writes --------------------------------------------------------------------------------

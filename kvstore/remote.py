@@ -239,18 +239,21 @@ class RedisBackend(StorageBackend):
             return [False] * len(keys)
         if replies is None:
             return self._copy_into(keys, views)
+        # Error replies (a cluster's MOVED) are asked again the way redis-py asks, and counted there.
+        again = [i for i, r in enumerate(replies) if r.got is Got.ERROR]
+        answered = [i for i, r in enumerate(replies) if r.got is not Got.ERROR]
         results: list[memoryview | CorruptEntry | None] = []
-        again: list[int] = []  # error replies (a cluster's MOVED): asked again the way redis-py asks
-        for i, (k, r) in enumerate(zip(keys, replies)):
+        for i in answered:
+            k, r = keys[i], replies[i]
             if r.got is Got.FILLED:
                 results.append(self._checked(lambda: self._open(k, heads_at[i], views[i])))
             elif r.got is Got.OTHER:  # a header is enough to tell another size from damage
                 results.append(self._checked(lambda: self._open(k, r.value, None, r.length - HEADER_SIZE)))
             else:
                 results.append(None)
-                if r.got is Got.ERROR:
-                    again.append(i)
-        filled = [isinstance(v, memoryview) and v.nbytes == out.nbytes for v, out in zip(self._settle(keys, results), views)]
+        filled = [False] * len(keys)
+        for i, v in zip(answered, self._settle([keys[i] for i in answered], results)):
+            filled[i] = v is not None and v.nbytes == views[i].nbytes
         if again:
             for i, ok in zip(again, self._copy_into([keys[i] for i in again], [views[i] for i in again])):
                 filled[i] = ok
