@@ -7,12 +7,18 @@ beside a plain streaming read (torch's sum over a 512 MB tensor: what these core
 memory), shown as the time it takes for the kernel's bytes. `--layers 1` with a short context measures it on cached data
 (its arithmetic alone).
 
+`--prefill-rows N` times the prefill kernel (engine/cpu_kernels/prefill_attention.cpp) instead: one
+sequence's last N rows over `--context` keys, the step after a prefix hit (N = 16 after a G1 hit
+on a prompt of whole blocks), beside torch's SDPA over the same keys laid out contiguously (its
+best case; float32 and bfloat16 caches only).
+
 `--against FILE.cpp` builds FILE as a second library and alternates the two in this process, run
 by run (the only way to see a 5% change on a shared machine): the table then has both, their
 ratio, and whether their outputs are the same bits.
 
     .venv/bin/python benchmarks/kernels_cpu.py
     .venv/bin/python benchmarks/kernels_cpu.py --against /tmp/paged_attention_old.cpp
+    .venv/bin/python benchmarks/kernels_cpu.py --prefill-rows 16 --context 4000 --against /tmp/prefill_attention_old.cpp
 
 Writes benchmarks/results/kernels_cpu.json.
 """
@@ -51,8 +57,10 @@ def other_library(src: Path, workdir: Path, march: str) -> ctypes.CDLL:
                     "-shared", str(src), "-o", str(so)], check=True)
     lib = ctypes.CDLL(str(so))
     ours = cpu_kernels.get()
-    lib.kvt_paged_attention.restype = ours.kvt_paged_attention.restype
-    lib.kvt_paged_attention.argtypes = ours.kvt_paged_attention.argtypes
+    for fn in ("kvt_paged_attention", "kvt_prefill_attention"):
+        if hasattr(lib, fn):  # a FILE.cpp defines one of them
+            getattr(lib, fn).restype = getattr(ours, fn).restype
+            getattr(lib, fn).argtypes = getattr(ours, fn).argtypes
     return lib
 
 
@@ -62,7 +70,10 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=344, help="tokens per row (default %(default)s)")
     ap.add_argument("--layers", type=int, default=30, help="distinct layers' caches cycled through (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=9, help="alternating timed rounds; medians (default %(default)s)")
-    ap.add_argument("--against", type=Path, help="another paged_attention.cpp to alternate with this one")
+    ap.add_argument("--prefill-rows", type=int, default=0,
+                    help="time the prefill kernel: one sequence's last N rows over --context keys (default: decodes)")
+    ap.add_argument("--against", type=Path,
+                    help="another paged_attention.cpp (prefill_attention.cpp with --prefill-rows) to alternate with this one")
     ap.add_argument("--march", default=build.MARCH,
                     help="build both libraries for this -march (haswell: the AVX2 path on an AVX-512 machine; "
                          "default %(default)s)")
@@ -70,6 +81,10 @@ def main() -> int:
     args = ap.parse_args()
     if min(args.batch, args.context, args.layers, args.rounds) < 1:
         ap.error("--batch, --context, --layers and --rounds must be >= 1")
+    if not 0 <= args.prefill_rows <= args.context:
+        ap.error("--prefill-rows must be between 0 and --context")
+    prefill = args.prefill_rows > 0
+    batch = 1 if prefill else args.batch
     try:
         ours = build.load(march=args.march)
     except build.BuildError as e:
@@ -84,13 +99,19 @@ def main() -> int:
     rows, results = [], {}
     for dtype, cache_dtype in CASES:
         g = torch.Generator().manual_seed(0)
-        kv = torch.randn(args.layers, 2, args.batch * nb + 1, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(cache_dtype)
-        q = torch.randn(args.batch, HEADS, HEAD_DIM, generator=g).to(dtype)
-        idx, lens = torch.arange(args.batch), torch.full((args.batch,), args.context, dtype=torch.long)
-        tables = torch.randperm(args.batch * nb, generator=g).view(args.batch, nb).contiguous()
-        nbytes = args.batch * args.context * KV_HEADS * HEAD_DIM * 2 * kv.element_size()
+        kv = torch.randn(args.layers, 2, batch * nb + 1, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(cache_dtype)
+        q = torch.randn(args.prefill_rows or batch, HEADS, HEAD_DIM, generator=g).to(dtype)
+        idx, lens = torch.arange(batch), torch.full((batch,), args.context, dtype=torch.long)
+        tables = torch.randperm(batch * nb, generator=g).view(batch, nb).contiguous()
+        seqs = torch.tensor([[0, args.prefill_rows, args.context, 0]], dtype=torch.long)
+        nbytes = batch * args.context * KV_HEADS * HEAD_DIM * 2 * kv.element_size()
         flat = torch.randn(STREAM_BYTES // 4)  # far past the last-level cache: what memory gives
-        times: dict[str, list[float]] = {name: [] for name in (*libs, "stream read")}
+        peers = ["stream read"]
+        if prefill and cache_dtype == dtype:  # SDPA over the same keys, contiguous: [layers, 2, kv heads, context, D]
+            dense = kv[:, :, tables[0]].flatten(2, 3)[:, :, :args.context].transpose(2, 3).contiguous()
+            mask = torch.ones(args.prefill_rows, args.context, dtype=torch.bool).tril(args.context - args.prefill_rows)
+            peers.insert(0, "torch SDPA")
+        times: dict[str, list[float]] = {name: [] for name in (*libs, *peers)}
         outs = {}
         reps = max(3, 150 // args.layers)
         for _ in range(args.rounds):
@@ -100,9 +121,20 @@ def main() -> int:
                 t = time.perf_counter()
                 for _ in range(reps):
                     for layer in range(args.layers):
-                        cpu_kernels.paged_attention(q, kv[layer, 0], kv[layer, 1], out, idx, tables, lens, 0.125)
+                        if prefill:
+                            cpu_kernels.prefill_attention(q, kv[layer, 0], kv[layer, 1], out, seqs, tables[0], 0.125)
+                        else:
+                            cpu_kernels.paged_attention(q, kv[layer, 0], kv[layer, 1], out, idx, tables, lens, 0.125)
                 times[name].append((time.perf_counter() - t) / reps / args.layers)
                 outs[name] = out
+            if "torch SDPA" in times:
+                qt = q.transpose(0, 1)[None]
+                t = time.perf_counter()
+                for _ in range(reps):
+                    for layer in range(args.layers):
+                        torch.nn.functional.scaled_dot_product_attention(
+                            qt, dense[layer, 0][None], dense[layer, 1][None], attn_mask=mask, scale=0.125, enable_gqa=True)
+                times["torch SDPA"].append((time.perf_counter() - t) / reps / args.layers)
             t = time.perf_counter()
             flat.sum()
             times["stream read"].append((time.perf_counter() - t) * nbytes / STREAM_BYTES)  # as long as nbytes take
@@ -115,8 +147,9 @@ def main() -> int:
             ratio = f"{med / statistics.median(times['kvtier']):.3f}" if name != "stream read" else ""
             rows.append([f"{name} {dt}", f"{med * 1e3:.3f}", f"{nbytes / med / 1e9:.1f}", ratio, same])
     m = machine_info()
-    print(f"{m['cpu_model']}, {m['cpu_isa']}, built for -march={args.march}; batch {args.batch}, context {args.context}, {args.layers} layers, "
-          f"{torch.get_num_threads()} threads")
+    shape = f"{args.prefill_rows} prefill rows" if prefill else f"batch {args.batch}"
+    print(f"{m['cpu_model']}, {m['cpu_isa']}, built for -march={args.march}; {shape}, context {args.context}, "
+          f"{args.layers} layers, {torch.get_num_threads()} threads")
     print_table(["kernel", "ms per layer", "GB/s", "time / kvtier's", "same bits"], rows)
     write_json(args.out, {"benchmark": "kernels_cpu", "args": {k: str(v) for k, v in vars(args).items()},
                           "results": results})
