@@ -66,7 +66,7 @@ def other_library(src: Path, workdir: Path, march: str) -> ctypes.CDLL:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=None, help="decode rows (default 64; not with --prefill-rows)")
     ap.add_argument("--context", type=int, default=344, help="tokens per row (default %(default)s)")
     ap.add_argument("--layers", type=int, default=30, help="distinct layers' caches cycled through (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=9, help="alternating timed rounds; medians (default %(default)s)")
@@ -79,6 +79,9 @@ def main() -> int:
                          "default %(default)s)")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "kernels_cpu.json")
     args = ap.parse_args()
+    if args.batch is not None and args.prefill_rows:
+        ap.error("--batch is for decodes; --prefill-rows times one sequence")
+    args.batch = 64 if args.batch is None else args.batch
     if min(args.batch, args.context, args.layers, args.rounds) < 1:
         ap.error("--batch, --context, --layers and --rounds must be >= 1")
     if not 0 <= args.prefill_rows <= args.context:
