@@ -10,7 +10,9 @@ memory), shown as the time it takes for the kernel's bytes. `--layers 1` with a 
 `--prefill-rows N` times the prefill kernel (engine/cpu_kernels/prefill_attention.cpp) instead: one
 sequence's last N rows over `--context` keys, the step after a prefix hit (N = 16 after a G1 hit
 on a prompt of whole blocks), beside torch's SDPA over the same keys laid out contiguously (its
-best case; float32 and bfloat16 caches only).
+best case; float32 and bfloat16 caches only). With `--prefill-rows 1` (the last prompt token after
+a tier hit) the decode kernel over the same row is timed too: the runner sent that row there before
+the prefill kernel's narrow path, and its bits differ from a fresh prefill's.
 
 `--against FILE.cpp` builds FILE as a second library and alternates the two in this process, run
 by run (the only way to see a 5% change on a shared machine): the table then has both, their
@@ -114,6 +116,8 @@ def main() -> int:
             dense = kv[:, :, tables[0]].flatten(2, 3)[:, :, :args.context].transpose(2, 3).contiguous()
             mask = torch.ones(args.prefill_rows, args.context, dtype=torch.bool).tril(args.context - args.prefill_rows)
             peers.insert(0, "torch SDPA")
+        if args.prefill_rows == 1:
+            peers.insert(0, "decode kernel")
         times: dict[str, list[float]] = {name: [] for name in (*libs, *peers)}
         outs = {}
         reps = max(3, 150 // args.layers)
@@ -130,6 +134,15 @@ def main() -> int:
                             cpu_kernels.paged_attention(q, kv[layer, 0], kv[layer, 1], out, idx, tables, lens, 0.125)
                 times[name].append((time.perf_counter() - t) / reps / args.layers)
                 outs[name] = out
+            if "decode kernel" in times:
+                cpu_kernels._state["lib"] = ours
+                out = torch.empty_like(q)
+                t = time.perf_counter()
+                for _ in range(reps):
+                    for layer in range(args.layers):
+                        cpu_kernels.paged_attention(q, kv[layer, 0], kv[layer, 1], out, idx, tables, lens, 0.125)
+                times["decode kernel"].append((time.perf_counter() - t) / reps / args.layers)
+                outs["decode kernel"] = out
             if "torch SDPA" in times:
                 qt = q.transpose(0, 1)[None]
                 t = time.perf_counter()

@@ -16,6 +16,12 @@
 // Layout per item: the query tile is held transposed (qt[d] = 16 lanes), scores are 16 vectors
 // (one per key, rows in lanes), and the output accumulator is transposed too (ot[d]); max, exp
 // and sums are then lane-wise, with no horizontal reductions.
+//
+// A tile of a few rows (a one-token chunk after a prefix or tier hit, the tail of a chunk) would
+// leave most lanes idle, so `attend_rows` takes it with the keys in lanes instead, doing each row's
+// operations in the tile's order: each key's dot product an FMA chain over d (the slice's K
+// transposed once per item), the same exp and masks, the sum over keys in key order, and each
+// output element an FMA chain over the keys. So which path a row takes does not change its bits.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -32,6 +38,7 @@ using kvt::F32;
 using kvt::V16;
 
 constexpr int L = 16;  // lanes = query rows per tile = keys per slice
+constexpr int NARROW = 8;  // tiles of at most this many rows go to attend_rows
 
 struct Shape {
   int64_t q_row_stride, out_row_stride, block_stride, token_stride;
@@ -185,6 +192,143 @@ void attend_tile(const typename IO::T* q, Cache cache, const void* kc, const voi
   }
 }
 
+// C dot products of rows of qv ([C][D]) with the slice's 16 keys (kt: [D][16]), each an FMA chain
+// over d in order; the C chains interleave (a fixed C keeps them in registers).
+template <int C>
+inline void dots(const float* qv, int D, const float* kt, V16* sc) {
+  for (int c = 0; c < C; ++c) sc[c] = V16::zero();
+  for (int d = 0; d < D; ++d) {
+    const V16 kd = V16::load(kt + d * L);
+    #pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) sc[c] = V16::fmadd(V16::set1(qv[c * D + d]), kd, sc[c]);
+  }
+}
+
+// A tile of at most NARROW rows with the keys in lanes: the same result as attend_tile, bit for bit
+// (see the top of the file), for about rows/16 of its arithmetic plus one transpose of K a slice.
+template <class IO, int D_>
+void attend_rows(const typename IO::T* q, Cache cache, const void* kc, const void* vc, typename IO::T* out,
+                 const int64_t* table, const Seq& sq, const Item& it, const Shape& s, float* scratch) {
+  const int D = D_ > 0 ? D_ : s.head_dim;
+  const int G = s.heads / s.kv_heads, BS = s.block_size;
+  const int rows = int(std::min<int64_t>(L, sq.qlen - it.row0));  // <= NARROW
+  const int nh = it.h1 - it.h0;
+  const int64_t pos0 = sq.ctx - sq.qlen + it.row0;
+  float* kbuf = scratch;                    // [L][D]
+  float* vbuf = kbuf + int64_t(L) * D;      // [L][D]
+  float* kt = vbuf + int64_t(L) * D;        // [D][L]: the slice's K, keys in lanes
+  float* qs = kt + int64_t(D) * L;          // [nh][rows][D], scaled
+  float* os = qs + int64_t(nh) * NARROW * D;  // [nh][rows][D]
+  float m[16 * NARROW], l[16 * NARROW];
+  for (int h = 0; h < nh; ++h)
+    for (int r = 0; r < rows; ++r) {
+      const typename IO::T* qr = q + (sq.q0 + it.row0 + r) * s.q_row_stride + int64_t(it.kvh * G + it.h0 + h) * D;
+      float* qv = qs + (int64_t(h) * rows + r) * D;
+      for (int d = 0; d < D; ++d) qv[d] = IO::load(qr, d) * s.scale;
+      std::fill(os + (int64_t(h) * rows + r) * D, os + (int64_t(h) * rows + r + 1) * D, 0.0f);
+      m[h * rows + r] = -INFINITY;
+      l[h * rows + r] = 0.0f;
+    }
+  const int slice = std::min(BS, L);
+  const int64_t last = pos0 + rows - 1;
+  const int64_t first_key = s.window > 0 ? std::max<int64_t>(0, pos0 - s.window + 1) / slice * slice : 0;
+  for (int64_t k0 = first_key; k0 <= last; k0 += slice) {
+    const int n = int(std::min<int64_t>(slice, sq.ctx - k0));
+    const int64_t base = table[k0 / BS] * s.block_stride + (k0 % BS) * s.token_stride + int64_t(it.kvh) * D;
+    // A whole float32 slice is read where it lies; else it is widened (and zero-filled past the
+    // sequence's end) into kbuf and vbuf first, as attend_tile does.
+    const float* vrows = vbuf;
+    int64_t vstride = D;
+    if (cache == Cache::F32 && n == L) {
+      kvt::transpose16(static_cast<const float*>(kc) + base, s.token_stride, D, kt);
+      vrows = static_cast<const float*>(vc) + base;
+      vstride = s.token_stride;
+    } else {
+      load_slice(cache, kc, base, s.token_stride, n, D, kbuf);
+      load_slice(cache, vc, base, s.token_stride, n, D, vbuf);
+      kvt::transpose16(kbuf, D, D, kt);
+    }
+    // The keys each row sees are lanes [lo, hi) of the slice: those the tile's masks leave it.
+    int lo[NARROW], hi[NARROW];
+    for (int r = 0; r < rows; ++r) {
+      const int64_t pos = pos0 + r;
+      hi[r] = int(std::min<int64_t>(n, pos - k0 + 1));
+      lo[r] = s.window > 0 ? int(std::max<int64_t>(0, pos - s.window + 1 - k0)) : 0;
+    }
+    // (head, row) pairs hr = h * rows + r, CH at a time: their dot products are independent FMA
+    // chains, interleaved to hide the FMA latency (one chain alone waits on each step).
+    constexpr int CH = 4;
+    const int pairs = nh * rows;
+    for (int c0 = 0; c0 < pairs; c0 += CH) {
+      const int cn = std::min(CH, pairs - c0);
+      V16 sc[CH];
+      const float* qv = qs + int64_t(c0) * D;
+      switch (cn) {
+        case 4: dots<4>(qv, D, kt, sc); break;
+        case 3: dots<3>(qv, D, kt, sc); break;
+        case 2: dots<2>(qv, D, kt, sc); break;
+        default: dots<1>(qv, D, kt, sc); break;
+      }
+      for (int c = 0; c < cn; ++c) {
+        const int hr = c0 + c, r = hr % rows;
+        // A slice the row sees none of is skipped: the tile's visit of it changes nothing.
+        if (lo[r] >= hi[r]) continue;
+        V16 x = sc[c];
+        if (hi[r] < L) x = V16::neg_inf_from(x, hi[r]);
+        if (lo[r] > 0) x = V16::neg_inf_below(x, lo[r]);
+        const float bmax = x.hmax();
+        const float mnew = m[hr] > bmax ? m[hr] : bmax;
+        float corr[L];
+        V16::exp_nonpositive(V16::set1(m[hr] - mnew)).store(corr);
+        if (s.window > 0 && m[hr] == -INFINITY) corr[0] = 0.0f;
+        float p[L];
+        V16::zero_where_neg_inf(V16::exp_nonpositive(x - V16::set1(mnew)), x).store(p);
+        float sum = 0.0f;
+        for (int j = 0; j < L; ++j) sum = sum + p[j];  // in key order, as the tile's lanes add them
+        l[hr] = std::fma(l[hr], corr[0], sum);
+        m[hr] = mnew;
+        float* o = os + int64_t(hr) * D;
+        const V16 cv = V16::set1(corr[0]);
+        const bool rescale = corr[0] != 1.0f;
+        int d = 0;
+        for (; d + 2 * L <= D; d += 2 * L) {  // two independent chains over the keys
+          V16 a0 = V16::load(o + d), a1 = V16::load(o + d + L);
+          if (rescale) a0 = a0 * cv, a1 = a1 * cv;
+          #pragma GCC unroll 16
+          for (int j = 0; j < L; ++j) {
+            const V16 pj = V16::set1(p[j]);
+            a0 = V16::fmadd(pj, V16::load(vrows + j * vstride + d), a0);
+            a1 = V16::fmadd(pj, V16::load(vrows + j * vstride + d + L), a1);
+          }
+          a0.store(o + d);
+          a1.store(o + d + L);
+        }
+        for (; d + L <= D; d += L) {
+          V16 a = V16::load(o + d);
+          if (rescale) a = a * cv;
+          #pragma GCC unroll 16
+          for (int j = 0; j < L; ++j) a = V16::fmadd(V16::set1(p[j]), V16::load(vrows + j * vstride + d), a);
+          a.store(o + d);
+        }
+        for (; d < D; ++d) {
+          float a = rescale ? o[d] * corr[0] : o[d];
+          for (int j = 0; j < L; ++j) a = std::fma(p[j], vrows[j * vstride + d], a);
+          o[d] = a;
+        }
+      }
+    }
+  }
+  for (int h = 0; h < nh; ++h)
+    for (int r = 0; r < rows; ++r) {
+      const int hr = h * rows + r;
+      float inv[L];
+      (V16::set1(1.0f) / V16::set1(l[hr])).store(inv);
+      typename IO::T* orow = out + (sq.q0 + it.row0 + r) * s.out_row_stride + int64_t(it.kvh * G + it.h0 + h) * D;
+      const float* o = os + int64_t(hr) * D;
+      for (int d = 0; d < D; ++d) IO::store(orow, d, o[d] * inv[0]);
+    }
+}
+
 template <class IO, int D_>
 void run(const void* q, Cache cache, const void* k, const void* v, void* out, const Seq* seqs, int64_t nseq,
          const int64_t* tables, const Shape& s, int threads) {
@@ -193,21 +337,25 @@ void run(const void* q, Cache cache, const void* k, const void* v, void* out, co
   // A work item is a tile of one kv head with all its query heads, which share the K/V slices. With
   // fewer tiles than the threads can balance (a step after a prefix hit recomputes one tile per
   // sequence), each query head is an item of its own: a head's arithmetic is the same either way, so
-  // the bits do not depend on this.
+  // the bits do not depend on this. A narrow tile (attend_rows) keeps its heads together: their dot
+  // products are the chains it interleaves, and they share one transpose of each K slice.
   int64_t tiles = 0;
   for (int64_t i = 0; i < nseq; ++i) tiles += (seqs[i].qlen + L - 1) / L * s.kv_heads;
   const int per = tiles >= 4 * int64_t(threads) ? G : 1;
   std::vector<Item> items;
   for (int64_t i = 0; i < nseq; ++i)
-    for (int64_t r = 0; r < seqs[i].qlen; r += L)
+    for (int64_t r = 0; r < seqs[i].qlen; r += L) {
+      const int step = seqs[i].qlen - r <= NARROW ? G : per;
       for (int kvh = 0; kvh < s.kv_heads; ++kvh)
-        for (int h = 0; h < G; h += per) items.push_back({int32_t(i), kvh, r, h, std::min(G, h + per)});
+        for (int h = 0; h < G; h += step) items.push_back({int32_t(i), kvh, r, h, std::min(G, h + step)});
+    }
   // Longest first (the tiles furthest into their sequence see the most keys), so the dynamic
   // schedule does not end on one thread with a long tile.
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
     return seqs[a.seq].ctx - seqs[a.seq].qlen + a.row0 > seqs[b.seq].ctx - seqs[b.seq].qlen + b.row0;
   });
-  const size_t floats = size_t(2 * G * s.head_dim * L + 2 * L * s.head_dim);
+  const size_t floats = std::max(size_t(2 * G * s.head_dim * L + 2 * L * s.head_dim),     // attend_tile's
+                                 size_t(3 * L * s.head_dim + 2 * G * NARROW * s.head_dim));  // attend_rows'
   const int64_t n = int64_t(items.size());
 #pragma omp parallel num_threads(threads)
   {
@@ -215,8 +363,12 @@ void run(const void* q, Cache cache, const void* k, const void* v, void* out, co
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       const Seq& sq = seqs[items[i].seq];
-      attend_tile<IO, D_>(static_cast<const T*>(q), cache, k, v, static_cast<T*>(out), tables + sq.table_offset, sq,
-                          items[i], s, scratch.data());
+      if (sq.qlen - items[i].row0 <= NARROW)
+        attend_rows<IO, D_>(static_cast<const T*>(q), cache, k, v, static_cast<T*>(out), tables + sq.table_offset, sq,
+                            items[i], s, scratch.data());
+      else
+        attend_tile<IO, D_>(static_cast<const T*>(q), cache, k, v, static_cast<T*>(out), tables + sq.table_offset, sq,
+                            items[i], s, scratch.data());
     }
   }
 }

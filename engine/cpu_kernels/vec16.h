@@ -258,6 +258,35 @@ struct V16 {
 };
 #endif
 
+// dst[d * 16 + j] = src[j * stride + d] for j < 16, d < D: 16 rows of D floats transposed (D rows of
+// 16 lanes), in 8x8 blocks in registers where AVX2 is there. Moves bits only.
+inline void transpose16(const float* src, int64_t stride, int D, float* dst) {
+  int d0 = 0;
+#if defined(__AVX2__)
+  for (; d0 + 8 <= D; d0 += 8)
+    for (int j0 = 0; j0 < 16; j0 += 8) {
+      __m256 r[8], t[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + (j0 + i) * stride + d0);
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+      }
+      for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(dst + int64_t(d0 + i) * 16 + j0, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(dst + int64_t(d0 + i + 4) * 16 + j0, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+      }
+    }
+#endif
+  for (int d = d0; d < D; ++d)
+    for (int j = 0; j < 16; ++j) dst[int64_t(d) * 16 + j] = src[j * stride + d];
+}
+
 // fp8 rows widened 16 lanes at a time (the scalar table reads one byte at a time: a prefill over
 // an fp8 cache ran 1.5x slower than over float32). The same values either way: widening is exact.
 template <class KV, class Widen>

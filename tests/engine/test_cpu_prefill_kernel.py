@@ -85,6 +85,29 @@ def test_any_chunking_gives_the_bits_of_a_fresh_prefill(dtype, bs):
         assert torch.equal(out, whole), (cuts, (out.float() - whole.float()).abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,bs,window", [(9, 3, 64, 16, 0), (8, 2, 80, 8, 0), (4, 4, 24, 32, 0),
+                                                               (6, 2, 64, 16, 5), (6, 2, 64, 16, 48)])
+def test_chunks_of_a_few_rows_give_the_bits_of_a_fresh_prefill(dtype, heads, kv_heads, head_dim, bs, window):
+    """Chunks of 1-9 rows (a one-token chunk after a prefix or tier hit; 8 rows or fewer take the
+    keys-in-lanes path, 9 the tile) ending at every position of a prompt: each equals, bit for bit,
+    the same rows of the prompt computed whole, with and without a sliding window, for head sizes
+    that are and are not a multiple of 16."""
+    n = 120
+    nb = -(-n // bs)
+    k, v, q, g = _setup(nb, bs, kv_heads, heads, head_dim, n, dtype, seed=head_dim + bs + window)
+    q = q.float() if dtype == torch.float8_e4m3fn else q  # an fp8 cache under float32 q (--kv-cache-dtype)
+    table = torch.randperm(nb, generator=g)
+    whole = torch.full_like(q, float("nan"))
+    cpu_kernels.prefill_attention(q, k, v, whole, torch.tensor([[0, n, n, 0]]), table, 0.2, window)
+    for rows in range(1, 10):
+        for end in range(rows, n + 1):
+            out = torch.full_like(q, float("nan"))
+            cpu_kernels.prefill_attention(q, k, v, out, torch.tensor([[end - rows, rows, end, 0]]),
+                                          table[: -(-end // bs)], 0.2, window)
+            assert torch.equal(out[end - rows:end], whole[end - rows:end]), (rows, end)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_last_block_after_a_long_prefix_splits_by_head_and_keeps_the_bits(threads, monkeypatch):
     """The step after a prefix hit recomputes one tile (16 rows) over the whole context: the kernel
@@ -161,6 +184,8 @@ def test_the_portable_builds_give_the_same_results(monkeypatch, tmp_path, march)
     test_chunks_match_dense_attention(torch.float32, 9, 3, 64, 16)
     test_chunks_match_dense_attention(torch.bfloat16, 8, 2, 80, 8)
     test_any_chunking_gives_the_bits_of_a_fresh_prefill(torch.float32, 16)
+    test_chunks_of_a_few_rows_give_the_bits_of_a_fresh_prefill(torch.float32, 8, 2, 80, 8, 0)
+    test_chunks_of_a_few_rows_give_the_bits_of_a_fresh_prefill(torch.float32, 6, 2, 64, 16, 5)
     for window in (5, 48):
         test_sliding_window_chunks_match_dense_attention_and_any_chunking(torch.float32, 16, window)
         test_decode_with_a_sliding_window_matches_reference(torch.float32, 64, 16, window)
