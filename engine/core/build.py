@@ -206,6 +206,7 @@ def build(config: EngineConfig) -> EngineParts:
     kv = KVCacheManager(pool, bs, layout)
     graph_mode = graph_mode_for(config.cudagraph_mode, model)
     runner = ModelRunner(model, mc, num_blocks, bs, config.device, hidden, group_decodes=backend.pads_decodes,
+                         one_token_prefills=backend.one_token_prefills,
                          max_rows=config.max_num_seqs, max_model_len=max_len,
                          forward=CompiledForward(model, backend) if compiled else None,
                          aux_layer_ids=plan.aux_layer_ids if plan is not None else (), layout=layout, peers=ranks,

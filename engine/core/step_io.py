@@ -31,6 +31,7 @@ class PlannedRequest:
     prompt_token_ids: Sequence[int] = ()  # the request's own list: not copied every step
     mm: tuple[MMItem, ...] = ()  # images with placeholders among this step's tokens (engine/mm/inputs.py)
     lora_slot: int = -1  # the runner slot of its LoRA adapter (-1: the base model)
+    in_prompt: bool = False  # all its tokens are prompt tokens (a prompt chunk, not a decode)
 
     def __post_init__(self) -> None:
         if self.num_placeholders < 0 or self.start < 0:
@@ -50,7 +51,7 @@ class PlannedRequest:
         return cls(req.request_id, known, n - len(spec) - len(known), spec, start, samples,
                    (req.params.prompt_logprobs or 0) if scores else None, req.prompt_token_ids if scores else (),
                    media.overlapping(start, start + n) if media is not None else (),
-                   lora.slot if lora is not None else -1)
+                   lora.slot if lora is not None else -1, start + n <= req.num_prompt_tokens)
 
 
 @dataclass(frozen=True)

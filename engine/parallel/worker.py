@@ -74,10 +74,11 @@ def start(spec: WorkerSpec, mc, model, tokenizer, pg, lora=None):
                               spec.max_len, reduce_max)  # before G1's scales, as on rank 0
     mc = kv_quant.prepare(model, mc, model_dir, weight_files(model_dir), tokenizer, spec.block_size, spec.device,
                           spec.max_len, reduce_max=reduce_max)
+    backend = attention_backend(spec.device)
     runner = ModelRunner(model, mc, spec.num_blocks, spec.block_size, spec.device,
-                         group_decodes=attention_backend(spec.device).pads_decodes, max_rows=spec.max_num_seqs,
+                         group_decodes=backend.pads_decodes, max_rows=spec.max_num_seqs,
                          max_model_len=spec.max_len, layout=kv_layout(mc, spec.one_group), computes_logits=False,
-                         lora=lora)
+                         lora=lora, one_token_prefills=backend.one_token_prefills)
     return runner, _offload(spec, mc, model_dir, runner, quant)
 
 

@@ -177,6 +177,10 @@ class AttentionBackend(ABC):
     # row of a group to its longest): the model runner then bounds the padding. Kernels that take
     # each row's length get all decodes as one group, longest first.
     pads_decodes: ClassVar[bool] = True
+    # Whether a prompt chunk of one token after cached context (the last prompt token after a prefix
+    # or tier hit) should come as a prefill rather than a decode: a backend whose prefill gives every
+    # row the bits of a fresh prefill wants it, so that a hit never changes an output.
+    one_token_prefills: ClassVar[bool] = False
 
     @abstractmethod
     def forward(

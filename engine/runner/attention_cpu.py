@@ -3,10 +3,10 @@
 Decodes go through `paged_attention`, prompt chunks through `prefill_attention`: all of a step's
 chunks in one call, causal without computing the masked part, and with each row's result
 depending only on the row and its keys, so rows computed after a prefix hit equal, bit for bit,
-the same rows of a fresh prefill (a prefix hit never changes an output). Not yet for a chunk of
-one token after cached context (the last token after a prefix or tier hit that ends one token
-short): the runner marks it a decode, so it goes to `paged_attention`, whose row can differ from the
-prefill kernel's in the last bits (1.8e-7 measured on random data). The torch path (SDPA
+the same rows of a fresh prefill (a prefix hit never changes an output). That includes a prompt
+chunk of one token (the last prompt token after a prefix or tier hit): `one_token_prefills` has
+the runner send it here rather than to `paged_attention`, whose row can differ from the prefill
+kernel's in the last bits (1.8e-7 measured on random data). The torch path (SDPA
 over the context) is kept for shapes the prefill kernel does not take, and for caches the kernels
 do not read (a float16 one: `cpu_kernels.cache_supported`). An fp8 cache is read in place too,
 each element widened in registers (engine/cpu_kernels/dtypes.h).
@@ -23,6 +23,7 @@ class CpuPagedAttention(TorchPagedAttention):
     """Same contract and results as `TorchPagedAttention` (to float rounding); faster on CPU."""
 
     pads_decodes = False  # the kernel walks each row's own table; one call per layer balances best
+    one_token_prefills = True  # the prefill kernel's rows do not depend on the chunk (its attend_rows)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, window=0, kv_scale=UNSCALED):
         if not cpu_kernels.cache_supported(q.dtype, k_cache.dtype):  # e.g. a float16 cache: the torch path

@@ -139,18 +139,21 @@ class ModelRunner:
                  max_model_len: int, forward: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] | None = None,
                  aux_layer_ids: tuple[int, ...] = (), layout: KVLayout | None = None,
                  peers: Peers | None = None, computes_logits: bool = True, graph_mode: GraphMode = GraphMode.NONE,
-                 capture_sizes: tuple[int, ...] = (), lora: LoRASlots | None = None) -> None:
+                 capture_sizes: tuple[int, ...] = (), lora: LoRASlots | None = None,
+                 one_token_prefills: bool = False) -> None:
         """`peers`: the other tensor-parallel ranks (engine/parallel/ranks.py), sent each step before
         this rank runs its shard; `computes_logits=False`: a worker rank, whose logits nobody reads;
         `graph_mode`/`capture_sizes`: decode steps through CUDA graphs (engine/runner/graphs.py),
         which pad into one more G1 block than the scheduler's `num_blocks`. `lora`: the adapters'
-        slots in the model's projections (engine/lora/slots.py), told each step's rows."""
+        slots in the model's projections (engine/lora/slots.py), told each step's rows.
+        `one_token_prefills`: the backend's (a one-token prompt chunk goes to its prefill)."""
         self.model = model
         self.lora = lora
         self.peers = peers
         self.computes_logits = computes_logits
         self.forward = forward or model  # engine/runner/compiled.py's CompiledForward, or the eager model
         self.group_decodes = group_decodes  # the backend's `pads_decodes`
+        self.one_token_prefills = one_token_prefills
         self.cfg = cfg
         self.block_size = block_size
         self.device = device
@@ -349,7 +352,8 @@ class ModelRunner:
         decode_batch_rows: list[int] = []
         decode_lens: list[int] = []
         for (q_start, n, ctx), row, table, item in zip(spans, batch_rows, tables, plan.requests):
-            if n == 1 and ctx > 1 or (self._verify_as_decodes and item.spec_token_ids and ctx > n):
+            one_row = n == 1 and ctx > 1 and not (item.in_prompt and self.one_token_prefills)
+            if one_row or (self._verify_as_decodes and item.spec_token_ids and ctx > n):
                 for j in range(n):  # a verify entry's tokens: one decode row each, seeing up to itself
                     decode_rows.append(q_start + j)
                     decode_batch_rows.append(row)

@@ -58,6 +58,7 @@ class View:
     num_computed_tokens: int
     num_output_placeholders = 0  # the draft runs synchronously: nothing is ever in flight
     wants_prompt_logprobs = False  # the target's request asks for them, not the draft's view
+    num_prompt_tokens = 0  # its steps run as decodes: the draft's KV bits never reach an output
 
     @property
     def num_tokens(self) -> int:

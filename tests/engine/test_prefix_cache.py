@@ -108,6 +108,26 @@ def test_identical_prompt_repeated(ckpt_dir, fresh):
     assert _tokens(o1) == _tokens(o2) == fresh[tuple(PREFIX)]
 
 
+def test_a_hit_that_ends_one_token_short_keeps_the_bits(ckpt_dir):
+    """A prompt one token past 20 whole blocks, repeated: the repeat computes its last prompt token
+    alone over 320 cached ones (a one-token prompt chunk), and every log-prob it samples equals, bit
+    for bit, that of an engine computing the whole prompt (prefix caching off): the CPU backend
+    sends such a chunk to the prefill kernel, whose rows do not depend on the chunk."""
+    from engine import SamplingParams
+
+    prompt = random_prompt(20 * BLOCK + 1, 3030)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5)
+    llm = _llm(ckpt_dir, enable_prefix_caching=False)
+    (want,) = llm.generate([_ids(prompt)], sp, use_tqdm=False)
+    del llm
+    gc.collect()
+    llm = _llm(ckpt_dir)
+    llm.generate([_ids(prompt)], sp, use_tqdm=False)
+    (hit,) = llm.generate([_ids(prompt)], sp, use_tqdm=False)
+    assert hit.num_cached_tokens == 20 * BLOCK
+    assert hit.outputs[0].logprobs == want.outputs[0].logprobs  # floats compared exactly
+
+
 def test_hits_inside_a_later_batch(ckpt_dir, fresh):
     """After A, a batch mixing prefix sharers and unrelated prompts: sharers hit, all correct."""
     llm = _llm(ckpt_dir)
