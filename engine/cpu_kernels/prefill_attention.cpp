@@ -278,18 +278,17 @@ void attend_rows(const typename IO::T* q, Cache cache, const void* kc, const voi
         if (lo[r] > 0) x = V16::neg_inf_below(x, lo[r]);
         const float bmax = x.hmax();
         const float mnew = m[hr] > bmax ? m[hr] : bmax;
-        float corr[L];
-        V16::exp_nonpositive(V16::set1(m[hr] - mnew)).store(corr);
-        if (s.window > 0 && m[hr] == -INFINITY) corr[0] = 0.0f;
+        // kvt::exp_nonpositive is V16::exp_nonpositive's arithmetic on one lane (same bits)
+        const float corr = s.window > 0 && m[hr] == -INFINITY ? 0.0f : kvt::exp_nonpositive(m[hr] - mnew);
         float p[L];
         V16::zero_where_neg_inf(V16::exp_nonpositive(x - V16::set1(mnew)), x).store(p);
         float sum = 0.0f;
         for (int j = 0; j < L; ++j) sum = sum + p[j];  // in key order, as the tile's lanes add them
-        l[hr] = std::fma(l[hr], corr[0], sum);
+        l[hr] = std::fma(l[hr], corr, sum);
         m[hr] = mnew;
         float* o = os + int64_t(hr) * D;
-        const V16 cv = V16::set1(corr[0]);
-        const bool rescale = corr[0] != 1.0f;
+        const V16 cv = V16::set1(corr);
+        const bool rescale = corr != 1.0f;
         int d = 0;
         for (; d + 2 * L <= D; d += 2 * L) {  // two independent chains over the keys
           V16 a0 = V16::load(o + d), a1 = V16::load(o + d + L);
@@ -311,7 +310,7 @@ void attend_rows(const typename IO::T* q, Cache cache, const void* kc, const voi
           a.store(o + d);
         }
         for (; d < D; ++d) {
-          float a = rescale ? o[d] * corr[0] : o[d];
+          float a = rescale ? o[d] * corr : o[d];
           for (int j = 0; j < L; ++j) a = std::fma(p[j], vrows[j * vstride + d], a);
           o[d] = a;
         }
@@ -321,11 +320,10 @@ void attend_rows(const typename IO::T* q, Cache cache, const void* kc, const voi
   for (int h = 0; h < nh; ++h)
     for (int r = 0; r < rows; ++r) {
       const int hr = h * rows + r;
-      float inv[L];
-      (V16::set1(1.0f) / V16::set1(l[hr])).store(inv);
+      const float inv = 1.0f / l[hr];  // the tile's lane-wise division, on one lane
       typename IO::T* orow = out + (sq.q0 + it.row0 + r) * s.out_row_stride + int64_t(it.kvh * G + it.h0 + h) * D;
       const float* o = os + int64_t(hr) * D;
-      for (int d = 0; d < D; ++d) IO::store(orow, d, o[d] * inv[0]);
+      for (int d = 0; d < D; ++d) IO::store(orow, d, o[d] * inv);
     }
 }
 
