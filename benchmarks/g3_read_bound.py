@@ -72,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7, help="rounds per mode and thread count; medians (default %(default)s)")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "g3_read_bound.json", help="JSON (default %(default)s)")
     args = ap.parse_args(argv)
-    threads = [int(t) for t in args.threads.split(",")]
+    try:
+        threads = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        ap.error(f"--threads: a comma-separated list of integers; got {args.threads!r}")
     if min(threads) < 1 or max(threads) > 64:
         ap.error("--threads: each between 1 and 64")
     if min(args.tokens, args.block_tokens, args.pieces, args.token_bytes, args.rounds) < 1:

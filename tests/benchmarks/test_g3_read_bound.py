@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench_scripts import load_script
 
 
@@ -23,3 +25,11 @@ def test_every_mode_reads_the_whole_round_at_each_thread_count(tmp_path, capsys)
     assert all(len(r["seconds"]) == 2 and r["GBps"] > 0 for r in doc["results"])
     assert "into G1 + check" in capsys.readouterr().out
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # its data files are gone
+
+
+@pytest.mark.parametrize("argv", [["--threads", "two"], ["--threads", "0"], ["--tokens", "0"]])
+def test_bad_flags_exit_2_naming_the_flag(argv, capsys):
+    bound = load_script("g3_read_bound.py", "g3_read_bound")
+    with pytest.raises(SystemExit) as e:
+        bound.main(argv)
+    assert e.value.code == 2 and argv[0] in capsys.readouterr().err
