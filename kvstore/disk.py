@@ -45,15 +45,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstore.backend import (IO_BYTES, BackendError, BackendStats, Buffer, Scatter, ScatterReads, StorageBackend,
-                             check_blocks, check_infos, check_keys, check_scatter_outs)
-from kvstore.disk_files import Target, file_ident, read_file_native, read_file_python, scan_directory, write_temp
-from kvstore.disk_index import DiskIndex, FileName, Loc
+from kvstore.backend import (IO_BYTES, BackendError, BackendStats, Buffer, Scatter, ScatterBatch, ScatterReads,
+                             StorageBackend, check_blocks, check_infos, check_keys, check_scatter_outs)
+from kvstore.disk_files import (Checked, Target, file_ident, read_batch_native, read_file_native, read_file_python,
+                                scan_directory, write_temp)
+from kvstore.disk_index import DiskIndex, FileName, Ident, Loc
 from kvstore.disk_layout import (entry_key, entry_path, fsync_dir, list_files, reason,
                                  remove_entry_path, unlink_quietly)
 # MAGIC, HEADER_SIZE and encode_header are also imported from here (the format's old home).
@@ -62,6 +62,7 @@ from kvstore.disk_config import DiskConfig  # noqa: F401 - re-exported: kvstore.
 from kvstore import native
 from kvstore.keys import BlockKey
 from kvstore.namespace_info import write_disk_record
+from kvstore.write_gate import WriteGate
 from policies import BlockInfo, PolicySpecLike, check_candidates, make_policy
 
 logger = logging.getLogger(__name__)
@@ -86,13 +87,12 @@ class DiskBackend(StorageBackend, ScatterReads):
         self.directory = self.config.root / namespace.hex()
         self.stats = BackendStats()
         self._dir = str(self.directory)
+        self._gate = WriteGate(self._dir, retry_after_s)  # the write back-off
         self._policy = make_policy(policy, None if entry_bytes is None else capacity_bytes // (HEADER_SIZE + entry_bytes))
         self._index = DiskIndex()
         self._reserved = 0  # bytes claimed by writes in flight
         self._lock = threading.Lock()  # index, policy, counters, and publishing/unlinking files
         self._closed = False
-        self._disabled_until: float | None = None  # writes refused until this monotonic time
-        self._warned = False  # one warning per run of write failures
         self._shards: set[str] = set()  # shard directories known to exist
         self._open_directory()
         fs = self._reader.local_filesystem(self._dir) if self._reader is not None else None
@@ -115,7 +115,7 @@ class DiskBackend(StorageBackend, ScatterReads):
 
     @property
     def writable(self) -> bool:
-        return self._disabled_until is None
+        return self._gate.open
 
     def __len__(self) -> int:
         return len(self._index)
@@ -216,33 +216,69 @@ class DiskBackend(StorageBackend, ScatterReads):
         """Each key's payload, read into outs[i] (get_into) or a new buffer (get); None = miss.
         Neighbouring entries of one file are read together."""
         got: list[memoryview | bytearray | None] = [None] * len(keys)
-        by_file: dict[FileName, list[tuple[int, Loc]]] = {}
-        idents: dict[FileName, tuple[int, int] | None] = {}
-        with self._lock:
-            self._check_open()
-            for i, key in enumerate(keys):
-                loc = self._index.get(key)
-                if loc is None or (outs is not None and HEADER_SIZE + outs[i].nbytes != loc.size):
-                    self.stats.misses += 1
-                    continue
-                by_file.setdefault(loc.file, []).append((i, loc))
-                idents[loc.file] = self._index.ident(loc.file)
+        by_file, idents = self._locate(keys, None if outs is None else [HEADER_SIZE + o.nbytes for o in outs])
         good: list[int] = []
         for name, wanted in by_file.items():
-            wanted.sort(key=lambda w: w[1].offset)
             targets = {i: (outs[i] if outs is not None else memoryview(bytearray(loc.size - HEADER_SIZE)))
                        for i, loc in wanted}
             for i in self._read_file(name, wanted, targets, keys, idents[name]):
                 got[i] = targets[i] if outs is not None else targets[i].obj
                 good.append(i)
+        self._served(keys, good, sum(outs[i].nbytes if outs is not None else len(got[i]) for i in good))  # type: ignore[arg-type]
+        return got
+
+    def get_into_batch(self, keys: Sequence[BlockKey], batch: ScatterBatch, threads: int = 1) -> list[bool]:
+        """A load's values in one call of the native loop, its files spread over up to `threads`
+        threads of the loop's own: no Python per entry between the reads. `get_into`'s results."""
+        check_keys(keys)
+        if len(keys) != len(batch):
+            raise ValueError(f"get_into_batch got {len(keys)} keys but {len(batch)} values")
+        if self._reader is None:
+            return super().get_into_batch(keys, batch, threads)
+        by_file, idents = self._locate(keys, (batch.value_bytes + HEADER_SIZE).tolist())
+        names = list(by_file)  # in the keys' order: a prefix's first files are read first
+        paths = [self._path(name) for name in names]
+        wanted = list(by_file.values())
+        results, read_s, check_s = read_batch_native(self._reader, paths, wanted, batch, keys, self._codec,
+                                                     self.config.namespace, threads)
+        good: list[int] = []
+        for name, path, ws, res in zip(names, paths, wanted, results):
+            if isinstance(res, OSError):
+                self._lost(name, path, len(ws), res)
+                continue
+            settled = self._settle(name, path, ws, keys, *res, idents[name])
+            if settled is None:  # replaced by a put since planned (a block stored again): read it anew
+                again = [i for i, _ in ws]
+                settled = [i for i, hit in zip(again, self.get_into([keys[i] for i in again],
+                                                                    [batch.scatter(i) for i in again])) if hit]
+            good += settled
+        with self._lock:
+            self.stats.read_seconds += read_s
+            self.stats.check_seconds += check_s
+        self._served(keys, good, int(batch.value_bytes[good].sum()) if good else 0)
+        hit = [False] * len(keys)
+        for i in good:
+            hit[i] = True
+        return hit
+
+    def _locate(self, keys: Sequence[BlockKey], sizes: list[int] | None) -> tuple[dict[FileName, list[tuple[int, Loc]]],
+                                                                             dict[FileName, Ident | None]]:
+        """`DiskIndex.locate` (the misses counted), with each file's identity as indexed."""
+        with self._lock:
+            self._check_open()
+            by_file, misses = self._index.locate(keys, sizes)
+            self.stats.misses += misses
+            return by_file, {name: self._index.ident(name) for name in by_file}
+
+    def _served(self, keys: Sequence[BlockKey], good: list[int], nbytes: int) -> None:
+        """Counts the hits `good` (indices into `keys`) of `nbytes` and tells the policy of them."""
         with self._lock:
             self.stats.hits += len(good)
-            self.stats.bytes_read += sum(outs[i].nbytes if outs is not None else len(got[i]) for i in good)  # type: ignore[arg-type]
+            self.stats.bytes_read += nbytes
             if self.config.touch_on_read:
                 for i in sorted(good):  # uses in the caller's order
                     if keys[i] in self._policy:
                         self._policy.touch(keys[i])
-        return got
 
     def _read_file(self, name: FileName, wanted: list[tuple[int, Loc]], targets: dict[int, Target],
                    keys: Sequence[BlockKey], expected: tuple[int, int] | None) -> list[int]:
@@ -257,19 +293,35 @@ class DiskBackend(StorageBackend, ScatterReads):
             else:
                 ident, checked, read_s, check_s = read_file_python(path, wanted, targets, keys, self._codec,
                                                                    self.config.namespace)
-        except FileNotFoundError:
-            self._vanished(name, path, len(wanted))
-            return []
-        except OSError as e:  # a stranger at the path (NotRegularFile), an I/O error: the file is lost
-            self._file_lost(name, path, len(wanted), reason(e))
+        except OSError as e:
+            self._lost(name, path, len(wanted), e)
             return []
         with self._lock:
             self.stats.read_seconds += read_s
             self.stats.check_seconds += check_s
-            replaced = expected is not None and ident != expected and self._index.ident(name) != expected
-            self.stats.misses += len(wanted) if replaced else 0
-        if replaced:  # by this process's put since the reads were planned: a miss, not damage
-            return []
+        settled = self._settle(name, path, wanted, keys, ident, checked, expected)
+        if settled is None:
+            with self._lock:
+                self.stats.misses += len(wanted)
+        return settled or []
+
+    def _lost(self, name: FileName, path: str, n: int, e: OSError) -> None:
+        """A file that could not be opened: gone (misses), or a stranger at the path (NotRegularFile)
+        or an I/O error (the file is lost)."""
+        if isinstance(e, FileNotFoundError):
+            self._vanished(name, path, n)
+        else:
+            self._file_lost(name, path, n, reason(e))
+
+    def _settle(self, name: FileName, path: str, wanted: list[tuple[int, Loc]], keys: Sequence[BlockKey],
+                ident: tuple[int, int], checked: Checked, expected: tuple[int, int] | None) -> list[int] | None:
+        """The verified indices among one file's `checked` entries; the bad ones are dropped. None
+        (nothing counted) when the file read was a replacement the index already knows of, put by
+        this process since the reads were planned: not damage, and its offsets may be others."""
+        if expected is not None and ident != expected:
+            with self._lock:
+                if self._index.ident(name) != expected:
+                    return None
         # (another identity put there by something outside this process: the checks judge it)
         good = []
         for i, loc, err in checked:
@@ -359,7 +411,7 @@ class DiskBackend(StorageBackend, ScatterReads):
         headers = [self._codec.seal(self.config.namespace, keys[i], views[i]) for i in group]  # hashing outside the lock
         with self._lock:
             self._check_open()
-            if not self._writes_allowed() or not self._reserve(size):
+            if not self._gate.allowed() or not self._reserve(size):
                 return
         name = keys[group[0]]
         try:
@@ -386,9 +438,7 @@ class DiskBackend(StorageBackend, ScatterReads):
                 offset += HEADER_SIZE + views[i].nbytes
             self._add_file(name, size, entries, None if infos is None else [infos[i] for i in group], file_ident(path))
             self.stats.bytes_written += size - HEADER_SIZE * len(group)  # payload bytes, as bytes_read counts them
-            if self._warned:
-                logger.info("G3 %s: writes work again", self._dir)
-                self._warned = False
+            self._gate.worked()
         if self.config.fsync:
             fsync_dir(os.path.dirname(path))
         for i in group:
@@ -421,26 +471,9 @@ class DiskBackend(StorageBackend, ScatterReads):
             remove_entry_path(path)
             os.replace(tmp, path)
 
-
-    def _writes_allowed(self) -> bool:
-        if self._disabled_until is None:
-            return True
-        if time.monotonic() < self._disabled_until:
-            return False
-        self._disabled_until = None  # back-off over: try again; a new failure disables again
-        return True
-
     def _write_failed(self, err: OSError, what: str) -> None:
         self.stats.write_errors += 1
-        self._disabled_until = time.monotonic() + self.config.retry_after_s
-        if not self._warned:
-            self._warned = True
-            logger.warning(
-                "G3 %s: %s failed (%s); writes disabled, retrying after %.0f s; reads continue",
-                self._dir, what, err, self.config.retry_after_s,
-            )
-        else:
-            logger.debug("G3 %s: %s failed again (%s)", self._dir, what, err)
+        self._gate.failed(err, what)
 
     def _reserve(self, size: int) -> bool:
         while self._index.used + self._reserved + size > self.config.capacity_bytes:

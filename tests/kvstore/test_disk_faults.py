@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import kvstore.disk as disk_module
+import kvstore.write_gate as write_gate
 from kvstore.disk import DiskBackend
 
 NS = bytes.fromhex("00112233445566778899aabbccddeeff")
@@ -124,7 +124,7 @@ def test_sigkill_many_rounds(tmp_path: Path) -> None:
 
 
 class FakeClock:
-    """Stands in for the `time` module inside kvstore.disk: back-offs without sleeping."""
+    """Stands in for the `time` module inside kvstore.write_gate: back-offs without sleeping."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -149,7 +149,7 @@ def _fail(err: int, only_writes: bool = False):
 )
 def test_write_fault_disables_writes_and_reads_continue(tmp_path: Path, monkeypatch, caplog, call, err) -> None:
     clock = FakeClock()
-    monkeypatch.setattr(disk_module, "time", clock)
+    monkeypatch.setattr(write_gate, "time", clock)
     b = DiskBackend(tmp_path / "g3", 64 << 20, NS, retry_after_s=30)
     kept, new, later = (bytes([i]) * 16 for i in range(3))
     assert b.put([kept], [b"kept" * 1000]) == [True]
