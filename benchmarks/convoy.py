@@ -37,24 +37,33 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Pacer:
-    """Wraps a backend's get_into so that all calls together move at most `rate` bytes per second:
-    each call books its bytes / rate on one shared timeline and returns when its share ends."""
+    """Wraps a backend's reads (`get_into`, and `batch` for `get_into_batch`) so that all calls
+    together move at most `rate` bytes per second: each call books its bytes / rate on one shared
+    timeline and returns when its share ends."""
 
     def __init__(self, backend: Any, rate_Bps: float) -> None:
-        self.backend, self.rate, self.real = backend, rate_Bps, backend.get_into
+        self.backend, self.rate, self.real, self.real_batch = backend, rate_Bps, backend.get_into, backend.get_into_batch
         self.on = False
         self._lock = threading.Lock()
         self._free_at = 0.0  # when the paced medium is next idle
 
     def __call__(self, keys, outs):
         got = self.real(keys, outs)
+        self._pace(sum(o.nbytes if isinstance(o, Scatter) else memoryview(o).nbytes for o in outs))
+        return got
+
+    def batch(self, keys, batch, threads):
+        """`get_into_batch` (a whole load into G1 in one call), paced likewise."""
+        got = self.real_batch(keys, batch, threads)
+        self._pace(int(batch.value_bytes.sum()))
+        return got
+
+    def _pace(self, nbytes: int) -> None:
         if self.on:
-            nbytes = sum(o.nbytes if isinstance(o, Scatter) else memoryview(o).nbytes for o in outs)
             with self._lock:
                 self._free_at = max(time.perf_counter(), self._free_at) + nbytes / self.rate
                 until = self._free_at
             time.sleep(max(0.0, until - time.perf_counter()))
-        return got
 
 
 def one_run(llm, mode: str, plain_prompts: list[list[int]], loader_prompts: list[list[int]], args) -> dict[str, Any]:
@@ -125,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         llm.engine.flush_offload()
         g3 = llm.engine.connector.tier("G3").backend
         pacer = Pacer(g3, args.rate * 1e6)
-        g3.get_into = pacer
+        g3.get_into, g3.get_into_batch = pacer, pacer.batch
         results: dict[str, list[dict[str, Any]]] = {"alone": [], "slow": [], "fast": []}
         for r in range(args.runs):
             for mode in results:

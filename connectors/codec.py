@@ -120,9 +120,14 @@ class BlockLayout:
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).digest()[:16]
 
 
+def header_bytes(layout_id: bytes, token_digest: bytes, payload_bytes: int) -> bytes:
+    """The header an entry of this layout, token digest and size starts with."""
+    return _HEADER.pack(MAGIC, VERSION, 0, layout_id, token_digest, payload_bytes)
+
+
 def write_header(buf: torch.Tensor, layout_id: bytes, token_digest: bytes, payload_bytes: int) -> None:
     """Writes the header into the first HEADER_BYTES of the uint8 tensor `buf`."""
-    raw = _HEADER.pack(MAGIC, VERSION, 0, layout_id, token_digest, payload_bytes)
+    raw = header_bytes(layout_id, token_digest, payload_bytes)
     buf[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
 
@@ -131,7 +136,7 @@ def check_header(buf: torch.Tensor | np.ndarray, layout_id: bytes, token_digest:
     """None if the header at the start of `buf` (uint8) matches what the reader expects, else the
     reason it does not."""
     raw = buf[:HEADER_BYTES].tobytes() if isinstance(buf, np.ndarray) else bytes(buf[:HEADER_BYTES].numpy())
-    if raw == _HEADER.pack(MAGIC, VERSION, 0, layout_id, token_digest, payload_bytes):
+    if raw == header_bytes(layout_id, token_digest, payload_bytes):
         return None  # the usual case, in one comparison (a load checks hundreds of these)
     magic, version, _, lid, digest, n = _HEADER.unpack(raw)
     if magic != MAGIC or version != VERSION:

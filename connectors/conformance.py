@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from connectors.backend import BackendError, Scatter, ScatterReads, StorageBackend
+from connectors.backend import BackendError, Scatter, ScatterBatch, ScatterReads, StorageBackend
 from connectors.conformance_base import _check_result, _expect_raises, _what_is_wrong, key_of, value_of
 from connectors.conformance_threads import ConcurrencyChecks
 from kvstore.keys import BlockKey
@@ -255,6 +255,40 @@ class BackendConformance(ConcurrencyChecks):
         short = Scatter(pieces.addresses[:-1], pieces.lengths[:-1], keep=arena)
         assert backend.get_into([k], [short]) == [False], "get_into into Scatter pieces of the wrong size must be False"
         self._expect(backend, k, value, "a key after a Scatter read of the wrong size (entry damaged?)")
+
+    def test_scatter_batch_reads(self, backend: StorageBackend) -> None:
+        """Only for a `ScatterReads` backend that offers them: `get_into_batch` gives `get_into`'s
+        results, each value in its own pieces, nothing written outside them, threads or not."""
+        if not (isinstance(backend, ScatterReads) and backend.scatter_reads):
+            pytest.skip("not a ScatterReads backend, or scatter_reads is off here")
+        keys = [key_of(f"batch/{j}") for j in range(3)]
+        values = [value_of(k, 0, 3000 + 500 * j) for j, k in enumerate(keys)]
+        self._put_ok(backend, keys, values, "blocks")
+        asked = [keys[2], key_of("batch/unknown"), keys[0], keys[1]]
+        sizes = [len(values[2]), 100, len(values[0]), len(values[1]) - 1]  # the last one of the wrong size
+        arena = (ctypes.c_char * 20000)(*([b"\xab"] * 20000))
+        at, starts, addrs, lens = ctypes.addressof(arena), [0], [], []
+        for n in sizes:  # each value in two pieces with a 50-byte gap after each
+            for part in (n // 3, n - n // 3):
+                addrs.append(at + sum(lens) + 50 * len(lens))
+                lens.append(part)
+            starts.append(len(lens))
+        batch = ScatterBatch(np.array(starts, np.int64), np.array(addrs, np.int64), np.array(lens, np.int64), keep=arena)
+        for threads in (1, 3):
+            got = backend.get_into_batch(asked, batch, threads)
+            _check_result(got, 4, "get_into_batch", bool)
+            assert got == [True, False, True, False], (
+                f"get_into_batch of [value, unknown, value, value into pieces 1 byte short] with {threads} thread(s) "
+                f"must return [True, False, True, False]; got {got}")
+            raw = bytes(arena)
+            for v, want in ((0, values[2]), (2, values[0])):
+                read = b"".join(raw[a - at:a - at + n] for a, n in zip(addrs[starts[v]:starts[v + 1]], lens[starts[v]:starts[v + 1]]))
+                assert read == want, "get_into_batch returned True but the value's pieces hold wrong bytes"
+            assert all(raw[a - at + n:a - at + n + 50] == b"\xab" * 50 for a, n in zip(addrs, lens)), (
+                "get_into_batch wrote outside the pieces it was given")
+        _expect_raises((ValueError,), lambda: backend.get_into_batch(asked[:3], batch), "get_into_batch with 3 keys "
+                       "and 4 values")
+        self._expect(backend, keys[1], values[1], "a key after a batch read of the wrong size (entry damaged?)")
 
     def test_get_views(self, backend: StorageBackend) -> None:
         k, empty, unknown = key_of("get-views"), key_of("get-views/empty"), key_of("get-views/unknown")

@@ -19,6 +19,7 @@ the planner attached to the job or chunk (`blocks`); this engine only carries th
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -28,10 +29,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import numpy as np
 import torch
 
-from connectors.codec import (HEADER_BYTES, BlockLayout, check_header, encode_blocks, hidden_payload, payload,
-                              write_header)
+from connectors.codec import (HEADER_BYTES, BlockLayout, check_header, encode_blocks, header_bytes, hidden_payload,
+                              payload, write_header)
 from connectors.copy_stream import CopyStream
-from connectors.read_targets import ReadTargets, whole
+from connectors.read_targets import G1Targets, ReadTargets
 from connectors.offload_plans import Chunk, LoadDone, LoadJob, Reports, StoreDone, StoreJob
 from connectors.storage_tier import StorageTier, TierMode
 from kvstore.events import ChunkBlocks
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 HOST = "G2"  # the host-memory tier's name
 READS_SHUTDOWN_S = 5.0  # the most shutdown waits for tier reads still in flight
 STAGING_BYTES = 256 * 2**20  # on a GPU, the most G2 bytes one scatter stages on the device at once
+# The most bytes one read into G1 covers: a load is one call up to this (G3: one native call), so
+# that `read_timeout_s` bounds a call, not a load of any length (512 MiB at 10 s: 54 MB/s).
+LOAD_CALL_BYTES = 512 * 2**20
 
 
 class TransferEngine:
@@ -70,6 +74,7 @@ class TransferEngine:
                       *(2 * t.remote.batch for t in tiers if t.remote is not None)])
         self._targets = ReadTargets(layout, bounce)
         self._late: list[Future] = []  # this load's reads into G1 that outlived their timeout
+        self._used: list[tuple[StorageTier, list[Chunk]]] = []  # this load's hits, told to their tiers once reported
         self.reports = Reports()  # finished loads and stores, drained by the connector
         self.tier_hits: dict[str, int] = dict.fromkeys([HOST, *(t.name for t in tiers)], 0)  # tokens served
         self.load_seconds = 0.0  # wall time of load jobs on the transfer thread
@@ -148,6 +153,9 @@ class TransferEngine:
                 after_all(late, lambda: self.reports.put(done))
             else:
                 self.reports.put(done)
+            used, self._used = self._used, []
+            for tier, chunks in used:  # bookkeeping the request need not wait for
+                self._touch(tier, chunks, job)
 
     def _g2_ok(self, c: Chunk, job: LoadJob) -> bool:
         assert self.g2 is not None
@@ -201,22 +209,17 @@ class TransferEngine:
         """Reads a parallel tier's chunks in calls of `tier.io_chunks(...)` neighbours (G3 reads
         each call's run of one file in one preadv), `2 * read_threads` calls in flight (a disk
         serves queued reads faster than one at a time), and scatters them in order while later
-        calls read. Each chunk lands in a G2 slot when G2 exists (the promotion), in G1 itself
-        (`G1Targets`), or else in a bounce buffer. Reads into G1 have no copy to overlap, so the
-        load is split into one window of larger calls (a call's Python costs as much as a few MiB
-        of reading on a small CPU). Returns the G1 blocks filled and whether every chunk landed;
-        stops at the first chunk that is missing, bad or late."""
+        calls read. Each chunk lands in a G2 slot when G2 exists (the promotion), else in a bounce
+        buffer; with no G2 and a host G1 the tier reads into G1 itself (`_load_into_g1`). Returns
+        the G1 blocks filled and whether every chunk landed; stops at the first chunk that is
+        missing, bad or late."""
         tier = self.tiers[i]
+        if tier.scatter_reads and self.g2 is None and (g1 := self._targets.g1(self.kv_cache, self.hidden_cache)):
+            return self._load_into_g1(i, chunks, job, g1)
         per = tier.io_chunks(self.layout.encoded_bytes)
         window_size = 2 * tier.read_threads
-        g1 = self._targets.g1(self.kv_cache, self.hidden_cache) if tier.scatter_reads and self.g2 is None else None
-        if g1 is not None:  # nothing to pipeline but bookkeeping: one window of calls, fewer round trips
-            per = max(per, -(-len(chunks) // window_size))
-            self._targets.reserve(window_size * per)
-        # per call in flight: its chunks, their G2 slots, read targets (a buffer, or the header of an
-        # entry read into G1), G1 blocks read into, and the read
-        window: deque[tuple[list[Chunk], list[int | None], list[torch.Tensor | np.ndarray], list[list[BlockId] | None],
-                            Future]] = deque()
+        # per call in flight: its chunks, their G2 slots, read targets, and the read
+        window: deque[tuple[list[Chunk], list[int | None], list[torch.Tensor], Future]] = deque()
         calls = iter(enumerate(chunks[j:j + per] for j in range(0, len(chunks), per)))
         landed, ok, timed_out = 0, True, False
         while True:
@@ -225,26 +228,14 @@ class TransferEngine:
                 if nxt is None:
                     break
                 n, run = nxt
-                keys = [c.key for c in run]
-                if g1 is not None:  # straight into G1; a chunk partly in G1 already through a buffer
-                    placed = [job.full_chunk_blocks(c, self.g1_per_chunk) for c in run]
-                    slots = [None] * len(run)
-                    bufs = [self._targets.header((n % window_size) * per + k) if p is not None else
-                            self._bounce_buffer((n % window_size) * per + k) for k, p in enumerate(placed)]
-                    made = iter(g1.scatters([b for b, p in zip(bufs, placed) if p is not None],
-                                            [p for p in placed if p is not None]))
-                    outs = [next(made) if p is not None else whole(b) for b, p in zip(bufs, placed)]
-                    fut = self._reads.submit(tier.backend.get_into, keys, outs)
-                else:
-                    placed = [None] * len(run)
-                    slots = [self.g2.prepare_store(c.key, c.digest) if self.g2 is not None else None for c in run]
-                    bufs = [self.g2.slot_view(s) if s is not None else self._bounce_buffer((n % window_size) * per + k)
-                            for k, s in enumerate(slots)]
-                    fut = self._reads.submit(tier.backend.get_into, keys, [memoryview(b.numpy()) for b in bufs])
-                window.append((run, slots, bufs, placed, fut))
+                slots = [self.g2.prepare_store(c.key, c.digest) if self.g2 is not None else None for c in run]
+                bufs = [self.g2.slot_view(s) if s is not None else self._bounce_buffer((n % window_size) * per + k)
+                        for k, s in enumerate(slots)]
+                fut = self._reads.submit(tier.backend.get_into, [c.key for c in run], [memoryview(b.numpy()) for b in bufs])
+                window.append((run, slots, bufs, fut))
             if not window:
                 return landed, ok
-            run, slots, bufs, placed, fut = window.popleft()
+            run, slots, bufs, fut = window.popleft()
             try:
                 got = fut.result(timeout=tier.read_timeout_s if not timed_out else 0)
                 reasons = [None if hit else "miss" for hit in got]
@@ -256,8 +247,6 @@ class TransferEngine:
                     log.warning("%s read timed out after %.1fs; treating it as a miss", tier.name, tier.read_timeout_s)
                 if not fut.done():  # its worker may never come back: keep the pool's width
                     self._reads.replace_stuck()
-                if g1 is not None:  # it writes into this load's G1 blocks: the load ends after it
-                    self._late.append(fut)
                 self._targets.abandon()
                 ok, timed_out = False, True
                 continue
@@ -265,17 +254,67 @@ class TransferEngine:
                 log.warning("%s read failed, treating it as a miss: %s: %s", tier.name, type(e).__name__, e)
                 reasons = ["error"] * len(run)
             used: list[Chunk] = []
-            for c, slot, buf, blocks, reason in zip(run, slots, bufs, placed, reasons):
+            for c, slot, buf, reason in zip(run, slots, bufs, reasons):
                 reason = reason or check_header(buf, self.layout_id, c.digest, self.layout.payload_bytes)
                 if reason not in (None, "miss", "error"):
                     log.warning("%s entry rejected: %s", tier.name, reason)
                 self._promote(i, c, slot, buf, reason is None, job)
                 if ok and reason is None:
-                    landed += self._land(i, c, buf, job, blocks)
+                    landed += self._land(i, c, buf, job)
                     used.append(c)
                 else:
                     ok = False  # later reads in flight still finish (and may still be promoted)
             self._touch(tier, used, job)
+
+    def _load_into_g1(self, i: int, chunks: list[Chunk], job: LoadJob, g1: G1Targets) -> tuple[int, bool]:
+        """`_load_parallel` straight into G1: each call of up to LOAD_CALL_BYTES is one
+        `get_into_batch` (G3: one native call whose own threads read every file), its entries'
+        headers checked in one array comparison, the tier told of the uses after the load is
+        reported (`_used`). No copy to overlap, so one call at a time; a call that outlives the
+        timeout ends the hit, and the load is reported once it returns (its targets are this
+        load's G1 blocks)."""
+        tier, k, hb = self.tiers[i], self.g1_per_chunk, HEADER_BYTES
+        per, landed = max(1, LOAD_CALL_BYTES // self.layout.encoded_bytes), 0
+        threads = min(tier.read_threads, len(os.sched_getaffinity(0)))
+        below = [t for t in self.tiers[i + 1:] if t.remote is not None]  # count uses towards min_uses
+        dst = np.asarray(job.dst, dtype=np.int64)
+        for j in range(0, len(chunks), per):
+            run = chunks[j:j + per]
+            starts = np.array([c.index for c in run], dtype=np.int64) * k - job.first_g1
+            blocks = dst[np.clip(starts[:, None] + np.arange(k), 0, len(dst) - 1)]  # [n, k]
+            bounce = {m: torch.empty(self.layout.encoded_bytes, dtype=torch.uint8)  # partly in G1 already
+                      for m in np.flatnonzero((starts < 0) | (starts + k > len(dst))).tolist()}
+            headers = np.empty((len(run), hb), dtype=np.uint8)
+            fut = self._reads.submit(tier.backend.get_into_batch, [c.key for c in run],
+                                     g1.batch(headers, blocks, bounce), threads)
+            try:
+                got = fut.result(timeout=tier.read_timeout_s)
+            except FutureTimeout:
+                log.warning("%s read timed out after %.1fs; treating it as a miss", tier.name, tier.read_timeout_s)
+                if not fut.done():
+                    self._reads.replace_stuck()
+                self._late.append(fut)
+                return landed, False
+            except Exception as e:  # a plugin backend may raise anything: a miss, never wrong KV
+                log.warning("%s read failed, treating it as a miss: %s: %s", tier.name, type(e).__name__, e)
+                return landed, False
+            for m, buf in bounce.items():
+                headers[m] = buf[:hb].numpy()
+            want = b"".join(header_bytes(self.layout_id, c.digest, self.layout.payload_bytes) for c in run)
+            good = np.asarray(got, dtype=bool) & (headers == np.frombuffer(want, np.uint8).reshape(-1, hb)).all(axis=1)
+            n = int(good.argmin()) if not good.all() else len(run)  # the landed prefix
+            direct = [m for m in range(n) if m not in bounce]
+            landed += sum(self._land(i, run[m], buf, job) for m, buf in bounce.items() if m < n) + k * len(direct)
+            self.direct_blocks += k * len(direct)
+            self.tier_hits[tier.name] += k * len(direct) * self.layout.block_size * (job.group == 0)
+            for m in direct if below else ():
+                self._note_use(below, run[m].key, lambda m=m: g1.value(headers[m], blocks[m].tolist()), run[m].blocks)
+            self._used.append((tier, run[:n]))
+            if n < len(run):
+                if got[n] and (why := check_header(headers[n], self.layout_id, run[n].digest, self.layout.payload_bytes)):
+                    log.warning("%s entry rejected: %s", tier.name, why)
+                return landed, False
+        return landed, True
 
     def _load_batched(self, i: int, chunks: list[Chunk], job: LoadJob) -> tuple[int, bool]:
         """Reads a batched tier's chunks (one round trip per batch), promotes them, and
@@ -319,25 +358,15 @@ class TransferEngine:
             self._touch(tier, used, job)
         return landed, ok
 
-    def _land(self, i: int, c: Chunk, buf: torch.Tensor | np.ndarray, job: LoadJob,
-              placed: list[BlockId] | None = None) -> int:
-        """A checked hit from tier i: scatter it into G1 (unless it was read there: `placed`, its
-        blocks, and `buf` its header), count it, and tell the batched tiers below that it was
-        reused (the caller tells tier i, a read's hits at once: `_touch`). Returns the G1 blocks
+    def _land(self, i: int, c: Chunk, buf: torch.Tensor, job: LoadJob) -> int:
+        """A checked hit from tier i in `buf`: scatter it into G1, count it, and tell the batched
+        tiers below that it was reused (the caller tells tier i: `_touch`). Returns the G1 blocks
         filled."""
-        tier = self.tiers[i]
-        if placed is None:
-            t0 = time.perf_counter()
-            n = self._scatter(buf, c.index, job)
-            self.copy_seconds += time.perf_counter() - t0
-            value = lambda: bytes(buf.numpy())  # noqa: E731
-        else:
-            n, g1 = len(placed), self._targets.g1(self.kv_cache, self.hidden_cache)
-            assert g1 is not None
-            self.direct_blocks += n
-            value = lambda: g1.value(buf, placed)  # noqa: E731
-        self.tier_hits[tier.name] += n * self.layout.block_size * (job.group == 0)
-        self._note_use(self.tiers[i + 1:], c.key, value, c.blocks)
+        t0 = time.perf_counter()
+        n = self._scatter(buf, c.index, job)
+        self.copy_seconds += time.perf_counter() - t0
+        self.tier_hits[self.tiers[i].name] += n * self.layout.block_size * (job.group == 0)
+        self._note_use(self.tiers[i + 1:], c.key, lambda: bytes(buf.numpy()), c.blocks)
         return n
 
     @staticmethod

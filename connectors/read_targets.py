@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from connectors.codec import HEADER_BYTES, BlockLayout, encode_blocks
-from kvstore.backend import Scatter
+from kvstore.backend import Scatter, ScatterBatch
 from kvstore.g1 import BlockId
 
 
@@ -95,6 +95,25 @@ class G1Targets:
                                  np.concatenate(([HEADER_BYTES], lens)), keep=(headers[j], self._kv, self._hidden))
         return out  # type: ignore[return-value]
 
+    def batch(self, headers: np.ndarray, blocks: np.ndarray, bounce: dict[int, torch.Tensor]) -> ScatterBatch:
+        """A load's entries as one ScatterBatch: entry j's value read into the G1 blocks `blocks[j]`
+        (a row of an [n, g1_blocks] array; its header into `headers[j]`, a C-contiguous
+        [n, HEADER_BYTES] uint8 array) or, for j in `bounce`, whole into `bounce[j]`. The usual
+        load (every entry one run of blocks) takes a few array operations, whatever its size."""
+        n, keep = len(blocks), (headers, self._kv, self._hidden, bounce)
+        if not bounce and (blocks.shape[1] == 1 or (np.diff(blocks, axis=1) == 1).all()):
+            table = np.empty((n, 1 + len(self._at0)), dtype=np.int64)
+            table[:, 0] = headers.ctypes.data + HEADER_BYTES * np.arange(n, dtype=np.int64)
+            table[:, 1:] = self._at0[None, :] + self._step[None, :] * blocks[:, :1]
+            lens = np.tile(self._shape(blocks.shape[1]).lengths, n)
+            return ScatterBatch(np.arange(n + 1, dtype=np.int64) * table.shape[1], table.ravel(), lens, keep=keep)
+        direct = iter(self.scatters([headers[j] for j in range(n) if j not in bounce],
+                                    [blocks[j].tolist() for j in range(n) if j not in bounce]))
+        values = [whole(bounce[j]) if j in bounce else next(direct) for j in range(n)]
+        return ScatterBatch(np.cumsum([0, *(len(v.addresses) for v in values)]).astype(np.int64),
+                            np.concatenate([v.addresses for v in values]).astype(np.int64),
+                            np.concatenate([v.lengths for v in values]).astype(np.int64), keep=keep)
+
     def _shape(self, n: int) -> Scatter:
         """The pieces of a value whose blocks are one run of n (header first), at no address:
         `moved` to each entry's."""
@@ -114,32 +133,19 @@ class G1Targets:
 class ReadTargets:
     """The memory reads land in outside G2, owned by the transfer thread: `count` bounce buffers
     of an encoded block (page-locked for a GPU's G1: a copy from pageable memory goes through the
-    driver's own staging, and G3 loads without G2 ran at 2.5 GB/s on an H200 that way), as many
-    header slots for entries read into G1, and G1 as a target (`G1Targets`)."""
+    driver's own staging, and G3 loads without G2 ran at 2.5 GB/s on an H200 that way), and G1 as
+    a target (`G1Targets`)."""
 
     def __init__(self, layout: BlockLayout, count: int) -> None:
         self.layout = layout
         self._bounce: list[torch.Tensor | None] = [None] * count
-        self._headers: np.ndarray | None = None  # [count, HEADER_BYTES]
         self._g1: G1Targets | None = None
-
-    def reserve(self, n: int) -> None:
-        """Room for n header slots and bounce buffers (a load whose calls are larger than usual).
-        Header slots are remade: a read in flight keeps its old ones alive."""
-        if n > len(self._bounce):
-            self._bounce += [None] * (n - len(self._bounce))
-            self._headers = None
 
     def bounce(self, i: int, pinned: bool) -> torch.Tensor:
         buf = self._bounce[i]
         if buf is None:
             buf = self._bounce[i] = torch.empty(self.layout.encoded_bytes, dtype=torch.uint8, pin_memory=pinned)
         return buf
-
-    def header(self, i: int) -> np.ndarray:
-        if self._headers is None:
-            self._headers = np.empty((len(self._bounce), HEADER_BYTES), dtype=np.uint8)
-        return self._headers[i]
 
     def g1(self, kv_cache: torch.Tensor | None, hidden_cache: torch.Tensor | None) -> G1Targets | None:
         """G1 as a read target, when it is in host memory in the entries' own dtype (else None)."""
@@ -152,7 +158,6 @@ class ReadTargets:
         """A read outlived its timeout and may still fill the buffers it was given: later reads
         get new ones (the old stay alive as long as that read holds them)."""
         self._bounce = [None] * len(self._bounce)
-        self._headers = None
 
 
 def whole(buf: torch.Tensor) -> Scatter:

@@ -73,6 +73,39 @@ class Scatter:
                 for a, n in zip(self.addresses, self.lengths)]
 
 
+@dataclass(frozen=True, eq=False)
+class ScatterBatch:
+    """Where each of n values goes, as one set of arrays (a load's hundreds of values without an
+    object each): value i is pieces `starts[i]:starts[i + 1]` of `addresses` / `lengths`, in order.
+    Memory as for `Scatter`: the caller's, alive (`keep`) and untouched until the read returns."""
+
+    starts: np.ndarray  # int64 [n + 1], non-decreasing from 0, each value at least one piece
+    addresses: np.ndarray  # int64 [pieces]
+    lengths: np.ndarray  # int64 [pieces], each > 0
+    keep: Any = field(default=None, repr=False)
+    value_bytes: np.ndarray = field(init=False, repr=False)  # int64 [n]: each value's size
+
+    def __post_init__(self) -> None:
+        s, a, n = self.starts, self.addresses, self.lengths
+        if s.ndim != 1 or len(s) < 1 or a.ndim != 1 or a.shape != n.shape or s[0] != 0 or s[-1] != len(a):
+            raise ValueError(f"ScatterBatch needs starts [n+1] from 0 to the piece count and two 1-D piece arrays "
+                             f"of one length; got {s.shape}, {a.shape}, {n.shape}")
+        if len(s) > 1 and np.diff(s).min() <= 0:
+            raise ValueError("ScatterBatch values need at least one piece each")
+        if len(n) and n.min() <= 0:
+            raise ValueError("ScatterBatch pieces need positive lengths")
+        sums = np.add.reduceat(n, s[:-1]) if len(s) > 1 else np.zeros(0, np.int64)
+        object.__setattr__(self, "value_bytes", sums.astype(np.int64))
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def scatter(self, i: int) -> Scatter:
+        """Value i's pieces as a `Scatter`."""
+        lo, hi = int(self.starts[i]), int(self.starts[i + 1])
+        return Scatter(self.addresses[lo:hi], self.lengths[lo:hi], keep=self.keep)
+
+
 class ScatterReads(ABC):
     """A backend whose `get_into` also takes `Scatter` outputs: it reads a value straight into
     its final places, saving the copy out of a buffer. Optional: kvtier passes Scatter outputs
@@ -83,6 +116,14 @@ class ScatterReads(ABC):
     def scatter_reads(self) -> bool:
         """Whether Scatter outputs are worth using here, and safe: a read that outlives the
         caller's timeout still returns (the caller waits for it before reusing the memory)."""
+
+    def get_into_batch(self, keys: Sequence[BlockKey], batch: ScatterBatch, threads: int = 1) -> list[bool]:
+        """`get_into(keys, [batch.scatter(i) ...])`: a whole load's values in one call, with at most
+        `threads` reads at once. Override it where one call can do better than a loop (G3: one native
+        call, files spread over its own threads)."""
+        if len(keys) != len(batch):
+            raise ValueError(f"get_into_batch got {len(keys)} keys but {len(batch)} values")
+        return self.get_into(keys, [batch.scatter(i) for i in range(len(batch))])  # type: ignore[attr-defined]
 
 class BackendError(RuntimeError):
     """The backend cannot serve the call at all (closed, misconfigured, unreachable).

@@ -8,10 +8,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from kvstore.backend import Buffer, Scatter
+import numpy as np
+
+from kvstore.backend import Buffer, Scatter, ScatterBatch
 from kvstore.disk_index import FileName, Ident, Loc
 from kvstore.disk_layout import (entry_key, not_regular, open_regular, pid_alive, reason, remove_entry_path, temp_path,
                                  temp_writer, write_all)
@@ -235,21 +237,38 @@ def read_file_native(reader: NativeReader, path: str, wanted: list[tuple[int, Lo
     the reasons are Python's own."""
     got = reader.read(path, [loc.offset for _, loc in wanted], [loc.size for _, loc in wanted],
                       [targets[i] for i, _ in wanted], [keys[i] for i, _ in wanted], namespace, not codec.keyed)
-    if got.code == FILE_NOT_REGULAR:
-        raise not_regular(path, got.ident[0])
-    if got.code < 0:
-        raise OSError(-got.code, os.strerror(-got.code), path)  # FileNotFoundError for ENOENT
+    if (e := file_error(path, got.code, got.ident[0])) is not None:
+        raise e
     t0 = time.perf_counter()
-    checked: Checked = []
-    for j, ((i, loc), status) in enumerate(zip(wanted, got.status)):
-        if status == ENTRY_OK:
-            checked.append((i, loc, None))
-        elif status == ENTRY_SHORT:
-            checked.append((i, loc, os.strerror(got.errno) if got.errno else "truncated"))
-        else:
-            head = got.heads[j * HEADER_SIZE:(j + 1) * HEADER_SIZE]
-            checked.append((i, loc, entry_error(head, pieces(targets[i]), keys[i], codec, namespace, loc)))
+    checked = native_checked(wanted, got.status, got.errno, lambda j: got.heads[j * HEADER_SIZE:(j + 1) * HEADER_SIZE],
+                             lambda i: pieces(targets[i]), keys, codec, namespace)
     return got.ident, checked, got.read_s, got.check_s + time.perf_counter() - t0
+
+
+def file_error(path: str, code: int, mode: int) -> OSError | None:
+    """The error the native loop's file `code` stands for (None: the file was read); `mode`: its
+    st_mode when it is not a regular file."""
+    if code == FILE_NOT_REGULAR:
+        return not_regular(path, mode)
+    if code < 0:
+        return OSError(-code, os.strerror(-code), path)  # FileNotFoundError for ENOENT
+    return None
+
+
+def native_checked(wanted: list[tuple[int, Loc]], status: Sequence[int], errno: int, head: Callable[[int], Buffer],
+                   payload: Callable[[int], list[memoryview]], keys: Sequence[BlockKey], codec: EntryCodec,
+                   namespace: bytes) -> Checked:
+    """The native loop's verdicts on one file's `wanted` entries (`status[j]`, `head(j)` their
+    headers), those it left unchecked judged here from `payload(i)`, so the reasons are Python's."""
+    checked: Checked = []
+    for j, ((i, loc), st) in enumerate(zip(wanted, status)):
+        if st == ENTRY_OK:
+            checked.append((i, loc, None))
+        elif st == ENTRY_SHORT:
+            checked.append((i, loc, os.strerror(errno) if errno else "truncated"))
+        else:
+            checked.append((i, loc, entry_error(head(j), payload(i), keys[i], codec, namespace, loc)))
+    return checked
 
 
 def entry_error(head: Buffer, payload: list[memoryview], key: BlockKey, codec: EntryCodec, namespace: bytes,
@@ -262,3 +281,30 @@ def entry_error(head: Buffer, payload: list[memoryview], key: BlockKey, codec: E
     except CorruptEntry as e:
         return str(e)
     return None
+
+
+def read_batch_native(reader: NativeReader, paths: list[str], wanted: list[list[tuple[int, Loc]]], batch: ScatterBatch,
+                      keys: Sequence[BlockKey], codec: EntryCodec, namespace: bytes,
+                      threads: int) -> tuple[list[tuple[Ident, Checked] | OSError], float, float]:
+    """`read_file_native` for many files (`wanted[j]`, sorted by offset, of the file at `paths[j]`)
+    in one call of the native loop on up to `threads` threads of its own, entry i's payload read
+    into value i of `batch`. Per file: (its identity, the entries checked), or the OSError that
+    kept it from being read; then the seconds reading and checking, summed over the threads."""
+    flat = [w for ws in wanted for w in ws]
+    first = np.cumsum([0, *map(len, wanted)])
+    got = reader.read_batch(paths, first, np.array([loc.offset for _, loc in flat], np.int64),
+                            np.array([loc.size for _, loc in flat], np.int64), batch,
+                            np.array([i for i, _ in flat], np.int64), b"".join(keys[i] for i, _ in flat), namespace,
+                            not codec.keyed, threads)
+    out: list[tuple[Ident, Checked] | OSError] = []
+    for j, path in enumerate(paths):
+        lo, hi = int(first[j]), int(first[j + 1])
+        if (e := file_error(path, int(got.code[j]), int(got.ident[j, 0]))) is not None:
+            out.append(e)
+            continue
+        status = got.status[lo:hi]
+        checked = [(i, loc, None) for i, loc in wanted[j]] if (status == ENTRY_OK).all() else native_checked(
+            wanted[j], status.tolist(), int(got.errno[j]), lambda k: got.heads[lo + k],
+            lambda i: batch.scatter(i).views(), keys, codec, namespace)
+        out.append(((int(got.ident[j, 0]), int(got.ident[j, 1])), checked))
+    return out, got.read_s, got.check_s

@@ -10,7 +10,7 @@ Bookkeeping only: no I/O. The disk backend calls it under its lock.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, KeysView
+from collections.abc import Iterable, KeysView, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -53,6 +53,23 @@ class DiskIndex:
 
     def get(self, key: BlockKey) -> Loc | None:
         return self._loc.get(key)
+
+    def locate(self, keys: Sequence[BlockKey],
+               sizes: Sequence[int] | None) -> tuple[dict[FileName, list[tuple[int, Loc]]], int]:
+        """Where a read of `keys` goes: per file (in the order the keys first name them), the
+        indices of its keys with their places, sorted by offset; and how many keys are misses
+        (not indexed, or not of `sizes[i]` bytes with the header when sizes are given)."""
+        by_file: dict[FileName, list[tuple[int, Loc]]] = {}
+        misses = 0
+        for i, key in enumerate(keys):
+            loc = self._loc.get(key)
+            if loc is None or (sizes is not None and sizes[i] != loc.size):
+                misses += 1
+            else:
+                by_file.setdefault(loc.file, []).append((i, loc))
+        for wanted in by_file.values():
+            wanted.sort(key=lambda w: w[1].offset)
+        return by_file, misses
 
     def keys(self) -> KeysView[BlockKey]:
         return self._loc.keys()

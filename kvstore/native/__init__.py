@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvstore.backend import Scatter
+from kvstore.backend import Scatter, ScatterBatch
 from kvstore.cache_dir import cache_root
 from kvstore.clib import BuildError, compiler, open_library, publish, run, version
 from kvstore.entry import HEADER_SIZE, EntryCodec
@@ -29,8 +29,8 @@ from kvstore.keys import KEY_BYTES
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "read_entries.c"
-_FLAGS = ("-O2", "-fPIC", "-shared", "-std=c11", "-D_GNU_SOURCE")
-_ABI = 2
+_FLAGS = ("-O2", "-fPIC", "-shared", "-std=c11", "-D_GNU_SOURCE", "-pthread")
+_ABI = 3
 _BUILD_TIMEOUT_S = 60
 ENV = "KVTIER_NATIVE_IO"
 
@@ -59,6 +59,19 @@ class FileRead(NamedTuple):
     check_s: float
 
 
+class BatchRead(NamedTuple):
+    """What one `read_batch` call did: per file j, `code[j]` and `errno[j]` (as FileRead's) and
+    `ident[j]`; per entry (in the call's order), `status` and its header (`heads[i]`)."""
+
+    code: np.ndarray  # int32 [files]
+    errno: np.ndarray  # int32 [files]
+    ident: np.ndarray  # uint64 [files, 2]
+    status: np.ndarray  # int8 [entries]
+    heads: np.ndarray  # uint8 [entries, HEADER_SIZE]
+    read_s: float  # summed over the threads
+    check_s: float
+
+
 class _Fns(ctypes.Structure):
     """read_entries.c's xxh_fns: the `xxhash` package's XXH3 functions."""
 
@@ -68,6 +81,7 @@ class _Fns(ctypes.Structure):
 class NativeReader:
     def __init__(self, lib: ctypes.CDLL, fns: _Fns) -> None:
         self._fn = lib.kvt_read_entries
+        self._batch = lib.kvt_read_batch
         self._fs_magic = lib.kvt_fs_magic
         self._fns = fns
 
@@ -98,6 +112,29 @@ class NativeReader:
                         int(check), ctypes.byref(self._fns), status, ctypes.byref(err), ident, spent)
         del anchors
         return FileRead(code, list(status), err.value, (ident[0], ident[1]), heads.raw, spent[0] / 1e9, spent[1] / 1e9)
+
+    def read_batch(self, paths: Sequence[str], first: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
+                   pieces: ScatterBatch, values: np.ndarray, keys: bytes, namespace: bytes, check: bool,
+                   threads: int) -> BatchRead:
+        """Reads the entries of many files in one call, on up to `threads` threads of its own: file
+        j's entries are i in `first[j]:first[j + 1]`, entry i (`offsets[i]`, `sizes[i]` bytes with
+        its header) holding `keys[16 i:16 (i + 1)]`, its payload read into value `values[i]` of
+        `pieces`. `read`'s checks, per entry."""
+        n, nf = len(offsets), len(paths)
+        i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
+        first, offsets, sizes = i64(first), i64(offsets), i64(sizes)
+        seg_start, nseg = i64(pieces.starts[values]), np.ascontiguousarray(np.diff(pieces.starts)[values], np.int32)
+        ptrs, lens = i64(pieces.addresses), i64(pieces.lengths)
+        heads = np.zeros((n, HEADER_SIZE), np.uint8)
+        status = np.zeros(n, np.int8)
+        code, err, ident = np.zeros(nf, np.int32), np.zeros(nf, np.int32), np.zeros((nf, 2), np.uint64)
+        spent = np.zeros(2, np.int64)
+        c_paths = (ctypes.c_char_p * nf)(*map(os.fsencode, paths))
+        self._batch(nf, c_paths, first.ctypes.data, offsets.ctypes.data, sizes.ctypes.data, seg_start.ctypes.data,
+                    nseg.ctypes.data, ptrs.ctypes.data, lens.ctypes.data, heads.ctypes.data, keys, namespace,
+                    int(check), ctypes.byref(self._fns), max(1, threads), status.ctypes.data, code.ctypes.data,
+                    err.ctypes.data, ident.ctypes.data, spent.ctypes.data)
+        return BatchRead(code, err, ident, status, heads, spent[0] / 1e9, spent[1] / 1e9)
 
     def local_filesystem(self, path: str) -> str | None:
         """The name of the local filesystem `path` is on (LOCAL_FILESYSTEMS); None for any other
@@ -143,8 +180,18 @@ def _self_test(reader: NativeReader) -> None:
         Path(bad).write_bytes(entry[:-1] + bytes([entry[-1] ^ 1]))
         got = [reader.read(p, [0], [len(entry)], [t], [key], ns, True).status
                for p, t in ((good, memoryview(bytearray(len(payload)))), (good, scatter), (bad, scatter))]
+        whole = memoryview(bytearray(len(payload)))
+        into = ctypes.c_char.from_buffer(whole)
+        batch = ScatterBatch(np.array([0, 3, 4]), np.concatenate([scatter.addresses, [ctypes.addressof(into)]]),
+                             np.concatenate([scatter.lengths, [len(payload)]]), keep=whole)
+        both = reader.read_batch([bad, good], np.array([0, 1, 2]), np.zeros(2), np.full(2, len(entry)), batch,
+                                 np.array([0, 1]), key * 2, ns, True, 2)
+        del into
     if got != [[ENTRY_OK], [ENTRY_OK], [ENTRY_UNCHECKED]] or b"".join(b.raw for b in pieces) != payload[:-1] + bytes([payload[-1] ^ 1]):
         raise BuildError(f"self-test failed (statuses {got}, expected [[0], [0], [2]], or the pieces' bytes differ)")
+    if both.status.tolist() != [ENTRY_UNCHECKED, ENTRY_OK] or both.code.tolist() != [0, 0] or bytes(whole) != payload:
+        raise BuildError(f"batch self-test failed (statuses {both.status.tolist()}, expected [2, 0], files "
+                         f"{both.code.tolist()}, or the bytes differ)")
 
 
 @functools.cache
@@ -163,6 +210,9 @@ def reader() -> NativeReader | None:
         lib.kvt_read_entries.restype = ctypes.c_int
         lib.kvt_read_entries.argtypes = [ctypes.c_char_p, ctypes.c_int, p, p, p, p, p, p, ctypes.c_char_p,
                                          ctypes.c_char_p, ctypes.c_int, p, p, p, p, p]
+        lib.kvt_read_batch.restype = None
+        lib.kvt_read_batch.argtypes = [ctypes.c_int, p, p, p, p, p, p, p, p, p, ctypes.c_char_p, ctypes.c_char_p,
+                                       ctypes.c_int, p, ctypes.c_int, p, p, p, p, p]
         lib.kvt_fs_magic.restype = ctypes.c_int64
         lib.kvt_fs_magic.argtypes = [ctypes.c_char_p]
         out = NativeReader(lib, _xxh3_functions())

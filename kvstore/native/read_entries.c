@@ -23,6 +23,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -31,7 +32,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define KVT_READ_ABI 2
+#define KVT_READ_ABI 3
 #define HEAD_BODY 68 /* struct "<4sHHB3x16s16sQ16s" */
 #define HEADER_SIZE (HEAD_BODY + 8)
 #define MAX_IOV 1024
@@ -122,15 +123,17 @@ static int64_t read_fully(int fd, struct iovec *iov, int cnt, int64_t pos, int64
  *   offsets[i], sizes[i]: entry i's place in the file (header + payload bytes);
  *   nseg[i]: how many pieces its payload goes to; ptrs, lens: all entries' pieces in order
  *   (entry i's lens sum to sizes[i] - HEADER_SIZE); heads: n * HEADER_SIZE bytes for the headers;
+ *   (kvt_read_batch: seg_start[i] is entry i's first piece, anywhere in ptrs/lens)
  *   keys: n * 16 bytes, the key each entry must hold; ns: 16 bytes;
  *   check: 0 = read only (every read entry is UNCHECKED: a keyed codec checks in Python);
  *   status[i] (out): ENTRY_OK, ENTRY_SHORT (not all its bytes came: err_out holds the errno, 0
  *   for end of file) or ENTRY_UNCHECKED; ident (out): st_dev, st_ino of the file read;
  *   ns_out (out): nanoseconds reading, checking.
  * Returns FILE_OK, FILE_NOT_REGULAR (ident[0] holds its st_mode) or -errno. */
-int kvt_read_entries(const char *path, int n, const int64_t *offsets, const int64_t *sizes, const int32_t *nseg,
-                     void *const *ptrs, const int64_t *lens, uint8_t *heads, const uint8_t *keys, const uint8_t *ns,
-                     int check, const xxh_fns *f, int8_t *status, int *err_out, uint64_t *ident, int64_t *ns_out) {
+static int read_file(const char *path, int n, const int64_t *offsets, const int64_t *sizes, const int64_t *seg_start,
+                     const int32_t *nseg, void *const *ptrs, const int64_t *lens, uint8_t *heads, const uint8_t *keys,
+                     const uint8_t *ns, int check, const xxh_fns *f, int8_t *status, int *err_out, uint64_t *ident,
+                     int64_t *ns_out) {
     struct stat st;
     *err_out = 0;
     ns_out[0] = ns_out[1] = 0;
@@ -157,6 +160,7 @@ int kvt_read_entries(const char *path, int n, const int64_t *offsets, const int6
     struct iovec iov[MAX_IOV];
     size_t first = 0; /* entry i's first piece */
     for (int i = 0; i < n; first += (size_t)nseg[i], i++) {
+        if (seg_start != NULL) first = (size_t)seg_start[i];
         int64_t t0 = now_ns();
         uint8_t *head = heads + (size_t)i * HEADER_SIZE;
         int64_t done = 0, want = sizes[i];
@@ -189,4 +193,78 @@ int kvt_read_entries(const char *path, int n, const int64_t *offsets, const int6
     if (state != NULL) f->release(state);
     close(fd);
     return FILE_OK;
+}
+
+int kvt_read_entries(const char *path, int n, const int64_t *offsets, const int64_t *sizes, const int32_t *nseg,
+                     void *const *ptrs, const int64_t *lens, uint8_t *heads, const uint8_t *keys, const uint8_t *ns,
+                     int check, const xxh_fns *f, int8_t *status, int *err_out, uint64_t *ident, int64_t *ns_out) {
+    return read_file(path, n, offsets, sizes, NULL, nseg, ptrs, lens, heads, keys, ns, check, f, status, err_out,
+                     ident, ns_out);
+}
+
+/* A whole load in one call: kvt_read_entries for each of `nfiles` files, spread over up to
+ * `threads` threads of its own (files are taken in order from a shared counter, so the first
+ * files, a prefix's start, are read first). File j's entries are entries first[j]..first[j+1] of
+ * the entry arrays (kvt_read_entries' arguments, with seg_start), its results code[j], err[j],
+ * ident[2j..2j+1]; spent[0..1] sums every file's reading and checking nanoseconds. */
+typedef struct {
+    int nfiles;
+    const char *const *paths;
+    const int64_t *first, *offsets, *sizes, *seg_start;
+    const int32_t *nseg;
+    void *const *ptrs;
+    const int64_t *lens;
+    uint8_t *heads;
+    const uint8_t *keys, *ns;
+    int check;
+    const xxh_fns *f;
+    int8_t *status;
+    int32_t *code, *err;
+    uint64_t *ident;
+    int64_t spent[2];
+    int next; /* the next file to take (atomic) */
+    pthread_mutex_t lock; /* for spent */
+} batch_t;
+
+static void *batch_worker(void *arg) {
+    batch_t *b = arg;
+    int64_t mine[2] = {0, 0};
+    for (;;) {
+        int j = __atomic_fetch_add(&b->next, 1, __ATOMIC_RELAXED);
+        if (j >= b->nfiles) break;
+        int64_t e = b->first[j], n = b->first[j + 1] - e, t[2];
+        int err = 0;
+        b->code[j] = read_file(b->paths[j], (int)n, b->offsets + e, b->sizes + e, b->seg_start + e, b->nseg + e,
+                               b->ptrs, b->lens, b->heads + e * HEADER_SIZE, b->keys + e * 16, b->ns, b->check, b->f,
+                               b->status + e, &err, b->ident + 2 * j, t);
+        b->err[j] = err;
+        mine[0] += t[0];
+        mine[1] += t[1];
+    }
+    pthread_mutex_lock(&b->lock);
+    b->spent[0] += mine[0];
+    b->spent[1] += mine[1];
+    pthread_mutex_unlock(&b->lock);
+    return NULL;
+}
+
+/* The calling thread is one of the workers: a thread that cannot be started leaves its share to
+ * the others, and every file is read. */
+void kvt_read_batch(int nfiles, const char *const *paths, const int64_t *first, const int64_t *offsets,
+                   const int64_t *sizes, const int64_t *seg_start, const int32_t *nseg, void *const *ptrs,
+                   const int64_t *lens, uint8_t *heads, const uint8_t *keys, const uint8_t *ns, int check,
+                   const xxh_fns *f, int threads, int8_t *status, int32_t *code, int32_t *err, uint64_t *ident,
+                   int64_t *spent) {
+    batch_t b = {nfiles, paths, first, offsets, sizes, seg_start, nseg, ptrs, lens, heads, keys, ns, check, f,
+                 status, code, err, ident, {0, 0}, 0, PTHREAD_MUTEX_INITIALIZER};
+    pthread_t tid[64];
+    if (threads > 64) threads = 64;
+    if (threads > nfiles) threads = nfiles;
+    int started = 0;
+    for (; started < threads - 1; started++) /* this thread is the last worker */
+        if (pthread_create(&tid[started], NULL, batch_worker, &b) != 0) break;
+    batch_worker(&b);
+    for (int t = 0; t < started; t++) pthread_join(tid[t], NULL);
+    spent[0] = b.spent[0];
+    spent[1] = b.spent[1];
 }

@@ -166,3 +166,12 @@ def deadline(seconds: float, what: str = "generate"):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def reads_through_get_into(backend) -> None:
+    """Routes a backend's whole-load reads (`get_into_batch`, G3's one native call per load into
+    G1) through its `get_into`, so a test that replaces `get_into` to inject a fault or a delay
+    sees every read."""
+    from kvstore.backend import ScatterReads
+
+    backend.get_into_batch = functools.partial(ScatterReads.get_into_batch, backend)

@@ -64,6 +64,37 @@ def test_an_entry_lands_where_the_copy_would_put_it(blocks) -> None:
     assert g1.value(header, blocks) == bytes(value.numpy())  # and back, for a tier below
 
 
+@pytest.mark.parametrize("placed", [[[0, 1, 2, 3], [8, 9, 10, 11], [4, 5, 6, 7]], [[5, 6, 9, 2], None, [0, 1, 3, 4]]],
+                         ids=["runs", "scattered-and-bounced"])
+def test_a_loads_batch_lands_each_entry_where_the_copy_would_put_it(placed) -> None:
+    """A load's entries as one ScatterBatch (the usual one-run-each case in a few array operations,
+    the rest through per-entry pieces): each value's bytes land in its blocks, or whole in its
+    bounce buffer, and nowhere else."""
+    lay = _layout()
+    kv = torch.zeros(lay.num_layers, 2, 12, lay.block_size, lay.kv_heads, lay.head_dim)
+    hidden = torch.zeros(12, lay.block_size, 2, lay.hidden_size)
+    g1 = G1Targets(lay, kv, hidden)
+    values = [torch.randint(0, 256, (lay.encoded_bytes,), dtype=torch.uint8) for _ in placed]
+    for v in values:
+        v[HEADER_BYTES:].view(torch.float32).copy_(torch.randn(lay.payload_bytes // 4))
+    headers = np.zeros((len(placed), HEADER_BYTES), dtype=np.uint8)
+    bounce = {j: torch.zeros(lay.encoded_bytes, dtype=torch.uint8) for j, b in enumerate(placed) if b is None}
+    batch = g1.batch(headers, np.array([b if b is not None else [0] * 4 for b in placed]), bounce)
+    assert len(batch) == len(placed)
+    for j, v in enumerate(values):
+        _fill(batch.scatter(j), bytes(v.numpy()))
+    for j, (blocks, v) in enumerate(zip(placed, values)):
+        if blocks is None:
+            assert torch.equal(bounce[j], v)
+            continue
+        idx = torch.tensor(blocks)
+        assert headers[j].tobytes() == bytes(v[:HEADER_BYTES].numpy())
+        assert torch.equal(kv.index_select(2, idx), payload(v, lay))
+        assert torch.equal(hidden.index_select(0, idx), hidden_payload(v, lay))
+    others = [b for b in range(12) if all(b not in p for p in placed if p is not None)]
+    assert not kv[:, :, others].any() and not hidden[others].any()
+
+
 def test_g1_is_a_read_target_only_as_it_is() -> None:
     lay = _layout(hidden_layer_ids=(), hidden_size=0)
     kv = torch.zeros(lay.num_layers, 2, 12, lay.block_size, lay.kv_heads, lay.head_dim)
@@ -109,18 +140,17 @@ def test_a_late_read_into_g1_ends_its_load_only_once_it_returns(model_dir, fille
     garbage lands before the blocks are recomputed, so the tokens are the oracle's."""
     llm = offload_llm(model_dir, kv_offload_disk=str(filled), **TIMEOUT)
     g3 = llm.engine.connector.tier("G3").backend
-    real, lock, writes, reported = g3.get_into, threading.Lock(), [], []
+    real, lock, writes, reported = g3.get_into_batch, threading.Lock(), [], []
     first = [True]
 
-    def late_get_into(keys, outs):
+    def late_get_into_batch(keys, batch, threads):
         with lock:
             hang, first[0] = first[0], False
         if not hang:
-            return real(keys, outs)
+            return real(keys, batch, threads)
         time.sleep(HANG_S)
-        for o in outs:
-            for a, n in zip(o.addresses.tolist(), o.lengths.tolist()):
-                ctypes.memset(a, 0x7F, n)
+        for a, n in zip(batch.addresses.tolist(), batch.lengths.tolist()):
+            ctypes.memset(a, 0x7F, n)
         writes.append(time.perf_counter())
         return [False] * len(keys)
 
@@ -132,7 +162,7 @@ def test_a_late_read_into_g1_ends_its_load_only_once_it_returns(model_dir, fille
             reported.append(time.perf_counter())
         real_put(item)
 
-    g3.get_into, tr.reports.put = late_get_into, signal
+    g3.get_into_batch, tr.reports.put = late_get_into_batch, signal
     caplog.set_level(logging.WARNING)
     try:
         outs = run(llm, PROMPTS[:1])

@@ -36,6 +36,7 @@ from offload_helpers import (
     hit_tokens,
     load_kinds,
     offload_llm,
+    reads_through_get_into,
     reference,
     run,
     tokens,
@@ -134,6 +135,7 @@ def test_raising_get_is_a_miss(model_dir, refs, tmp_path, caplog, exc, workload_
         raise exc
 
     g3.get_into, seen = first_reads_fail(g3.get_into, fault)
+    reads_through_get_into(g3)
     caplog.set_level(logging.WARNING)
     try:
         prompts = WARM if workload_kind == "warm" else PROMPTS
@@ -160,6 +162,7 @@ def test_unexpected_exception_from_get_is_a_miss(model_dir, refs, tmp_path, capl
         raise KeyError("injected: a plugin bug")
 
     llm.engine.connector.tier("G3").backend.get_into = buggy_get_into
+    reads_through_get_into(llm.engine.connector.tier("G3").backend)
     try:
         with deadline(DEADLINE_S):
             outs = run(llm, WARM)
@@ -186,6 +189,7 @@ def test_hanging_get_times_out_into_a_miss(model_dir, refs, tmp_path, caplog, wo
         return [False] * len(keys)
 
     g3.get_into, seen = first_reads_fail(g3.get_into, fault)
+    reads_through_get_into(g3)
     caplog.set_level(logging.WARNING)
     try:
         before = llm.get_stats().tiers
@@ -329,6 +333,7 @@ def test_fail_policy_fails_only_the_affected_request(model_dir, refs, tmp_path, 
         raise OSError(errno.EIO, "injected I/O error")
 
     g3.get_into = raising_get_into
+    reads_through_get_into(g3)
     try:
         # [G3 hit -> load fails, no offload hit at all, G1 hit only]
         with deadline(DEADLINE_S):

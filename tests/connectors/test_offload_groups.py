@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 from checkpoints import SLIDING_WINDOW, random_prompt
-from offload_helpers import OB, check_integrity, hit_tokens, load_kinds, offload_llm, reference, run, tokens, workload
+from offload_helpers import (OB, check_integrity, hit_tokens, load_kinds, offload_llm, reads_through_get_into, reference, run,
+                             tokens, workload)
 
 PROMPTS = workload()
 EXPECTED_HITS = [hit_tokens(len(p)) for p in PROMPTS]
@@ -135,6 +136,7 @@ def test_sliding_entries_missing_or_failing_shorten_or_drop_the_hit(ckpt_dir, tm
                 return real_get(keys, bufs)
 
             monkeypatch.setattr(tier.backend, "get_into", get_into)
+            reads_through_get_into(tier.backend)
         second = run(llm, PROMPTS)
         assert tokens(second) == ref
         want_last = 5 * OB if fault == "missing" else 0

@@ -25,6 +25,7 @@ from offload_helpers import (
     greedy,
     hit_tokens,
     offload_llm,
+    reads_through_get_into,
     reference,
     run,
 )
@@ -62,6 +63,7 @@ def test_slow_g3_load_does_not_stall_running_requests(model_dir, tmp_path):
             return real_get_into(keys, outs)
 
         g3.get_into = slow_get_into
+        reads_through_get_into(g3)
         loader = eng.make_request("loader", LONG, greedy())
         eng.add_request(loader)
         steps = []  # (loader status before, after, ids that got a token, step start, step end)
@@ -180,6 +182,7 @@ def test_idle_engine_sleeps_while_a_load_is_in_flight(model_dir, tmp_path):
             return real_get_into(keys, outs)
 
         g3.get_into = slow_get_into
+        reads_through_get_into(g3)
         loader = eng.make_request("loader", LONG, greedy())
         eng.add_request(loader)
         idle_steps, t0 = 0, time.perf_counter()
@@ -219,6 +222,7 @@ def test_a_preempted_request_ahead_of_a_landed_load_does_not_block_it(model_dir,
             return real_get_into(keys, outs)
 
         g3.get_into = gated_get_into
+        reads_through_get_into(g3)
         runner = eng.make_request("runner", runner_prompt, greedy(16))
         eng.add_request(runner)
         eng.step()  # its prompt: 3 blocks
