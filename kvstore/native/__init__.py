@@ -134,7 +134,7 @@ class NativeReader:
                     nseg.ctypes.data, ptrs.ctypes.data, lens.ctypes.data, heads.ctypes.data, keys, namespace,
                     int(check), ctypes.byref(self._fns), max(1, threads), status.ctypes.data, code.ctypes.data,
                     err.ctypes.data, ident.ctypes.data, spent.ctypes.data)
-        return BatchRead(code, err, ident, status, heads, spent[0] / 1e9, spent[1] / 1e9)
+        return BatchRead(code, err, ident, status, heads, int(spent[0]) / 1e9, int(spent[1]) / 1e9)  # plain floats: stats cross processes
 
     def local_filesystem(self, path: str) -> str | None:
         """The name of the local filesystem `path` is on (LOCAL_FILESYSTEMS); None for any other
