@@ -117,8 +117,10 @@ class Outputs(Message, tag="outputs"):
 
 
 class StatsReply(Message, tag="stats"):
+    """A StatsQuery's answer: the snapshot, or (`stats` empty) why the core could not send one."""
     nonce: int
     stats: dict[str, Any]  # server.core.stats_snapshot: EngineStats' fields and two gauges
+    error: str | None = None
 
 
 class LoRAReply(Message, tag="lora_reply"):

@@ -33,6 +33,10 @@ class EngineDeadError(RuntimeError):
     """The engine-core process is gone; requests fail fast instead of hanging."""
 
 
+class StatsError(RuntimeError):
+    """The engine core is up but could not send its stats (a value its message cannot carry)."""
+
+
 class StartupError(RuntimeError):
     """The engine core rejected its configuration or died while loading."""
 
@@ -223,7 +227,12 @@ class EngineClient:
             elif isinstance(msg, (ch.StatsReply, ch.LoRAReply)):
                 fut = self._replies.get(msg.nonce)
                 if fut is not None and not fut.done():
-                    fut.set_result(msg.stats if isinstance(msg, ch.StatsReply) else msg)
+                    if isinstance(msg, ch.LoRAReply):
+                        fut.set_result(msg)
+                    elif msg.error is not None:
+                        fut.set_exception(StatsError(msg.error))
+                    else:
+                        fut.set_result(msg.stats)
             elif isinstance(msg, ch.AddError):
                 q = self._queues.pop(msg.request_id, None)
                 if q is not None:

@@ -85,13 +85,23 @@ class CoreLoop:
                 if self.prep.abort(rid) or self.engine.abort_request(rid):
                     log.info("request %s aborted", rid)
         elif isinstance(msg, ch.StatsQuery):
-            self.push.send(ch.encode(ch.StatsReply(msg.nonce, stats_snapshot(self.llm))))
+            self.push.send(self._stats_reply(msg.nonce))
         elif isinstance(msg, ch.LoRAUpdate):
             self.push.send(ch.encode(self._lora_update(msg)))
         elif isinstance(msg, ch.Shutdown):
             self.draining_until = time.monotonic() + float(msg.grace_s)
             log.info("shutdown: draining %d request(s) for up to %.1fs", len(self.sent), float(msg.grace_s))
         return True
+
+    def _stats_reply(self, nonce: int) -> bytes:
+        """The encoded snapshot, or an error reply naming why there is none. Stats come from
+        connector and tier plugins too; one that raises or reports a value the channel cannot carry
+        (a numpy float) fails this query with a log line, not the core and every request in it."""
+        try:
+            return ch.encode(ch.StatsReply(nonce, stats_snapshot(self.llm)))
+        except Exception as e:  # noqa: BLE001 -- plugin code: any failure here is this query's alone
+            log.exception("stats snapshot not sent")
+            return ch.encode(ch.StatsReply(nonce, {}, error=f"{type(e).__name__}: {e}"))
 
     def _add(self, a: ch.AddRequest, params: SamplingParams, prepared: Prepared | None) -> None:
         req = self.engine.make_request(a.request_id, a.prompt_token_ids, params, priority=a.priority,

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from connectors.base import tier_entries
 from server.api import API, VERSION, APIError, Choice, _check_error, error_response, sse
 from server.api_output import heavy_output, json_response
-from server.client import CoreState, EngineDeadError
+from server.client import CoreState, EngineDeadError, StatsError
 from server.lora_routes import add_lora_routes
 from server.protocol import (
     BatchChatCompletionRequest,
@@ -139,6 +139,8 @@ def build_app(api: API) -> FastAPI:
             return await api.client.stats()
         except (EngineDeadError, TimeoutError) as e:
             raise APIError(503, f"engine stats unavailable: {e}", "ServiceUnavailableError") from None
+        except StatsError as e:
+            raise APIError(500, f"engine stats could not be sent: {e}", "InternalServerError") from None
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -146,7 +148,7 @@ def build_app(api: API) -> FastAPI:
         if api.client.state is CoreState.READY:
             try:
                 snap = await api.client.stats()
-            except (EngineDeadError, TimeoutError):
+            except (EngineDeadError, StatsError, TimeoutError):
                 snap = None  # latencies still render; engine gauges are absent while it is down
         return Response(api.metrics.render(snap), media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -25,3 +25,16 @@ class FaultyConnector(KVConnector):
 
     def get_finished(self):
         return FinishedTransfers()
+
+
+class OddStatsConnector(FaultyConnector):
+    """Works, but reports a stat the core's channel cannot carry (a numpy float32), as G3's batch
+    reader once did: the stats query must fail alone, not the core."""
+
+    def build_connector_meta(self, scheduled):
+        return ConnectorMeta()
+
+    def stats(self):
+        import numpy as np
+
+        return {"odd": {"read_s": np.float32(0.25)}}

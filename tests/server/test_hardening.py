@@ -82,6 +82,26 @@ def test_core_failure_is_a_death_not_a_clean_stop(long_ckpt):
         srv.stop(timeout=30)
 
 
+def test_a_stat_the_channel_cannot_carry_fails_that_query_alone(ckpt_dir):
+    """A tier that reported a numpy float took the core down with the stats query (G3's batch
+    reader did, in CI): now the query is a 500 naming the type, and the engine serves on."""
+    tc = {"kv_connector": "OddStatsConnector", "kv_connector_module_path": "faulty_connector"}
+    srv = start_server(str(ckpt_dir("llama")), "--num-gpu-blocks", "64", "--kv-transfer-config", json.dumps(tc),
+                       env={"PYTHONPATH": f"{REPO}{os.pathsep}{HERE}"})
+    try:
+        with srv.client(timeout=30) as c:
+            for _ in range(2):
+                err = assert_openai_error(c.get("/v1/kv/stats"), 500)
+                assert "float32" in err["message"], err
+                assert c.get("/metrics").status_code == 200
+            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+            assert r.status_code == 200, r.text
+            assert c.get("/health").status_code == 200
+        assert "stats snapshot not sent" in srv.log()
+    finally:
+        srv.stop(timeout=30)
+
+
 def test_hung_core_is_detected_by_the_heartbeat(long_ckpt):
     srv = start_server(str(long_ckpt), *LONG_ARGS, "--engine-heartbeat-timeout", "1.5")
     try:
