@@ -96,6 +96,10 @@ class OffloadPlanner:
         self._loads_left: dict[str, int] = {}  # req id -> its group loads not finished yet
         self._load_dst0: dict[str, tuple[BlockId, ...]] = {}  # req id -> group 0's destination blocks
         self._load_bad: dict[str, int] = {}  # req id -> first failed position in group 0's destination
+        # req id -> keys of the chunk holding a hit's last token, loaded whole: the step that
+        # recomputes that token completes the chunk, and storing it again would rewrite what the
+        # tier already holds (G3 rewrote a repeated prompt's last entry on every repeat)
+        self._loaded_tail: dict[str, set[BlockKey]] = {}
         # Keys G2 here holds that another tensor-parallel rank lacks (connectors/sharded.py): stored
         # again, on every rank, the next time a request computes them (ordered: oldest first)
         self._restore: dict[BlockKey, None] = {}
@@ -217,6 +221,8 @@ class OffloadPlanner:
             jobs.append(LoadJob(request.request_id, tuple(run), first_g1, dst, end,
                                 {c.key: slots[c.key] for c in run if c.key in slots}, use, g,
                                 skipped_tokens=first_g1 * bs - num_computed))
+        if end % t:
+            self._loaded_tail[request.request_id] = {c.key for run in runs.values() for c in run if c.index == end // t}
         self._loads_left[request.request_id] = len(jobs)
         self._load_dst0[request.request_id] = jobs[0].dst
         self._new_loads += jobs
@@ -228,6 +234,7 @@ class OffloadPlanner:
         sliding groups (their window was loaded for the hit's end, not for a shorter hit)."""
         req_id = done.req_id
         if done.failed_blocks:
+            self._loaded_tail.pop(req_id, None)  # a damaged tail was dropped by its tier: store it anew
             pos = 0 if any(self.windows) else done.num_filled
             self._load_bad[req_id] = min(self._load_bad.get(req_id, pos), pos)
         self._loads_left[req_id] -= 1
@@ -274,7 +281,8 @@ class OffloadPlanner:
     def _store(self, meta: ConnectorMeta, req: RequestView, key: BlockKey, dig: bytes, src: tuple[BlockId, ...],
                info: BlockInfo, announce: bool) -> None:
         again = self._restore.pop(key, False) is None
-        if key in self._inflight or (self.g2 is not None and self.g2.contains(key) and not again):
+        held = (self.g2 is not None and self.g2.contains(key)) or key in self._loaded_tail.get(req.request_id, ())
+        if key in self._inflight or (held and not again):
             return
         if self.write_back is not None:
             # WriteBackTracker builds its StoreJob without `blocks`: write-back stores go unannounced.
@@ -293,6 +301,7 @@ class OffloadPlanner:
 
     def finished(self, req_id: str) -> None:
         self._stored_upto.pop(req_id, None)
+        self._loaded_tail.pop(req_id, None)
         self._plans.pop(req_id, None)
         self._split.pop(req_id, None)
         self._counted.discard(req_id)
