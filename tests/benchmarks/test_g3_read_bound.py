@@ -1,5 +1,5 @@
 """benchmarks/g3_read_bound.py, at a tiny size: it builds its C harness, every mode reads every byte
-it wrote, and the checking mode's hashes are those of the files' entries (a short read or other
+it wrote, and the checking modes' hashes are those of the files' entries (a short read or other
 bytes make the script exit non-zero)."""
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ def test_every_mode_reads_the_whole_round_at_each_thread_count(tmp_path, capsys)
     assert (work["entry_bytes"], work["entries_per_file"], work["files"]) == (16 * 256 * 4, 3, 3)
     assert work["bytes_per_round"] == work["files"] * work["entries_per_file"] * work["entry_bytes"]
     got = {(r["mode"], r["threads"]) for r in doc["results"]}
-    assert got == {(m, t) for m in ("raw read", "into G1", "into G1 + check") for t in (1, 3)}
+    assert got == {(m, t) for m in ("raw read", "into G1", "into G1 + check", "via cache", "via cache + check")
+                   for t in (1, 3)}
     assert all(len(r["seconds"]) == 2 and r["GBps"] > 0 for r in doc["results"])
     assert "into G1 + check" in capsys.readouterr().out
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # its data files are gone
