@@ -52,16 +52,17 @@ from typing import Any
 from kvstore.backend import (IO_BYTES, BackendError, BackendStats, Buffer, Scatter, ScatterBatch, ScatterReads,
                              StorageBackend, check_blocks, check_infos, check_keys, check_scatter_outs)
 from kvstore.disk_files import (Checked, Target, file_ident, read_batch_native, read_file_native, read_file_python,
-                                scan_directory, write_temp)
+                                scan_directory)
 from kvstore.disk_index import DiskIndex, FileName, Ident, Loc
-from kvstore.disk_layout import (entry_key, entry_path, fsync_dir, list_files, reason,
-                                 remove_entry_path, unlink_quietly)
+from kvstore.disk_layout import (entry_key, fsync_dir, reason,
+                                 unlink_quietly)
 # MAGIC, HEADER_SIZE and encode_header are also imported from here (the format's old home).
 from kvstore.entry import HEADER_SIZE, MAGIC, CorruptEntry, EntryCodec, EntryHeader, check_secret, encode_header  # noqa: F401
 from kvstore.disk_config import DiskConfig  # noqa: F401 - re-exported: kvstore.disk.DiskConfig
 from kvstore import native
 from kvstore.keys import BlockKey
 from kvstore.namespace_info import write_disk_record
+from kvstore.disk_dir import NamespaceDir
 from kvstore.write_gate import WriteGate
 from policies import BlockInfo, PolicySpecLike, check_candidates, make_policy
 
@@ -86,15 +87,16 @@ class DiskBackend(StorageBackend, ScatterReads):
         self._reader = native.reader() if native_io else None
         self.directory = self.config.root / namespace.hex()
         self.stats = BackendStats()
-        self._dir = str(self.directory)
+        self._files = NamespaceDir(self.config.root, namespace)
+        self._dir = self._files.path
         self._gate = WriteGate(self._dir, retry_after_s)  # the write back-off
         self._policy = make_policy(policy, None if entry_bytes is None else capacity_bytes // (HEADER_SIZE + entry_bytes))
         self._index = DiskIndex()
         self._reserved = 0  # bytes claimed by writes in flight
         self._lock = threading.Lock()  # index, policy, counters, and publishing/unlinking files
         self._closed = False
-        self._shards: set[str] = set()  # shard directories known to exist
-        self._open_directory()
+        if (err := self._files.create()) is not None:
+            self._write_failed(err, "opening the directory")
         fs = self._reader.local_filesystem(self._dir) if self._reader is not None else None
         self._scatter = fs is not None
         logger.info("G3 at %s: %s", self._dir, f"reads land in G1 ({fs})" if fs else
@@ -168,7 +170,7 @@ class DiskBackend(StorageBackend, ScatterReads):
         """Raise RuntimeError unless index, byte counts, policy and files on disk agree."""
         with self._lock:
             on_disk = {}
-            for shard, name in self._listing():
+            for shard, name in self._files.listing():
                 if (key := entry_key(name)) is not None:
                     on_disk[key] = os.path.getsize(os.path.join(shard, name))
             self._index.check_integrity(on_disk)
@@ -178,21 +180,8 @@ class DiskBackend(StorageBackend, ScatterReads):
 
     # ---- start-up --------------------------------------------------------------------
 
-    def _open_directory(self) -> None:
-        try:
-            self.config.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            try:
-                os.mkdir(self._dir, 0o700)
-            except FileExistsError:
-                pass
-        except OSError as e:
-            self._write_failed(e, f"cannot create {self._dir}")
-            return
-        if not os.access(self._dir, os.W_OK):
-            self._write_failed(PermissionError(f"{self._dir} is not writable"), "read-only directory")
-
     def _scan(self) -> None:
-        found, bad = scan_directory(self._listing(regular_only=False), self._codec, self.config.namespace)
+        found, bad = scan_directory(self._files.listing(regular_only=False), self._codec, self.config.namespace)
         self.stats.corrupt += bad
         for f in sorted(found, key=lambda f: f.mtime):  # oldest write first, so LRU order survives a restart
             self._add_file(f.name, f.size, f.entries, None, f.ident)
@@ -203,12 +192,6 @@ class DiskBackend(StorageBackend, ScatterReads):
             self._dir, len(self._index), len(self._index.files()), self._index.used, self.stats.corrupt,
             "; entries MAC'd with the KV secret" if self._codec.keyed else "",
         )
-
-    def _listing(self, regular_only: bool = True) -> list[tuple[str, str]]:
-        """(shard directory, file name) of every file under the namespace directory."""
-        out = list_files(self._dir, lambda path, e: logger.warning("G3 cannot list %s: %s", path, e), regular_only)
-        self._shards.update(shard for shard, _ in out)
-        return out
 
     # ---- reads -----------------------------------------------------------------------
 
@@ -237,7 +220,7 @@ class DiskBackend(StorageBackend, ScatterReads):
             return super().get_into_batch(keys, batch, threads)
         by_file, idents = self._locate(keys, (batch.value_bytes + HEADER_SIZE).tolist())
         names = list(by_file)  # in the keys' order: a prefix's first files are read first
-        paths = [self._path(name) for name in names]
+        paths = [self._files.entry(name) for name in names]
         wanted = list(by_file.values())
         results, read_s, check_s = read_batch_native(self._reader, paths, wanted, batch, keys, self._codec,
                                                      self.config.namespace, threads)
@@ -285,7 +268,7 @@ class DiskBackend(StorageBackend, ScatterReads):
         """Reads `wanted` (by offset) of one file, each run of adjacent entries in one preadv;
         returns the indices that were read and verified. `expected`: the file's identity when
         the reads were planned; another file there now (replaced since) is a miss, not damage."""
-        path = self._path(name)
+        path = self._files.entry(name)
         try:
             if self._reader is not None:
                 ident, checked, read_s, check_s = read_file_native(self._reader, path, wanted, targets, keys,
@@ -364,7 +347,7 @@ class DiskBackend(StorageBackend, ScatterReads):
             if self._index.has_file(name):
                 for key in self._index.drop_file(name):
                     self._policy.remove(key)
-                self._unlink(name)
+                self._files.unlink(name)
         logger.warning("G3 unreadable file %s (its entries are misses, removed): %s", path, reason)
 
     def _corrupt(self, key: BlockKey, loc: Loc, path: str, ident: tuple[int, int] | None, reason: str) -> None:
@@ -415,19 +398,19 @@ class DiskBackend(StorageBackend, ScatterReads):
                 return
         name = keys[group[0]]
         try:
-            tmp = write_temp(self._dir, name, [b for h, i in zip(headers, group) for b in (memoryview(h), views[i])],
-                             self.config.fsync, self._shards)
+            tmp = self._files.write(name, [b for h, i in zip(headers, group) for b in (memoryview(h), views[i])],
+                                    self.config.fsync)
         except OSError as e:
             with self._lock:
                 self._reserved -= size
                 self._write_failed(e, "write")
             return
-        path = self._path(name)
+        path = self._files.entry(name)
         with self._lock:
             self._reserved -= size
             try:
                 # Published under the lock so that the index and the files always agree.
-                self._publish(tmp, path)
+                self.stats.corrupt += self._files.publish(tmp, path)  # a stranger at the path, removed
             except OSError as e:
                 self._write_failed(e, "publish")
                 unlink_quietly(tmp)
@@ -450,26 +433,13 @@ class DiskBackend(StorageBackend, ScatterReads):
         for key in gone:
             self._policy.remove(key)
         for f in emptied:
-            self._unlink(f)
+            self._files.unlink(f)
         for j, (key, _, _) in enumerate(entries):
             info = None if infos is None else infos[j]
             if key in self._policy:
                 self._policy.touch(key) if info is None else self._policy.touch_block(key, info)
             else:
                 self._policy.insert(key) if info is None else self._policy.insert_block(key, info)
-
-    def _publish(self, tmp: str, path: str) -> None:
-        try:
-            os.replace(tmp, path)
-        except OSError as e:
-            # A directory planted at the entry's path (rename cannot replace it): remove it and
-            # publish, rather than count it as a failing disk and stop every write.
-            if not os.path.isdir(path) or os.path.islink(path):
-                raise
-            self.stats.corrupt += 1
-            logger.warning("G3 removing a directory at entry path %s (%s)", path, e.strerror or e)
-            remove_entry_path(path)
-            os.replace(tmp, path)
 
     def _write_failed(self, err: OSError, what: str) -> None:
         self.stats.write_errors += 1
@@ -494,7 +464,7 @@ class DiskBackend(StorageBackend, ScatterReads):
         for key in keys:
             if key != victims[0]:
                 self._policy.remove(key)
-        self._unlink(name)
+        self._files.unlink(name)
         self.stats.evictions += len(keys)
         return True
 
@@ -502,16 +472,7 @@ class DiskBackend(StorageBackend, ScatterReads):
         if key in self._policy:
             self._policy.remove(key)
         if (emptied := self._index.drop_key(key)) is not None:
-            self._unlink(emptied)
-
-    def _unlink(self, name: FileName) -> None:
-        try:
-            remove_entry_path(self._path(name))
-        except OSError as e:  # e.g. a read-only file system: the file outlives its entries
-            logger.debug("G3 cannot remove %s: %s", self._path(name), e)
-
-    def _path(self, name: FileName) -> str:
-        return entry_path(self._dir, name)
+            self._files.unlink(emptied)
 
     def _check_open(self) -> None:
         if self._closed:
