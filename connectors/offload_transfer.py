@@ -29,17 +29,15 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import numpy as np
 import torch
 
-from connectors.codec import (HEADER_BYTES, BlockLayout, check_header, encode_blocks, header_bytes, hidden_payload,
-                              payload, write_header)
-from connectors.copy_stream import CopyStream
+from connectors.codec import (HEADER_BYTES, BlockLayout, check_header, header_bytes)
+from connectors.g1_copies import G1Copies
 from connectors.read_targets import G1Targets, ReadTargets
 from connectors.offload_plans import Chunk, LoadDone, LoadJob, Reports, StoreDone, StoreJob
 from connectors.storage_tier import StorageTier, TierMode
 from kvstore.events import ChunkBlocks
-from kvstore.g1 import BlockId
 from kvstore.host import HostTier
 from kvstore.keys import BlockKey
-from kvstore.threads import CopyPool, DaemonPool, after_all, one_torch_thread
+from kvstore.threads import DaemonPool, after_all, one_torch_thread
 from policies import BlockInfo
 
 log = logging.getLogger(__name__)
@@ -57,17 +55,12 @@ class TransferEngine:
         self.layout, self.g2, self.tiers = layout, g2, tiers
         self.g1_per_chunk = layout.g1_blocks
         self.layout_id = layout.layout_id()
-        self.kv_cache: torch.Tensor | None = None
-        self.stage_on_device = False  # True once a CUDA cache is registered: loads stage bytes on it
-        self._copies = CopyStream(torch.device("cpu"))  # re-made for the cache's device on register
-        self.hidden_cache: torch.Tensor | None = None  # exported hidden states, when the layout has them
+        self.g1 = G1Copies(layout, self.g1_per_chunk)  # G1 itself, and the copies into and out of it
         self._xfer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-xfer",  # FIFO: loads and G2 stores
                                         initializer=one_torch_thread)
         read_threads = max((t.read_threads for t in tiers), default=1)
         # Daemon workers: a read stuck in the kernel never holds shutdown (see DaemonPool).
         self._reads = DaemonPool(read_threads, "kvtier-read", initializer=one_torch_thread)
-        # G1 loads copy with as many threads as the forward uses (this, the constructing thread's, count).
-        self._copy_pool = CopyPool(torch.get_num_threads())
         # Read targets when there is no G2: a parallel tier has 2 * read_threads calls in flight,
         # a batched one two batches.
         bounce = max([1, *(2 * t.read_threads * t.io_chunks(layout.encoded_bytes) for t in tiers if t.remote is None),
@@ -87,10 +80,12 @@ class TransferEngine:
         self.relocate: Callable[[LoadJob], LoadJob] | None = None
 
     # ---- the connector's side --------------------------------------------------------
+    @property
+    def kv_cache(self) -> torch.Tensor | None:
+        return self.g1.kv_cache
+
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        self.kv_cache = kv_cache
-        self._copies = CopyStream(kv_cache.device)
-        self.stage_on_device = kv_cache.device.type != "cpu"  # see _staged; tests set it on CPU
+        self.g1.register(kv_cache)
 
     def start_load(self, job: LoadJob) -> None:
         self._xfer.submit(self.run_load, job)
@@ -107,7 +102,7 @@ class TransferEngine:
         first_tier: str | None = None  # the storage tier of the first block placed
         start = time.perf_counter()
         try:
-            with self._copies.scope():  # on CUDA: its own stream, synced before LoadDone
+            with self.g1.stream.scope():  # on CUDA: its own stream, synced before LoadDone
                 # Lookup puts every G2 chunk first, then each tier's in the tiers' order.
                 g2_chunks = [c for c in job.chunks if c.tier == HOST]
                 run: list[tuple[Chunk, int]] = []  # checked G2 chunks, with their slots
@@ -175,7 +170,7 @@ class TransferEngine:
         def follows(d0: int, m: int) -> bool:  # the m-th chunk's G1 blocks continue from dst[d0]
             return all(job.dst[d0 + m * k + t] == job.dst[d0] + m * k + t for t in range(k))
 
-        cap = max(1, STAGING_BYTES // self.layout.encoded_bytes) if self.stage_on_device else len(run)
+        cap = max(1, STAGING_BYTES // self.layout.encoded_bytes) if self.g1.stage_on_device else len(run)
         while i < len(run):
             c0, s0 = run[i]
             d0 = c0.index * k - job.first_g1  # < 0: the chunk is partly in G1 already
@@ -185,20 +180,9 @@ class TransferEngine:
                        and self.g2.same_span(s0, run[j][1])):  # type: ignore[union-attr]
                     j += 1
             if j - i == 1:
-                n = self._scatter(self.g2.slot_view(s0), c0.index, job)  # type: ignore[union-attr]
+                n = self.g1.scatter(self.g2.slot_view(s0), c0.index, job)  # type: ignore[union-attr]
             else:
-                assert self.g2 is not None and self.kv_cache is not None
-                m = j - i
-                lay, rows, first = self.layout, self._staged(self.g2.slab[s0:s0 + m]), job.dst[d0]
-                src = rows[:, HEADER_BYTES:HEADER_BYTES + lay.kv_bytes].view(lay.dtype)
-                src = src.view(m, *lay.shape).permute(1, 2, 0, 3, 4, 5, 6)  # [L, 2, m, k, ...]
-                dst = self.kv_cache[:, :, first:first + m * k]
-                self._place(dst.view(*dst.shape[:2], m, k, *dst.shape[3:]), src)
-                if self.hidden_cache is not None:
-                    hid = rows[:, HEADER_BYTES + lay.kv_bytes:HEADER_BYTES + lay.payload_bytes].view(lay.hidden_element)
-                    self.hidden_cache[first:first + m * k].view(m, *lay.hidden_shape).copy_(
-                        hid.view(m, *lay.hidden_shape))
-                n = m * k
+                n = self.g1.scatter_slab(self.g2.slab[s0:j - i + s0], job.dst[d0])  # type: ignore[union-attr]
             done += n
             self.tier_hits[HOST] += n * self.layout.block_size * (job.group == 0)  # hits count tokens, once
             self.g2_copies += 1
@@ -214,7 +198,7 @@ class TransferEngine:
         the G1 blocks filled and whether every chunk landed; stops at the first chunk that is
         missing, bad or late."""
         tier = self.tiers[i]
-        if tier.scatter_reads and self.g2 is None and (g1 := self._targets.g1(self.kv_cache, self.hidden_cache)):
+        if tier.scatter_reads and self.g2 is None and (g1 := self._targets.g1(self.g1.kv_cache, self.g1.hidden_cache)):
             return self._load_into_g1(i, chunks, job, g1)
         per = tier.io_chunks(self.layout.encoded_bytes)
         window_size = 2 * tier.read_threads
@@ -363,7 +347,7 @@ class TransferEngine:
         tiers below that it was reused (the caller tells tier i: `_touch`). Returns the G1 blocks
         filled."""
         t0 = time.perf_counter()
-        n = self._scatter(buf, c.index, job)
+        n = self.g1.scatter(buf, c.index, job)
         self.copy_seconds += time.perf_counter() - t0
         self.tier_hits[self.tiers[i].name] += n * self.layout.block_size * (job.group == 0)
         self._note_use(self.tiers[i + 1:], c.key, lambda: bytes(buf.numpy()), c.blocks)
@@ -407,57 +391,6 @@ class TransferEngine:
     def _bounce_buffer(self, i: int) -> torch.Tensor:
         return self._targets.bounce(i, pinned=self.kv_cache is not None and self.kv_cache.is_cuda)
 
-    def _staged(self, rows: torch.Tensor) -> torch.Tensor:
-        """Contiguous host bytes on the cache's device (as they are on CPU), in one DMA, so that the
-        strided views the scatter copies from are read device-side. A cross-device `copy_` from a
-        strided host view first makes it contiguous in a pageable host temporary on this thread:
-        G2 loads ran at 1.2 GB/s that way on an H200 whose raw pinned copy moves 55 GB/s. Blocking:
-        a G2 slot promoted from a lower tier is published before it lands, and a later read in
-        the same load may take it over."""
-        assert self.kv_cache is not None
-        if not self.stage_on_device:
-            return rows
-        return rows.to(self.kv_cache.device, copy=True)
-
-    def _scatter(self, buf: torch.Tensor, chunk_index: int, job: LoadJob) -> int:
-        """Copies the chunk's blocks that G1 lacks into their G1 blocks; returns how many."""
-        k = self.g1_per_chunk
-        buf = self._staged(buf)
-        data = payload(buf, self.layout)
-        lo = max(job.first_g1 - chunk_index * k, 0)  # blocks of this chunk already in G1 are skipped
-        dst_start = chunk_index * k + lo - job.first_g1
-        n = k - lo
-        dst = job.dst[dst_start:dst_start + n]
-        assert self.kv_cache is not None
-        hid = hidden_payload(buf, self.layout)[lo:] if self.hidden_cache is not None else None
-        if all(d == dst[0] + i for i, d in enumerate(dst)):  # the usual case: a strided copy,
-            self._place(self.kv_cache[:, :, dst[0]:dst[0] + n], data[:, :, lo:])  # faster than index_copy_
-            if hid is not None:
-                self.hidden_cache[dst[0]:dst[0] + n].copy_(hid)  # type: ignore[index]
-        else:
-            idx = torch.tensor(dst, dtype=torch.long, device=self.kv_cache.device)
-            cache, src = self.kv_cache, data[:, :, lo:]
-            if self.layout.converts:
-                src = self.layout.decode(src)
-            elif cache.is_floating_point() and cache.element_size() == 1:  # fp8: no fp8 index_copy_ on CPU
-                cache, src = cache.view(torch.uint8), src.view(torch.uint8)
-            cache.index_copy_(2, idx, src)
-            if hid is not None:
-                self.hidden_cache.index_copy_(0, idx, hid)  # type: ignore[union-attr]
-        return n
-
-    def _place(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """An entry's KV into G1 blocks (`dst` a view of them): a parallel copy, widened and
-        multiplied by the scales when entries hold a narrower dtype (--kv-offload-dtype)."""
-        self._copy_pool.copy(dst, src)
-        if self.layout.kv_scales:
-            dst.mul_(self.layout.decode_factors(dst))
-
-    def _gather(self, src: list[BlockId], buf: torch.Tensor, job: StoreJob) -> None:
-        assert self.kv_cache is not None
-        write_header(buf, self.layout_id, job.digest, self.layout.payload_bytes)
-        encode_blocks(buf, self.layout, self.kv_cache, self.hidden_cache, src)
-
     def _run_store(self, job: StoreJob) -> None:
         try:
             self.store(job, wait_for_write_slot=True)
@@ -476,8 +409,8 @@ class TransferEngine:
             if slot is None:
                 return False
             buf = self.g2.slot_view(slot)
-            with self._copies.scope():  # on CUDA: after the forward that wrote src, synced here
-                self._gather(job.src, buf, job)
+            with self.g1.stream.scope():  # on CUDA: after the forward that wrote src, synced here
+                self.g1.gather(job.src, buf, job)
             self.g2.complete_store(job.key, True, job.info, job.blocks)
             for tier in self.tiers:
                 if tier.writer is not None and tier.admit(job.key):
@@ -485,8 +418,8 @@ class TransferEngine:
             self._note_use(self.tiers, job.key, lambda: bytes(buf.numpy()), job.blocks)
             return True
         buf = torch.empty(self.layout.encoded_bytes, dtype=torch.uint8)
-        with self._copies.scope():
-            self._gather(job.src, buf, job)
+        with self.g1.stream.scope():
+            self.g1.gather(job.src, buf, job)
         self._note_use(self.tiers, job.key, lambda: bytes(buf.numpy()), job.blocks)
         taken = any(t.remote is not None for t in self.tiers)
         for tier in self.tiers:
@@ -507,6 +440,6 @@ class TransferEngine:
         if not self._reads.shutdown(READS_SHUTDOWN_S):
             log.warning("offload read threads still busy after %.0fs at shutdown (a read stuck in the kernel); "
                         "not waiting for them", READS_SHUTDOWN_S)
-        self._copy_pool.close()
+        self.g1.close()
         for tier in self.tiers:
             tier.close()

@@ -177,7 +177,7 @@ class TieredOffloadConnector(KVConnector):
     def register_hidden_cache(self, hidden_cache) -> None:
         if not self.layout.hidden_layer_ids:
             raise ValueError("this offload layout carries no hidden states")
-        self.transfer.hidden_cache = hidden_cache
+        self.transfer.g1.hidden_cache = hidden_cache
 
     def start_load_kv(self, meta: ConnectorMeta) -> None:
         for job in meta.loads:

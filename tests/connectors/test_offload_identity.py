@@ -279,7 +279,7 @@ def test_loads_staged_on_the_device_as_on_a_gpu(model_dir, ref, tmp_path, monkey
     llm = offload_llm(model_dir, **kw)
     try:
         engine = llm.engine.connector.transfer
-        engine.stage_on_device = True
+        engine.g1.stage_on_device = True
         second = _two_pass(llm, ref)
         assert tokens(second) == ref
         assert [sum(k.values()) for k in load_kinds(second)] == EXPECTED_HITS
@@ -301,16 +301,16 @@ def test_g2_loads_split_at_registration_spans(model_dir, ref, monkeypatch):
     llm = offload_llm(model_dir, kv_offloading_size=g2_gib(model_dir, 128))
     try:
         engine, g2 = llm.engine.connector.transfer, llm.engine.connector.transfer.g2
-        engine.stage_on_device = True
+        engine.g1.stage_on_device = True
         copies: list[tuple[int, int]] = []  # (first slot, slots) of each multi-slot copy
-        staged = engine._staged
+        staged = engine.g1.staged
 
         def spy(rows: torch.Tensor) -> torch.Tensor:
             if rows.dim() == 2:
                 copies.append(((rows.data_ptr() - g2.slab.data_ptr()) // g2.slot_bytes, rows.shape[0]))
             return staged(rows)
 
-        monkeypatch.setattr(engine, "_staged", spy)
+        monkeypatch.setattr(engine.g1, "staged", spy)
         assert tokens(_two_pass(llm, ref)) == ref
         assert copies and max(n for _, n in copies) > 1
         assert all(g2.same_span(first, first + n - 1) for first, n in copies)
