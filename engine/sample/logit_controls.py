@@ -55,6 +55,7 @@ class BadWords:
 
 
 NO_BAD_WORDS = BadWords()
+NOTHING_LEFT = "no token is left to generate: allowed_token_ids, bad_words and logit_bias exclude them all"
 
 
 def has_controls(params: SamplingParams) -> bool:
@@ -111,5 +112,5 @@ def apply_controls(row: torch.Tensor, params: SamplingParams, bad_words: BadWord
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
         row.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=row.dtype))
     if not bool(torch.isfinite(row).any()):
-        raise ValueError("no token is left to generate: allowed_token_ids, bad_words and logit_bias exclude them all")
+        raise ValueError(NOTHING_LEFT)
     return row

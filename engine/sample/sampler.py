@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sample.batched import sample_rows
+from engine.sample.batched import Drawn, draw
 from engine.sample.logit_controls import apply_controls, has_controls
 from engine.core.request import Request
 from engine.sample.structured import MaskPrefetch
@@ -89,31 +89,42 @@ class Sampler:
 
     @staticmethod
     def batchable(req: Request) -> bool:
-        """Whether a row can be processed in the device batch: no grammar, logit controls or
-        thinking budget, and greedy or unseeded (a seeded row keeps its host generator)."""
+        """Whether a row can be processed in the device batch: no grammar or thinking budget, and
+        greedy or unseeded (a seeded row keeps its host generator)."""
         p = req.params
-        return (req.thinking is None and req.grammar is None and not has_controls(p)
-                and (p.greedy or req.generator is None))
+        return req.thinking is None and req.grammar is None and (p.greedy or req.generator is None)
 
-    def _batched(self, logits: torch.Tensor, reqs: list[Request], greedy: list[int]) -> dict[int, int]:
-        """Tokens of the batchable rows not picked by `_plain_greedy` (`greedy[i] >= 0`), processed
-        together on the logits' device (row -> token); {} where that path is off or fails (the
-        rows are then sampled one by one, and a row whose settings fail is reported there)."""
-        if not (logits.is_cuda if self.batch_on_device is None else self.batch_on_device):
-            return {}
-        rows = [i for i, r in enumerate(reqs) if greedy[i] < 0 and self.batchable(r)]
-        if not rows:
-            return {}
+    def draws_on_device(self, logits: torch.Tensor) -> bool:
+        """Whether batchable rows of `logits` are drawn together where they are."""
+        return logits.is_cuda if self.batch_on_device is None else self.batch_on_device
+
+    def draw(self, logits: torch.Tensor, reqs: list[Request]) -> Drawn | None:
+        """Tokens of `reqs` (all `batchable`), one row of `logits` each, drawn together on the
+        logits' device (engine/sample/batched.py) without waiting for it; None where that failed
+        (logged: the rows are then sampled one by one, and a row whose settings fail is reported there)."""
         gen = self._device_generators.get(logits.device)
         if gen is None:
             gen = self._device_generators[logits.device] = torch.Generator(logits.device).manual_seed(self.seed)
         try:
-            picked = sample_rows(logits if len(rows) == len(reqs) else logits[rows], [reqs[i] for i in rows], gen)
+            return draw(logits, reqs, gen)
         except (RuntimeError, ValueError) as e:
-            log.warning("batched sampling of %d rows failed (%s: %s); sampling them one by one", len(rows),
+            log.warning("batched sampling of %d rows failed (%s: %s); sampling them one by one", len(reqs),
                         type(e).__name__, e)
+            return None
+
+    def _batched(self, logits: torch.Tensor, reqs: list[Request], greedy: list[int]) -> dict[int, int]:
+        """Tokens of the batchable rows not picked by `_plain_greedy` (`greedy[i] >= 0`), processed
+        together (row -> token); {} where that path is off or fails. A row whose controls leave no
+        token is left out: the host path reports it."""
+        if not self.draws_on_device(logits):
             return {}
-        return dict(zip(rows, picked))
+        rows = [i for i, r in enumerate(reqs) if greedy[i] < 0 and self.batchable(r)]
+        if not rows:
+            return {}
+        drawn = self.draw(logits if len(rows) == len(reqs) else logits[rows], [reqs[i] for i in rows])
+        if drawn is None:
+            return {}
+        return {i: t for i, t in zip(rows, drawn.host()) if t >= 0}
 
     def _sample(self, row: torch.Tensor, req: Request) -> int:
         p = req.params

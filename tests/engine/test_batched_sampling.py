@@ -17,8 +17,11 @@ SETTINGS = [  # temperature, top_k, top_p, min_p
 ]
 
 
-def _req(i: int, outputs: tuple[int, ...] = (), prompt: tuple[int, ...] = (1, 2, 3), **kw) -> Request:
-    r = Request(RequestId(str(i)), list(prompt), SamplingParams(**kw), max_total_tokens=64)
+def _req(i: int, outputs: tuple[int, ...] = (), prompt: tuple[int, ...] = (1, 2, 3), bad: tuple = (), **kw) -> Request:
+    """A request with `outputs` sampled so far; `bad`: its bad words as token sequences."""
+    from engine.sample.logit_controls import BadWords
+
+    r = Request(RequestId(str(i)), list(prompt), SamplingParams(**kw), max_total_tokens=64, bad_word_ids=BadWords(bad))
     for t in outputs:
         r.append_token(t)
     return r
@@ -92,20 +95,20 @@ def test_batched_draws_follow_each_rows_distribution() -> None:
         assert bool((counts[i][want == 0] == 0).all()), f"row {i} drew a token its filter removed"
 
 
-def test_only_unseeded_plain_rows_take_the_batch(monkeypatch) -> None:
+def test_only_unseeded_rows_without_grammar_take_the_batch(monkeypatch) -> None:
     import engine.sample.sampler as sampler_module
 
     taken: list[list[str]] = []
-    real = sampler_module.sample_rows
-    monkeypatch.setattr(sampler_module, "sample_rows",
+    real = sampler_module.draw
+    monkeypatch.setattr(sampler_module, "draw",
                         lambda lg, rs, gen: taken.append([r.request_id for r in rs]) or real(lg, rs, gen))
     reqs = [_req(0, temperature=1.0), _req(1, temperature=1.0, seed=3), _req(2, temperature=0.0),
             _req(3, (5,), temperature=0.9, top_k=4, presence_penalty=0.5), _req(4, temperature=0.9, top_p=0.5),
             _req(5, temperature=0.9, logit_bias={3: 5.0}), _req(6, temperature=0.0, seed=2, repetition_penalty=1.2)]
     logits = torch.randn(len(reqs), 40, generator=torch.Generator().manual_seed(2))
     out = Sampler(seed=0, batch_on_device=True)(logits, reqs)
-    # not: a seeded sampled row (1), a plain greedy row (2: picked before), logit controls (5)
-    assert not out.errors and taken == [["0", "3", "4", "6"]]
+    # not: a seeded sampled row (1), a plain greedy row (2: picked before)
+    assert not out.errors and taken == [["0", "3", "4", "5", "6"]]
     # A seeded row draws what it draws alone on the host path, whatever else is in the batch.
     alone = Sampler(seed=0, batch_on_device=False)(logits[1:2], [_req(1, temperature=1.0, seed=3)])
     assert out.token_ids[1] == alone.token_ids[0]
@@ -114,3 +117,46 @@ def test_only_unseeded_plain_rows_take_the_batch(monkeypatch) -> None:
     taken.clear()
     Sampler(seed=0)(logits, reqs)
     assert taken == []
+
+
+def test_batch_controls_are_the_host_rule_row_for_row() -> None:
+    """allowed_token_ids, bad words (single tokens and after a prefix) and logit_bias in the batch,
+    against `apply_controls` row for row; a row they empty is flagged (the host raises for it)."""
+    import random
+
+    from engine.sample.batched import controlled
+    from engine.sample.logit_controls import apply_controls
+
+    rng, vocab = random.Random(5), 12
+    for trial in range(40):
+        reqs, want = [], []
+        logits = torch.tensor([[rng.uniform(-5, 5) for _ in range(vocab)] for _ in range(6)])
+        for i in range(6):
+            output = tuple(rng.randrange(vocab) for _ in range(rng.randrange(0, 4)))
+            bad = tuple(tuple(rng.randrange(vocab) for _ in range(rng.randrange(1, 4))) for _ in range(rng.randrange(0, 6)))
+            bias = {rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(rng.randrange(0, 3))} or None
+            allowed = rng.sample(range(vocab), rng.randrange(1, 5)) if rng.random() < 0.5 else None
+            r = _req(i, output, bad=bad, temperature=0.0, logit_bias=bias, allowed_token_ids=allowed,
+                     bad_words=["x"] if bad else None)
+            reqs.append(r)
+            try:
+                want.append(apply_controls(logits[i].clone(), r.params, r.bad_word_ids, r.output_token_ids))
+            except ValueError:
+                want.append(None)
+        got, ok = controlled(logits, reqs)
+        if all(not (r.params.logit_bias or r.params.allowed_token_ids or r.params.bad_words) for r in reqs):
+            assert ok is None
+            continue
+        for i, w in enumerate(want):
+            assert bool(ok[i]) == (w is not None), (trial, i)
+            if w is not None:
+                assert torch.equal(got[i], w), (trial, i)
+
+
+def test_a_row_its_controls_empty_fails_alone_in_the_batch() -> None:
+    reqs = [_req(0, temperature=0.9), _req(1, bad=((3,),), temperature=0.0, allowed_token_ids=[3], bad_words=["x"]),
+            _req(2, temperature=0.0)]
+    logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+    out = Sampler(seed=0, batch_on_device=True)(logits, reqs)
+    assert list(out.errors) == [1] and "no token is left" in out.errors[1]
+    assert out.token_ids[2] == int(logits[2].argmax()) and 0 <= out.token_ids[0] < 16
