@@ -1,20 +1,22 @@
-"""Sampled, penalised and controlled rows drawn together on the logits' device (issue 42).
+"""Sampled, penalised, controlled and constrained rows drawn together on the logits' device (issue 42).
 
 The host sampler (engine/sample/sampler.py) takes each such row to the host and processes it
 there: on a GPU, a batch of 64 was 64 device-to-host copies of a whole vocabulary row and 64 host
-softmaxes and sorts per step. Here the rows shaped by logit controls (allowed_token_ids, bad_words,
-logit_bias), temperature, top-k, top-p, min-p, repetition/presence/frequency penalties and
-min_tokens are processed as one batch where the logits are: the controls and penalties from index
-tensors built once per step, the filter batched, greedy rows by argmax and sampled rows by one
-exponential race. Grammar masks and thinking budgets stay on the host path. Every host value the
-batch needs goes to the device through page-locked memory without blocking
-(engine/runner/h2d.py), so nothing here waits for the forward: with async scheduling the ids can
-stay on the device for the next step (engine/sample/device_tokens.py).
+softmaxes and sorts per step. Here the rows shaped by grammar masks (sent as bitmasks, 1/32 of a
+row), logit controls (allowed_token_ids, bad_words, logit_bias), temperature, top-k, top-p, min-p,
+repetition/presence/frequency penalties and min_tokens are processed as one batch where the logits
+are: masks, controls and penalties from index tensors built once per step, the filter batched,
+greedy rows by argmax and sampled rows by one exponential race. A grammar row's token is then
+accepted by its matcher on the host; thinking budgets stay on the host path. Every host value the
+batch needs goes to the device through page-locked memory without blocking (engine/runner/h2d.py),
+so nothing here waits for the forward: with async scheduling the ids can stay on the device for
+the next step (engine/sample/device_tokens.py).
 
-Sampled rows take this path only when unseeded (greedy rows draw nothing, so any greedy row may). Their noise comes from a generator on the logits' device,
-seeded with the engine's seed, so a run is reproducible on the same device. A seeded request keeps
-its own host generator and the host path, so it draws the same tokens on any device, whatever else
-is in the batch. The controls are `apply_controls`'s rule, the filter `_filtered_probs`'s and the
+Sampled rows take this path only when unseeded (greedy rows draw nothing, so any greedy row may).
+Their noise comes from a generator on the logits' device, seeded with the engine's seed, so a run
+is reproducible on the same device. A seeded request keeps its own host generator and the host
+path, so it draws the same tokens on any device, whatever else is in the batch. The masks are
+`GrammarState.mask`'s rule, the controls `apply_controls`'s, the filter `_filtered_probs`'s and the
 penalties `_apply_penalties`'s, row for row (tests compare them).
 """
 from __future__ import annotations
@@ -102,14 +104,43 @@ def _index(pairs: list[tuple[int, int]], dev: torch.device) -> tuple[torch.Tenso
     return to_device(pairs, dev).unbind(1)
 
 
-def controlled(logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(`logits` after each row's logit controls, `ok`): `logits` (float32 `[n, vocab]`, not
-    modified) with allowed_token_ids, bad words and logit_bias applied in `apply_controls`'s order
-    and arithmetic; `ok` `[n]` bool on the device, False for a row whose controls leave no finite
-    logit (the host path raises for it). (`logits`, None) when no row has controls."""
+def constrained(logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(`logits` after each row's grammar mask and logit controls, `ok`): `logits` (float32
+    `[n, vocab]`) is not modified; `ok` `[n]` bool on the device is False for a row they leave
+    without a finite logit (the host path raises for it, naming which). (`logits`, None) when no
+    row has either."""
+    checked = [has_controls(r.params) or r.active_grammar() is not None for r in reqs]
+    if not any(checked):
+        return logits, None
+    out = controlled(grammar_masked(logits, reqs), reqs)
+    return out, torch.isfinite(out).any(dim=1) | ~to_device(checked, logits.device, torch.bool)
+
+
+def grammar_masked(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """`logits` (not modified) with each constrained row's grammar mask applied, `GrammarState.mask`'s
+    rule: a 0 bit puts its token at -inf, over the first min(vocab, 32 × words) tokens (xgrammar
+    leaves a padded tail alone). The bitmasks are copied here, before the mask thread refills them."""
+    rows = [(i, g) for i, r in enumerate(reqs) if (g := r.active_grammar()) is not None]
+    if not rows:
+        return logits
+    dev, vocab = logits.device, logits.shape[1]
+    bits = torch.cat([g.bitmask() for _, g in rows])
+    n = min(vocab, bits.shape[1] * 32)
+    shifts = torch.arange(32, dtype=torch.int32, device=dev)
+    allowed = ((host_to_device(bits, dev)[:, :, None] >> shifts) & 1).view(len(rows), -1)[:, :n].bool()
+    at = to_device([i for i, _ in rows], dev)
+    out = logits.clone()
+    out[at, :n] = out[at, :n].masked_fill(~allowed, -INF)
+    return out
+
+
+def controlled(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """`logits` (float32 `[n, vocab]`, not modified) with allowed_token_ids, bad words and
+    logit_bias applied in `apply_controls`'s order and arithmetic; `logits` itself when no row has
+    controls."""
     ctl = [i for i, r in enumerate(reqs) if has_controls(r.params)]
     if not ctl:
-        return logits, None
+        return logits
     dev, (n, vocab) = logits.device, logits.shape
     out = logits.clone()
     allowed = [(i, t) for i in ctl for t in reqs[i].params.allowed_token_ids or ()]
@@ -125,8 +156,7 @@ def controlled(logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor,
     if bias:
         rows, cols = _index([(i, t) for i, t, _ in bias], dev)
         out.index_put_((rows, cols), to_device([b for _, _, b in bias], dev, out.dtype), accumulate=True)
-    checked = to_device([has_controls(r.params) for r in reqs], dev, torch.bool)
-    return out, torch.isfinite(out).any(dim=1) | ~checked
+    return out
 
 
 def _banned(req: Request) -> list[int]:
@@ -139,7 +169,7 @@ def _banned(req: Request) -> list[int]:
 class Drawn:
     """A batch's tokens where its logits are."""
     ids: torch.Tensor  # [n] int64: each row's token (a valid id even for a row that is not `ok`)
-    ok: torch.Tensor | None  # [n] bool: False where the row's controls left nothing; None: no row has controls
+    ok: torch.Tensor | None  # [n] bool: False where grammar or controls left nothing; None: no row has either
 
     def host(self) -> list[int]:
         """The tokens on the host, -1 for a row that is not `ok` (waits for the device)."""
@@ -151,7 +181,7 @@ def draw(logits: torch.Tensor, reqs: list[Request], gen: torch.Generator) -> Dra
     """Tokens for `reqs` (all `Sampler.batchable`), one row of `logits` each, drawn on the logits'
     device without waiting for it."""
     dev = logits.device
-    logits, ok = controlled(logits.float(), reqs)
+    logits, ok = constrained(logits.float(), reqs)
     logits = penalised(logits, reqs)
     greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
     sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]

@@ -89,10 +89,10 @@ class Sampler:
 
     @staticmethod
     def batchable(req: Request) -> bool:
-        """Whether a row can be processed in the device batch: no grammar or thinking budget, and
-        greedy or unseeded (a seeded row keeps its host generator)."""
+        """Whether a row can be processed in the device batch: no thinking budget, and greedy or
+        unseeded (a seeded row keeps its host generator)."""
         p = req.params
-        return req.thinking is None and req.grammar is None and (p.greedy or req.generator is None)
+        return req.thinking is None and (p.greedy or req.generator is None)
 
     def draws_on_device(self, logits: torch.Tensor) -> bool:
         """Whether batchable rows of `logits` are drawn together where they are."""

@@ -28,6 +28,7 @@ MAX_WHITESPACE = 16  # characters of whitespace a JSON schema's grammar allows b
 # would grow the process without end. A simple JSON schema's grammar is about 3 MB here.
 CACHE_LIMIT_BYTES = 256 * 2**20
 CHECKED_KEYS = 1024  # constraints known to have a token that can start them (LRU)
+GRAMMAR_EMPTY = "the grammar allows no token of this model's vocabulary here"
 
 
 @dataclass(frozen=True)
@@ -161,13 +162,18 @@ class GrammarState:
         self._matcher.fill_next_token_bitmask(self._bitmask, 0)
         self._filled_at = self._accepted
 
-    def mask(self, row: torch.Tensor) -> torch.Tensor:
-        """`row` (float32 logits `[vocab]`) with the tokens the grammar forbids next at -inf, in place."""
+    def bitmask(self) -> torch.Tensor:
+        """The next token's mask, int32 `[1, ceil(vocab / 32)]` (bit j of word w: token 32w + j is
+        allowed), filled now unless the mask thread did. The next fill overwrites it: copy it first."""
         if self._filled_at != self._accepted:
             self.prefill()
-        self._xgr.apply_token_bitmask_inplace(row.view(1, -1), self._bitmask)
+        return self._bitmask
+
+    def mask(self, row: torch.Tensor) -> torch.Tensor:
+        """`row` (float32 logits `[vocab]`) with the tokens the grammar forbids next at -inf, in place."""
+        self._xgr.apply_token_bitmask_inplace(row.view(1, -1), self.bitmask())
         if not bool(torch.isfinite(row).any()):
-            raise ValueError("the grammar allows no token of this model's vocabulary here")
+            raise ValueError(GRAMMAR_EMPTY)
         return row
 
     def accept(self, token: int) -> None:

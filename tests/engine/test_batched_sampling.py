@@ -17,11 +17,13 @@ SETTINGS = [  # temperature, top_k, top_p, min_p
 ]
 
 
-def _req(i: int, outputs: tuple[int, ...] = (), prompt: tuple[int, ...] = (1, 2, 3), bad: tuple = (), **kw) -> Request:
+def _req(i: int, outputs: tuple[int, ...] = (), prompt: tuple[int, ...] = (1, 2, 3), bad: tuple = (), grammar=None,
+         **kw) -> Request:
     """A request with `outputs` sampled so far; `bad`: its bad words as token sequences."""
     from engine.sample.logit_controls import BadWords
 
-    r = Request(RequestId(str(i)), list(prompt), SamplingParams(**kw), max_total_tokens=64, bad_word_ids=BadWords(bad))
+    r = Request(RequestId(str(i)), list(prompt), SamplingParams(**kw), max_total_tokens=64, bad_word_ids=BadWords(bad),
+                grammar=grammar)
     for t in outputs:
         r.append_token(t)
     return r
@@ -95,7 +97,7 @@ def test_batched_draws_follow_each_rows_distribution() -> None:
         assert bool((counts[i][want == 0] == 0).all()), f"row {i} drew a token its filter removed"
 
 
-def test_only_unseeded_rows_without_grammar_take_the_batch(monkeypatch) -> None:
+def test_only_unseeded_rows_take_the_batch(monkeypatch) -> None:
     import engine.sample.sampler as sampler_module
 
     taken: list[list[str]] = []
@@ -124,7 +126,7 @@ def test_batch_controls_are_the_host_rule_row_for_row() -> None:
     against `apply_controls` row for row; a row they empty is flagged (the host raises for it)."""
     import random
 
-    from engine.sample.batched import controlled
+    from engine.sample.batched import constrained
     from engine.sample.logit_controls import apply_controls
 
     rng, vocab = random.Random(5), 12
@@ -143,7 +145,7 @@ def test_batch_controls_are_the_host_rule_row_for_row() -> None:
                 want.append(apply_controls(logits[i].clone(), r.params, r.bad_word_ids, r.output_token_ids))
             except ValueError:
                 want.append(None)
-        got, ok = controlled(logits, reqs)
+        got, ok = constrained(logits, reqs)
         if all(not (r.params.logit_bias or r.params.allowed_token_ids or r.params.bad_words) for r in reqs):
             assert ok is None
             continue
@@ -160,3 +162,52 @@ def test_a_row_its_controls_empty_fails_alone_in_the_batch() -> None:
     out = Sampler(seed=0, batch_on_device=True)(logits, reqs)
     assert list(out.errors) == [1] and "no token is left" in out.errors[1]
     assert out.token_ids[2] == int(logits[2].argmax()) and 0 <= out.token_ids[0] < 16
+
+
+def test_grammar_masks_in_the_batch_are_the_host_rule_row_for_row() -> None:
+    """Grammar rows (xgrammar bitmasks unpacked where the logits are) against `GrammarState.mask`
+    plus controls on the host, along a regex's accepted text; greedy grammar rows give the host
+    path's tokens and leave their matchers where the host path leaves them."""
+    import pytest
+
+    from engine.demo.demo_model import ensure_demo_model
+    from engine.runner.loader import load_tokenizer
+    from engine.sample.batched import constrained
+    from engine.sample.structured import GrammarCompiler, StructuredOutputsParams
+
+    try:
+        tok = load_tokenizer(ensure_demo_model())
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    vocab = 49152
+    gc = GrammarCompiler(tok, vocab, frozenset({tok.eos_token_id}))
+    params = StructuredOutputsParams(regex=r"\(\d{3}\) \d{3}")
+
+    def reqs(prefix: list[int]) -> list[Request]:
+        """Rows 0, 1 and 3 constrained, their matchers past `prefix`; row 1 with controls too."""
+        def matcher():
+            m = gc.matcher(params)
+            for t in prefix:
+                m.accept(t)
+            return m
+
+        return [_req(0, temperature=0.0, grammar=matcher()),
+                _req(1, temperature=0.0, logit_bias={16: 3.0, 17: -2.0}, grammar=matcher()),
+                _req(2, temperature=0.0), _req(3, temperature=0.8, grammar=matcher())]
+
+    g, text = torch.Generator().manual_seed(6), tok.encode("(415) 555", add_special_tokens=False)
+    for step in range(len(text)):
+        logits = torch.randn(4, vocab, generator=g) * 3
+        host = reqs(text[:step])
+        got, ok = constrained(logits, reqs(text[:step]))
+        assert ok is not None and bool(ok.all())
+        for i, r in enumerate(host):
+            want = _apply_penalties(logits[i].clone(), r) if r.grammar is not None or r.params.logit_bias else logits[i]
+            assert torch.equal(got[i], want), (step, i)
+        on_reqs, off_reqs = reqs(text[:step])[:3], host[:3]
+        on = Sampler(seed=0, batch_on_device=True)(logits[:3], on_reqs)
+        off = Sampler(seed=0, batch_on_device=False)(logits[:3], off_reqs)
+        assert not on.errors and on.token_ids == off.token_ids
+        for a, b in zip(on_reqs, off_reqs):  # each matcher accepted its row's token
+            if a.grammar is not None:
+                assert torch.equal(a.grammar.bitmask(), b.grammar.bitmask()), step
