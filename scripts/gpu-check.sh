@@ -60,7 +60,7 @@ run_step benchmark "$PY" benchmarks/gpu.py --out "$OUT_DIR/benchmark.json" ${BEN
 MODEL_8B=$("$PY" -c 'from engine.cache_dir import cache_root; print(cache_root() / "gpu-bench-llama3-8b")')
 # shellcheck disable=SC2086  # ASYNC_ARGS is a list of arguments
 run_step async-scheduling "$PY" benchmarks/async_scheduling.py --model "$MODEL_8B" --gpu-memory-utilization 0.4 \
-  --workloads decode64,default --out "$OUT_DIR/async.json" ${ASYNC_ARGS:-}
+  --workloads decode64,sampled64,default --out "$OUT_DIR/async.json" ${ASYNC_ARGS:-}
 "$PY" - "$OUT_DIR" "kernel-tests=${status[kernel-tests]}" "gpu-tests=${status[gpu-tests]}" \
   "parity-cuda=${status[parity-cuda]}" "benchmark=${status[benchmark]}" \
   "async-scheduling=${status[async-scheduling]}" <<'PYEOF'
