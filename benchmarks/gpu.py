@@ -207,9 +207,11 @@ def ttft_section(model: Path, lengths: list[int], runs: int, device: str, work: 
     return out
 
 
-# --decode-variants: name -> (optimization level, cudagraph_mode)
-DECODE_VARIANTS = {"eager": (0, "none"), "eager-graphs": (0, "full_decode_only"), "compiled": (1, "none"),
-                   "graphs": (1, "full_decode_only")}
+# --decode-variants: name -> (optimization level, cudagraph_mode, async scheduling). graphs-async:
+# each step launched while the last one's ids are still on the device (engine/sample/device_tokens.py)
+DECODE_VARIANTS = {"eager": (0, "none", False), "eager-graphs": (0, "full_decode_only", False),
+                   "compiled": (1, "none", False), "graphs": (1, "full_decode_only", False),
+                   "graphs-async": (1, "full_decode_only", True)}
 
 
 def _kvtier_decode(model: Path, prompts: torch.Tensor, batches: list[int], output_len: int,
@@ -218,12 +220,13 @@ def _kvtier_decode(model: Path, prompts: torch.Tensor, batches: list[int], outpu
     (the same requests with 1 output token, subtracted, over the other output_len - 1 steps)."""
     from engine import LLM, SamplingParams
 
-    level, mode = DECODE_VARIANTS[variant]
+    level, mode, async_scheduling = DECODE_VARIANTS[variant]
     if device == "cpu" and mode != "none":  # --smoke on CPU: the graphs' buffers, replayed eagerly
         mode = "eager_replay"
     out: dict[int, dict[str, float]] = {}
     llm = LLM(str(model), dtype="bfloat16", device=device, max_model_len=prompts.shape[1] + output_len + 8,
-              max_num_seqs=max(batches), optimization_level=level, cudagraph_mode=mode)
+              max_num_seqs=max(batches), optimization_level=level, cudagraph_mode=mode,
+              async_scheduling=async_scheduling)
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_gpu_benchmark_runs_in_smoke_mode(tmp_path):
     out = tmp_path / "gpu.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--smoke", "--device", "cpu",
-                           "--sections", "ttft,decode", "--decode-variants", "eager,graphs", "--hf", "eager", "--model-dir", str(tmp_path / "model"), "--out", str(out)],
+                           "--sections", "ttft,decode", "--decode-variants", "eager,graphs,graphs-async", "--hf", "eager",
+                           "--model-dir", str(tmp_path / "model"), "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -24,9 +25,10 @@ def test_gpu_benchmark_runs_in_smoke_mode(tmp_path):
         assert all(row[k] > 0 for k in ("cold", "G1", "G2", "G3")), row
     assert doc["ttft"]["lengths"]["200"]["g2_load_GBps"] > 0  # the G2 hit really loaded blocks
     dec = doc["decode"]
-    assert set(dec["kvtier"]) == {"eager", "graphs"} and set(dec["transformers"]) == {"eager"}
-    assert set(dec["kvtier"]["graphs"]) == set(dec["transformers"]["eager"]) == {"1", "4"}
-    assert all(r["tok_s"] > 0 and r["step_ms"] > 0 for r in dec["kvtier"]["graphs"].values()), dec
+    assert set(dec["kvtier"]) == {"eager", "graphs", "graphs-async"} and set(dec["transformers"]) == {"eager"}
+    assert set(dec["kvtier"]["graphs-async"]) == set(dec["transformers"]["eager"]) == {"1", "4"}
+    assert all(r["tok_s"] > 0 and r["step_ms"] > 0 for v in ("graphs", "graphs-async")
+               for r in dec["kvtier"][v].values()), dec
     assert "graphs / best transformers" in proc.stdout
 
 
