@@ -139,7 +139,7 @@ def plot_offload(plt: Any, doc: Doc, out: Path) -> Path:
     for m in modes:
         label = "cold prefill" if m == "cold" else f"{m} hit"
         ax.plot(lengths, [md[m] for md in medians], marker="o", color=TIER_COLORS[m], label=label)
-        if m != "cold":
+        if m != "cold" and "cold" in medians[0]:  # --no-cold runs have no speedups
             ax2.plot(lengths, [md["cold"] / md[m] for md in medians], marker="o", color=TIER_COLORS[m], label=label)
     ax.set_yscale("log")
     ax.set_ylabel("TTFT (s, median)")

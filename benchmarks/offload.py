@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="G3 file and read size in MiB (kv_connector_extra_config g3_io_mib; default: the engine's)")
     ap.add_argument("--g3-read-threads", type=int, default=None,
                     help="G3 reader threads (kv_connector_extra_config g3_read_threads; default: the engine's)")
+    ap.add_argument("--no-cold", action="store_true",
+                    help="skip the cold and G1 modes, one prefill per run less: for load-bandwidth runs only "
+                    "(no speedups over cold are reported)")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "offload.json", help="JSON results (default %(default)s)")
     args = ap.parse_args(argv)
     wanted = [t.strip() for t in args.tiers.split(",") if t.strip()]
@@ -264,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                                "g3_io_mib": args.g3_io_mib, "g3_read_threads": args.g3_read_threads, "tiers": wanted}
     rows = []
     for n in lengths:
-        per_mode: dict[str, list[float]] = {"cold": [], "G1": [], **{t: [] for t in lower}}
+        per_mode: dict[str, list[float]] = {**({} if args.no_cold else {"cold": [], "G1": []}), **{t: [] for t in lower}}
         bw: dict[str, list[float]] = {t: [] for t in lower}
         split: dict[str, list[dict[str, float]]] = {t: [] for t in lower if t in DISK_TIERS}
         first: dict[str, list[float]] = {t: [] for t in lower if t == "G3-tmpfs"}  # raw first reads, per run
@@ -273,11 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.runs):
             prompt = [rng.randrange(100, mc.vocab_size) for _ in range(n)]
             salt = uuid.uuid4().hex  # a fresh namespace: nothing from earlier runs can hit
-            t, _ = ttft(engines["G1"], prompt, salt)
-            per_mode["cold"].append(t)
-            t, out = ttft(engines["G1"], prompt, salt)
-            per_mode["G1"].append(t)
-            hits["G1"] = out.num_cached_tokens
+            if not args.no_cold:
+                t, _ = ttft(engines["G1"], prompt, salt)
+                per_mode["cold"].append(t)
+                t, out = ttft(engines["G1"], prompt, salt)
+                per_mode["G1"].append(t)
+                hits["G1"] = out.num_cached_tokens
             for tier in lower:
                 llm = engines[tier]
                 known = set(g3_dirs[tier].rglob("*.kvb")) if tier == "G3-tmpfs" else set()
@@ -314,11 +318,11 @@ def main(argv: list[str] | None = None) -> int:
                                                             for t, v in first.items()},
                                    "g3_split_s": {t: {k: median([x[k] for x in v]) for k in v[0]} for t, v in split.items()},
                                    "full_history_bytes": {t: hits[t] * per_token for t in lower}}
-        rows.append([n] + [f"{med[k]:.3f}" for k in per_mode] +
-                    [f"{ratio(med['cold'], med[k]):.1f}x" for k in ("G1", *lower)] +
+        vs_cold = ("G1", *lower) if "cold" in med else ()
+        rows.append([n] + [f"{med[k]:.3f}" for k in per_mode] + [f"{ratio(med['cold'], med[k]):.1f}x" for k in vs_cold] +
                     [f"{load_bw[t]:.2f}" for t in lower])
-    print_table(["tokens", "cold s", "G1 s", *(f"{t} s" for t in lower), "G1 vs cold",
-                 *(f"{t} vs cold" for t in lower), *(f"{t} load GB/s" for t in lower)], rows)
+    print_table(["tokens", *(f"{k} s" for k in per_mode), *(f"{k} vs cold" for k in vs_cold),
+                 *(f"{t} load GB/s" for t in lower)], rows)
     longest = str(max(lengths))
     windows = engines["G1"].engine.kv.windows
     results["kv_groups"] = list(windows)
@@ -364,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"redis-benchmark GET at {block / 2**10:.0f} KiB values: {raw['redis_get_GBps']:.2f} GB/s; "
                   f"G4 load {g4_bw:.2f} GB/s ({g4_bw / raw['redis_get_GBps']:.0%} of it)")
     for tier, target in TARGETS.items():
-        if tier not in engines:
+        if tier not in engines or args.no_cold:
             continue
         m = results["runs"][longest]["median_s"]
         got = ratio(m["cold"], m[tier])
