@@ -6,7 +6,6 @@ import asyncio
 import collections
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
 from engine.core.request_factory import needs_preparation
@@ -26,7 +25,7 @@ from server.channel import Delta
 from server.client import CoreState, EngineClient, EngineDeadError
 from server.detok import IncrementalDetokenizer
 from server.errors import APIError, error_response  # noqa: F401 (re-exported: routes import them from here)
-from server.fields import unsupported
+from server.fields import decode_body
 from server.limits import LimitExceeded, check_constraint, check_lists
 from server.lora_routes import LoRACatalog
 from server.media import MediaError, image_urls, load_image
@@ -46,7 +45,8 @@ from server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
-_LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+BIG_BODY_BYTES = 64 * 1024  # a body this big is decoded and validated on a worker thread
+FEW_TOOLS = 16  # more tools than this: their plan is built and checked on a worker thread
 
 
 @dataclass
@@ -99,31 +99,13 @@ class API(OutputFormats):
         except ClientDisconnect:  # gone while uploading: nobody to answer, nothing to log loudly
             log.info("client disconnected while sending the request body")
             raise APIError(499, "client disconnected") from None
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"malformed JSON body: {e}") from None
-        except RecursionError:
-            raise APIError(400, "malformed JSON body: nested too deeply") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        if _LONE_SURROGATE_ESCAPE.search(body):  # only \uXXXX escapes can make one; they break every encoder
-            try:
-                json.dumps(data, ensure_ascii=False).encode()
-            except UnicodeEncodeError:
-                raise APIError(400, "malformed JSON body: a string holds an unpaired UTF-16 surrogate") from None
-        known = set(model.model_fields)
-        if not self.s.trust_request_chat_template:
-            known.discard("chat_template")  # then refused by name, with the flag that allows it
-        bad = unsupported(data, known)
-        if bad is not None:
-            raise APIError(400, f"unsupported field {bad[0]!r}: {bad[1]}", param=bad[0])
-        try:
-            parsed = model.model_validate(data)
-        except ValidationError as e:
-            err = e.errors(include_url=False)[0]
-            loc = ".".join(str(x) for x in err.get("loc", ()))
-            raise APIError(400, f"{loc + ': ' if loc else ''}{err['msg']}", param=loc or None) from None
+        if len(body) > BIG_BODY_BYTES:  # decoding and validating it is CPU the event loop need not wait for
+            return await asyncio.to_thread(self._decode, body, model)
+        return self._decode(body, model)
+
+    def _decode(self, body: bytearray, model: type[BaseModel]) -> Any:
+        """A request body as `model`, or the 400/404 that says what is wrong with it."""
+        parsed = decode_body(body, model, self.s.trust_request_chat_template)
         name = getattr(parsed, "model", None)
         if name is not None and name not in self.s.served_model_names and name not in self.loras:
             raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model")
@@ -224,10 +206,19 @@ class API(OutputFormats):
                                 f"{param} has {chars} characters, so at least {at_least} tokens. Reduce the prompt.",
                            param=param)
 
-    def admit(self, num_prompts: int, req: _Sampling) -> None:
+    async def admit(self, num_prompts: int, req: _Sampling) -> None:
         """The checks that need no tokens, made before tokenizing: a full server answers at once,
-        and a request over a limit (server/limits.py) before it costs anything."""
-        self.check_limits(req)
+        and a request over a limit (server/limits.py) before it costs anything. A constraint's
+        check walks and re-encodes it (a 2,000-tool schema: tens of ms, seconds under CPU load):
+        on a worker thread, so the event loop serves other requests meanwhile."""
+        if req._structured_sources():
+            await asyncio.to_thread(self.check_limits, req)
+        else:
+            self.check_limits(req)
+        self.check_capacity(num_prompts, req)
+
+    def check_capacity(self, num_prompts: int, req: _Sampling) -> None:
+        """503 while the engine is not ready or the server is full; 400 for more sequences than it ever runs."""
         if self.client.state is not CoreState.READY:
             raise APIError(503, f"the engine is {self.client.state.value}", "ServiceUnavailableError",
                            headers={"Retry-After": str(self.s.retry_after_s)})
@@ -247,7 +238,7 @@ class API(OutputFormats):
             check_lists(req, self.s.limits)
             so = req.structured()
             if so is not None:
-                check_constraint(so[0], so[1], self.s.limits)
+                req.constrain(checked=(so[0], check_constraint(so[0], so[1], self.s.limits)))
         except LimitExceeded as e:
             raise APIError(400, str(e), param=e.param) from None
         except ValueError as e:  # a malformed structured_outputs
@@ -274,7 +265,7 @@ class API(OutputFormats):
                      media: list[MMInputs | None] | None = None) -> list[Choice]:
         """Validates everything first, then queues n sequences per prompt in the core. `media`:
         each prompt's images (chat_prompts)."""
-        self.admit(len(prompts), req)  # again: tokenizing awaited, others may have come in meanwhile
+        self.check_capacity(len(prompts), req)  # again: tokenizing awaited, others may have come in meanwhile
         for ids in prompts:
             self._check_prompt(ids, req)
         info = self.client.info
@@ -352,8 +343,14 @@ class API(OutputFormats):
             return None, text
         return self.reasoning.split(text, c.thinking_opened)
 
-    def tool_plan(self, req: Any) -> ToolPlan | None:
-        """The request's tool plan (server/tools.py); a constrained choice is set on the request."""
+    async def tool_plan(self, req: Any) -> ToolPlan | None:
+        """The request's tool plan (server/tools.py); a constrained choice is set on the request.
+        Many tools make a big schema to build and check: then on a worker thread (`admit`'s reason)."""
+        if len(req.tools or ()) > FEW_TOOLS:
+            return await asyncio.to_thread(self._tool_plan, req)
+        return self._tool_plan(req)
+
+    def _tool_plan(self, req: Any) -> ToolPlan | None:
         try:
             tp = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, self.s.enable_auto_tool_choice,
                            self.s.tool_call_parser)
@@ -361,10 +358,9 @@ class API(OutputFormats):
             raise APIError(400, str(e), param="tool_choice" if req.tools else "tools") from None
         if tp is not None and tp.constraint is not None:
             try:
-                check_constraint("tools", tp.constraint, self.s.limits)
+                req.constrain(tool_constraint=check_constraint("tools", tp.constraint, self.s.limits))
             except LimitExceeded as e:
                 raise APIError(400, str(e), param=e.param) from None
-            req._tool_constraint = tp.constraint
             if len(req._structured_sources()) > 1:
                 raise APIError(400, f"tool_choice {tp.mode!r} constrains the output itself: drop "
                                     f"{req._structured_sources()[0]}", param="tool_choice")

@@ -3,9 +3,12 @@
 A request with bad words or a structured-output constraint has work whose cost its client
 controls (`RequestFactory.prepare`: tokenizing the words, compiling the grammar; a large
 constraint compiles for seconds). Done in the step loop, it stalled every other request for that
-long (issue 38). Here it runs on one daemon thread at low CPU priority (nice 10, so it yields to
-the forward's threads on a busy machine), the step loop keeps stepping the others, and the
-request joins the scheduler once its preparation is done (`ready`). Compiled grammars are cached
+long (issue 38). Here it runs on one daemon thread, the step loop keeps stepping the others, and
+the request joins the scheduler once its preparation is done (`ready`). The thread keeps normal
+priority: at nice 10 (as it was) it held the GIL, or a lock of the process's memory map, while
+the busy machine's scheduler left it off the CPU, and the step loop waited on it (a probe's
+latency 1.4-1.9 s beside a 2,000-tool compile with two busy processes on the 2 cores; 0.28-0.39 s
+at normal priority). Compiled grammars are cached
 by content (engine/sample/structured.py), so n sequences of one request compile once.
 
 A preparation that takes longer than `timeout_s` is refused (its client gets a 400), and every
@@ -26,20 +29,14 @@ from dataclasses import dataclass
 
 from engine.core.request_factory import Prepared
 from engine.sampling_params import SamplingParams
-from kvstore.threads import DaemonPool, lower_priority, one_torch_thread
+from kvstore.threads import DaemonPool, one_torch_thread
 from server.channel import AddRequest
 
 log = logging.getLogger(__name__)
 
-PREP_NICE = 10
 PREP_SPARES = 3  # threads that may replace ones stuck in an overlong compile
 QUEUE_BUDGETS = 3  # a request waiting this many budgets for a preparation thread is refused
 SLOW_KEYS = 4096  # constraints remembered as too slow to compile (LRU)
-
-
-def _low_priority_thread() -> None:
-    one_torch_thread()
-    lower_priority(PREP_NICE)
 
 
 @dataclass
@@ -63,7 +60,7 @@ class PrepQueue:
             raise ValueError(f"the preparation timeout must be > 0 seconds; got {timeout_s}")
         self.timeout_s = timeout_s
         self._prepare = prepare
-        self._pool = DaemonPool(1, "kvtier-prep", initializer=_low_priority_thread, spares=PREP_SPARES)
+        self._pool = DaemonPool(1, "kvtier-prep", initializer=one_torch_thread, spares=PREP_SPARES)
         self._pending: dict[str, _Pending] = {}
         self._slow: OrderedDict[tuple[str, str], None] = OrderedDict()
 
@@ -72,12 +69,13 @@ class PrepQueue:
 
     def submit(self, request_id: str, add: AddRequest, params: SamplingParams) -> str | None:
         """Queues the request's preparation; or why it is refused at once (its constraint timed
-        out before)."""
+        out before). The server sends a JSON schema as its canonical text (server/limits.py), so
+        its key costs nothing here; a tree would be sorted and encoded on the step loop."""
         if request_id in self._pending:
             return f"request id {request_id!r} is already being prepared"
         so = params.structured_outputs
         if so is not None and so.key() in self._slow:
-            return self._too_slow(so.key()[0])
+            return self._too_slow(so.kind())
         p = _Pending(add, params, time.monotonic())
         p.future = self._pool.submit(self._run, p)
         self._pending[request_id] = p
@@ -123,8 +121,8 @@ class PrepQueue:
                     while len(self._slow) > SLOW_KEYS:
                         self._slow.popitem(last=False)
                     log.warning("request %s: its structured outputs %s constraint did not compile within %gs; "
-                                "refusing it (and it from now on)", rid, so.key()[0], self.timeout_s)
-                out.append((p.add, p.params, self._too_slow(so.key()[0]) if so is not None else
+                                "refusing it (and it from now on)", rid, so.kind(), self.timeout_s)
+                out.append((p.add, p.params, self._too_slow(so.kind()) if so is not None else
                             f"the request's bad_words took longer than {self.timeout_s:g}s to prepare"))
         return out
 

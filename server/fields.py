@@ -6,7 +6,15 @@ the README). A field set to null, or to the value that means "off", is the same 
 """
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from server.errors import APIError
+
+_LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 # Accepted and ignored: they label, route or bill a request, and cannot change its tokens.
 HARMLESS: frozenset[str] = frozenset({
@@ -41,3 +49,34 @@ def unsupported(data: dict[str, Any], known: set[str], allowed: frozenset[str] =
             continue
         return name, WHY.get(name, "this field is not supported, and ignoring it could change the answer")
     return None
+
+
+def decode_body(body: bytes | bytearray, model: type[BaseModel], trust_chat_template: bool) -> Any:
+    """A request body as `model`; an APIError (400) saying what is wrong with it: malformed JSON,
+    an unsupported field (by name), an invalid value. `trust_chat_template`: a request's own
+    chat_template is taken (--trust-request-chat-template), else refused by name."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise APIError(400, "malformed JSON body: nested too deeply") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    if _LONE_SURROGATE_ESCAPE.search(body):  # only \uXXXX escapes can make one; they break every encoder
+        try:
+            json.dumps(data, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise APIError(400, "malformed JSON body: a string holds an unpaired UTF-16 surrogate") from None
+    known = set(model.model_fields)
+    if not trust_chat_template:
+        known.discard("chat_template")  # then refused by name, with the flag that allows it
+    bad = unsupported(data, known)
+    if bad is not None:
+        raise APIError(400, f"unsupported field {bad[0]!r}: {bad[1]}", param=bad[0])
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        raise APIError(400, f"{loc + ': ' if loc else ''}{err['msg']}", param=loc or None) from None

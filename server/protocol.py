@@ -119,6 +119,16 @@ class _Sampling(BaseModel):
 
     # A constraint set by the server for the request's tool_choice (server/tools.py), if any.
     _tool_constraint: StructuredOutputsParams | None = PrivateAttr(default=None)
+    # The constraint as server/limits.py checked it (a JSON schema's canonical text), once checked.
+    _checked: tuple[str, StructuredOutputsParams] | None = PrivateAttr(default=None)
+
+    def constrain(self, tool_constraint: StructuredOutputsParams | None = None,
+                  checked: tuple[str, StructuredOutputsParams] | None = None) -> None:
+        """The server's additions: the constraint its tool_choice sets; the constraint as checked."""
+        if tool_constraint is not None:
+            self._tool_constraint, self._checked = tool_constraint, None
+        if checked is not None:
+            self._checked = checked
 
     def _structured_sources(self) -> list[str]:
         names = ["structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"]
@@ -128,6 +138,8 @@ class _Sampling(BaseModel):
 
     def structured(self) -> tuple[str, StructuredOutputsParams] | None:
         """(the field it came from, the constraint), or None; ValueError for a malformed one."""
+        if self._checked is not None:
+            return self._checked
         given = self._structured_sources()
         if not given:
             return None

@@ -49,7 +49,7 @@ def add_render_routes(app: FastAPI, api: API) -> None:
     async def render_chat(request: Request) -> dict[str, Any]:
         req: ChatRenderRequest = await api.parse(request, ChatRenderRequest)
         api.check_limits(req)  # what generation refuses unseen, this refuses too
-        api.tool_plan(req)  # a bad tools/tool_choice is a 400 here too; a forced call constrains the params
+        await api.tool_plan(req)  # a bad tools/tool_choice is a 400 here too; a forced call constrains the params
         (ids,), _ = await api.chat_prompts([req.messages], req)
         return _generate_request(api, req, ids, f"chatcmpl-{uuid.uuid4().hex}", model_name)
 

@@ -176,7 +176,7 @@ def build_app(api: API) -> FastAPI:
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
         req: CompletionRequest = await api.parse(request, CompletionRequest)
-        api.admit(len(req.prompts()), req)
+        await api.admit(len(req.prompts()), req)
         prompts = await api.text_ids(req.prompts())
         choices = await api.submit(prompts, req)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -204,8 +204,8 @@ def build_app(api: API) -> FastAPI:
     async def chat(request: Request) -> Response:
         arrival = time.monotonic()
         req: ChatCompletionRequest = await api.parse(request, ChatCompletionRequest)
-        api.admit(1, req)
-        tools = api.tool_plan(req)
+        await api.admit(1, req)
+        tools = await api.tool_plan(req)
         ids, media = await api.chat_prompts([req.messages], req)
         choices = await api.submit(ids, req, media)
         api.follow_reasoning(choices)
@@ -222,8 +222,8 @@ def build_app(api: API) -> FastAPI:
     async def chat_batch(request: Request) -> Response:
         arrival = time.monotonic()
         req: BatchChatCompletionRequest = await api.parse(request, BatchChatCompletionRequest)
-        api.admit(len(req.messages), req)
-        tools = api.tool_plan(req)
+        await api.admit(len(req.messages), req)
+        tools = await api.tool_plan(req)
         ids, media = await api.chat_prompts(req.messages, req)
         choices = await api.submit(ids, req, media)
         api.follow_reasoning(choices)

@@ -400,6 +400,10 @@ class EngineCore:
         return EngineInfo(self.max_model_len, self.model_config.vocab_size, self.pool.num_blocks,
                           tuple(sorted(self.eos_token_ids)), self.config.block_size)
 
+    def warm_grammars(self) -> None:
+        """Structured outputs' compiler built now, not on the first constrained request."""
+        self.requests.warm_grammars()
+
     def prepare_request(self, params: SamplingParams) -> Prepared:
         """A request's slow part (bad words, a grammar), run off the step loop: `make_request(prepared=)`."""
         return self.requests.prepare(params)

@@ -46,6 +46,12 @@ class RequestFactory:
         self.reasoning = reasoning
         self._markers = Markers.of(reasoning, tokenizer) if reasoning is not None else None
 
+    def warm_grammars(self) -> None:
+        """Builds the grammar compiler now (the tokenizer's vocabulary in xgrammar's tables, and the
+        imports that takes): a server does it before serving, so a first constrained request's
+        preparation holds no GIL stretches beside the step loop."""
+        self._grammars.get()
+
     def prepare(self, params: SamplingParams) -> Prepared:
         """The slow, input-sized part of building a request; ValueError naming what is wrong.
         Thread-safe."""

@@ -17,6 +17,7 @@ import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import cached_property
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -29,6 +30,11 @@ MAX_WHITESPACE = 16  # characters of whitespace a JSON schema's grammar allows b
 CACHE_LIMIT_BYTES = 256 * 2**20
 CHECKED_KEYS = 1024  # constraints known to have a token that can start them (LRU)
 GRAMMAR_EMPTY = "the grammar allows no token of this model's vocabulary here"
+
+
+def canonical_schema(schema: dict) -> str:
+    """One text per JSON schema however it was spelled: sorted keys, no spaces."""
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
@@ -48,14 +54,10 @@ class StructuredOutputsParams:
             raise ValueError(f"structured outputs need exactly one of {list(KINDS)}; got {given or 'none'}")
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
             raise ValueError("structured outputs choice must be a list of non-empty strings")
-        if isinstance(self.json, str):
-            try:
-                schema = json.loads(self.json)
-            except ValueError as e:
-                raise ValueError(f"structured outputs json is not valid JSON: {e}") from None
-        else:
-            schema = self.json
-        if schema is not None and not isinstance(schema, dict):
+        # A schema's text is not parsed here: a server's checked schema arrives as text, and parsing
+        # half a megabyte again held the GIL on the step loop. Bad JSON fails its compile, named.
+        if self.json is not None and not (isinstance(self.json, dict) or (isinstance(self.json, str)
+                                                                          and self.json.lstrip().startswith("{"))):
             raise ValueError("structured outputs json must be a JSON schema object")
 
     @staticmethod
@@ -71,12 +73,23 @@ class StructuredOutputsParams:
         # Shallow: asdict() copies recursively, and a schema nested hundreds deep ran out of stack.
         return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) not in (None, False)}
 
+    def kind(self) -> str:
+        """Which constraint it is, as `key` names it (cheap)."""
+        kind = next(k for k in KINDS if getattr(self, k) not in (None, False))
+        return "compact_json" if kind == "json" and self.disable_any_whitespace else kind
+
     def key(self) -> tuple[str, str]:
-        """(kind, canonical text): what the compiled grammar depends on."""
+        """(kind, canonical text): what the compiled grammar depends on. Made once per object: a
+        2,000-tool schema's canonical text is half a megabyte of sorted JSON, 17 ms of Python
+        holding the GIL (seconds under CPU load)."""
+        return self._key
+
+    @cached_property
+    def _key(self) -> tuple[str, str]:
         kind = next(k for k in KINDS if getattr(self, k) not in (None, False))
         value = getattr(self, kind)
-        if kind == "json":  # one text per schema however it was spelled
-            value = json.dumps(value if isinstance(value, dict) else json.loads(value), sort_keys=True)
+        if kind == "json":  # a schema's text: as given (the server sends it canonical), or a dict's, sorted
+            value = value if isinstance(value, str) else canonical_schema(value)
             kind = "compact_json" if self.disable_any_whitespace else kind
         elif kind == "choice":
             value = json.dumps(value)

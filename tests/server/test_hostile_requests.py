@@ -213,3 +213,30 @@ def test_with_raised_limits_they_compile_off_the_step_loop(raised, name):
         time.sleep(0.5)
     assert took < 2.5, f"{name}: {took:.2f}s"
     assert_probe_kept_up(probe, idle)
+
+
+def test_a_long_compile_beside_busy_neighbours_leaves_the_probe_alone(raised):
+    """The 2,000-tool compile (new tool names: the raised server refuses the old ones at once now)
+    with one CPU-bound process per core beside the server. The preparation thread used to run at
+    nice 10: descheduled by the neighbours while it held the GIL or the process's memory-map lock,
+    it stalled the step loop, and probes took 1.4-1.9 s against 0.1 s idle (0.28-0.39 s since)."""
+    import os
+    import subprocess
+    import sys
+
+    tools = [{"type": "function", "function": {"name": f"busy_{i}", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}} for i in range(2000)]
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        time.sleep(0.5)
+        idle = idle_latency(raised)
+        with Probe(raised) as probe, raised.client(timeout=60) as c:
+            r = c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, "tools": tools,
+                                                     "tool_choice": "required"})
+            time.sleep(0.5)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert r.status_code in (200, 400), r.text
+    assert_probe_kept_up(probe, idle)

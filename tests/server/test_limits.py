@@ -80,3 +80,17 @@ def test_constraints_within_the_limits_pass():
     for so in ({"choice": [f"c{i}" for i in range(1024)]}, {"json": _nested(31)}, {"regex": "[a-z]+"},
                {"json_object": True}, {"grammar": 'root ::= "a"'}):
         check_constraint("structured_outputs", StructuredOutputsParams.coerce(so), RequestLimits())
+
+
+def test_a_checked_schema_is_sent_as_its_canonical_text():
+    """The engine core keys (and compiles) a schema by its text: the server sends one text per
+    schema however it was spelled, so the core never sorts or re-encodes a tree on its step loop."""
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    spelled = '{ "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},  "type": "object" }'
+    got = [check_constraint("response_format", StructuredOutputsParams(json=s, disable_any_whitespace=w), RequestLimits())
+           for s in (schema, spelled) for w in (False, True)]
+    assert got[0].json == got[2].json == json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    assert [g.key() for g in got] == [("json", got[0].json), ("compact_json", got[0].json)] * 2
+    for bad, why in (("{not json", "not valid JSON"), ("[1]", "JSON schema object")):
+        with pytest.raises(ValueError, match=why):
+            check_constraint("response_format", StructuredOutputsParams.coerce({"json": bad}), RequestLimits())
