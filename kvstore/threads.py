@@ -29,11 +29,12 @@ def one_torch_thread() -> None:
     torch.set_num_threads(1)
 
 
-def lower_priority(nice: int) -> None:
-    """Give the calling thread this nice value (Linux: a thread's own; raising it needs no
-    privilege), so its CPU work yields to the forward's threads on a busy machine."""
+def lower_priority(nice: int, native_id: int | None = None) -> None:
+    """Give the calling thread (or the process's thread `native_id`) this nice value (Linux: a
+    thread's own; raising it needs no privilege), so its CPU work yields to the forward's threads
+    on a busy machine."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id() if native_id is None else native_id, nice)
     except (OSError, AttributeError) as e:  # not Linux, or a sandbox that forbids it
         log.debug("thread keeps its priority: %s", e)
 
@@ -92,6 +93,7 @@ class DaemonPool:
         self._q: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._spares = threads if spares is None else spares
+        self._retired: set[threading.Thread] = set()  # replaced while stuck: they leave after their task
         self._closed = False
         self._lock = threading.Lock()
         for _ in range(threads):
@@ -113,6 +115,8 @@ class DaemonPool:
                 fut.set_result(fn(*args))
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
                 fut.set_exception(e)
+            if threading.current_thread() in self._retired:
+                return
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         with self._lock:
@@ -122,12 +126,15 @@ class DaemonPool:
             self._q.put((fut, fn, args))
             return fut
 
-    def replace_stuck(self) -> bool:
-        """One more worker in place of one stuck in a task; False once the spares are spent."""
+    def replace_stuck(self, stuck: threading.Thread | None = None) -> bool:
+        """One more worker in place of one stuck in a task (`stuck`, when known, then leaves once
+        that task ends); False once the spares are spent."""
         with self._lock:
             if self._closed or self._spares == 0:
                 return False
             self._spares -= 1
+            if stuck is not None:
+                self._retired.add(stuck)
             self._start()
             return True
 

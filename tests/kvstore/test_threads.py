@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kvstore.threads import CopyPool, one_torch_thread
+from kvstore.threads import CopyPool, DaemonPool, one_torch_thread
 
 
 def test_side_threads_get_one_torch_thread_and_leave_the_callers_alone():
@@ -67,3 +67,25 @@ def test_daemon_pool_runs_tasks_and_never_waits_forever_on_a_stuck_one():
             "p.submit(threading.Event().wait); print(p.shutdown(0.1))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_a_replaced_stuck_worker_leaves_once_its_task_ends():
+    import threading
+    import time
+
+    release, took = threading.Event(), []
+    pool = DaemonPool(1, "t-retire", spares=1)
+    try:
+        stuck = pool.submit(lambda: (took.append(threading.current_thread()), release.wait())[0])
+        while not took:
+            time.sleep(0.01)
+        assert pool.replace_stuck(took[0]) and not pool.replace_stuck(took[0])  # one spare only
+        assert pool.submit(lambda: threading.current_thread()).result(5) is not took[0]  # the spare serves
+        release.set()
+        stuck.result(5)
+        took[0].join(5)
+        assert not took[0].is_alive()  # it left; the spare goes on
+        assert pool.submit(lambda: 7).result(5) == 7
+    finally:
+        release.set()
+        pool.shutdown(1.0)

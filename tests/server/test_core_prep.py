@@ -125,3 +125,35 @@ def test_a_stuck_compile_does_not_hold_the_requests_behind_it():
     finally:
         release.set()
         q.close()
+
+
+def test_a_preparation_past_its_budget_is_niced_and_its_thread_leaves():
+    """Its compile runs on for nobody: at normal priority a few of them took the cores from the
+    step loop. Niced to 19, its thread leaves the pool once done; a spare serves the queue."""
+    import os
+
+    release, threads = threading.Event(), []
+
+    def prepare(p: SamplingParams) -> Prepared:
+        threads.append(threading.current_thread())
+        if p.bad_words == ["slow"]:
+            release.wait()
+        return Prepared()
+
+    q = PrepQueue(prepare, 0.2)
+    try:
+        q.submit("a", {"request_id": "a"}, SamplingParams(bad_words=["slow"]))
+        (_, _, why), = _wait(q)
+        assert "took longer than 0.2s" in why
+        slow = threads[0]
+        assert os.getpriority(os.PRIO_PROCESS, slow.native_id) == 19
+        q.submit("b", {"request_id": "b"}, SamplingParams(bad_words=["x"]))
+        (add, _, result), = _wait(q)
+        assert add["request_id"] == "b" and isinstance(result, Prepared)
+        assert threads[1] is not slow and os.getpriority(os.PRIO_PROCESS, threads[1].native_id) == 0
+        release.set()
+        slow.join(5)
+        assert not slow.is_alive()
+    finally:
+        release.set()
+        q.close()
