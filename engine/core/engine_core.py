@@ -431,4 +431,4 @@ def _device_result(out: ModelOutput, tokens: DeviceTokens) -> StepResult:
     """A step sampled on the device, as host values (waits for the tokens' copy)."""
     host = tokens.host()
     return StepResult(tuple(out.sampled), tuple([t] if t >= 0 else [] for t in host), (None,) * len(host),
-                      tokens.failed(), prompt_logprobs=out.prompt_logprobs)
+                      tokens.failed(host), prompt_logprobs=out.prompt_logprobs)

@@ -45,11 +45,14 @@ class DeviceTokens:
             self._ready.synchronize()
         return self._host.tolist()
 
-    def failed(self) -> dict[int, str]:
-        """Row -> why it has no token (call after `host`), logged as the host sampler logs it."""
-        errors = {}
+    def failed(self, host: list[int]) -> dict[int, str]:
+        """Row -> why it has no token, from `host()`'s values (no per-row tensor reads on the step's
+        path; empty unless a row failed), logged as the host sampler logs it."""
+        errors: dict[int, str] = {}
+        if min(host, default=0) >= 0:
+            return errors
         for rid, j in self.rows.items():
-            if self._host[j] < 0:
+            if host[j] < 0:
                 log.error("request %s: sampling failed: ValueError: %s", rid, NOTHING_LEFT)
                 errors[j] = f"sampling failed: ValueError: {NOTHING_LEFT}"
         return errors
