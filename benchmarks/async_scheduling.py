@@ -77,6 +77,10 @@ def main() -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="each engine's share of the GPU (both live in this process: 0.4 each on a GPU; "
                    "default: the engine's, which suits one engine)")
+    p.add_argument("-O", "--optimization-level", type=int, choices=(0, 1, 2, 3), default=None,
+                   help="both engines' -O (default: the engine's); on CUDA, 2 captures mixed steps piecewise")
+    p.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
+                   help="both engines' (CUDA only; default: the engine's): fewer sizes to capture at start-up")
     p.add_argument("--out", default=str(RESULTS_DIR / "async_scheduling.json"), help="JSON results (default: %(default)s)")
     args = p.parse_args()
     preload_allocator()
@@ -87,6 +91,9 @@ def main() -> None:
     for name, flag in (("sync", False), ("async", True)):
         log(f"loading {name}")
         kw = {} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization}
+        for key in ("optimization_level", "max_cudagraph_capture_size"):
+            if getattr(args, key) is not None:
+                kw[key] = getattr(args, key)
         engines[name] = LLM(args.model, async_scheduling=flag, **kw)
     all_wl = workloads(engines["sync"].engine.model_config.vocab_size, args.seed)
     names = args.workloads.split(",")
@@ -112,6 +119,12 @@ def main() -> None:
                                       "vs_sync": tok_s / base, "bubble": [x["bubble"] for x in runs],
                                       "median_bubble": bubble, "identical_to_sync": same,
                                       "forward_s": [x["forward_s"] for x in runs], "busy_s": [x["busy_s"] for x in runs]}
+    graphs = {}  # steps each engine replayed from decode and piecewise graphs (or their eager replay)
+    for name, llm in engines.items():
+        runner = llm.engine.runner
+        graphs[name] = {kind: sum(g.stats().replays.values()) if g is not None else None
+                        for kind, g in (("decode", runner.graphs), ("piecewise", runner.pieces))}
+    log(f"graph replays: {graphs}")
     for llm in engines.values():
         llm.close()
     print_table(["workload", "engine", "output tok/s", "vs sync", "bubble", "same tokens"], rows)
@@ -123,7 +136,7 @@ def main() -> None:
         r = results["default/async"]["vs_sync"]
         log(f"default workload, async vs sync: {r:.3f}x ({'met' if r >= TARGET_RATIO else 'MISSED'}: "
             f"target >= {TARGET_RATIO}x)")
-    path = write_json(args.out, {"args": vars(args), "results": results})
+    path = write_json(args.out, {"args": vars(args), "results": results, "graph_replays": graphs})
     log(f"wrote {path}")
 
 

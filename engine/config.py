@@ -108,7 +108,8 @@ class EngineConfig:
         metavar="TOKENS")
     optimization_level: int | None = setting(
         None, "vLLM's levels: 0 runs the model eagerly, without CUDA graphs; 1-3 compile it with torch.compile "
-        "(inductor) at start-up and, on CUDA, capture decode steps in CUDA graphs (2 and 3 equal 1): ~25 s for "
+        "(inductor) at start-up; on CUDA, 1 captures decode steps in CUDA graphs and 2 and 3 also the other steps "
+        "between their attention calls (cudagraph_mode full_decode_only / full_and_piecewise): ~25 s for "
         "the demo model the first time, ~6 s once inductor's code is cached under $KVTIER_CACHE_DIR/inductor. "
         "Default: $KVTIER_OPTIMIZATION_LEVEL if set, else 1",
         aliases=("-O",), choices=(0, 1, 2, 3), metavar="{0,1,2,3}")
@@ -116,13 +117,15 @@ class EngineConfig:
                                   "warning")
     cudagraph_mode: GraphMode | None = setting(
         None, "CUDA graphs (vLLM's cudagraph_mode): full_decode_only captures steps that only decode, at each "
-        "capture size, and pads a batch up to the next size; none runs every step eagerly; eager_replay runs "
-        "decode steps through the graphs' padded static buffers without capturing (any device: for tests). "
-        "Default: full_decode_only on CUDA at -O1 and up, else none",
+        "capture size, and pads a batch up to the next size; full_and_piecewise also captures every other step "
+        "of up to the largest size in tokens, as graphs between its attention calls (attention runs eagerly on "
+        "the real tokens); none runs every step eagerly; eager_replay runs both through the graphs' padded "
+        "static buffers without capturing (any device: for tests). Default on CUDA: full_decode_only at -O1, "
+        "full_and_piecewise at -O2 and -O3; else none",
         choices=tuple(m.value for m in GraphMode))
     max_cudagraph_capture_size: int | None = setting(
-        None, "largest decode batch captured in a CUDA graph; bigger ones run eagerly (default: max_num_seqs, "
-        "at most 512)", metavar="N")
+        None, "largest decode batch (and, piecewise, step in tokens) captured in a CUDA graph; bigger ones run "
+        "eagerly (default: max_num_seqs, twice that with full_and_piecewise, at most 512)", metavar="N")
     cudagraph_capture_sizes: tuple[int, ...] | None = setting(
         None, "decode batch sizes captured, comma-separated, e.g. 1,2,4,8 (default: 1, 2, 4 and every multiple "
         "of 8 up to max_cudagraph_capture_size)", metavar="N,N,...", check=parse_capture_sizes)
@@ -382,13 +385,17 @@ class EngineConfig:
         mode = None if self.cudagraph_mode is None else GraphMode(self.cudagraph_mode)
         sizes_given = self.cudagraph_capture_sizes is not None or self.max_cudagraph_capture_size is not None
         if mode is None:
-            mode = GraphMode.FULL_DECODE_ONLY if self.device != "cpu" and self.optimization_level > 0 else GraphMode.NONE
+            mode = (GraphMode.NONE if self.device == "cpu" or self.optimization_level == 0  # (LoRA: 0, above)
+                    else GraphMode.FULL_DECODE_ONLY if self.optimization_level == 1 else GraphMode.FULL_AND_PIECEWISE)
         elif mode is not GraphMode.NONE and self.enforce_eager:
             raise ValueError(f"cudagraph_mode={mode.value} and enforce_eager contradict: enforce_eager turns "
                              "CUDA graphs off")
-        if mode is GraphMode.FULL_DECODE_ONLY and self.device == "cpu":
-            raise ValueError("cudagraph_mode=full_decode_only needs a CUDA device (eager_replay runs the same "
+        if mode.captures and self.device == "cpu":
+            raise ValueError(f"cudagraph_mode={mode.value} needs a CUDA device (eager_replay runs the same "
                              "buffers on CPU)")
+        if mode is not GraphMode.NONE and self.enable_lora:
+            # A graph would replay the step its capture saw: no adapter rows.
+            raise ValueError(f"cudagraph_mode={mode.value} does not work with enable_lora yet")
         if mode is not GraphMode.NONE and self.tensor_parallel_size > 1:
             raise ValueError(f"cudagraph_mode={mode.value} does not work with tensor_parallel_size="
                              f"{self.tensor_parallel_size} yet")
@@ -405,7 +412,8 @@ class EngineConfig:
                 raise ValueError(f"max_cudagraph_capture_size={self.max_cudagraph_capture_size} differs from the "
                                  f"largest of cudagraph_capture_sizes ({sizes[-1]}): give one of them")
         else:
-            sizes = default_capture_sizes(self.max_cudagraph_capture_size or min(self.max_num_seqs, 512))
+            seqs = self.max_num_seqs * (2 if mode is GraphMode.FULL_AND_PIECEWISE else 1)  # vLLM's default
+            sizes = default_capture_sizes(self.max_cudagraph_capture_size or min(seqs, 512))
         object.__setattr__(self, "cudagraph_mode", mode)
         object.__setattr__(self, "cudagraph_capture_sizes", sizes)
         object.__setattr__(self, "max_cudagraph_capture_size", sizes[-1])

@@ -15,12 +15,25 @@ log = logging.getLogger(__name__)
 
 
 class GraphMode(str, enum.Enum):
-    """`--cudagraph-mode` (engine/runner/graphs.py): NONE runs every step eagerly; FULL_DECODE_ONLY
-    (vLLM's name) captures steps that only decode in CUDA graphs; EAGER_REPLAY runs those steps
-    through the same static, padded buffers without capturing, on any device (for tests)."""
+    """`--cudagraph-mode`: NONE runs every step eagerly; FULL_DECODE_ONLY (vLLM's name) captures
+    steps that only decode in CUDA graphs (engine/runner/graphs.py); FULL_AND_PIECEWISE (vLLM's)
+    also captures every other step of up to the largest capture size in tokens as graphs between
+    its attention calls (engine/runner/piecewise.py); EAGER_REPLAY runs both through the same
+    static, padded buffers without capturing, on any device (for tests)."""
     NONE = "none"
     FULL_DECODE_ONLY = "full_decode_only"
+    FULL_AND_PIECEWISE = "full_and_piecewise"
     EAGER_REPLAY = "eager_replay"
+
+    @property
+    def captures(self) -> bool:
+        """CUDA graphs are captured (a CUDA device, memory for their pool)."""
+        return self in (GraphMode.FULL_DECODE_ONLY, GraphMode.FULL_AND_PIECEWISE)
+
+    @property
+    def piecewise(self) -> bool:
+        """Steps that do not only decode run through engine/runner/piecewise.py."""
+        return self in (GraphMode.FULL_AND_PIECEWISE, GraphMode.EAGER_REPLAY)
 
 
 def default_capture_sizes(max_size: int) -> tuple[int, ...]:

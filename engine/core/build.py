@@ -14,7 +14,7 @@ import torch
 
 from connectors.base import KVConnector, NullConnector
 from connectors.factory import supports_kv_groups
-from engine.config import CPU_KV_CACHE_GIB, EngineConfig, GraphMode
+from engine.config import CPU_KV_CACHE_GIB, EngineConfig
 from engine.core import gpu_memory
 from engine.core.connector_setup import OffloadQuant, OffloadSettings, make_connector
 from engine.core.request_factory import RequestFactory
@@ -172,7 +172,7 @@ def build(config: EngineConfig) -> EngineParts:
         num_blocks = gpu_memory.profiled_num_blocks(
             model, mc, config.device, config.gpu_memory_utilization, per_block,
             step_token_budget(config, max_len), config.max_num_seqs, bs, max_len,
-            graph_tokens=config.max_cudagraph_capture_size if config.cudagraph_mode is GraphMode.FULL_DECODE_ONLY else 0)
+            graph_tokens=config.max_cudagraph_capture_size if config.cudagraph_mode.captures else 0)
     else:
         num_blocks = config.num_gpu_blocks or int((config.kv_cache_memory_gib or CPU_KV_CACHE_GIB) * 2**30 // per_block)
         warn_unused_gpu_memory_utilization(config)
@@ -210,7 +210,8 @@ def build(config: EngineConfig) -> EngineParts:
                          max_rows=config.max_num_seqs, max_model_len=max_len,
                          forward=CompiledForward(model, backend) if compiled else None,
                          aux_layer_ids=plan.aux_layer_ids if plan is not None else (), layout=layout, peers=ranks,
-                         graph_mode=graph_mode, capture_sizes=config.cudagraph_capture_sizes or (), lora=slots)
+                         graph_mode=graph_mode, capture_sizes=config.cudagraph_capture_sizes or (), lora=slots,
+                         backend=backend)
     if config.device != "cpu":
         threads = None
     elif ranks is not None:  # rank 0 runs on its share of the CPUs; the governor does not move ranks

@@ -18,8 +18,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
 import torch
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
@@ -31,21 +31,55 @@ from kvstore.cache_dir import cache_root
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class _StepContext:
-    backend: AttentionBackend
-    caches: list[tuple[torch.Tensor, torch.Tensor]]
-    meta: AttentionMetadata
+@dataclass(frozen=True, eq=False)
+class AttentionCall:
+    """One `kvtier::attention` call: a decoder layer's q/k/v and how it attends."""
+    q: torch.Tensor  # [tokens, heads, head_dim]
+    k: torch.Tensor
+    v: torch.Tensor
+    layer: int
+    scale: float
+    window: int
+    k_scale: float
+    v_scale: float
 
+    def rows(self, n: int) -> AttentionCall:
+        """The call on the first `n` rows (a padded step's real tokens)."""
+        return replace(self, q=self.q[:n], k=self.k[:n], v=self.v[:n])
+
+    def run(self, backend: AttentionBackend, caches: list[tuple[torch.Tensor, torch.Tensor]],
+            meta: AttentionMetadata) -> torch.Tensor:
+        """Writes k/v into the layer's cache and returns `[tokens, heads * head_dim]`."""
+        k_cache, v_cache = caches[self.layer]
+        kv_scale = UNSCALED if self.k_scale == self.v_scale == 1.0 else KVScale(self.k_scale, self.v_scale)
+        return backend.forward(self.q, self.k, self.v, k_cache, v_cache, meta.for_layer(self.layer), self.scale,
+                               self.window, kv_scale)
+
+
+@dataclass(frozen=True)
+class StepContext:
+    backend: AttentionBackend
+    caches: list[tuple[torch.Tensor, torch.Tensor]] | None
+    meta: AttentionMetadata | None
+    # engine/runner/piecewise.py: takes every attention call instead (pads, records, splits graphs)
+    split: Callable[[AttentionCall, StepContext], torch.Tensor] | None = None
+
+    def run(self, call: AttentionCall) -> torch.Tensor:
+        if self.meta is None:
+            raise RuntimeError("kvtier::attention: this step context has no attention metadata")
+        return call.run(self.backend, self.caches, self.meta)
+
+
+Split = Callable[[AttentionCall, StepContext], torch.Tensor]
 
 _local = threading.local()  # `.step`: the step this thread is running (engines in other threads have theirs)
 
 
 @contextlib.contextmanager
-def step_context(backend: AttentionBackend, caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 meta: AttentionMetadata) -> Iterator[None]:
+def step_context(backend: AttentionBackend, caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                 meta: AttentionMetadata | None, split: Split | None = None) -> Iterator[None]:
     outer = getattr(_local, "step", None)
-    _local.step = _StepContext(backend, caches, meta)
+    _local.step = StepContext(backend, caches, meta, split)
     try:
         yield
     finally:
@@ -58,15 +92,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sca
     """`AttentionBackend.forward` for decoder layer `layer` (sliding `window`, 0 = none; an fp8
     cache's `KVScale(k_scale, v_scale)`) of the step in `step_context`: writes k/v into that
     layer's cache (state the graph does not see, so nothing is declared mutated) and returns
-    `[num_tokens, heads * head_dim]`."""
+    `[num_tokens, heads * head_dim]`. With the context's `split` set, the call goes there."""
     ctx = getattr(_local, "step", None)
     if ctx is None:
         raise RuntimeError("kvtier::attention called outside a model step")
-    k_cache, v_cache = ctx.caches[layer]
     if q.stride()[1:] != (q.shape[2], 1):  # the kernels need contiguous heads; inductor may lay q out otherwise
         q = q.contiguous()
-    kv_scale = UNSCALED if k_scale == v_scale == 1.0 else KVScale(k_scale, v_scale)
-    return ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta.for_layer(layer), scale, window, kv_scale)
+    call = AttentionCall(q, k, v, layer, scale, window, k_scale, v_scale)
+    return ctx.split(call, ctx) if ctx.split is not None else ctx.run(call)
 
 
 @attention.register_fake
@@ -109,14 +142,29 @@ class CompiledForward:
         self._compiled = False
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 meta: AttentionMetadata, capture: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                 meta: AttentionMetadata | None, capture: tuple[int, ...],
+                 split: Split | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         start = time.perf_counter()
         torch._dynamo.decorators.mark_unbacked(input_ids, 0)
         torch._dynamo.decorators.mark_unbacked(positions, 0)
-        with step_context(self.backend, caches, meta):
+        with step_context(self.backend, caches, meta, split):
             out = self._fn(input_ids, positions, None, None, capture)
         if not self._compiled:
             self._compiled = True
             log.info("torch.compile: model compiled in %.1f s, on its first forward (inductor cache: %s)",
                      time.perf_counter() - start, os.environ["TORCHINDUCTOR_CACHE_DIR"])
         return out
+
+
+class EagerThroughOp:
+    """The eager model with its attention through `kvtier::attention`, as compiled: the forward
+    engine/runner/piecewise.py splits when the model is not compiled. Same call as CompiledForward."""
+
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend) -> None:
+        self.model, self.backend = model, backend
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 meta: AttentionMetadata | None, capture: tuple[int, ...],
+                 split: Split | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        with step_context(self.backend, caches, meta, split):
+            return self.model(input_ids, positions, None, None, capture)

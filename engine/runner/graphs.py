@@ -46,7 +46,7 @@ def graph_mode_for(mode: GraphMode, model: torch.nn.Module) -> GraphMode:
     """`mode` (config.cudagraph_mode), unless the model syncs with the host inside its forward (MoE
     routing reads expert counts), which a CUDA graph cannot hold: then decode runs eagerly, and the
     log says so."""
-    if mode is GraphMode.FULL_DECODE_ONLY and any(getattr(m, "syncs_with_host", False) for m in model.modules()):
+    if mode.captures and any(getattr(m, "syncs_with_host", False) for m in model.modules()):
         log.warning("CUDA graphs off for %s: its MoE layers read expert counts on the host each step "
                     "(engine/models/moe.py), which a graph cannot replay; decode runs eagerly", type(model).__name__)
         return GraphMode.NONE
@@ -170,16 +170,16 @@ class DecodeGraphs:
         return hidden[:b], [c[:b] for c in captured]
 
     @torch.inference_mode()
-    def capture(self, forward: Forward, caches: list) -> None:
+    def capture(self, forward: Forward, caches: list, pool: tuple | None = None) -> None:
         """Captures every size, largest first into one shared pool (smaller graphs reuse its
         blocks). Each size runs once eagerly first, so lazy work (Triton compiles, cuBLAS
         handles) happens outside the capture. The buffers hold padding rows only then: every row
-        writes `pad_block`."""
-        if self.mode is not GraphMode.FULL_DECODE_ONLY:
+        writes `pad_block`. `pool`: a pool to share (the piecewise graphs'), else a new one."""
+        if not self.mode.captures:
             return
         start, dev = time.perf_counter(), self.ids.device
         free_before = torch.cuda.mem_get_info(dev)[0]
-        pool = torch.cuda.graph_pool_handle()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):

@@ -11,10 +11,12 @@ from typing import Protocol
 
 import torch
 
-from engine.runner.attention import AttentionMetadata, DecodeGroup, PrefillSeq
+from engine.runner.attention import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillSeq
+from engine.runner.compiled import EagerThroughOp
 from engine.model_config import ModelConfig
 from engine.config import GraphMode
 from engine.runner.graphs import DecodeGraphs
+from engine.runner.piecewise import PiecewiseGraphs
 from engine.runner.h2d import to_device
 from engine.runner.step_timer import StepTimer
 from engine.runner.input_batch import InputBatch
@@ -140,18 +142,23 @@ class ModelRunner:
                  aux_layer_ids: tuple[int, ...] = (), layout: KVLayout | None = None,
                  peers: Peers | None = None, computes_logits: bool = True, graph_mode: GraphMode = GraphMode.NONE,
                  capture_sizes: tuple[int, ...] = (), lora: LoRASlots | None = None,
-                 one_token_prefills: bool = False) -> None:
+                 one_token_prefills: bool = False, backend: AttentionBackend | None = None) -> None:
         """`peers`: the other tensor-parallel ranks (engine/parallel/ranks.py), sent each step before
         this rank runs its shard; `computes_logits=False`: a worker rank, whose logits nobody reads;
         `graph_mode`/`capture_sizes`: decode steps through CUDA graphs (engine/runner/graphs.py),
         which pad into one more G1 block than the scheduler's `num_blocks`. `lora`: the adapters'
         slots in the model's projections (engine/lora/slots.py), told each step's rows.
-        `one_token_prefills`: the backend's (a one-token prompt chunk goes to its prefill)."""
+        `one_token_prefills`: the backend's (a one-token prompt chunk goes to its prefill). `backend`:
+        the attention backend; given, a piecewise `graph_mode` also runs the steps that do not only
+        decode through engine/runner/piecewise.py (drafts leave it out)."""
         self.model = model
         self.lora = lora
         self.peers = peers
         self.computes_logits = computes_logits
         self.forward = forward or model  # engine/runner/compiled.py's CompiledForward, or the eager model
+        self._backend = backend
+        # The forward with attention through the op the piecewise graphs split at.
+        self._op_forward = forward if forward is not None or backend is None else EagerThroughOp(model, backend)
         self.group_decodes = group_decodes  # the backend's `pads_decodes`
         self.one_token_prefills = one_token_prefills
         self.cfg = cfg
@@ -181,6 +188,8 @@ class ModelRunner:
                                    pad_block=num_blocks, device=device, masks=group_decodes,
                                    layer_groups=self.layer_groups if len(self.layout.groups) > 1 else (),
                                    capture_ids=self.capture_ids) if graphs else None
+        self.pieces = PiecewiseGraphs(graph_mode, capture_sizes, device=device, capture_ids=self.capture_ids) \
+            if graph_mode.piecewise and backend is not None else None
         # With decode graphs, a speculative verify entry (1 + k tokens over cached context) becomes
         # 1 + k decode rows, row j seeing the context up to its own token (the step writes all of
         # their K/V before attending), so verify steps replay the decode graphs too. Each row reads
@@ -197,6 +206,8 @@ class ModelRunner:
     def use_eager(self) -> None:
         """Runs the model as it is from now on (the compiled forward failed)."""
         self.forward = self.model
+        if self._backend is not None:
+            self._op_forward = EagerThroughOp(self.model, self._backend)
 
     def synchronize(self) -> None:
         """Waits for the queued device work: on a GPU a forward returns once launched, and a step's
@@ -209,9 +220,14 @@ class ModelRunner:
         return StepTimer(self._dev)
 
     def capture_graphs(self) -> None:
-        """Captures the decode graphs (after warm-up: the forward is compiled, G1 in place)."""
-        if self.graphs is not None:
-            self.graphs.capture(self.forward, self.layer_caches)
+        """Captures the decode graphs and the piecewise ones, into one pool (after warm-up: the forward
+        is compiled, G1 in place)."""
+        if self.graphs is None or not self.graphs.mode.captures:
+            return
+        pool = torch.cuda.graph_pool_handle()
+        self.graphs.capture(self.forward, self.layer_caches, pool)
+        if self.pieces is not None:
+            self.pieces.capture(self._op_forward, self.layer_caches, pool)
 
     def release(self, req_id: RequestId) -> None:
         """The request finished: its input-batch row is free for another (on every rank)."""
@@ -251,6 +267,9 @@ class ModelRunner:
                                           mm=step.mm)
         elif self.graphs is not None and self.graphs.fits(step.meta, step.input_ids.shape[0]):
             hidden, captured = self.graphs.run(self.forward, self.layer_caches, step.input_ids, step.positions,
+                                               step.meta)
+        elif self.pieces is not None and self.pieces.fits(step.input_ids.shape[0]):
+            hidden, captured = self.pieces.run(self._op_forward, self.layer_caches, step.input_ids, step.positions,
                                                step.meta)
         else:
             hidden, captured = self.forward(step.input_ids, step.positions, self.layer_caches, step.meta, capture)

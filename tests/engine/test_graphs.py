@@ -99,8 +99,8 @@ def test_every_model_kind_decodes_the_same_through_the_graph_buffers(kind, ckpt_
     pair["on"].engine.check_integrity()
 
 
-@pytest.mark.parametrize("feature", ["compiled", "chunked-preempted-prefix", "async", "ngram", "draft", "eagle3"])
-def test_graph_buffers_compose_with_engine_features(feature, llama_ckpt, monkeypatch, tmp_path):
+def _feature_kw(feature: str, llama_ckpt, tmp_path) -> tuple[dict, list[int] | None]:
+    """An engine feature's settings over the base ones, and a prompt prefix the requests share."""
     kw: dict = dict(num_gpu_blocks=128, optimization_level=0)
     shared = None
     if feature == "compiled":
@@ -121,6 +121,12 @@ def test_graph_buffers_compose_with_engine_features(feature, llama_ckpt, monkeyp
         # Fixed proposal lengths: the adaptive ones follow measured step times, so no two runs schedule alike.
         kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                                     "adaptive": False}
+    return kw, shared
+
+
+@pytest.mark.parametrize("feature", ["compiled", "chunked-preempted-prefix", "async", "ngram", "draft", "eagle3"])
+def test_graph_buffers_compose_with_engine_features(feature, llama_ckpt, monkeypatch, tmp_path):
+    kw, shared = _feature_kw(feature, llama_ckpt, tmp_path)
     pair = _pair(str(llama_ckpt), **kw)
     runner = pair["on"].engine.runner
     verify_replays = []  # verify steps (more logits rows than sampling entries) that replayed a graph
