@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 from fastapi.responses import Response
 
 from engine.sample.prompt_logprobs import with_ranks
-from kvstore.threads import lower_priority
 
 if TYPE_CHECKING:
     from server.api import Choice
@@ -159,7 +158,6 @@ def _encode(value: Any, parts: list[bytes], memo: dict[int, bytes], depth: int) 
         parts.append(memo[id(value)])
 
 
-RESPONSE_NICE = 19  # a large response's building yields to the forward (the engine core's threads)
 RESPONSE_THREADS = 2
 _heavy_pool: ThreadPoolExecutor | None = None
 
@@ -168,15 +166,17 @@ async def json_response(build: Callable[[], dict[str, Any]], heavy: bool = False
     """A generation response, built by `build` and encoded on a worker thread: n choices with
     prompt log-probs make tens of MB of JSON from 75k formatted log-prob entries (seconds on the
     event loop, where every other request waited, issue 38). A `heavy` one (log-probs asked for)
-    runs at nice 19: at normal priority that burst of CPU slowed the forward beside it (a probe's
-    steps 30 -> 190 ms on 2 cores). Others keep normal priority: a nice-19 thread beside a busy
-    neighbour gets ~1.5% of a core, and a small response would wait for it."""
+    goes to a pool of its own, so that a few of them never take every thread the default pool has.
+    Its threads keep normal priority: at nice 19, beside a busy engine core (one CPU-bound process
+    per core), the thread was descheduled for long stretches while it held the GIL, so the event
+    loop stalled (a probe at 0.91 s against 0.12 s idle) and the response took 17 s instead of
+    1.0-1.6 s (tests/server/test_hostile_requests.py); with idle neighbours, nice 19 bought little
+    (benchmarks/hostile.py, demo model, worst probe 1.8x idle against 1.9-2.0x at nice 0)."""
     global _heavy_pool
     pool = None
     if heavy:
         if _heavy_pool is None:
-            _heavy_pool = ThreadPoolExecutor(RESPONSE_THREADS, "kvtier-response", initializer=lower_priority,
-                                             initargs=(RESPONSE_NICE,))
+            _heavy_pool = ThreadPoolExecutor(RESPONSE_THREADS, "kvtier-response")
         pool = _heavy_pool
     content = await asyncio.get_running_loop().run_in_executor(pool, lambda: encode_body(build()))
     return Response(content, media_type="application/json")

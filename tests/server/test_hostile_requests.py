@@ -240,3 +240,32 @@ def test_a_long_compile_beside_busy_neighbours_leaves_the_probe_alone(raised):
             p.wait()
     assert r.status_code in (200, 400), r.text
     assert_probe_kept_up(probe, idle)
+
+
+def test_a_heavy_response_beside_busy_neighbours_leaves_the_probe_alone(server):
+    """prompt_logprobs=20 with n=16 (tens of MB of JSON, built on the API's response pool) with one
+    CPU-bound process per core beside the server: the thread building it must not stall the API's
+    event loop (a thread that holds the GIL and is descheduled stops every other one)."""
+    import os
+    import subprocess
+    import sys
+
+    body = {"prompt": random_prompt(1500, 3802), "max_tokens": 2, "n": 16, "prompt_logprobs": 20, "temperature": 0,
+            "ignore_eos": True}
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        time.sleep(0.5)
+        idle = idle_latency(server)
+        with Probe(server) as probe, server.client(timeout=300) as c:
+            t0 = time.monotonic()
+            r = c.post("/v1/completions", json=body)
+            took = time.monotonic() - t0
+            time.sleep(0.5)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert r.status_code == 200, r.text
+    print(f"heavy response {took:.2f}s; probes: idle {idle:.3f}s, worst {max(probe.latencies):.2f}s, "
+          f"median {statistics.median(probe.latencies):.3f}s over {len(probe.latencies)}")
+    assert_probe_kept_up(probe, idle)
