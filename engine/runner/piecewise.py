@@ -93,9 +93,12 @@ class PiecewiseGraphs:
         self._captured: dict[int, _Captured] = {}
         self._replays = dict.fromkeys(sizes, 0)
         self._eager = 0
+        self._failed: str | None = None  # why the capture failed: steps then run as without pieces
 
     def fits(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` runs here; counts the ones too big."""
+        if self._failed is not None:
+            return False
         if num_tokens > self.sizes[-1]:
             self._eager += 1
             return False
@@ -145,18 +148,27 @@ class PiecewiseGraphs:
     def capture(self, forward: OpForward, caches: list, pool: tuple) -> None:
         """Captures every size, largest first, into `pool` (shared with the decode graphs: no two
         graphs' steps overlap). Each size first runs once without attention (`n` = 0), so lazy
-        work happens outside the capture and the static buffers exist."""
+        work happens outside the capture and the static buffers exist. A capture that fails (an
+        op that cannot be captured) is logged and leaves those steps to run as without pieces: the
+        engine then starts as with full_decode_only."""
         if not self.mode.captures:
             return
         start, dev = time.perf_counter(), self.ids.device
         free_before = torch.cuda.mem_get_info(dev)[0]
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):
-                forward(self.ids[:size], self.positions[:size], caches, None, self.capture_ids,
-                        split=self._eager_split(0, size))
-                self._captured[size] = self._capture(forward, caches, size, pool)
+        size = self.sizes[-1]
+        try:
+            with torch.cuda.stream(stream):
+                for size in reversed(self.sizes):
+                    forward(self.ids[:size], self.positions[:size], caches, None, self.capture_ids,
+                            split=self._eager_split(0, size))
+                    self._captured[size] = self._capture(forward, caches, size, pool)
+        except RuntimeError as e:  # CUDA's capture errors (torch.cuda reports them as RuntimeError)
+            self._failed, self._captured = f"{type(e).__name__}: {e}", {}
+            log.error("piecewise CUDA graphs: the capture at %d tokens failed (%s); steps that do not only decode "
+                      "run without graphs (--cudagraph-mode full_decode_only skips this capture)", size, self._failed)
+            return
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
         pieces = len(self._captured[self.sizes[-1]].graphs)
