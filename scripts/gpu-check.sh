@@ -10,7 +10,7 @@
 # Everything lands in $OUT (default benchmarks/results/gpu-check): logs, and gpu-check.json with
 # each step's status and the benchmark's figures. Exit status: 0 when every test step passed.
 # For a short lease: STEP_TIMEOUT (seconds per step, default none), PARITY_K (a pytest -k filter
-# for the parity step, e.g. "eager or llama"), BENCH_ARGS (extra benchmarks/gpu.py arguments),
+# for the parity step, e.g. "eager or llama"), GPU_TESTS_K (the same for the tests/gpu step), BENCH_ARGS (extra benchmarks/gpu.py arguments),
 # BENCH_TIMEOUT (seconds for the benchmark and async-scheduling steps, default STEP_TIMEOUT),
 # ASYNC_ARGS (extra benchmarks/async_scheduling.py arguments), SKIP (steps not to run,
 # e.g. "kernel-tests parity-cuda"; a skipped step is -1 in gpu-check.json and does not fail the run).
@@ -52,7 +52,7 @@ run_step() {  # name, then the command; its output goes to $OUT_DIR/<name>.log
 }
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider --durations=10 -o addopts=)
 run_step kernel-tests "${PYTEST[@]}" tests/kernels
-run_step gpu-tests "${PYTEST[@]}" -m gpu tests/gpu
+run_step gpu-tests "${PYTEST[@]}" -m gpu ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} tests/gpu
 run_step parity-cuda env KVTIER_TEST_DEVICE=cuda "${PYTEST[@]}" ${PARITY_K:+-k "$PARITY_K"} tests/engine/test_parity.py
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
 run_step benchmark "$PY" benchmarks/gpu.py --out "$OUT_DIR/benchmark.json" ${BENCH_ARGS:-}
