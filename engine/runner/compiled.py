@@ -56,21 +56,22 @@ class AttentionCall:
                                self.window, kv_scale)
 
 
+Split = Callable[[AttentionCall, "StepContext"], torch.Tensor]  # (call, its step) -> [tokens, heads * head_dim]
+
+
 @dataclass(frozen=True)
 class StepContext:
     backend: AttentionBackend
     caches: list[tuple[torch.Tensor, torch.Tensor]] | None
     meta: AttentionMetadata | None
     # engine/runner/piecewise.py: takes every attention call instead (pads, records, splits graphs)
-    split: Callable[[AttentionCall, StepContext], torch.Tensor] | None = None
+    split: Split | None = None
 
     def run(self, call: AttentionCall) -> torch.Tensor:
         if self.meta is None:
             raise RuntimeError("kvtier::attention: this step context has no attention metadata")
         return call.run(self.backend, self.caches, self.meta)
 
-
-Split = Callable[[AttentionCall, StepContext], torch.Tensor]
 
 _local = threading.local()  # `.step`: the step this thread is running (engines in other threads have theirs)
 

@@ -33,6 +33,18 @@ def padded_size(sizes: tuple[int, ...], batch: int) -> int | None:
     return None
 
 
+def load_inputs(ids: torch.Tensor, positions: torch.Tensor, step_ids: torch.Tensor, step_positions: torch.Tensor,
+                size: int) -> None:
+    """Copies a step's input ids and positions into a graph's static buffers; the rows after them,
+    up to `size`, become padding (token 0 at position 0)."""
+    n = step_ids.shape[0]
+    ids[:n].copy_(step_ids)
+    positions[:n].copy_(step_positions)
+    if size > n:
+        ids[n:size].zero_()
+        positions[n:size].zero_()
+
+
 @dataclass(frozen=True)
 class GraphStats:
     replays: dict[int, int]  # capture size -> steps run at it
@@ -145,11 +157,7 @@ class DecodeGraphs:
         """Copies a fitting step into the buffers; pads up to the capture size."""
         b = input_ids.shape[0]
         size = padded_size(self.sizes, b)
-        self.ids[:b].copy_(input_ids)
-        self.positions[:b].copy_(positions)
-        if size > b:
-            self.ids[b:size].zero_()
-            self.positions[b:size].zero_()
+        load_inputs(self.ids, self.positions, input_ids, positions, size)
         for buffers, m in zip(self._groups, meta.groups or (meta,)):
             buffers.load(m, b, size)
         return size

@@ -32,7 +32,7 @@ import torch
 from engine.config import GraphMode
 from engine.runner.attention import AttentionMetadata
 from engine.runner.compiled import AttentionCall, Split, StepContext
-from engine.runner.graphs import GraphStats, padded_size
+from engine.runner.graphs import GraphStats, load_inputs, padded_size
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +126,7 @@ class PiecewiseGraphs:
         """The hidden states of a fitting step's rows, and the `capture_ids` layers' outputs of them."""
         n = input_ids.shape[0]
         size = padded_size(self.sizes, n)
-        self.ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        if size > n:
-            self.ids[n:size].zero_()
-            self.positions[n:size].zero_()
+        load_inputs(self.ids, self.positions, input_ids, positions, size)
         self._replays[size] += 1
         done = self._captured.get(size)
         if done is None:  # EAGER_REPLAY
