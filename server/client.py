@@ -324,6 +324,9 @@ class EngineClient:
             await asyncio.get_running_loop().run_in_executor(None, self.proc.join, 30)
             if self.proc.is_alive():
                 self.proc.kill()
+        elif self.proc is not None and self.proc.is_alive():  # still starting (or dead to us): nothing to drain
+            self.proc.kill()
+            await asyncio.get_running_loop().run_in_executor(None, self.proc.join, 10)
         self.state = CoreState.STOPPED
         for t in self._tasks:
             t.cancel()

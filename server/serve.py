@@ -210,12 +210,7 @@ def main(argv: list[str]) -> int:
             kwargs.get("kv_offloading_size"), kwargs.get("kv_offload_disk"), kwargs.get("kv_offload_remote")))
         check_shared_tiers(kwargs["kv_transfer_config"], kwargs["kv_offload_remote"],
                            load_secret(kwargs["kv_offload_secret_file"]) is not None, kwargs["kv_offload_remote_trusted"])
-        from engine.runner.loader import load_tokenizer
-
-        tokenizer = load_tokenizer(model_dir)
-        images = image_processor(model_dir, settings.media)
-        if ns.chat_template is not None:  # for chat and /tokenize; a request's own (if trusted) still wins
-            tokenizer.chat_template = load_chat_template(ns.chat_template)
+        chat_template = None if ns.chat_template is None else load_chat_template(ns.chat_template)
     except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
         return _fail(str(e))
     defaults.log_startup()
@@ -229,7 +224,7 @@ def main(argv: list[str]) -> int:
         sock.listen(2048)
     except OSError as e:
         return _fail(f"cannot listen on {settings.host}:{settings.port}: {e.strerror}")
-    return asyncio.run(_serve(ns, kwargs, settings, tokenizer, sock, API, http, logs, stats_log, images))
+    return asyncio.run(_serve(ns, kwargs, settings, (model_dir, chat_template), sock, API, http, logs, stats_log))
 
 
 def make_client(kwargs: dict[str, Any], settings: Any, logs: Any) -> Any:
@@ -245,9 +240,21 @@ def make_client(kwargs: dict[str, Any], settings: Any, logs: Any) -> Any:
     return DataParallelClient([EngineClient(*args, cpus=cpus) for cpus in cpu_sets(n)])
 
 
-async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, tokenizer: Any,
-                 sock: socket.socket, api_cls: Any, http: HttpSettings, logs: Any, stats_log: Any,
-                 images: Any = None) -> int:
+def load_frontend(model_dir: Path, media: MediaSettings, chat_template: str | None) -> tuple[Any, Any]:
+    """The tokenizer (with --chat-template's, for chat and /tokenize; a request's own, if trusted,
+    still wins) and the image processor (None for a text model). ValueError, OSError, ... for a
+    checkpoint or flag they refuse."""
+    from engine.runner.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    images = image_processor(model_dir, media)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer, images
+
+
+async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, frontend: tuple[Path, str | None],
+                 sock: socket.socket, api_cls: Any, http: HttpSettings, logs: Any, stats_log: Any) -> int:
     import uvicorn
 
     from server.client import CoreState, StartupError
@@ -258,8 +265,19 @@ async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, 
 
     client = make_client(kwargs, settings, logs)
     log.info("starting the engine core for %s", settings.model_path)
+    starting = asyncio.ensure_future(client.start(settings.engine_start_timeout))
     try:
-        info = await client.start(settings.engine_start_timeout)
+        # While the core loads the model, this process loads the tokenizer: transformers' imports
+        # and the config take seconds that would otherwise come before the core's own.
+        tokenizer, images = await asyncio.to_thread(load_frontend, frontend[0], settings.media, frontend[1])
+    except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        await client.shutdown(0)
+        sock.close()
+        return _fail(str(e))
+    try:
+        info = await starting
     except StartupError as e:
         await client.shutdown(0)
         sock.close()

@@ -31,7 +31,7 @@ from engine.model_config import ModelConfig, load_model_config, resolve_offload_
 from engine.parallel.ranks import Ranks
 from engine.parallel.shard import TPShard
 from engine.runner import cpu_runtime, cpu_threads
-from engine.runner.compiled import COMPILE_ERRORS, CompiledForward
+from engine.runner.compiled import CompiledForward, compile_errors
 from engine.runner import kv_quant
 from engine.runner.loader import load_model, load_tokenizer, weight_files
 from engine.runner.graphs import graph_mode_for
@@ -101,7 +101,7 @@ def _warm_up(runner: ModelRunner, threads: cpu_threads.ThreadGovernor | cpu_thre
             threads.warm_up(runner.warm_up)
         else:
             runner.warm_up()
-    except COMPILE_ERRORS as e:
+    except compile_errors() as e:
         runner.use_eager()
         log.warning("torch.compile failed, the model runs eagerly (with torch ops, not the fused C++ "
                     "ones; -O0 or --enforce-eager avoid this): %s", str(e).strip().splitlines()[0][:300])

@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from engine.model_config import UNSCALED, KVScale
 from engine.runner.attention import AttentionBackend, AttentionMetadata
@@ -109,15 +108,22 @@ def _(q, k, v, layer, scale, window, k_scale=1.0, v_scale=1.0):
 
 
 def _use_disk_cache() -> None:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # imports dynamo: 2.6 s
+
     # torch writes its /tmp default into the environment on first use (transformers may trigger
     # that while loading): only a value that is not that default is the user's choice.
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
 
 
-# What a failed compile raises (inductor's errors derive from dynamo's): a machine without a C++
-# compiler, an op inductor cannot lower. The engine then runs eagerly and says why.
-COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException,)
+def compile_errors() -> tuple[type[BaseException], ...]:
+    """What a failed compile raises (inductor's errors derive from dynamo's): a machine without a
+    C++ compiler, an op inductor cannot lower. The engine then runs eagerly and says why. A function:
+    importing dynamo takes seconds, which a process that never compiles (the API server, -O0,
+    `kvtier --help`) should not pay."""
+    import torch._dynamo.exc
+
+    return (torch._dynamo.exc.TorchDynamoException,)
 
 
 class CompiledForward:

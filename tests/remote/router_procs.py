@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from redis_procs import free_port
+from eager_servers import eager_unless_chosen
 from server.launch import launch
 
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
@@ -53,7 +54,7 @@ def start_replica(model: Path | str, *args: str, env: dict[str, str] | None = No
     cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
            "replay_endpoint": "tcp://127.0.0.1:*"}
     # vLLM's metric names too: the router scrapes workers' /metrics for load (seen in its PD mode).
-    srv = launch([str(model), *args, "--kv-events-config", json.dumps(cfg), "--metrics-compat", "vllm"],
+    srv = launch(eager_unless_chosen([str(model), *args, "--kv-events-config", json.dumps(cfg), "--metrics-compat", "vllm"]),
                  {"OMP_NUM_THREADS": "1", **(env or {})}, new_session=True)
     m = next((EVENTS_LINE.search(line) for line in srv.lines if EVENTS_LINE.search(line)), None)
     if m is None:

@@ -145,6 +145,7 @@ def test_serve_with_g4_and_no_secret_refuses_to_start(ckpt_dir, redis_proc, monk
 
 @pytest.mark.parametrize("mode", ["secret", "trusted"])
 def test_serve_with_g4_says_which_mode_it_runs(ckpt_dir, redis_proc, tmp_path, monkeypatch, mode):
+    from eager_servers import eager_unless_chosen
     from server.launch import launch
 
     monkeypatch.delenv("KVTIER_KV_SECRET", raising=False)
@@ -154,7 +155,7 @@ def test_serve_with_g4_says_which_mode_it_runs(ckpt_dir, redis_proc, tmp_path, m
     flags = ["--kv-offload-secret-file", str(secret)] if mode == "secret" else ["--kv-offload-remote-trusted"]
     import httpx
 
-    srv = launch([str(ckpt_dir("llama")), "--num-gpu-blocks", "64", "--kv-offload-remote", redis_proc.url, *flags],
+    srv = launch(eager_unless_chosen([str(ckpt_dir("llama")), "--num-gpu-blocks", "64", "--kv-offload-remote", redis_proc.url, *flags]),
                  {"OMP_NUM_THREADS": "1"})
     try:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": random_prompt(40, 3), "max_tokens": 2}, timeout=60)

@@ -8,7 +8,7 @@ from serving import start_server
 @pytest.fixture(scope="module")
 def demo_server():
     """The README's command: `kvtier serve` on the embedded demo model."""
-    srv = start_server("--max-model-len", "2048", "--kv-cache-memory", "0.5")
+    srv = start_server("--max-model-len", "2048", "--kv-cache-memory", "0.5", compiled=True)
     yield srv
     srv.stop()
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from eager_servers import eager_unless_chosen
 
 from server.launch import launch
 
@@ -56,10 +57,12 @@ class Server:
         raise AssertionError(f"no engine-core child of {self.proc.pid} among {out}")
 
 
-def start_server(*args: str, env: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S) -> Server:
-    """`kvtier serve ARGS --port 0`; returns once it prints its URL (raises with its log if it exits)."""
+def start_server(*args: str, env: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S,
+                 compiled: bool = False) -> Server:
+    """`kvtier serve ARGS --port 0`; returns once it prints its URL (raises with its log if it exits).
+    Eager unless `compiled` or ARGS choose a level (`eager_unless_chosen`)."""
     threads = {"OMP_NUM_THREADS": os.environ.get("KVTIER_TEST_THREADS", "1")}
-    srv = launch(list(args), {**threads, **(env or {})}, timeout)
+    srv = launch(list(args) if compiled else eager_unless_chosen(list(args)), {**threads, **(env or {})}, timeout)
     return Server(srv.proc, srv.url, srv.model, srv.lines)
 
 

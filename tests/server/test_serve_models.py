@@ -18,7 +18,7 @@ CACHED_LAYERS = {"gemma4": 3, "gemma4_moe": 4}
 def test_served_greedy_tokens_are_transformers(ckpt_dir, kind):
     prompt = random_prompt(60, 5401)  # longer than the sliding kinds' window
     want = hf_greedy(load_hf(ckpt_dir(kind)), prompt, 12)
-    srv = start_server(str(ckpt_dir(kind)), "--num-gpu-blocks", "64", "--dtype", "float32")
+    srv = start_server(str(ckpt_dir(kind)), "--num-gpu-blocks", "64", "--dtype", "float32", compiled=True)
     try:
         with srv.client() as c:
             r = c.post("/v1/completions", json={"model": srv.model, "prompt": prompt, "max_tokens": 12,
