@@ -46,7 +46,8 @@ of their conversation's previous turn (round robin: about half). kv_aware's own 
 JSON: of its decisions, how many credited a cached prefix. Medians over --runs. Target (reported,
 not enforced): kv_aware_g4's TTFT p50 at least 2x lower than rr's, and lower than cache_aware_g4's.
 
---smoke runs every mode once on a tiny random checkpoint and a dozen requests (checks the script).
+--smoke runs every mode once on a tiny random checkpoint and a dozen requests, replicas at -O 0 (checks the
+script).
 """
 from __future__ import annotations
 
@@ -120,7 +121,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                     help="extra `kvtier serve` argument, every replica (repeatable)")
     ap.add_argument("--smoke", action="store_true",
-                    help="tiny random model, 12 requests, every mode once (checks the script)")
+                    help="tiny random model, 12 requests, every mode once, replicas at -O 0 unless "
+                         "--server-arg chooses (checks the script)")
     ap.add_argument("--request-timeout", type=float, default=600, help="seconds per request (default %(default)s)")
     ap.add_argument("--out", type=Path, default=None,
                     help="JSON results (default benchmarks/results/fleet.json, fleet-smoke.json with --smoke)")
@@ -131,6 +133,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.smoke:  # small enough for a test: every mode once, seconds of serving each
         args.sessions, args.duration, args.think, args.num_requests, args.runs = 6, 20.0, 5.0, 12, 1
         args.output_tokens, args.concurrency = 3, 2
+        args.server_arg = ["-O", "0", *args.server_arg]  # compiling is ~5 s of each replica's start; a later -O wins
     if min(args.sessions, args.concurrency, args.runs, args.output_tokens - 1, args.num_requests or 1) < 1:
         ap.error("--sessions, --num-requests, --concurrency and --runs must be >= 1, --output-tokens >= 2")
     if not 0 < args.g2_fraction <= 1 or args.scale <= 0 or args.turns < 1:

@@ -49,12 +49,14 @@ class Replica:
         return httpx.get(self.url + "/v1/kv/stats", timeout=10).json()
 
 
-def start_replica(model: Path | str, *args: str, env: dict[str, str] | None = None) -> Replica:
-    """`kvtier serve MODEL ARGS` publishing KV events on a loopback port the OS picks."""
+def start_replica(model: Path | str, *args: str, env: dict[str, str] | None = None, eager: bool = False) -> Replica:
+    """`kvtier serve MODEL ARGS` publishing KV events on a loopback port the OS picks; `eager`: at
+    -O 0 unless ARGS choose a level (the tests' replicas: tests/eager_servers.py)."""
     cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
            "replay_endpoint": "tcp://127.0.0.1:*"}
     # vLLM's metric names too: the router scrapes workers' /metrics for load (seen in its PD mode).
-    srv = launch(eager_unless_chosen([str(model), *args, "--kv-events-config", json.dumps(cfg), "--metrics-compat", "vllm"]),
+    flags = [str(model), *args, "--kv-events-config", json.dumps(cfg), "--metrics-compat", "vllm"]
+    srv = launch(eager_unless_chosen(flags) if eager else flags,
                  {"OMP_NUM_THREADS": "1", **(env or {})}, new_session=True)
     m = next((EVENTS_LINE.search(line) for line in srv.lines if EVENTS_LINE.search(line)), None)
     if m is None:

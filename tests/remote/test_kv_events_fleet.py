@@ -28,7 +28,7 @@ def test_the_residency_view_matches_each_replicas_stats(ckpt_dir, tmp_path):
             # G1 small enough that it evicts (removal events), G2 of 24 offload blocks (evicts too).
             replicas.append(start_replica(model, "--served-model-name", "tiny", "--num-gpu-blocks", "32",
                                           "--kv-offloading-size", "0.0001", "--kv-offload-disk", str(tmp_path / name),
-                                          "--kv-offload-remote", redis.url, "--kv-offload-remote-trusted"))
+                                          "--kv-offload-remote", redis.url, "--kv-offload-remote-trusted", eager=True))
         cmd = [sys.executable, "-m", "server.cli", "kv", "events", *(f"{n}={r.events}" for n, r in zip("ab", replicas)),
                "--json", "--interval", "1"]
         for name, r in zip("ab", replicas):

@@ -42,7 +42,8 @@ def fleet(ckpt_dir, tmp_path_factory):
     try:
         for _ in range(2):
             replicas.append(start_replica(model, "--served-model-name", "tiny", "--num-gpu-blocks", "256",
-                                          "--kv-offloading-size", "0.02", "--kv-offload-remote", redis.url, "--kv-offload-remote-trusted"))
+                                          "--kv-offloading-size", "0.02", "--kv-offload-remote", redis.url, "--kv-offload-remote-trusted",
+                                          eager=True))
         router = start_router(replicas, "kv_aware", "tiny")
         yield model, redis, replicas, router
     finally:

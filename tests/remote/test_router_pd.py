@@ -30,11 +30,11 @@ def pd_fleet(ckpt_dir, tmp_path_factory):
     try:
         common = ("--served-model-name", "tiny", "--num-gpu-blocks", "256", "--kv-offload-remote", redis.url,
                   "--kv-offload-remote-trusted")
-        prefill = start_replica(model, *common)
+        prefill = start_replica(model, *common, eager=True)
         procs.append(prefill)
-        decode = start_replica(model, *common, "--enable-log-requests")  # what it served, per request
+        decode = start_replica(model, *common, "--enable-log-requests", eager=True)  # what it served, per request
         procs.append(decode)
-        single = start_replica(model, "--served-model-name", "tiny", "--num-gpu-blocks", "256")
+        single = start_replica(model, "--served-model-name", "tiny", "--num-gpu-blocks", "256", eager=True)
         procs.append(single)
         router = start_router([], "round_robin", "tiny", "--vllm-pd-disaggregation", "--prefill", prefill.url,
                               "--decode", decode.url)
