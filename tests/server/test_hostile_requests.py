@@ -94,7 +94,8 @@ def assert_probe_kept_up(probe: Probe, idle: float) -> None:
 
 @pytest.fixture(scope="module")
 def server(ckpt_dir):
-    srv = start_server(str(ckpt_dir("llama")), "--served-model-name", "tiny", "--num-gpu-blocks", "512")
+    # Compiled, as users run it: the probes' latencies under attack are the default engine's.
+    srv = start_server(str(ckpt_dir("llama")), "--served-model-name", "tiny", "--num-gpu-blocks", "512", compiled=True)
     yield srv
     srv.stop()
 
@@ -186,7 +187,7 @@ def raised(ckpt_dir):
     limits = {"bad_words": 100_000, "choice": 100_000, "choice_chars": 10_000_000, "schema_bytes": 10_000_000,
               "schema_depth": 1000, "schema_enum": 100_000, "tools": 5000, "compile_timeout_s": 1.0}
     srv = start_server(str(ckpt_dir("llama")), "--served-model-name", "tiny", "--num-gpu-blocks", "512",
-                       "--request-limits", json.dumps(limits))
+                       "--request-limits", json.dumps(limits), compiled=True)
     yield srv
     srv.stop()
 
