@@ -18,10 +18,11 @@ demo: setup
 	$(BIN)/kvtier generate --chat "What is the capital of France?" --max-tokens 32
 
 # Two pytest workers by default (this project's CI machine has 2 cores); a test file's tests stay
-# on one worker, so a module's server fixture starts once. TEST_WORKERS=0 runs them in-process.
+# on one worker, so a module's server fixture starts once, and the longest files start first
+# (tests/file_order.py). TEST_WORKERS=0 runs them in-process.
 TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # speculators 0.9.0 in its own venv (.venv-speculators, ~2.5 min and 1.5 GB once): the oracle that
 # tests/server/test_speculators_oracle.py runs when it exists.
@@ -30,7 +31,7 @@ speculators-venv:
 
 # Includes the slow tests (the real demo model end to end).
 test-all: setup
-	$(BIN)/python -m pytest -m "slow or not slow" -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -m "slow or not slow" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The benchmarks draw a PNG beside their JSON (benchmarks/_plots.py) with matplotlib, the `bench`
 # extra: installed here, not by `setup`, so `make test` never needs it. Each bench-* target then

@@ -20,6 +20,9 @@ for _p in (_TESTS_DIR, _TESTS_DIR.parent):
 
 import checkpoints  # noqa: E402
 
+# The longest test files start first under xdist (tests/file_order.py).
+pytest_plugins = ["file_order"]
+
 # Triton reads TRITON_INTERPRET when a kernel is *defined*, i.e. when engine.kernels is first
 # imported, and any test module may import it (tests/engine uses engine.kernels.reference): set it
 # here, before any test module is collected, or the kernel tests skip as "not interpreting".
