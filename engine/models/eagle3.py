@@ -23,7 +23,7 @@ from torch import nn
 from engine.runner.attention import AttentionBackend, AttentionMetadata
 from engine.model_config import ModelConfig
 from engine.runner.loader import iter_safetensors
-from engine.models.llama import MLP, Attention, RMSNorm, rope_tables
+from engine.models.llama import MLP, Attention, RMSNorm, rope_tables, unset_embedding
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         lc, h = cfg.layer, cfg.layer.hidden_size
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(lc.vocab_size, h)
+        self.embed_tokens = unset_embedding(lc.vocab_size, h)
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, h, bias=False)
         self.hidden_norm = RMSNorm(h, lc.rms_norm_eps)
         self.input_layernorm = RMSNorm(h, lc.rms_norm_eps)

@@ -24,7 +24,7 @@ from torch import nn
 from engine.runner.attention import AttentionBackend, AttentionMetadata
 from engine.model_config import UNSCALED, KVScale, ModelConfig
 from engine.models.gemma3 import Gemma3ForCausalLM
-from engine.models.llama import _rotate_half
+from engine.models.llama import _rotate_half, unset_embedding
 from engine.models.moe import Experts
 
 _SHARED_KV_WEIGHTS = ("k_proj", "v_proj", "k_norm", "v_norm")
@@ -179,7 +179,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         self.ple = int(getattr(hf, "hidden_size_per_layer_input", 0) or 0)
         if self.ple:
             n, h = cfg.num_layers, cfg.hidden_size
-            self.embed_tokens_per_layer = nn.Embedding(hf.vocab_size_per_layer_input, n * self.ple)
+            self.embed_tokens_per_layer = unset_embedding(hf.vocab_size_per_layer_input, n * self.ple)
             self.per_layer_model_projection = nn.Linear(h, n * self.ple, bias=False)
             self.per_layer_projection_norm = Gemma4RMSNorm(self.ple, cfg.rms_norm_eps)
 

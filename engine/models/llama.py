@@ -17,6 +17,13 @@ from engine.model_config import UNSCALED, KVScale, ModelConfig
 from engine.models.moe import SparseMoeBlock, expert_weight_slot, is_moe_layer
 
 
+def unset_embedding(num: int, dim: int) -> nn.Embedding:
+    """An embedding without its random init. Models are built on the meta device and every weight
+    is loaded over them, and `normal_` on meta imports torch._dynamo: 1-2 s of every start-up,
+    compiled or not."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -186,7 +193,7 @@ class LlamaFamilyForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_len: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = unset_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.layer_cls(cfg, backend, i) for i in range(cfg.num_layers))
         self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
