@@ -20,6 +20,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from server.process_exit import exit_now
+
 
 def _generate(argv: list[str]) -> int:
     # Here, not at the top: server.args imports torch, which must come after entry()'s Ctrl-C handling.
@@ -52,11 +54,11 @@ def _generate(argv: list[str]) -> int:
     try:
         params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                                 top_k=ns.top_k, seed=ns.sampling_seed)
-        llm = LLM(**llm_kwargs(ns))
-        outs = llm.generate(ns.prompt, params, use_tqdm=False) if ns.prompt else []
-        if ns.chat:
-            outs += llm.chat([[{"role": "user", "content": _with_images(llm, m, ns.image)}] for m in ns.chat], params,
-                             use_tqdm=False)
+        with LLM(**llm_kwargs(ns)) as llm:  # closing flushes the offload tiers' writes
+            outs = llm.generate(ns.prompt, params, use_tqdm=False) if ns.prompt else []
+            if ns.chat:
+                outs += llm.chat([[{"role": "user", "content": _with_images(llm, m, ns.image)}] for m in ns.chat],
+                                 params, use_tqdm=False)
     except (ValueError, OSError) as e:  # OSError: an image file that cannot be read
         print(f"kvtier generate: error: {e}", file=sys.stderr)
         return 2
@@ -136,7 +138,7 @@ def entry() -> None:
         signal.signal(signal.SIGINT, _start_up_interrupt(argv[0]))
     if argv[:1] and argv[0] in _ENGINE_COMMANDS and argv[1:2] not in (["-h"], ["--help"]):
         _reexec_with_allocator()
-    sys.exit(main(argv))
+    exit_now(main(argv))  # main returns once everything is flushed and closed
 
 
 _ENGINE_COMMANDS = ("serve", "generate", "extract")

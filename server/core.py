@@ -27,6 +27,7 @@ from server import channel as ch
 from server.media_wire import from_wire
 from server.core_prep import PrepQueue
 from server.logs import LogSettings
+from server.process_exit import exit_now
 
 if TYPE_CHECKING:
     from engine.llm import LLM
@@ -322,4 +323,5 @@ def core_main(llm_kwargs: dict[str, Any], to_core: str, from_core: str, logs: Lo
     the CPUs this core runs on (a data-parallel core's share; empty: the parent's)."""
     if cpus:  # before torch starts its threads: they and any tensor-parallel ranks inherit the mask
         os.sched_setaffinity(0, cpus)
-    raise SystemExit(run_core(llm_kwargs, to_core, from_core, logs, prep_timeout_s))
+    # run_core has closed the engine (G3 writes flushed) and its sockets by the time it returns.
+    exit_now(run_core(llm_kwargs, to_core, from_core, logs, prep_timeout_s))
