@@ -53,8 +53,24 @@ class UsageContext(str, enum.Enum):
         return 2048 if self is UsageContext.SERVER else 4096
 
 # G1 size on CPU when neither kv_cache_memory_gib nor num_gpu_blocks is given (on CUDA the
-# budget comes from gpu_memory_utilization instead).
+# budget comes from gpu_memory_utilization instead); $KVTIER_CPU_KVCACHE_SPACE (GiB) overrides it,
+# as VLLM_CPU_KVCACHE_SPACE does vLLM's.
 CPU_KV_CACHE_GIB = 2.0
+CPU_KV_CACHE_ENV = "KVTIER_CPU_KVCACHE_SPACE"
+
+
+def cpu_kv_cache_gib() -> float:
+    """G1's default size on CPU: $KVTIER_CPU_KVCACHE_SPACE if set, else CPU_KV_CACHE_GIB."""
+    raw = os.environ.get(CPU_KV_CACHE_ENV, "")
+    if not raw:
+        return CPU_KV_CACHE_GIB
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = 0.0
+    if not gib > 0 or gib == float("inf"):
+        raise ValueError(f"${CPU_KV_CACHE_ENV} must be a size in GiB > 0; got {raw!r}")
+    return gib
 
 
 class Group(str, enum.Enum):
@@ -88,7 +104,8 @@ class EngineConfig:
     num_gpu_blocks: int | None = setting(None, "G1 size in blocks; overrides --kv-cache-memory (default: derived "
                                          "from it)")
     kv_cache_memory_gib: float | None = setting(
-        None, f"G1 size in GiB when --num-gpu-blocks is not given (default: {CPU_KV_CACHE_GIB:g} on CPU; on a GPU, "
+        None, f"G1 size in GiB when --num-gpu-blocks is not given (default on CPU: ${CPU_KV_CACHE_ENV} if set, else "
+        f"{CPU_KV_CACHE_GIB:g}; on a GPU, "
         "what --gpu-memory-utilization leaves after the weights and a profiled forward)",
         flag="--kv-cache-memory", metavar="GIB")
     gpu_memory_utilization: float = setting(
@@ -268,6 +285,7 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks must be >= 1; got {self.num_gpu_blocks}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory_gib must be > 0; got {self.kv_cache_memory_gib}")
+        cpu_kv_cache_gib()  # a bad $KVTIER_CPU_KVCACHE_SPACE fails here, before any process starts
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         object.__setattr__(self, "device", resolve_device(self.device))

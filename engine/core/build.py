@@ -14,7 +14,7 @@ import torch
 
 from connectors.base import KVConnector, NullConnector
 from connectors.factory import supports_kv_groups
-from engine.config import CPU_KV_CACHE_GIB, EngineConfig
+from engine.config import EngineConfig, cpu_kv_cache_gib
 from engine.core import gpu_memory
 from engine.core.connector_setup import OffloadQuant, OffloadSettings, make_connector
 from engine.core.request_factory import RequestFactory
@@ -174,7 +174,7 @@ def build(config: EngineConfig) -> EngineParts:
             step_token_budget(config, max_len), config.max_num_seqs, bs, max_len,
             graph_tokens=config.max_cudagraph_capture_size if config.cudagraph_mode.captures else 0)
     else:
-        num_blocks = config.num_gpu_blocks or int((config.kv_cache_memory_gib or CPU_KV_CACHE_GIB) * 2**30 // per_block)
+        num_blocks = config.num_gpu_blocks or int((config.kv_cache_memory_gib or cpu_kv_cache_gib()) * 2**30 // per_block)
         warn_unused_gpu_memory_utilization(config)
     max_len = _fit_max_len(config, layout, num_blocks, max_len)
     budget = step_token_budget(config, max_len)

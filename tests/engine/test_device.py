@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import CPU_KV_CACHE_GIB, EngineConfig, resolve_device
-
+from engine.config import CPU_KV_CACHE_ENV, CPU_KV_CACHE_GIB, EngineConfig, resolve_device
 from engine.model_config import resolve_dtype
 from engine.core.gpu_memory import MemoryProfile, g1_budget_bytes
 from engine.runner.model_runner import kv_cache_bytes_per_block
@@ -94,8 +93,10 @@ def test_no_room_for_kv_names_the_knobs():
         MemoryProfile(total=0, in_use=0, peak_activation=0)
 
 
-def test_cpu_engine_sizes_g1_by_the_cpu_default(llama_ckpt):
+def test_cpu_engine_sizes_g1_by_the_cpu_default(llama_ckpt, monkeypatch):
     from engine.llm import LLM
+
+    monkeypatch.delenv(CPU_KV_CACHE_ENV, raising=False)
 
     llm = LLM(str(llama_ckpt), dtype="float32", device="cpu")
     try:
@@ -116,3 +117,17 @@ def test_gpu_memory_utilization_on_cpu_is_said_aloud(llama_ckpt, caplog):
     with caplog.at_level("WARNING", logger="engine.core.engine_core"):
         LLM(str(llama_ckpt), dtype="float32", device="cpu").close()
     assert "gpu_memory_utilization" not in caplog.text
+
+
+def test_the_cpu_default_follows_kvtier_cpu_kvcache_space(llama_ckpt, monkeypatch):
+    """vLLM's VLLM_CPU_KVCACHE_SPACE, by kvtier's name: G1's default size in GiB on CPU."""
+    from engine.llm import LLM
+
+    monkeypatch.setenv(CPU_KV_CACHE_ENV, "0.125")
+    with LLM(str(llama_ckpt), dtype="float32", device="cpu") as llm:
+        per_block = kv_cache_bytes_per_block(llm.engine.model_config, 16)
+        assert llm.engine.pool.num_blocks == int(0.125 * GIB // per_block)
+    for bad in ("0", "-1", "lots", "inf", "nan"):
+        monkeypatch.setenv(CPU_KV_CACHE_ENV, bad)
+        with pytest.raises(ValueError, match=f"KVTIER_CPU_KVCACHE_SPACE must be a size in GiB > 0; got '{bad}'"):
+            EngineConfig(model=str(llama_ckpt))
