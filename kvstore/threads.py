@@ -82,8 +82,9 @@ class DaemonPool:
     `ThreadPoolExecutor` joins its workers at interpreter exit, so one read stuck forever held
     the engine core's shutdown (and SIGTERM) forever. These workers are daemons and `shutdown`
     waits for them at most `wait_s`. A caller that gave up on a stuck task calls `replace_stuck`,
-    which starts one more worker (at most `spares` extra over the pool's life; default `threads`)
-    so the pool keeps its width."""
+    which starts one more worker so the pool keeps its width: at most `spares` extra at once
+    (default `threads`). A replaced worker whose task does end leaves, and gives its place back:
+    a server that meets a slow grammar compile now and then never runs out of spares for good."""
 
     def __init__(self, threads: int, name: str, initializer: Callable[[], None] | None = None,
                  spares: int | None = None) -> None:
@@ -115,7 +116,12 @@ class DaemonPool:
                 fut.set_result(fn(*args))
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
                 fut.set_exception(e)
-            if threading.current_thread() in self._retired:
+            me = threading.current_thread()
+            if me in self._retired:
+                with self._lock:
+                    self._retired.discard(me)
+                    self._workers.remove(me)
+                    self._spares += 1
                 return
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
@@ -128,7 +134,7 @@ class DaemonPool:
 
     def replace_stuck(self, stuck: threading.Thread | None = None) -> bool:
         """One more worker in place of one stuck in a task (`stuck`, when known, then leaves once
-        that task ends); False once the spares are spent."""
+        that task ends, and its spare is free again); False while the spares are spent."""
         with self._lock:
             if self._closed or self._spares == 0:
                 return False

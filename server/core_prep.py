@@ -16,8 +16,8 @@ by content (engine/sample/structured.py), so n sequences of one request compile 
 A preparation that takes longer than `timeout_s` is refused (its client gets a 400), and every
 later request with the same constraint is refused at once: it would take as long again. A thread
 cannot stop a compile it started: it finishes it in the background while a spare thread (at most
-PREP_SPARES over the process's life) takes over the queue, so the requests behind a slow compile
-wait at most one budget. With the default limits (server/limits.py) no constraint compiles for
+PREP_SPARES at once; one frees its place when its overrun compile ends) takes over the queue, so
+the requests behind a slow compile wait at most one budget. With the default limits (server/limits.py) no constraint compiles for
 anywhere near that long; raising them is what makes this path matter.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from server.channel import AddRequest
 log = logging.getLogger(__name__)
 
 OVERRUN_NICE = 19  # a thread whose preparation ran out of budget (it then leaves the pool)
-PREP_SPARES = 3  # threads that may replace ones stuck in an overlong compile
+PREP_SPARES = 3  # threads that may stand in, at once, for ones stuck in an overlong compile
 QUEUE_BUDGETS = 3  # a request waiting this many budgets for a preparation thread is refused
 SLOW_KEYS = 4096  # constraints remembered as too slow to compile (LRU)
 

@@ -86,6 +86,16 @@ def test_a_replaced_stuck_worker_leaves_once_its_task_ends():
         took[0].join(5)
         assert not took[0].is_alive()  # it left; the spare goes on
         assert pool.submit(lambda: 7).result(5) == 7
+        # ...and gave its place back: the next stuck worker can be replaced too (a lifetime count
+        # of spares ran out on a long-lived server after a few slow compiles, and stayed out)
+        release2, took2 = threading.Event(), []
+        stuck2 = pool.submit(lambda: (took2.append(threading.current_thread()), release2.wait())[0])
+        while not took2:
+            time.sleep(0.01)
+        assert pool.replace_stuck(took2[0]) and not pool.replace_stuck(took2[0])
+        assert pool.submit(lambda: 8).result(5) == 8
+        release2.set()
+        stuck2.result(5)
     finally:
         release.set()
         pool.shutdown(1.0)
