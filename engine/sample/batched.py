@@ -6,7 +6,7 @@ softmaxes and sorts per step. Here the rows shaped by grammar masks (sent as bit
 row), logit controls (allowed_token_ids, bad_words, logit_bias), temperature, top-k, top-p, min-p,
 repetition/presence/frequency penalties and min_tokens are processed as one batch where the logits
 are: masks, controls and penalties from index tensors built once per step, the filter batched,
-greedy rows by argmax and sampled rows by one exponential race. A grammar row's token is then
+greedy rows by argmax and sampled rows by one batched draw (engine/sample/draw.py). A grammar row's token is then
 accepted by its matcher on the host; thinking budgets stay on the host path. Every host value the
 batch needs goes to the device through page-locked memory without blocking (engine/runner/h2d.py),
 so nothing here waits for the forward: with async scheduling the ids can stay on the device for
@@ -27,6 +27,7 @@ import torch
 
 from engine.core.request import Request
 from engine.runner.h2d import host_to_device, to_device
+from engine.sample.draw import categorical
 from engine.sample.logit_controls import has_controls
 
 INF = float("inf")
@@ -45,15 +46,14 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     def on(t: torch.Tensor) -> torch.Tensor:
         return host_to_device(t, dev)[:, None]
 
-    rows = logits.float() / on(temperature)
-    fallback = rows.argmax(dim=1)
+    rows = tempered = logits.float() / on(temperature)
     if bool(use_k.any()):
         kmax = int(torch.where(use_k, top_k, 1).max())
         at = on(top_k.clamp(1, kmax) - 1)
         kth = rows.topk(kmax, dim=1).values.gather(1, at)
         rows = rows.masked_fill(on(use_k) & (rows < kth), -INF)
     probs = torch.softmax(rows, dim=1)
-    degenerate = ~torch.isfinite(probs).all(dim=1)
+    degenerate = ~torch.isfinite(probs.sum(dim=1))  # probs >= 0: the sum is finite iff each entry is
     if bool(use_p.any()):
         sorted_p, idx = probs.sort(dim=1, descending=True)
         drop = (sorted_p.cumsum(1) - sorted_p) >= on(top_p)
@@ -63,6 +63,12 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     if bool(use_min.any()):
         probs = probs.masked_fill(probs < (on(min_p) * probs.max(dim=1, keepdim=True).values), 0.0)
     degenerate |= ~(probs.sum(dim=1) > 0.0)
+    # Only degenerate rows need the argmax pass. On the CPU, whether there are any is free to ask
+    # (it was a quarter of a 64-row draw over 49,152 tokens); on a GPU asking would wait for it.
+    if dev.type != "cpu" or bool(degenerate.any()):
+        fallback = tempered.argmax(dim=1)
+    else:
+        fallback = torch.zeros(len(rows), dtype=torch.long)
     return probs, degenerate, fallback
 
 
@@ -196,6 +202,5 @@ def draw(logits: torch.Tensor, reqs: list[Request], gen: torch.Generator) -> Dra
         at = to_device(sampled, dev)
         rows = logits if len(sampled) == len(reqs) else logits[at]
         probs, degenerate, fallback = filtered_probs(rows, t.float(), k.long(), p.float(), m.float())
-        q = torch.empty_like(probs).exponential_(generator=gen)  # Gumbel-max's equivalent, as on the host
-        out[at] = torch.where(degenerate, fallback, torch.nan_to_num(probs / q).argmax(dim=1))
+        out[at] = torch.where(degenerate, fallback, categorical(torch.nan_to_num(probs), gen))  # as on the host
     return Drawn(out, ok)

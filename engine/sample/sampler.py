@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.sample.batched import Drawn, draw
+from engine.sample.draw import categorical
 from engine.sample.logit_controls import apply_controls, has_controls
 from engine.core.request import Request
 from engine.sample.structured import MaskPrefetch
@@ -198,9 +199,7 @@ def _sample_row(row: torch.Tensor, top_k: int, top_p: float, min_p: float, gen: 
     probs = _filtered_probs(row, top_k, top_p, min_p)
     if probs is None:
         return int(row.argmax())  # the most likely token
-    # Exponential race (Gumbel-max equivalent): one draw per vocab entry from this row's stream.
-    q = torch.empty_like(probs).exponential_(generator=gen)
-    return int((probs / q).argmax())
+    return int(categorical(probs, gen))  # from this row's stream (engine/sample/draw.py)
 
 
 def _filtered_probs(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor | None:
@@ -209,7 +208,7 @@ def _filtered_probs(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -
         kth = row.topk(top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
     probs = torch.softmax(row, dim=-1)
-    if not bool(torch.isfinite(probs).all()):  # inf or NaN logits (a huge 1/temperature, a broken model)
+    if not bool(torch.isfinite(probs.sum())):  # inf or NaN logits (a huge 1/temperature, a broken model)
         return None
     if top_p < 1.0:
         sorted_p, idx = probs.sort(descending=True)

@@ -29,6 +29,7 @@ from engine.model_config import ModelConfig, load_model_config
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.runner.model_runner import ModelRunner
 from engine.core.request import Request, RequestId
+from engine.sample.draw import categorical
 from engine.sample.sampler import sampling_distribution
 from engine.core.step_io import plan_after
 from engine.spec.decode import Proposal
@@ -140,5 +141,4 @@ def draw_draft_token(logits: torch.Tensor, req: Request, generator: torch.Genera
     if req.params.greedy:
         return (best if best is not None else int(logits.argmax())), None
     q = sampling_distribution(logits[None], req)[0]
-    e = torch.empty_like(q).exponential_(generator=req.generator or generator)
-    return int((q / e).argmax()), q.float()
+    return int(categorical(q, req.generator or generator)), q.float()

@@ -10,7 +10,7 @@ lookup) is a point mass, q_i(d_i) = 1. Greedy requests keep the longest prefix t
 target's argmax and then take the argmax.
 
 Precision, as vLLM's sampler: the ratio test and the residual in float64, uniforms in float64,
-the residual draw an exponential race (Gumbel-max) in float64. Each request draws from its own
+the residual draw in float64 (engine/sample/draw.py). Each request draws from its own
 generator, so a seeded request's output does not depend on its batch.
 
 `engine.spec.decode.SpecDecoder` calls it for each request with proposals.
@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from engine.sample.draw import categorical
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,5 @@ def accept_greedy(drafts: tuple[int, ...] | list[int], best: list[int]) -> list[
 
 
 def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
-    """A draw proportional to non-negative `weights` (float64), by an exponential race."""
-    e = torch.empty_like(weights).exponential_(generator=generator)
-    return int((weights / e).argmax())
+    """A draw proportional to non-negative `weights` (float64; engine/sample/draw.py)."""
+    return int(categorical(weights, generator))
