@@ -211,3 +211,26 @@ def test_grammar_masks_in_the_batch_are_the_host_rule_row_for_row() -> None:
         for a, b in zip(on_reqs, off_reqs):  # each matcher accepted its row's token
             if a.grammar is not None:
                 assert torch.equal(a.grammar.bitmask(), b.grammar.bitmask()), step
+
+
+def test_top_p_from_the_top_candidates_is_the_full_sorts_rule() -> None:
+    """The host's top-p reads only the most likely 256 or 4096 tokens when they already hold top_p
+    (engine/sample/sampler.py); a plain full-sort rule is the oracle, on rows that take each branch:
+    peaked (the top 256 suffice), flatter (4096) and flat (the full sort)."""
+    def reference(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+        sorted_p, idx = probs.sort(descending=True)
+        drop = (sorted_p.cumsum(0) - sorted_p) >= top_p
+        drop[0] = False
+        return probs.scatter(0, idx, sorted_p.masked_fill(drop, 0.0))
+
+    g = torch.Generator().manual_seed(7)
+    branches = set()
+    for scale in (12.0, 3.5, 0.5):
+        for top_p in (0.5, 0.9, 0.95, 0.999):
+            row = torch.randn(49152, generator=g) * scale
+            probs = torch.softmax(row, dim=0)
+            top = probs.topk(4096).values.cumsum(0)
+            branches.add(256 if top[255] >= top_p + 1e-6 else 4096 if top[-1] >= top_p + 1e-6 else 0)
+            got = _filtered_probs(row, 0, top_p, 0.0)
+            assert torch.equal(got, reference(probs, top_p)), (scale, top_p)
+    assert branches == {256, 4096, 0}
