@@ -19,8 +19,9 @@ from typing import Any
 from connectors.hidden_spec import HiddenStatesSpec
 from engine.model_config import (DTYPES, KV_CACHE_DTYPES, KV_OFFLOAD_DTYPES, check_kv_cache_dtype,
                                  check_kv_offload_dtype, check_offload_dtype_use)
-from engine.run_mode import (DISTRIBUTED_TIMEOUT_S, OPT_LEVEL_ENV, GraphMode, _optimization_level,  # noqa: F401
-                             default_capture_sizes, parse_capture_sizes, resolve_device)
+from engine.run_mode import (CPU_KV_CACHE_ENV, CPU_KV_CACHE_GIB, DISTRIBUTED_TIMEOUT_S, OPT_LEVEL_ENV,  # noqa: F401
+                             GraphMode, _optimization_level, cpu_kv_cache_gib, default_capture_sizes,
+                             parse_capture_sizes, resolve_device)
 from engine.lora.adapter import TARGETS as LORA_TARGETS, allowed_targets, parse_lora_modules, parse_lora_targets
 from engine.spec.config import SpeculativeConfig, parse_speculative_config
 from engine.sample.thinking import ReasoningConfig
@@ -51,27 +52,6 @@ class UsageContext(str, enum.Enum):
         on the prefill-heavy workload of benchmarks/throughput.py 4096 gave 858 total tok/s against
         802 at 2048 (fewer prompts split into chunks after cached context)."""
         return 2048 if self is UsageContext.SERVER else 4096
-
-# G1 size on CPU when neither kv_cache_memory_gib nor num_gpu_blocks is given (on CUDA the
-# budget comes from gpu_memory_utilization instead); $KVTIER_CPU_KVCACHE_SPACE (GiB) overrides it,
-# as VLLM_CPU_KVCACHE_SPACE does vLLM's.
-CPU_KV_CACHE_GIB = 2.0
-CPU_KV_CACHE_ENV = "KVTIER_CPU_KVCACHE_SPACE"
-
-
-def cpu_kv_cache_gib() -> float:
-    """G1's default size on CPU: $KVTIER_CPU_KVCACHE_SPACE if set, else CPU_KV_CACHE_GIB."""
-    raw = os.environ.get(CPU_KV_CACHE_ENV, "")
-    if not raw:
-        return CPU_KV_CACHE_GIB
-    try:
-        gib = float(raw)
-    except ValueError:
-        gib = 0.0
-    if not gib > 0 or gib == float("inf"):
-        raise ValueError(f"${CPU_KV_CACHE_ENV} must be a size in GiB > 0; got {raw!r}")
-    return gib
-
 
 class Group(str, enum.Enum):
     """Where a setting's flag is listed in `--help`."""

@@ -1,5 +1,6 @@
 """Where and how the model runs: the device (`resolve_device`), the optimization level
-(`-O`, `$KVTIER_OPTIMIZATION_LEVEL`, enforce_eager) and the CUDA-graph modes and capture sizes.
+(`-O`, `$KVTIER_OPTIMIZATION_LEVEL`, enforce_eager), the CUDA-graph modes and capture sizes, and G1's
+default size on CPU (`$KVTIER_CPU_KVCACHE_SPACE`).
 EngineConfig (engine/config.py) declares the settings; these resolve and check them."""
 from __future__ import annotations
 
@@ -90,3 +91,24 @@ def _optimization_level(level: int | None, device: str, enforce_eager: bool) -> 
     if level is None:
         return 1  # CPU and CUDA: compiled was faster than eager on both (docs/CPU.md, docs/gpu.md)
     return level
+
+
+# G1 size on CPU when neither kv_cache_memory_gib nor num_gpu_blocks is given (on CUDA the
+# budget comes from gpu_memory_utilization instead); $KVTIER_CPU_KVCACHE_SPACE (GiB) overrides it,
+# as VLLM_CPU_KVCACHE_SPACE does vLLM's.
+CPU_KV_CACHE_GIB = 2.0
+CPU_KV_CACHE_ENV = "KVTIER_CPU_KVCACHE_SPACE"
+
+
+def cpu_kv_cache_gib() -> float:
+    """G1's default size on CPU: $KVTIER_CPU_KVCACHE_SPACE if set, else CPU_KV_CACHE_GIB."""
+    raw = os.environ.get(CPU_KV_CACHE_ENV, "")
+    if not raw:
+        return CPU_KV_CACHE_GIB
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = 0.0
+    if not gib > 0 or gib == float("inf"):
+        raise ValueError(f"${CPU_KV_CACHE_ENV} must be a size in GiB > 0; got {raw!r}")
+    return gib

@@ -14,7 +14,8 @@ import torch
 
 from connectors.base import KVConnector, NullConnector
 from connectors.factory import supports_kv_groups
-from engine.config import EngineConfig, cpu_kv_cache_gib
+from engine.config import EngineConfig
+from engine.run_mode import cpu_kv_cache_gib
 from engine.core import gpu_memory
 from engine.core.connector_setup import OffloadQuant, OffloadSettings, make_connector
 from engine.core.request_factory import RequestFactory

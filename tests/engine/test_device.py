@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import CPU_KV_CACHE_ENV, CPU_KV_CACHE_GIB, EngineConfig, resolve_device
+from engine.config import EngineConfig, resolve_device
+from engine.run_mode import CPU_KV_CACHE_ENV, CPU_KV_CACHE_GIB
 from engine.model_config import resolve_dtype
 from engine.core.gpu_memory import MemoryProfile, g1_budget_bytes
 from engine.runner.model_runner import kv_cache_bytes_per_block
