@@ -25,6 +25,9 @@ class ExpensiveWork:
         self.share = ShareController(PROMPT_LOGPROBS_SHARE, PROMPT_LOGPROBS_ALONE, PROMPT_LOGPROBS_UNFITTED,
                                      PROMPT_LOGPROBS_UNFITTED_ALONE)
         self.followers: set[RequestId] = set()  # requests that waited for an expensive one's prefill
+        # Requests that asked for prompt log-probs: with none (and no followers) a step skips the
+        # scan of every running and waiting request (20k waiting requests made it O(n^2)).
+        self.asking: set[RequestId] = set()
         self.left: int | None = None  # tokens expensive requests may still take this step (None: no cap)
 
     def __call__(self, req: Request) -> bool:
@@ -35,6 +38,9 @@ class ExpensiveWork:
         """The tokens expensive requests may take in the step being scheduled, all together: what
         costs the share of the others' step, or alone its bite; None (the step's budget) when
         there are none. `held`: a waiting request that sits out for a shared prefix (not yet an other)."""
+        if not self.asking and not self.followers:
+            self.left = None
+            return None
         running, waiting = list(running), list(waiting)
         if not any(self(r) for r in running) and not any(self(r) for r in waiting):
             self.left = None
@@ -56,8 +62,14 @@ class ExpensiveWork:
         if self(owner):
             self.followers.add(req.request_id)
 
+    def add(self, req: Request) -> None:
+        """A new request: one that asks for prompt log-probs may be expensive."""
+        if req.prompt_logprobs is not None:
+            self.asking.add(req.request_id)
+
     def drop(self, request_id: RequestId) -> None:
         self.followers.discard(request_id)
+        self.asking.discard(request_id)
 
     def step_ran(self, out: SchedulerOutput, seconds: float, num_running: int, num_waiting: int) -> None:
         """A scheduled step's forward took `seconds` (the engine's measurement)."""

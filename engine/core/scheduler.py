@@ -105,6 +105,7 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         self.waiting.add(req)
+        self.expensive.add(req)
         self.prompt_tokens += req.num_prompt_tokens
 
     def has_unfinished(self) -> bool:
