@@ -244,21 +244,21 @@ class RandomDraft:
         self.point_mass = point_mass
         self.gen = torch.Generator().manual_seed(seed)
         self.fixed = torch.softmax(2 * torch.randn(VOCAB, generator=self.gen), dim=0)
+        self.dirichlet = torch.distributions.Dirichlet(torch.full((VOCAB,), 0.5))
 
     def release(self, req_id):
         pass
 
     def propose(self, reqs, limits, tokens):
-        out = []
-        for n in limits:
-            if self.point_mass:
-                toks = torch.multinomial(self.fixed, n, replacement=True, generator=self.gen)
-                out.append(Proposal(tuple(toks.tolist())))
-                continue
-            q = torch.distributions.Dirichlet(torch.full((VOCAB,), 0.5)).sample((n,))
-            toks = torch.multinomial(q, 1, generator=self.gen).squeeze(1)
-            out.append(Proposal(tuple(toks.tolist()), q))
-        return out
+        total = sum(limits)  # the whole step's proposals drawn at once, then split per request
+        if not total:
+            return [Proposal(()) for _ in limits]
+        if self.point_mass:
+            toks = torch.multinomial(self.fixed, total, replacement=True, generator=self.gen).split(limits)
+            return [Proposal(tuple(t.tolist())) for t in toks]
+        q = self.dirichlet.sample((total,))
+        toks = torch.multinomial(q, 1, generator=self.gen).squeeze(1)
+        return [Proposal(tuple(t.tolist()), qi) for t, qi in zip(toks.split(limits), q.split(limits))]
 
 
 @pytest.fixture(scope="module")
