@@ -6,9 +6,8 @@ process, medians reported:
   `random_sample` runs (and kvtier did before engine/sample/draw.py);
 - `host`: kvtier's Sampler, one row at a time (the CPU default);
 - `batched`: kvtier's Sampler with the rows drawn together (engine/sample/batched.py).
-All three include the same filtering (temperature, top-k/top-p, softmax); `race` reuses kvtier's
-batched filter (a full sort for top-p), so the difference between it and `batched` is the draw
-alone. The 49,152-token rows are the demo model's next-token logits over this repository's README
+All three include the same filtering (temperature, top-k/top-p, softmax); `race` filters as vLLM
+does (a full sort for top-p). The 49,152-token rows are the demo model's next-token logits over this repository's README
 (`--logits demo`, the default: real distributions, which decide how much of a row top-p reads);
 other vocabularies are random. Runs under tcmalloc as `kvtier` does.
 
@@ -58,7 +57,6 @@ def main() -> int:
     import torch
 
     from engine.core.request import Request, RequestId
-    from engine.sample.batched import filtered_probs
     from engine.sample.logit_controls import BadWords
     from engine.sample.sampler import Sampler
     from engine.sampling_params import SamplingParams
@@ -67,12 +65,20 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
 
     def race(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-        p = [r.params for r in reqs]
-        probs, degenerate, fallback = filtered_probs(
-            logits, torch.tensor([x.temperature for x in p]), torch.tensor([x.top_k for x in p]),
-            torch.tensor([x.top_p for x in p]), torch.tensor([x.min_p for x in p]))
+        """vLLM's CPU sampling: the filter with a full sort for top-p, then the race (a case's rows
+        share their settings)."""
+        p = reqs[0].params
+        rows = logits / p.temperature
+        if p.top_k > 0:
+            rows = rows.masked_fill(rows < rows.topk(p.top_k, dim=1).values[:, -1:], float("-inf"))
+        probs = torch.softmax(rows, dim=1)
+        if p.top_p < 1.0:
+            sorted_p, idx = probs.sort(dim=1, descending=True)
+            drop = (sorted_p.cumsum(1) - sorted_p) >= p.top_p
+            drop[:, 0] = False
+            probs = probs.scatter(1, idx, sorted_p.masked_fill(drop, 0.0))
         q = torch.empty_like(probs).exponential_(generator=gen)
-        return torch.where(degenerate, fallback, (probs / q).argmax(dim=1)).tolist()
+        return (probs / q).argmax(dim=1).tolist()
 
     demo = demo_logits(max(r for r, v, _ in CASES if v == 49152)) if args.logits == "demo" else None
     rows_out = []

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.sample.batched import Drawn, draw
-from engine.sample.draw import categorical
+from engine.sample.draw import categorical, top_p_filtered
 from engine.sample.logit_controls import apply_controls, has_controls
 from engine.core.request import Request
 from engine.sample.structured import MaskPrefetch
@@ -31,9 +31,12 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int, batch_on_device: bool | None = None) -> None:
+    def __init__(self, seed: int, batch_on_device: bool = True) -> None:
         """`batch_on_device`: draw unseeded sampled rows together where the logits are
-        (engine/sample/batched.py); None: on CUDA only, so CPU runs keep their token streams."""
+        (engine/sample/batched.py); False: each on the host path, one at a time (tests compare the
+        two). On the CPU too, together is the faster way: 256 rows over an 8-token vocabulary took
+        33 ms one at a time and 1.5 ms together, and over the demo model's 49,152 tokens it was no
+        slower (docs/CPU.md)."""
         # Unseeded requests share one engine-wide stream, seeded once for reproducible runs.
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
@@ -97,7 +100,7 @@ class Sampler:
 
     def draws_on_device(self, logits: torch.Tensor) -> bool:
         """Whether batchable rows of `logits` are drawn together where they are."""
-        return logits.is_cuda if self.batch_on_device is None else self.batch_on_device
+        return self.batch_on_device
 
     def draw(self, logits: torch.Tensor, reqs: list[Request]) -> Drawn | None:
         """Tokens of `reqs` (all `batchable`), one row of `logits` each, drawn together on the
@@ -202,25 +205,6 @@ def _sample_row(row: torch.Tensor, top_k: int, top_p: float, min_p: float, gen: 
     return int(categorical(probs, gen))  # from this row's stream (engine/sample/draw.py)
 
 
-TOP_P_CANDIDATES = (256, 4096)
-TOP_P_MARGIN = 1e-6  # far above the float32 rounding of the full rule's prefix sums near 1
-
-
-def _top_p_candidates(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probabilities, token ids), most likely first: every token top-p could keep. The k most
-    likely (k from TOP_P_CANDIDATES) once they hold top_p of the mass with a margin (the rule then
-    drops every later token, as it does after a full sort), else the whole row sorted. On the CPU a
-    full sort of a 49,152-token row took ~4.5 ms, its topk(256) ~0.2 ms; at temperature 0.8 the
-    demo model's top 256 held 0.9 of the mass at 85% of a text's positions."""
-    for k in TOP_P_CANDIDATES:
-        if k >= probs.shape[0]:
-            break
-        vals, idx = probs.topk(k)
-        if float(vals.cumsum(0)[-1]) >= top_p + TOP_P_MARGIN:
-            return vals, idx
-    return probs.sort(descending=True)
-
-
 def _filtered_probs(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor | None:
     """The distribution a row is sampled from; None in a degenerate case."""
     if top_k > 0 and top_k < row.shape[0]:
@@ -230,12 +214,7 @@ def _filtered_probs(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -
     if not bool(torch.isfinite(probs.sum())):  # inf or NaN logits (a huge 1/temperature, a broken model)
         return None
     if top_p < 1.0:
-        sorted_p, idx = _top_p_candidates(probs, top_p)
-        # Keep the smallest prefix whose mass reaches top_p; the first token always stays, however
-        # small top_p is (1e-46 in float32 is 0, and ">= 0" dropped every token).
-        drop = (sorted_p.cumsum(0) - sorted_p) >= top_p
-        drop[0] = False
-        probs = torch.zeros_like(probs).scatter(0, idx, sorted_p.masked_fill(drop, 0.0))
+        probs = top_p_filtered(probs[None], top_p)[0]
     if min_p > 0.0:
         probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
     if not float(probs.sum()) > 0.0:

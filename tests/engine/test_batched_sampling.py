@@ -115,9 +115,12 @@ def test_only_unseeded_rows_take_the_batch(monkeypatch) -> None:
     alone = Sampler(seed=0, batch_on_device=False)(logits[1:2], [_req(1, temperature=1.0, seed=3)])
     assert out.token_ids[1] == alone.token_ids[0]
     assert out.token_ids[2] == int(logits[2].argmax())
-    # Off by default where the logits are on the CPU: CPU runs keep their token streams.
+    # On by default, on the CPU too; off, every row takes the host path.
     taken.clear()
     Sampler(seed=0)(logits, reqs)
+    assert taken == [["0", "3", "4", "5", "6"]]
+    taken.clear()
+    Sampler(seed=0, batch_on_device=False)(logits, reqs)
     assert taken == []
 
 
@@ -214,9 +217,10 @@ def test_grammar_masks_in_the_batch_are_the_host_rule_row_for_row() -> None:
 
 
 def test_top_p_from_the_top_candidates_is_the_full_sorts_rule() -> None:
-    """The host's top-p reads only the most likely 256 or 4096 tokens when they already hold top_p
-    (engine/sample/sampler.py); a plain full-sort rule is the oracle, on rows that take each branch:
-    peaked (the top 256 suffice), flatter (4096) and flat (the full sort)."""
+    """The CPU's top-p reads only the most likely 256 or 4096 tokens of a row when they already
+    hold top_p (engine/sample/draw.py); a plain full-sort rule is the oracle, on rows that take each
+    branch: peaked (the top 256 suffice), flatter (4096) and flat (the full sort), one at a time (the
+    host path) and all in one batch with a row that has no top-p (each row takes its own branch)."""
     def reference(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         sorted_p, idx = probs.sort(descending=True)
         drop = (sorted_p.cumsum(0) - sorted_p) >= top_p
@@ -224,7 +228,7 @@ def test_top_p_from_the_top_candidates_is_the_full_sorts_rule() -> None:
         return probs.scatter(0, idx, sorted_p.masked_fill(drop, 0.0))
 
     g = torch.Generator().manual_seed(7)
-    branches = set()
+    branches, rows, cuts, want = set(), [], [], []
     for scale in (12.0, 3.5, 0.5):
         for top_p in (0.5, 0.9, 0.95, 0.999):
             row = torch.randn(49152, generator=g) * scale
@@ -233,4 +237,29 @@ def test_top_p_from_the_top_candidates_is_the_full_sorts_rule() -> None:
             branches.add(256 if top[255] >= top_p + 1e-6 else 4096 if top[-1] >= top_p + 1e-6 else 0)
             got = _filtered_probs(row, 0, top_p, 0.0)
             assert torch.equal(got, reference(probs, top_p)), (scale, top_p)
+            rows.append(row), cuts.append(top_p), want.append(got)
     assert branches == {256, 4096, 0}
+    order = torch.randperm(len(rows), generator=g).tolist()
+    rows, cuts, want = [rows[i] for i in order] + [rows[0]], [cuts[i] for i in order] + [1.0], [want[i] for i in order]
+    n = len(rows)
+    batch, _, _ = filtered_probs(torch.stack(rows), torch.ones(n), torch.zeros(n, dtype=torch.long),
+                                 torch.tensor(cuts), torch.zeros(n))
+    for i, w in enumerate(want):
+        assert torch.equal(batch[i], w), (i, cuts[i])
+    assert torch.equal(batch[-1], torch.softmax(rows[-1], dim=0))
+
+
+def test_the_cpus_chunks_of_rows_draw_the_tokens_of_one_batch(monkeypatch) -> None:
+    """On the CPU the batch is filtered and drawn a few rows at a time; the uniforms are drawn in
+    row order either way, so the tokens are those of the whole batch at once."""
+    import engine.sample.batched as batched
+
+    reqs = [_req(i, temperature=0.9, top_k=[0, 20][i % 2], top_p=[1.0, 0.8, 0.95][i % 3]) for i in range(9)]
+    logits = torch.randn(len(reqs), 300, generator=torch.Generator().manual_seed(4)) * 2
+    tokens = {}
+    for elements in (1, 1 << 30):  # two rows a chunk; all rows in one
+        monkeypatch.setattr(batched, "CPU_CHUNK_ELEMENTS", elements)
+        sampler = Sampler(seed=5)
+        tokens[elements] = [sampler(logits, reqs).token_ids for _ in range(3)]
+    assert tokens[1] == tokens[1 << 30]
+    assert len({tuple(t) for t in tokens[1]}) > 1  # the three draws are not one fixed answer
