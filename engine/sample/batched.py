@@ -159,9 +159,11 @@ def controlled(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         keep[to_device(sorted({i for i, _ in allowed}), dev)] = False
         keep.index_put_(_index(allowed, dev), torch.ones((), dtype=torch.bool, device=dev))
         out.masked_fill_(~keep, -INF)
-    banned = [(i, t) for i in ctl for t in _banned(reqs[i])]
-    if banned:
-        out.index_put_(_index(banned, dev), torch.full((), -INF, dtype=out.dtype, device=dev))
+    banned = [(i, cols) for i in ctl if (cols := _banned(reqs[i], dev)) is not None]
+    if banned:  # a request's single-token words stay one tensor (a list of 100k made each step build them)
+        rows = torch.cat([torch.full((cols.numel(),), i, dtype=torch.long, device=dev) for i, cols in banned])
+        out.index_put_((rows, torch.cat([cols for _, cols in banned])),
+                       torch.full((), -INF, dtype=out.dtype, device=dev))
     bias = [(i, t, b) for i in ctl for t, b in (reqs[i].params.logit_bias or {}).items()]
     if bias:
         rows, cols = _index([(i, t) for i, t, _ in bias], dev)
@@ -169,10 +171,13 @@ def controlled(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return out
 
 
-def _banned(req: Request) -> list[int]:
+def _banned(req: Request, dev: torch.device) -> torch.Tensor | None:
+    """The token ids `req`'s bad words ban at its next position, on `dev`; None for none."""
     bad = req.bad_word_ids
-    singles = bad.singles.tolist() if bad.singles is not None else []
-    return singles + (bad.banned_after(req.output_token_ids) if bad.by_prefix else [])
+    parts = [host_to_device(bad.singles, dev)] if bad.singles is not None else []
+    if bad.by_prefix and (after := bad.banned_after(req.output_token_ids)):
+        parts.append(to_device(after, dev))
+    return torch.cat(parts) if parts else None
 
 
 @dataclass(frozen=True, eq=False)

@@ -111,7 +111,7 @@ class Sampler:
             gen = self._device_generators[logits.device] = torch.Generator(logits.device).manual_seed(self.seed)
         try:
             return draw(logits, reqs, gen)
-        except (RuntimeError, ValueError) as e:
+        except (IndexError, RuntimeError, ValueError) as e:  # a row's settings: the host path names it
             log.warning("batched sampling of %d rows failed (%s: %s); sampling them one by one", len(reqs),
                         type(e).__name__, e)
             return None
