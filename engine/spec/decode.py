@@ -13,6 +13,7 @@ Such requests decode one token at a time, unchanged.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,13 +22,16 @@ from typing import Protocol
 import torch
 
 from engine.spec.ngram_proposer import NgramIndex, NgramProposer
-from engine.spec.rejection_sampler import VerifyRequest, accept_greedy, verify
+from engine.spec.rejection_sampler import VerifyRequest, accept_greedy, verify, verify_batch
 from engine.core.request import Request, RequestId
 from engine.runner.model_runner import ModelOutput
+from engine.sample.batched import filtered_probs
 from engine.sample.sampler import Sampler, has_penalty, sampling_distribution, token_logprobs
 from engine.core.step_io import ScheduledRequest
 from engine.spec.budget import SpecBudget
 from engine.spec.config import SpeculativeConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,7 @@ class SpecDecoder:
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
         self.budget = SpecBudget(self.k)
         self.last_propose_seconds = 0.0  # the step's proposing time, charged to the verify step after it
+        self._generators: dict[torch.device, torch.Generator] = {}  # verify_together's, per device
 
     def release(self, req_id: RequestId) -> None:
         self.proposer.release(req_id)
@@ -164,15 +169,50 @@ class SpecDecoder:
             tokens = verify(VerifyRequest(drafts, rows, sampling_distribution(rows, req),
                                           probs[: len(drafts)].float() if probs is not None else None),
                             req.generator or self.generator)
-        accepted = len(tokens) - 1
-        self.budget.observe_verify(req.request_id, len(drafts), accepted)
+        self._record(req, len(drafts), len(tokens) - 1)
+        return tokens
+
+    @staticmethod
+    def together(req: Request) -> bool:
+        """Whether `req` is verified in `verify_together`: sampled from the engine's stream (a
+        seeded request keeps its generator, one at a time) and without a thinking budget."""
+        return not req.params.greedy and req.generator is None and req.thinking is None
+
+    def verify_together(self, reqs: list[Request], drafts: list[tuple[int, ...]], rows: list[torch.Tensor]
+                        ) -> list[list[int]]:
+        """The tokens each of `reqs` (all `together`) emits, verified in one batch where the logits
+        are: `rows[j]` are request j's k + 1 target logits rows."""
+        dev = rows[0].device
+        settings = torch.tensor([[r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p]
+                                 for r, x in zip(reqs, rows) for _ in range(x.shape[0])], dtype=torch.float64)
+        t, k, p, m = settings.unbind(1)
+        probs, degenerate, fallback = filtered_probs(torch.cat(rows).float(), t.float(), k.long(), p.float(), m.float())
+        target = probs.double()
+        if dev.type != "cpu" or bool(degenerate.any()):  # sampling_distribution's point mass on the argmax
+            point = torch.nn.functional.one_hot(fallback, target.shape[1]).double()
+            target = torch.where(degenerate[:, None], point, torch.nan_to_num(target))
+        target /= target.sum(dim=1, keepdim=True)  # top-p / min-p leave it unnormalised
+        # Read, and taken only once verified: a failed batch leaves them to `verify`. The scheduler
+        # may have cut a proposal short (the step's token budget).
+        q = [r.spec_probs[: len(d)].float() if r.spec_probs is not None else None for r, d in zip(reqs, drafts)]
+        gen = self._generators.get(dev)
+        if gen is None:
+            gen = self.generator if dev.type == "cpu" else torch.Generator(dev).manual_seed(self.generator.initial_seed())
+            self._generators[dev] = gen
+        tokens = verify_batch(drafts, target, q, gen)
+        for r, d, out in zip(reqs, drafts, tokens):
+            r.take_proposal_probs()
+            self._record(r, len(d), len(out) - 1)
+        return tokens
+
+    def _record(self, req: Request, proposed: int, accepted: int) -> None:
+        self.budget.observe_verify(req.request_id, proposed, accepted)
         s = self.stats
         s.num_drafts += 1
-        s.num_draft_tokens += len(drafts)
+        s.num_draft_tokens += proposed
         s.num_accepted_tokens += accepted
         for i in range(accepted):
             s.accepted_per_pos[i] += 1
-        return tokens
 
 
 def ngram_proposer(config: SpeculativeConfig) -> NgramBatchProposer:
@@ -202,17 +242,30 @@ def sample_outputs(out: ModelOutput, items: list[ScheduledRequest], sampler: Sam
     if verified:
         assert spec is not None, "spec tokens scheduled without speculation"
         best = out.logits.max(dim=-1).indices.tolist() if any(items[j].req.params.greedy for j in verified) else None
-        for j in verified:
-            req, start = items[j].req, out.row_starts[j]
-            rows = out.rows(j)
+        together = [j for j in verified if spec.together(items[j].req)]
+        if together:
             try:
-                tokens[j] = spec.verify(req, items[j].spec_token_ids, rows,
-                                        best[start:start + rows.shape[0]] if best else None)
-            except (IndexError, RuntimeError, ValueError) as e:  # this request's settings
-                errors[j] = f"verifying proposed tokens failed: {type(e).__name__}: {e}"
-                continue
-            if req.thinking is not None:  # fed here as the sampler feeds it; cut where a token is forced
-                tokens[j] = req.thinking.clamp(tokens[j])
+                for j, t in zip(together, spec.verify_together([items[j].req for j in together],
+                                                               [items[j].spec_token_ids for j in together],
+                                                               [out.rows(j) for j in together])):
+                    tokens[j] = t
+            except (IndexError, RuntimeError, ValueError) as e:  # the rows' settings: one at a time below
+                log.warning("verifying %d requests together failed (%s: %s); verifying them one by one",
+                            len(together), type(e).__name__, e)
+                together = []
+        done = set(together)
+        for j in verified:
+            req, rows = items[j].req, out.rows(j)
+            if j not in done:
+                start = out.row_starts[j]
+                try:
+                    tokens[j] = spec.verify(req, items[j].spec_token_ids, rows,
+                                            best[start:start + rows.shape[0]] if best else None)
+                except (IndexError, RuntimeError, ValueError) as e:  # this request's settings
+                    errors[j] = f"verifying proposed tokens failed: {type(e).__name__}: {e}"
+                    continue
+                if req.thinking is not None:  # fed here as the sampler feeds it; cut where a token is forced
+                    tokens[j] = req.thinking.clamp(tokens[j])
             if req.logprobs is not None:
                 raw = torch.log_softmax(rows[: len(tokens[j])], dim=-1)
                 logprobs[j] = [token_logprobs(raw[p], t, req) for p, t in enumerate(tokens[j])]

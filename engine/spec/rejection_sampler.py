@@ -13,7 +13,11 @@ Precision, as vLLM's sampler: the ratio test and the residual in float64, unifor
 the residual draw in float64 (engine/sample/draw.py). Each request draws from its own
 generator, so a seeded request's output does not depend on its batch.
 
-`engine.spec.decode.SpecDecoder` calls it for each request with proposals.
+`verify_batch` verifies many requests at once, where their logits are: one gather for the
+ratio tests and one draw for every request's last token (the per-request loop's Python and row
+copies were most of a verify step at 256 requests). It consumes its generator differently from
+`verify`, so it serves the requests that draw from the engine's stream; a seeded request keeps
+`verify` and its own generator. `engine.spec.decode.SpecDecoder` chooses between them.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.runner.h2d import to_device
 from engine.sample.draw import categorical
 
 
@@ -91,3 +96,54 @@ def accept_greedy(drafts: tuple[int, ...] | list[int], best: list[int]) -> list[
 def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     """A draw proportional to non-negative `weights` (float64; engine/sample/draw.py)."""
     return int(categorical(weights, generator))
+
+
+def verify_batch(drafts: list[tuple[int, ...]], target: torch.Tensor, draft_probs: list[torch.Tensor | None],
+                 generator: torch.Generator | None = None) -> list[list[int]]:
+    """The tokens each request emits, as `verify` would distribute them: request j proposed
+    `drafts[j]` (k_j tokens, k_j >= 1) from `draft_probs[j]` (`[k_j, vocab]`, or None: a point
+    mass); `target` (`[sum(k_j + 1), vocab]` float64, rows normalised, on any device) holds each
+    request's k_j + 1 target distributions in turn. `generator` is on the target's device."""
+    if len(drafts) != len(draft_probs) or any(not d for d in drafts):
+        raise ValueError("verify_batch needs one non-empty proposal and one draft_probs entry per request")
+    dev, vocab = target.device, target.shape[1]
+    ks = [len(d) for d in drafts]
+    starts, q_starts = [0], [0]  # each request's first target row, its first draft row
+    for k in ks:
+        starts.append(starts[-1] + k + 1)
+        q_starts.append(q_starts[-1] + k)
+    if target.shape[0] != starts[-1]:
+        raise ValueError(f"target has {target.shape[0]} rows; the proposals need {starts[-1]}")
+    flat = [t for d in drafts for t in d]
+    if any(not 0 <= t < vocab for t in flat):
+        raise ValueError(f"a proposed token id is outside the vocabulary of {vocab}")
+    # A point-mass proposal is q = one-hot(d): q(d) = 1, and max(p - q, 0) is p with p(d) zeroed.
+    q = torch.cat([qj.to(dev, torch.float64) if qj is not None else
+                   torch.nn.functional.one_hot(to_device(list(d), dev), vocab).double()
+                   for d, qj in zip(drafts, draft_probs)])
+    if q.shape != (len(flat), vocab):
+        raise ValueError(f"draft_probs must be [k, {vocab}] per request, together {len(flat)} rows; got {tuple(q.shape)}")
+    rows = to_device([s + i for s, k in zip(starts, ks) for i in range(k)], dev)
+    tok = to_device(flat, dev)
+    p_d, q_d = target[rows, tok], q[torch.arange(len(flat), device=dev), tok]
+    uniforms = torch.rand(len(flat), dtype=torch.float64, device=dev, generator=generator)
+    accept = (uniforms * q_d < p_d).tolist()  # u < p/q without dividing by a q of 0
+    kept, at = [], 0
+    for k in ks:  # each request keeps its proposals up to the first refusal
+        n = 0
+        while n < k and accept[at + n]:
+            n += 1
+        kept.append(n)
+        at += k
+    # Its last token: from the residual at its first refusal, or from the bonus row.
+    last = to_device([s + n for s, n in zip(starts, kept)], dev)
+    refused = [i for i, (k, n) in enumerate(zip(ks, kept)) if n < k]
+    weights = target[last]
+    if refused:
+        q_rows = to_device([q_starts[i] + kept[i] for i in refused], dev)
+        at_refused = to_device(refused, dev)
+        weights[at_refused] = (weights[at_refused] - q[q_rows]).clamp_(min=0)
+        empty = ~(weights.sum(dim=1) > 0)  # p == q to rounding: any draw from p is exact
+        weights = torch.where(empty[:, None], target[last], weights)
+    drawn = categorical(weights, generator).tolist()
+    return [list(d[:n]) + [t] for d, n, t in zip(drafts, kept, drawn)]
