@@ -4,8 +4,10 @@ Per case (rows x vocabulary, temperature 0.8, optionally top-k or top-p), altern
 process, medians reported:
 - `race`: the filtered distribution drawn by argmax(p / E), E ~ Exp(1) per entry: what vLLM's
   `random_sample` runs (and kvtier did before engine/sample/draw.py);
-- `host`: kvtier's Sampler, one row at a time (the CPU default);
-- `batched`: kvtier's Sampler with the rows drawn together (engine/sample/batched.py).
+- `host`: kvtier's Sampler, one row at a time (`batch_on_device=False`, the CPU default until
+  2026-12-01);
+- `batched`: kvtier's Sampler with the rows drawn together (engine/sample/batched.py), a few rows
+  at a time on the CPU: the default.
 All three include the same filtering (temperature, top-k/top-p, softmax); `race` filters as vLLM
 does (a full sort for top-p). The 49,152-token rows are the demo model's next-token logits over this repository's README
 (`--logits demo`, the default: real distributions, which decide how much of a row top-p reads);
@@ -101,9 +103,10 @@ def main() -> int:
         case = f"{rows} x {vocab}" + "".join(f", {k}={v}" for k, v in kw.items())
         rows_out.append({"case": case, "rows": rows, "vocab": vocab, **kw, "ms": med, "runs_ms": times})
         log(f"{case}: " + ", ".join(f"{n} {m:.2f} ms" for n, m in med.items()))
-    print_table(["case", "race ms", "host ms", "batched ms", "race / host"],
+    print_table(["case", "race ms", "host ms", "batched ms", "race / batched", "host / batched"],
                 [[r["case"], r["ms"]["race"], r["ms"]["host"], r["ms"]["batched"],
-                  f"{r['ms']['race'] / r['ms']['host']:.2f}x"] for r in rows_out])
+                  f"{r['ms']['race'] / r['ms']['batched']:.2f}x", f"{r['ms']['host'] / r['ms']['batched']:.2f}x"]
+                 for r in rows_out])
     if args.out is not None:
         write_json(args.out, {"benchmark": "sampling_cpu", "threads": args.threads, "logits": args.logits,
                               "cases": rows_out})
