@@ -347,6 +347,10 @@ async def _serve(ns: argparse.Namespace, kwargs: dict[str, Any], settings: Any, 
         if stats_task is not None:
             stats_task.cancel()
         api.close()
+        # A second signal makes uvicorn cancel the lifespan's shutdown: the core was never told to
+        # stop, and the exit's join of it waited for ever (the core waits for this process to go).
+        if client.state is not CoreState.STOPPED:
+            await client.shutdown(1.0)
     if client.died:
         log.error("exiting with status 1: the engine core had died")
         return 1
