@@ -76,6 +76,26 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return probs, degenerate, fallback
 
 
+def row_settings(reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Host tensors (float32 temperature, int64 top_k, float32 top_p, float32 min_p), one entry per
+    request of `reqs`, as `filtered_probs` takes them."""
+    t, k, p, m = torch.tensor([[r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p] for r in reqs],
+                              dtype=torch.float64).unbind(1)
+    return t.float(), k.long(), p.float(), m.float()
+
+
+def distributions(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """`sampling_distribution` for a batch: float64 `[n, vocab]` on the logits' device, row i what
+    `reqs[i]` (sampled, no penalties) draws from at logits row i, normalised; a degenerate row is a
+    point mass on its argmax."""
+    probs, degenerate, fallback = filtered_probs(logits.float(), *row_settings(reqs))
+    target = probs.double()
+    if logits.device.type != "cpu" or bool(degenerate.any()):
+        point = torch.nn.functional.one_hot(fallback, target.shape[1]).double()
+        target = torch.where(degenerate[:, None], point, torch.nan_to_num(target))
+    return target / target.sum(dim=1, keepdim=True)  # top-p / min-p leave it unnormalised
+
+
 def penalised(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """`logits` (float32 `[n, vocab]`, not modified) with each row's min_tokens suppression,
     repetition, presence and frequency penalties applied, in `_apply_penalties`'s order and
@@ -205,9 +225,7 @@ def draw(logits: torch.Tensor, reqs: list[Request], gen: torch.Generator) -> Dra
         at = to_device(greedy, dev)
         out[at] = (logits if len(greedy) == len(reqs) else logits[at]).max(dim=1).indices
     if sampled:
-        settings = torch.tensor([[reqs[i].params.temperature, reqs[i].params.top_k, reqs[i].params.top_p,
-                                  reqs[i].params.min_p] for i in sampled], dtype=torch.float64)
-        t, k, p, m = settings.unbind(1)  # host tensors: filtered_probs decides from them without waiting
+        t, k, p, m = row_settings([reqs[i] for i in sampled])  # host: filtered_probs decides without waiting
         at = to_device(sampled, dev)
         rows = logits if len(sampled) == len(reqs) else logits[at]
         # On the CPU, a few rows at a time: a chunk's temporaries stay in cache through the filter's
@@ -216,8 +234,7 @@ def draw(logits: torch.Tensor, reqs: list[Request], gen: torch.Generator) -> Dra
         step = len(sampled) if dev.type != "cpu" else max(2, CPU_CHUNK_ELEMENTS // rows.shape[1])
         for lo in range(0, len(sampled), step):
             hi = lo + step
-            probs, degenerate, fallback = filtered_probs(rows[lo:hi], t[lo:hi].float(), k[lo:hi].long(),
-                                                         p[lo:hi].float(), m[lo:hi].float())
+            probs, degenerate, fallback = filtered_probs(rows[lo:hi], t[lo:hi], k[lo:hi], p[lo:hi], m[lo:hi])
             if dev.type != "cpu" or bool(degenerate.any()):  # NaN rows (asking is free on the CPU)
                 probs = torch.nan_to_num(probs)
             out[at[lo:hi]] = torch.where(degenerate, fallback, categorical(probs, gen))

@@ -25,7 +25,7 @@ from engine.spec.ngram_proposer import NgramIndex, NgramProposer
 from engine.spec.rejection_sampler import VerifyRequest, accept_greedy, verify, verify_batch
 from engine.core.request import Request, RequestId
 from engine.runner.model_runner import ModelOutput
-from engine.sample.batched import filtered_probs
+from engine.sample.batched import distributions
 from engine.sample.sampler import Sampler, has_penalty, sampling_distribution, token_logprobs
 from engine.core.step_io import ScheduledRequest
 from engine.spec.budget import SpecBudget
@@ -183,15 +183,7 @@ class SpecDecoder:
         """The tokens each of `reqs` (all `together`) emits, verified in one batch where the logits
         are: `rows[j]` are request j's k + 1 target logits rows."""
         dev = rows[0].device
-        settings = torch.tensor([[r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p]
-                                 for r, x in zip(reqs, rows) for _ in range(x.shape[0])], dtype=torch.float64)
-        t, k, p, m = settings.unbind(1)
-        probs, degenerate, fallback = filtered_probs(torch.cat(rows).float(), t.float(), k.long(), p.float(), m.float())
-        target = probs.double()
-        if dev.type != "cpu" or bool(degenerate.any()):  # sampling_distribution's point mass on the argmax
-            point = torch.nn.functional.one_hot(fallback, target.shape[1]).double()
-            target = torch.where(degenerate[:, None], point, torch.nan_to_num(target))
-        target /= target.sum(dim=1, keepdim=True)  # top-p / min-p leave it unnormalised
+        target = distributions(torch.cat(rows), [r for r, x in zip(reqs, rows) for _ in range(x.shape[0])])
         # Read, and taken only once verified: a failed batch leaves them to `verify`. The scheduler
         # may have cut a proposal short (the step's token budget).
         q = [r.spec_probs[: len(d)].float() if r.spec_probs is not None else None for r, d in zip(reqs, drafts)]
