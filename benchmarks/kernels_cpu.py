@@ -4,13 +4,15 @@
 A batch of decode rows over random block tables (SmolLM's heads: 9 query, 3 kv, 64 wide; blocks of
 16), in float32 and bfloat16, and over fp8 caches (e4m3, e5m2) under float32 q: the kernel's time per layer and the KV bytes it read per second,
 beside a plain streaming read (torch's sum over a 512 MB tensor: what these cores pull from
-memory), shown as the time it takes for the kernel's bytes. `--layers 1` with a short context measures it on cached data
+memory), shown as the time it takes for the kernel's bytes, and the attention's arithmetic rate. `--layers 1` with a short context measures it on cached data
 (its arithmetic alone).
 
 `--prefill-rows N` times the prefill kernel (engine/cpu_kernels/prefill_attention.cpp) instead: one
 sequence's last N rows over `--context` keys, the step after a prefix hit (N = 16 after a G1 hit
 on a prompt of whole blocks), beside torch's SDPA over the same keys laid out contiguously (its
-best case; float32 and bfloat16 caches only). With `--prefill-rows 1` (the last prompt token after
+best case; float32 and bfloat16 caches only; `is_causal` when the rows are the whole context, its flash
+kernel's fresh prefill). On a CPU with AMX the bfloat16 rows run on its tiles (prefill_amx.h), and
+"kvtier, AVX lanes" is the same call with them off. With `--prefill-rows 1` (the last prompt token after
 a tier hit) the decode kernel over the same row is timed too: the runner sent that row there before
 the prefill kernel's narrow path, and its bits differ from a fresh prefill's.
 
@@ -110,6 +112,9 @@ def main() -> int:
         tables = torch.randperm(batch * nb, generator=g).view(batch, nb).contiguous()
         seqs = torch.tensor([[0, args.prefill_rows, args.context, 0]], dtype=torch.long)
         nbytes = batch * args.context * KV_HEADS * HEAD_DIM * 2 * kv.element_size()
+        # QK^T and P.V over the keys each row sees (causal), 2 flops a multiply-add
+        seen = sum(args.context - n_q + i + 1 for i in range(n_q)) if (n_q := args.prefill_rows) else batch * args.context
+        flops = 4 * HEADS * HEAD_DIM * seen
         flat = torch.randn(STREAM_BYTES // 4)  # far past the last-level cache: what memory gives
         peers = ["stream read"]
         if prefill and cache_dtype == dtype:  # SDPA over the same keys, contiguous: [layers, 2, kv heads, context, D]
@@ -118,6 +123,8 @@ def main() -> int:
             peers.insert(0, "torch SDPA")
         if args.prefill_rows == 1:
             peers.insert(0, "decode kernel")
+        if prefill and dtype == cache_dtype == torch.bfloat16 and cpu_kernels.prefill_amx_ready():
+            peers.insert(0, "kvtier, AVX lanes")  # the same kernel with its AMX tiles off
         times: dict[str, list[float]] = {name: [] for name in (*libs, *peers)}
         outs = {}
         reps = max(3, 150 // args.layers)
@@ -134,6 +141,16 @@ def main() -> int:
                             cpu_kernels.paged_attention(q, kv[layer, 0], kv[layer, 1], out, idx, tables, lens, 0.125)
                 times[name].append((time.perf_counter() - t) / reps / args.layers)
                 outs[name] = out
+            if "kvtier, AVX lanes" in times:
+                cpu_kernels._state["lib"] = ours
+                out = torch.empty_like(q)
+                t = time.perf_counter()
+                for _ in range(reps):
+                    for layer in range(args.layers):
+                        cpu_kernels.prefill_attention(q, kv[layer, 0], kv[layer, 1], out, seqs, tables[0], 0.125,
+                                                      amx=False)
+                times["kvtier, AVX lanes"].append((time.perf_counter() - t) / reps / args.layers)
+                outs["kvtier, AVX lanes"] = out
             if "decode kernel" in times:
                 cpu_kernels._state["lib"] = ours
                 out = torch.empty_like(q)
@@ -149,7 +166,8 @@ def main() -> int:
                 for _ in range(reps):
                     for layer in range(args.layers):
                         torch.nn.functional.scaled_dot_product_attention(
-                            qt, dense[layer, 0][None], dense[layer, 1][None], attn_mask=mask, scale=0.125, enable_gqa=True)
+                            qt, dense[layer, 0][None], dense[layer, 1][None], scale=0.125, enable_gqa=True,
+                            **({"is_causal": True} if args.prefill_rows == args.context else {"attn_mask": mask}))
                 times["torch SDPA"].append((time.perf_counter() - t) / reps / args.layers)
             t = time.perf_counter()
             flat.sum()
@@ -158,15 +176,17 @@ def main() -> int:
         dt = str(cache_dtype).removeprefix("torch.") + ("" if cache_dtype == dtype else f" (q {str(dtype)[6:]})")
         for name, ts in times.items():
             med = statistics.median(ts)
-            results[f"{name} {dt}"] = {"ms_per_layer": med * 1e3, "gb_s": nbytes / med / 1e9}
+            results[f"{name} {dt}"] = {"ms_per_layer": med * 1e3, "gb_s": nbytes / med / 1e9,
+                                       "gflop_s": flops / med / 1e9}
             same = "" if name not in outs or name == "kvtier" else str(torch.equal(outs[name], outs["kvtier"]))
             ratio = f"{med / statistics.median(times['kvtier']):.3f}" if name != "stream read" else ""
-            rows.append([f"{name} {dt}", f"{med * 1e3:.3f}", f"{nbytes / med / 1e9:.1f}", ratio, same])
+            gflops = f"{flops / med / 1e9:.0f}" if name != "stream read" else ""
+            rows.append([f"{name} {dt}", f"{med * 1e3:.3f}", f"{nbytes / med / 1e9:.1f}", gflops, ratio, same])
     m = machine_info()
     shape = f"{args.prefill_rows} prefill rows" if prefill else f"batch {args.batch}"
     print(f"{m['cpu_model']}, {m['cpu_isa']}, built for -march={args.march}; {shape}, context {args.context}, "
           f"{args.layers} layers, {torch.get_num_threads()} threads")
-    print_table(["kernel", "ms per layer", "GB/s", "time / kvtier's", "same bits"], rows)
+    print_table(["kernel", "ms per layer", "GB/s", "GFLOP/s", "time / kvtier's", "same bits"], rows)
     write_json(args.out, {"benchmark": "kernels_cpu", "args": {k: str(v) for k, v in vars(args).items()},
                           "results": results})
     tmp.cleanup()

@@ -46,7 +46,8 @@ def get() -> ctypes.CDLL | None:
             if lib is None:
                 log.warning("CPU kernels not used (%s): attention, norms and rotary embedding run as torch ops", why)
             else:
-                log.info("CPU kernels loaded: decode attention reads the paged KV cache in place")
+                log.info("CPU kernels loaded: attention reads the paged KV cache in place; bfloat16 prefill "
+                         "attention on %s", "AMX tiles" if lib.kvt_prefill_amx_ready() else "AVX lanes (no AMX here)")
         return _state["lib"]  # type: ignore[return-value]
 
 
@@ -119,13 +120,17 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                      seqs: torch.Tensor, tables: torch.Tensor, scale: float, window: int = 0) -> None:
+                      seqs: torch.Tensor, tables: torch.Tensor, scale: float, window: int = 0,
+                      amx: bool = True) -> None:
     """Causal attention of prompt chunks over the paged cache, in place. `seqs` `[n, 4]` int64 rows
     `(q0, qlen, ctx, table_offset)`: rows `q0 .. q0+qlen-1` of `q` sit at positions `ctx-qlen ..
     ctx-1` and attend to keys `0 .. their position` (with `window` > 0, only those after position -
     window), reached through the block ids
     `tables[table_offset:]`. Each row's result depends only on that row and its keys (see
-    `prefill_attention.cpp`): a chunk after a prefix hit gives the bits of a fresh prefill."""
+    `prefill_attention.cpp`): a chunk after a prefix hit gives the bits of a fresh prefill.
+
+    bfloat16 q and cache run on AMX tiles where `prefill_amx_ready()` (`prefill_amx.h`: other
+    bits than the AVX path's, the same invariance); `amx=False` keeps the AVX path, to compare."""
     lib = get()
     if lib is None:
         raise RuntimeError("the CPU attention kernel is not available")
@@ -142,11 +147,18 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             _dtypes(q, k_cache), _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), k_cache.stride(0),
             k_cache.stride(1), _ptr(out), out.stride(0), _ptr(seqs), seqs.shape[0], _ptr(tables), tables.numel(),
             heads, kv_heads,
-            head_dim, bs, float(scale), int(window), torch.get_num_threads())
+            head_dim, bs, float(scale), int(window), torch.get_num_threads(), int(amx))
     if rc != 0:
         raise ValueError(f"unsupported input for the CPU prefill kernel: heads {heads}, kv_heads {kv_heads}, "
                          f"head_dim {head_dim}, block_size {bs}, or a chunk with qlen < 1, ctx < qlen or a "
                          f"block table shorter than its context")
+
+
+def prefill_amx_ready() -> bool:
+    """Whether `prefill_attention` runs bfloat16 on AMX tiles here (a CPU with AMX-BF16, the kernels
+    built for it, and Linux granting the process the tile state)."""
+    lib = get()
+    return lib is not None and bool(lib.kvt_prefill_amx_ready())
 
 
 def prefill_supported(heads: int, kv_heads: int, block_size: int) -> bool:

@@ -25,7 +25,7 @@ MARCH = "native"  # tests also build for a baseline x86-64 and for AVX2 to cover
 # Per-source flags: the elementwise ops must round like torch's (no fused multiply-adds).
 SOURCES = {_HERE / "paged_attention.cpp": (), _HERE / "prefill_attention.cpp": (),
            _HERE / "elementwise.cpp": ("-ffp-contract=off",)}
-ABI_VERSION = 7
+ABI_VERSION = 8
 BUILD_TIMEOUT_S = 120
 
 
@@ -89,7 +89,9 @@ def load(march: str = MARCH, opt: str = OPT) -> ctypes.CDLL:
                                         c_int, c_int, c_int, c_int, ctypes.c_float, i64, c_int]
     lib.kvt_prefill_attention.restype = c_int
     lib.kvt_prefill_attention.argtypes = [c_int, ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, i64, ptr, i64, c_int,
-                                          c_int, c_int, c_int, ctypes.c_float, i64, c_int]
+                                          c_int, c_int, c_int, ctypes.c_float, i64, c_int, c_int]
+    lib.kvt_prefill_amx_ready.restype = c_int
+    lib.kvt_prefill_amx_ready.argtypes = []
     lib.kvt_rms_norm_apply.restype = None
     lib.kvt_rms_norm_apply.argtypes = [c_int, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, c_int]
     lib.kvt_rope.restype = None

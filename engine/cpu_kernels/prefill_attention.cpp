@@ -327,16 +327,14 @@ void attend_rows(const typename IO::T* q, Cache cache, const void* kc, const voi
     }
 }
 
-template <class IO, int D_>
-void run(const void* q, Cache cache, const void* k, const void* v, void* out, const Seq* seqs, int64_t nseq,
-         const int64_t* tables, const Shape& s, int threads) {
-  using T = typename IO::T;
+// The work items of a call, longest first. A work item is a tile of one kv head with all its query
+// heads, which share the K/V slices. With fewer tiles than the threads can balance (a step after a
+// prefix hit recomputes one tile per sequence), each query head is an item of its own: a head's
+// arithmetic is the same either way, so the bits do not depend on this. A narrow tile keeps its heads
+// together: their dot products are the chains attend_rows interleaves, and they share one transpose
+// of each K slice.
+std::vector<Item> make_items(const Seq* seqs, int64_t nseq, const Shape& s, int threads) {
   const int G = s.heads / s.kv_heads;
-  // A work item is a tile of one kv head with all its query heads, which share the K/V slices. With
-  // fewer tiles than the threads can balance (a step after a prefix hit recomputes one tile per
-  // sequence), each query head is an item of its own: a head's arithmetic is the same either way, so
-  // the bits do not depend on this. A narrow tile (attend_rows) keeps its heads together: their dot
-  // products are the chains it interleaves, and they share one transpose of each K slice.
   int64_t tiles = 0;
   for (int64_t i = 0; i < nseq; ++i) tiles += (seqs[i].qlen + L - 1) / L * s.kv_heads;
   const int per = tiles >= 4 * int64_t(threads) ? G : 1;
@@ -352,6 +350,15 @@ void run(const void* q, Cache cache, const void* k, const void* v, void* out, co
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
     return seqs[a.seq].ctx - seqs[a.seq].qlen + a.row0 > seqs[b.seq].ctx - seqs[b.seq].qlen + b.row0;
   });
+  return items;
+}
+
+template <class IO, int D_>
+void run(const void* q, Cache cache, const void* k, const void* v, void* out, const Seq* seqs, int64_t nseq,
+         const int64_t* tables, const Shape& s, int threads) {
+  using T = typename IO::T;
+  const int G = s.heads / s.kv_heads;
+  const std::vector<Item> items = make_items(seqs, nseq, s, threads);
   const size_t floats = std::max(size_t(2 * G * s.head_dim * L + 2 * L * s.head_dim),     // attend_tile's
                                  size_t(3 * L * s.head_dim + 2 * G * NARROW * s.head_dim));  // attend_rows'
   const int64_t n = int64_t(items.size());
@@ -370,6 +377,35 @@ void run(const void* q, Cache cache, const void* k, const void* v, void* out, co
     }
   }
 }
+
+#include "prefill_amx.h"
+
+#ifdef KVT_AMX
+// Every item on the tile unit (bfloat16 q and cache): V^T packed once, then the items as `run`'s.
+template <int D_>
+void run_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, const Seq* seqs, int64_t nseq,
+             const int64_t* tables, const Shape& s, int threads) {
+  std::vector<int64_t> first(nseq + 1, 0);
+  for (int64_t i = 0; i < nseq; ++i) first[i + 1] = first[i] + (seqs[i].ctx + KS - 1) / KS;
+  std::vector<uint16_t> vt(size_t(first[nseq]) * s.kv_heads * s.head_dim * KS);
+  pack_vt(v, seqs, nseq, tables, s, first, vt.data(), threads);
+  const std::vector<Item> items = make_items(seqs, nseq, s, threads);
+  const int64_t n = int64_t(items.size());
+  const size_t floats = amx_scratch_floats(s.head_dim);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scratch(floats);
+    configure_tiles();  // per thread, per call: oneDNN configures the tiles its own way between calls
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+      const Seq& sq = seqs[items[i].seq];
+      attend_tile_amx<D_>(q, k, out, tables + sq.table_offset, vt.data() + first[items[i].seq] * s.kv_heads *
+                          int64_t(s.head_dim) * KS, sq, items[i], s, scratch.data());
+    }
+    _tile_release();
+  }
+}
+#endif
 
 template <class IO>
 void dispatch(const void* q, Cache cache, const void* k, const void* v, void* out, const Seq* seqs, int64_t nseq,
@@ -393,7 +429,8 @@ int kvt_prefill_attention(int dtypes, const void* q, int64_t q_row_stride, const
                           const void* v_cache, int64_t block_stride, int64_t token_stride, void* out,
                           int64_t out_row_stride, const int64_t* seqs, int64_t nseq, const int64_t* tables,
                           int64_t ntables, int heads,
-                          int kv_heads, int head_dim, int block_size, float scale, int64_t window, int threads) {
+                          int kv_heads, int head_dim, int block_size, float scale, int64_t window, int threads,
+                          int amx) {
   if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > 16 || head_dim <= 0 || block_size <= 0 ||
       (block_size % L != 0 && L % block_size != 0) || (dtypes != 0 && dtypes != 2 && dtypes != 3 && dtypes != 4 &&
                                                        dtypes != 5 && dtypes != 8 && dtypes != 9))
@@ -407,11 +444,28 @@ int kvt_prefill_attention(int dtypes, const void* q, int64_t q_row_stride, const
   const Seq* sq = reinterpret_cast<const Seq*>(seqs);
   const Cache cache = (dtypes & 14) == 2 ? Cache::BF16 : (dtypes & 14) == 4 ? Cache::E4M3
                       : (dtypes & 14) == 8 ? Cache::E5M2 : Cache::F32;
+#ifdef KVT_AMX
+  if (amx && dtypes == 3 && head_dim % 32 == 0 && block_size % L == 0 && amx_ready()) {
+    const auto* q16 = static_cast<const uint16_t*>(q);
+    const auto *k16 = static_cast<const uint16_t*>(k_cache), *v16 = static_cast<const uint16_t*>(v_cache);
+    if (head_dim == 64)
+      run_amx<64>(q16, k16, v16, static_cast<uint16_t*>(out), sq, nseq, tables, s, threads);
+    else if (head_dim == 128)
+      run_amx<128>(q16, k16, v16, static_cast<uint16_t*>(out), sq, nseq, tables, s, threads);
+    else
+      run_amx<0>(q16, k16, v16, static_cast<uint16_t*>(out), sq, nseq, tables, s, threads);
+    return 0;
+  }
+#endif
   if (dtypes & 1)
     dispatch<BF16>(q, cache, k_cache, v_cache, out, sq, nseq, tables, s, threads);
   else
     dispatch<F32>(q, cache, k_cache, v_cache, out, sq, nseq, tables, s, threads);
   return 0;
 }
+
+// Whether kvt_prefill_attention can take bfloat16 on the tile unit here (built for AMX-BF16 and the
+// kernel granted the tile state).
+int kvt_prefill_amx_ready() { return amx_ready() ? 1 : 0; }
 
 }  // extern "C"

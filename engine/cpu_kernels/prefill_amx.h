@@ -1,0 +1,228 @@
+// The prefill kernel's tile on AMX (bfloat16 q and cache, head_dim a multiple of 32, 16-key slices):
+// QK^T and P·V on the tile unit, the softmax in AVX-512 lanes as attend_tile does it.
+//
+// Included by prefill_attention.cpp inside its namespace (it uses Shape, Seq, Item). Built only where
+// the compiler targets AMX-BF16 (-march=native on such a CPU); elsewhere `amx_ready()` is false.
+//
+// Layout, chosen so that the softmax keeps attend_tile's lanes (one query row per lane, no
+// horizontal reductions):
+// - scores come out transposed, S^T[key][row] = K · Q^T: A is the slice's K read in place from the
+//   cache (16 keys x 32 dims a tile op), B is the tile's Q^T in pairs of dims (built once per item);
+// - O^T[dim][row] += V^T · P^T: A is V^T (packed once per call for every slice, `pack_vt`), B is P^T in
+//   pairs of keys, made from the 16 score vectors by one conversion and one permute per pair.
+// O^T lives in memory between slices (8 tile registers hold one slice's operands), which is also
+// where the online softmax rescales it.
+//
+// Bits: a row's scores, probabilities and output depend only on the row, its keys and the slices
+// (fixed by absolute position), as in attend_tile, so a chunk split anywhere, a fresh prefill and a
+// prefill after a prefix hit give the same bits, on this path. Every item of a call takes it when it
+// is on (narrow tiles too), since its arithmetic is not attend_tile's: P is rounded to bfloat16 for
+// P·V (the normaliser sums the float32 P), as flash attention does in bf16, and the products sum in
+// the tile unit's order.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define KVT_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+inline bool amx_ready() {
+  // Linux hands a process the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+constexpr int KS = 32;  // keys per slice: two 16-key score tiles, and a full 32-key pass of P.V
+// A row's running max moves only when a slice's max passes it by more than this (lazy rescaling):
+// its probabilities are then at most e^8, and O^T makes the round trip through memory to be
+// rescaled rarely instead of at most slices. Decided lane by lane, so a row's bits stay its own.
+constexpr float RESCALE_MARGIN = 8.0f;
+
+// Every tile 16 rows of 64 bytes: tmm0/1 S^T of the slice's two 16-key halves [16 keys][16 rows] f32;
+// tmm2 the A operand, K [16 keys][32 dims] or V^T [16 dims][32 keys] bf16; tmm3 the B operand, Q^T
+// [16 dim pairs][16 rows x 2] or P^T [16 key pairs][16 rows x 2]; tmm4..7 O^T [16 dims][16 rows] f32.
+inline void configure_tiles() {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+// V^T of every 32-key slice of every chunk, [slice][kv head][D][32] bf16, zero past each sequence's
+// end (never-written cache must not reach a product, even as 0 * NaN). `first[i]`: seq i's first slice.
+inline void pack_vt(const uint16_t* vc, const Seq* seqs, int64_t nseq, const int64_t* tables, const Shape& s,
+                    const std::vector<int64_t>& first, uint16_t* vt, int threads) {
+  const int D = s.head_dim, BS = s.block_size;
+  const int64_t total = first[nseq] * s.kv_heads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t w = 0; w < total; ++w) {
+    const int64_t slice = w / s.kv_heads, kvh = w % s.kv_heads;
+    const int64_t i = std::upper_bound(first.begin(), first.end(), slice) - first.begin() - 1;
+    const int64_t k0 = (slice - first[i]) * KS;
+    const int n = int(std::min<int64_t>(KS, seqs[i].ctx - k0));
+    const int64_t* table = tables + seqs[i].table_offset;
+    uint16_t* dst = vt + w * D * KS;
+    for (int j = 0; j < KS; ++j) {
+      if (j >= n) {
+        for (int d = 0; d < D; ++d) dst[d * KS + j] = 0;
+        continue;
+      }
+      const uint16_t* src = vc + table[(k0 + j) / BS] * s.block_stride + ((k0 + j) % BS) * s.token_stride + kvh * D;
+      for (int d = 0; d < D; ++d) dst[d * KS + j] = src[d];
+    }
+  }
+}
+
+// attend_tile's item with bfloat16 q and cache on the tile unit. scratch: amx_scratch_floats(D).
+inline size_t amx_scratch_floats(int D) { return size_t(D) * L / 2 + 2 * 256 + 256 + size_t(D) * L + 16; }
+
+// O^T += V^T · P^T for one slice (P^T in tmm3). With D = 64, O^T stays in tmm4..7 for the whole
+// item (the loop is head by head so that one head's four tiles fit); other sizes keep it in memory.
+template <int D_>
+inline void accumulate_pv(const uint16_t* vp, float* oh, int D) {
+  if constexpr (D_ == 64) {
+    _tile_loadd(2, vp + 0 * 16 * KS, 64);
+    _tile_dpbf16ps(4, 2, 3);
+    _tile_loadd(2, vp + 1 * 16 * KS, 64);
+    _tile_dpbf16ps(5, 2, 3);
+    _tile_loadd(2, vp + 2 * 16 * KS, 64);
+    _tile_dpbf16ps(6, 2, 3);
+    _tile_loadd(2, vp + 3 * 16 * KS, 64);
+    _tile_dpbf16ps(7, 2, 3);
+  } else {
+    for (int c = 0; c < D / 16; ++c) {
+      _tile_loadd(4, oh + c * 16 * L, 64);
+      _tile_loadd(2, vp + c * 16 * KS, 64);
+      _tile_dpbf16ps(4, 2, 3);
+      _tile_stored(4, oh + c * 16 * L, 64);
+    }
+  }
+}
+
+template <int D_>
+inline void store_o(float* oh) {
+  if constexpr (D_ == 64) {
+    _tile_stored(4, oh + 0 * 16 * L, 64);
+    _tile_stored(5, oh + 1 * 16 * L, 64);
+    _tile_stored(6, oh + 2 * 16 * L, 64);
+    _tile_stored(7, oh + 3 * 16 * L, 64);
+  }
+}
+
+template <int D_>
+inline void load_o(const float* oh) {
+  if constexpr (D_ == 64) {
+    _tile_loadd(4, oh + 0 * 16 * L, 64);
+    _tile_loadd(5, oh + 1 * 16 * L, 64);
+    _tile_loadd(6, oh + 2 * 16 * L, 64);
+    _tile_loadd(7, oh + 3 * 16 * L, 64);
+  }
+}
+
+template <int D_>
+void attend_tile_amx(const uint16_t* q, const uint16_t* kc, uint16_t* out, const int64_t* table, const uint16_t* vt,
+                     const Seq& sq, const Item& it, const Shape& s, float* scratch) {
+  const int D = D_ > 0 ? D_ : s.head_dim;
+  const int G = s.heads / s.kv_heads, BS = s.block_size, C = D / 32;
+  const int rows = int(std::min<int64_t>(L, sq.qlen - it.row0));
+  const int64_t pos0 = sq.ctx - sq.qlen + it.row0;
+  float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t(63));
+  uint32_t* qt = reinterpret_cast<uint32_t*>(base);   // [C][16 pairs][16 rows]: Q^T, dims in pairs
+  float* sbuf = base + size_t(D) * L / 2;              // [32 keys][16 rows]
+  uint32_t* pbuf = reinterpret_cast<uint32_t*>(sbuf + 2 * 256);  // [16 key pairs][16 rows]
+  float* oh = sbuf + 2 * 256 + 256;                    // [D][16 rows]
+  float posf[L];
+  for (int r = 0; r < L; ++r) posf[r] = float(pos0 + std::min(r, rows - 1));  // spare lanes copy the last row
+  const V16 rowpos = V16::load(posf), scale = V16::set1(s.scale), margin = V16::set1(RESCALE_MARGIN);
+  // (a, b) -> a0 b0 a1 b1 ...: two keys' probabilities per row as one bf16 pair
+  alignas(64) static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i pair_idx = _mm512_load_si512(pairs);
+  const int64_t last = pos0 + rows - 1;
+  const int64_t first_key = s.window > 0 ? std::max<int64_t>(0, pos0 - s.window + 1) / KS * KS : 0;
+  for (int h = it.h0; h < it.h1; ++h) {
+    const int qh = it.kvh * G + h;
+    for (int r = 0; r < L; ++r) {
+      const uint32_t* qr = reinterpret_cast<const uint32_t*>(
+          q + (sq.q0 + it.row0 + std::min(r, rows - 1)) * s.q_row_stride + int64_t(qh) * D);
+      for (int p = 0; p < D / 2; ++p) qt[p * L + r] = qr[p];  // pair p = chunk p / 16, row p % 16
+    }
+    std::fill(oh, oh + int64_t(D) * L, 0.0f);
+    load_o<D_>(oh);
+    V16 m = V16::set1(-INFINITY), l = V16::zero();
+    for (int64_t k0 = first_key; k0 <= last; k0 += KS) {
+      const int n = int(std::min<int64_t>(KS, sq.ctx - k0));
+      const uint16_t* vp = vt + ((k0 / KS) * s.kv_heads + it.kvh) * int64_t(D) * KS;
+      const bool visible = n == KS && k0 + KS - 1 <= pos0 && (s.window <= 0 || k0 > last - s.window);
+      const bool windowed = s.window > 0 && k0 <= last - s.window;
+      // A 16-key half wholly past the sequence's end is not read (no block there). Keys past the end
+      // in a half that is read come from their block (memory that exists, maybe never written):
+      // their scores are masked below and their V^T is zero.
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int b = 0; b < (n > L ? 2 : 1); ++b) {
+        const uint16_t* kp = kc + table[(k0 + b * L) / BS] * s.block_stride + ((k0 + b * L) % BS) * s.token_stride +
+                             int64_t(it.kvh) * D;
+        for (int c = 0; c < C; ++c) {
+          _tile_loadd(3, qt + c * 16 * L, 64);
+          _tile_loadd(2, kp + c * 32, int(s.token_stride * 2));
+          if (b == 0) _tile_dpbf16ps(0, 2, 3);
+          else _tile_dpbf16ps(1, 2, 3);
+        }
+      }
+      _tile_stored(0, sbuf, 64);
+      _tile_stored(1, sbuf + 256, 64);
+      V16 sc[KS];
+      V16 bmax = V16::set1(-INFINITY);
+      #pragma GCC unroll 32
+      for (int j = 0; j < KS; ++j) {
+        sc[j] = V16::load(sbuf + j * L) * scale;
+        if (!visible) {
+          const float key = j < n ? float(k0 + j) : INFINITY;  // slots past the end: masked for every row
+          sc[j] = V16::masked_below(sc[j], rowpos, key);
+          if (windowed) sc[j] = V16::masked_above(sc[j], rowpos, key + float(s.window - 1));
+        }
+        bmax = V16::max(bmax, sc[j]);
+      }
+      // lanes whose slice max passes their running max by more than the margin move it to the slice's
+      const V16 mnew{_mm512_mask_mov_ps(m.v, _mm512_cmp_ps_mask(bmax.v, (m + margin).v, _CMP_GT_OQ), bmax.v)};
+      V16 corr = V16::exp_nonpositive(m - mnew);
+      if (s.window > 0) corr = V16::zero_where_neg_inf(corr, m);
+      V16 sum = V16::zero();
+      #pragma GCC unroll 32
+      for (int j = 0; j < KS; ++j) {
+        sc[j] = visible ? V16::exp_nonpositive(sc[j] - mnew)
+                        : V16::zero_where_neg_inf(V16::exp_nonpositive(sc[j] - mnew), sc[j]);
+        sum = sum + sc[j];
+      }
+      l = V16::fmadd(l, corr, sum);
+      m = mnew;
+      #pragma GCC unroll 16
+      for (int jp = 0; jp < KS / 2; ++jp) {
+        const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(sc[2 * jp + 1].v, sc[2 * jp].v);
+        _mm512_store_si512(pbuf + jp * L, _mm512_permutexvar_epi16(pair_idx, two));
+      }
+      if (!V16::all_one(corr)) {
+        store_o<D_>(oh);
+        for (int d = 0; d < D; ++d) (V16::load(oh + d * L) * corr).store(oh + d * L);
+        load_o<D_>(oh);
+      }
+      _tile_loadd(3, pbuf, 64);
+      accumulate_pv<D_>(vp, oh, D);
+    }
+    store_o<D_>(oh);
+    float inv[L];
+    (V16::set1(1.0f) / l).store(inv);
+    for (int r = 0; r < rows; ++r) {
+      uint16_t* orow = out + (sq.q0 + it.row0 + r) * s.out_row_stride + int64_t(qh) * D;
+      for (int d = 0; d < D; ++d) orow[d] = kvt::f32_to_bf16(oh[d * L + r] * inv[r]);
+    }
+  }
+}
+#else
+inline bool amx_ready() { return false; }
+#endif
