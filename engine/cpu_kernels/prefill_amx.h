@@ -52,6 +52,25 @@ inline void configure_tiles() {
   _tile_loadconfig(&c);
 }
 
+// 32 rows of 32 bf16 (one register each) transposed in place: five rounds of swapping the
+// off-diagonal w x w blocks of every 2w x 2w block, each row one two-source permute.
+inline void transpose32x32(__m512i* r) {
+  for (int w = 1; w < 32; w *= 2) {
+    alignas(64) uint16_t lo[32], hi[32];
+    for (int c = 0; c < 32; ++c) {
+      lo[c] = uint16_t(c & w ? 32 + c - w : c);  // row i: its own low half, then row i+w's low half
+      hi[c] = uint16_t(c & w ? 32 + c : c + w);  // row i+w: row i's high half, then its own
+    }
+    const __m512i ilo = _mm512_load_si512(lo), ihi = _mm512_load_si512(hi);
+    for (int i = 0; i < 32; ++i) {
+      if (i & w) continue;
+      const __m512i a = r[i], b = r[i + w];
+      r[i] = _mm512_permutex2var_epi16(a, ilo, b);
+      r[i + w] = _mm512_permutex2var_epi16(a, ihi, b);
+    }
+  }
+}
+
 // V^T of every 32-key slice of every chunk, [slice][kv head][D][32] bf16, zero past each sequence's
 // end (never-written cache must not reach a product, even as 0 * NaN). `first[i]`: seq i's first slice.
 inline void pack_vt(const uint16_t* vc, const Seq* seqs, int64_t nseq, const int64_t* tables, const Shape& s,
@@ -65,14 +84,15 @@ inline void pack_vt(const uint16_t* vc, const Seq* seqs, int64_t nseq, const int
     const int64_t k0 = (slice - first[i]) * KS;
     const int n = int(std::min<int64_t>(KS, seqs[i].ctx - k0));
     const int64_t* table = tables + seqs[i].table_offset;
+    const uint16_t* src[KS];
+    for (int j = 0; j < n; ++j)
+      src[j] = vc + table[(k0 + j) / BS] * s.block_stride + ((k0 + j) % BS) * s.token_stride + kvh * D;
     uint16_t* dst = vt + w * D * KS;
-    for (int j = 0; j < KS; ++j) {
-      if (j >= n) {
-        for (int d = 0; d < D; ++d) dst[d * KS + j] = 0;
-        continue;
-      }
-      const uint16_t* src = vc + table[(k0 + j) / BS] * s.block_stride + ((k0 + j) % BS) * s.token_stride + kvh * D;
-      for (int d = 0; d < D; ++d) dst[d * KS + j] = src[d];
+    for (int c0 = 0; c0 < D; c0 += 32) {  // D % 32 == 0
+      __m512i r[32];
+      for (int j = 0; j < KS; ++j) r[j] = j < n ? _mm512_loadu_si512(src[j] + c0) : _mm512_setzero_si512();
+      transpose32x32(r);
+      for (int c = 0; c < 32; ++c) _mm512_storeu_si512(dst + (c0 + c) * KS, r[c]);
     }
   }
 }

@@ -333,7 +333,7 @@ void attend_rows(const typename IO::T* q, Cache cache, const void* kc, const voi
 // arithmetic is the same either way, so the bits do not depend on this. A narrow tile keeps its heads
 // together: their dot products are the chains attend_rows interleaves, and they share one transpose
 // of each K slice.
-std::vector<Item> make_items(const Seq* seqs, int64_t nseq, const Shape& s, int threads) {
+std::vector<Item> make_items(const Seq* seqs, int64_t nseq, const Shape& s, int threads, bool narrow_together = true) {
   const int G = s.heads / s.kv_heads;
   int64_t tiles = 0;
   for (int64_t i = 0; i < nseq; ++i) tiles += (seqs[i].qlen + L - 1) / L * s.kv_heads;
@@ -341,7 +341,7 @@ std::vector<Item> make_items(const Seq* seqs, int64_t nseq, const Shape& s, int 
   std::vector<Item> items;
   for (int64_t i = 0; i < nseq; ++i)
     for (int64_t r = 0; r < seqs[i].qlen; r += L) {
-      const int step = seqs[i].qlen - r <= NARROW ? G : per;
+      const int step = narrow_together && seqs[i].qlen - r <= NARROW ? G : per;
       for (int kvh = 0; kvh < s.kv_heads; ++kvh)
         for (int h = 0; h < G; h += step) items.push_back({int32_t(i), kvh, r, h, std::min(G, h + step)});
     }
@@ -387,9 +387,15 @@ void run_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* 
              const int64_t* tables, const Shape& s, int threads) {
   std::vector<int64_t> first(nseq + 1, 0);
   for (int64_t i = 0; i < nseq; ++i) first[i + 1] = first[i] + (seqs[i].ctx + KS - 1) / KS;
-  std::vector<uint16_t> vt(size_t(first[nseq]) * s.kv_heads * s.head_dim * KS);
-  pack_vt(v, seqs, nseq, tables, s, first, vt.data(), threads);
-  const std::vector<Item> items = make_items(seqs, nseq, s, threads);
+  // Kept between calls (pack_vt writes every element it is read at): a fresh allocation of a long
+  // context's V^T would fault its pages in again on every layer.
+  static thread_local std::vector<uint16_t> vt;
+  const size_t need = size_t(first[nseq]) * s.kv_heads * s.head_dim * KS;
+  if (vt.size() < need) vt.resize(need);
+  uint16_t* const vtp = vt.data();  // the caller's: inside the parallel region `vt` is each thread's own
+  pack_vt(v, seqs, nseq, tables, s, first, vtp, threads);
+  // narrow tiles split by head too: on the tile unit a narrow tile costs a full one, and heads share nothing
+  const std::vector<Item> items = make_items(seqs, nseq, s, threads, false);
   const int64_t n = int64_t(items.size());
   const size_t floats = amx_scratch_floats(s.head_dim);
 #pragma omp parallel num_threads(threads)
@@ -399,7 +405,7 @@ void run_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       const Seq& sq = seqs[items[i].seq];
-      attend_tile_amx<D_>(q, k, out, tables + sq.table_offset, vt.data() + first[items[i].seq] * s.kv_heads *
+      attend_tile_amx<D_>(q, k, out, tables + sq.table_offset, vtp + first[items[i].seq] * s.kv_heads *
                           int64_t(s.head_dim) * KS, sq, items[i], s, scratch.data());
     }
     _tile_release();
