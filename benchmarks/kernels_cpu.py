@@ -128,38 +128,33 @@ def main() -> int:
         times: dict[str, list[float]] = {name: [] for name in (*libs, *peers)}
         outs = {}
         reps = max(3, 150 // args.layers)
+
+        def timed(name: str, call) -> None:
+            """One round of `call(layer, out)` over every layer, reps times: seconds per layer."""
+            out = torch.empty_like(q)
+            t = time.perf_counter()
+            for _ in range(reps):
+                for layer in range(args.layers):
+                    call(layer, out)
+            times[name].append((time.perf_counter() - t) / reps / args.layers)
+            outs[name] = out
+
+        def prefill_call(amx: bool = True):
+            return lambda layer, out: cpu_kernels.prefill_attention(q, kv[layer, 0], kv[layer, 1], out, seqs,
+                                                                    tables[0], 0.125, amx=amx)
+
+        def decode_call(layer, out):
+            cpu_kernels.paged_attention(q, kv[layer, 0], kv[layer, 1], out, idx, tables, lens, 0.125)
+
         for _ in range(args.rounds):
             for name, lib in libs.items():
                 cpu_kernels._state["lib"] = lib
-                out = torch.empty_like(q)
-                t = time.perf_counter()
-                for _ in range(reps):
-                    for layer in range(args.layers):
-                        if prefill:
-                            cpu_kernels.prefill_attention(q, kv[layer, 0], kv[layer, 1], out, seqs, tables[0], 0.125)
-                        else:
-                            cpu_kernels.paged_attention(q, kv[layer, 0], kv[layer, 1], out, idx, tables, lens, 0.125)
-                times[name].append((time.perf_counter() - t) / reps / args.layers)
-                outs[name] = out
+                timed(name, prefill_call() if prefill else decode_call)
+            cpu_kernels._state["lib"] = ours
             if "kvtier, AVX lanes" in times:
-                cpu_kernels._state["lib"] = ours
-                out = torch.empty_like(q)
-                t = time.perf_counter()
-                for _ in range(reps):
-                    for layer in range(args.layers):
-                        cpu_kernels.prefill_attention(q, kv[layer, 0], kv[layer, 1], out, seqs, tables[0], 0.125,
-                                                      amx=False)
-                times["kvtier, AVX lanes"].append((time.perf_counter() - t) / reps / args.layers)
-                outs["kvtier, AVX lanes"] = out
+                timed("kvtier, AVX lanes", prefill_call(amx=False))
             if "decode kernel" in times:
-                cpu_kernels._state["lib"] = ours
-                out = torch.empty_like(q)
-                t = time.perf_counter()
-                for _ in range(reps):
-                    for layer in range(args.layers):
-                        cpu_kernels.paged_attention(q, kv[layer, 0], kv[layer, 1], out, idx, tables, lens, 0.125)
-                times["decode kernel"].append((time.perf_counter() - t) / reps / args.layers)
-                outs["decode kernel"] = out
+                timed("decode kernel", decode_call)
             if "torch SDPA" in times:
                 qt = q.transpose(0, 1)[None]
                 t = time.perf_counter()
