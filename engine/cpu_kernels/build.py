@@ -24,8 +24,8 @@ OPT = "-O3"
 MARCH = "native"  # tests also build for a baseline x86-64 and for AVX2 to cover vec16.h's other paths
 # Per-source flags: the elementwise ops must round like torch's (no fused multiply-adds).
 SOURCES = {_HERE / "paged_attention.cpp": (), _HERE / "prefill_attention.cpp": (),
-           _HERE / "elementwise.cpp": ("-ffp-contract=off",)}
-ABI_VERSION = 8
+           _HERE / "elementwise.cpp": ("-ffp-contract=off",), _HERE / "linear_amx.cpp": ()}
+ABI_VERSION = 9
 BUILD_TIMEOUT_S = 120
 
 
@@ -94,6 +94,12 @@ def load(march: str = MARCH, opt: str = OPT) -> ctypes.CDLL:
     lib.kvt_prefill_amx_ready.argtypes = []
     lib.kvt_rms_norm_apply.restype = None
     lib.kvt_rms_norm_apply.argtypes = [c_int, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, c_int]
+    lib.kvt_linear_amx_ready.restype = c_int
+    lib.kvt_linear_amx_ready.argtypes = []
+    lib.kvt_linear_pack.restype = c_int
+    lib.kvt_linear_pack.argtypes = [ptr, i64, i64, ptr, c_int]
+    lib.kvt_linear.restype = c_int
+    lib.kvt_linear.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int]
     lib.kvt_rope.restype = None
     lib.kvt_rope.argtypes = [c_int, ptr, i64, ptr, ptr, i64, c_int, c_int, c_int]
     return lib

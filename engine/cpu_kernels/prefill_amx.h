@@ -19,22 +19,8 @@
 // is on (narrow tiles too), since its arithmetic is not attend_tile's: P is rounded to bfloat16 for
 // P·V (the normaliser sums the float32 P), as flash attention does in bf16, and the products sum in
 // the tile unit's order.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define KVT_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-inline bool amx_ready() {
-  // Linux hands a process the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+#ifdef KVT_AMX
+using kvt::amx_ready;
 
 constexpr int KS = 32;  // keys per slice: two 16-key score tiles, and a full 32-key pass of P.V
 // A row's running max moves only when a slice's max passes it by more than this (lazy rescaling):
@@ -45,12 +31,7 @@ constexpr float RESCALE_MARGIN = 8.0f;
 // Every tile 16 rows of 64 bytes: tmm0/1 S^T of the slice's two 16-key halves [16 keys][16 rows] f32;
 // tmm2 the A operand, K [16 keys][32 dims] or V^T [16 dims][32 keys] bf16; tmm3 the B operand, Q^T
 // [16 dim pairs][16 rows x 2] or P^T [16 key pairs][16 rows x 2]; tmm4..7 O^T [16 dims][16 rows] f32.
-inline void configure_tiles() {
-  TileConfig c{};
-  c.palette = 1;
-  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-  _tile_loadconfig(&c);
-}
+inline void configure_tiles() { kvt::configure_full_tiles(); }
 
 // 32 rows of 32 bf16 (one register each) transposed in place: five rounds of swapping the
 // off-diagonal w x w blocks of every 2w x 2w block, each row one two-source permute.
@@ -244,5 +225,5 @@ void attend_tile_amx(const uint16_t* q, const uint16_t* kc, uint16_t* out, const
   }
 }
 #else
-inline bool amx_ready() { return false; }
+using kvt::amx_ready;
 #endif

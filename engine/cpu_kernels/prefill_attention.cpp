@@ -28,6 +28,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "dtypes.h"
 #include "vec16.h"
 

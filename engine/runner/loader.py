@@ -63,7 +63,10 @@ def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max
     model.eval().requires_grad_(False)
     cpu = device == "cpu" and cfg.dtype in (torch.float32, torch.bfloat16)
     if cpu and packing_available(cfg.dtype):
-        log.info("prepacked %d linear layers into oneDNN's blocked layout", pack_linears(model))
+        packed = pack_linears(model)
+        amx = sum(1 for m in model.modules() if getattr(m, "amx", False))
+        log.info("prepacked %d linear layers: %d into AMX tiles (engine/cpu_kernels/linear_amx.cpp), %d into "
+                 "oneDNN's blocked layout", packed, amx, packed - amx)
     if cpu and fused_ops and not compiled and cfg.head_dim <= 512 and model.supports_fused_cpu_ops \
             and cpu_kernels.get() is not None:
         model.use_fused_cpu_ops()
