@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "dtypes.h"
@@ -273,6 +274,8 @@ void attend_lanes(const typename IO::T* q, const typename KV::T* kc, const typen
   }
 }
 
+#include "decode_bf16.h"
+
 template <class IO, class KV, int D_>
 void run(const void* q, const void* k, const void* v, void* out, const int64_t* rows, const int64_t* tables,
          const int64_t* lens, int64_t n, const Shape& s, int threads) {
@@ -296,6 +299,12 @@ void run(const void* q, const void* k, const void* v, void* out, const int64_t* 
       const int64_t i = it / splits;
       const int kv0 = int(it % splits) * per_item;
       const int64_t start = s.window > 0 ? std::max<int64_t>(0, lens[i] - s.window) : 0;
+#ifdef KVT_DECODE_BF16
+      if constexpr (std::is_same_v<IO, BF16> && std::is_same_v<KV, BF16> && D_ > 0 && D_ % 32 == 0)
+        attend_bf16<D_>(qp + rows[i] * s.q_row_stride, kp, vp, op + rows[i] * s.out_row_stride,
+                        tables + i * s.table_stride, lens[i], start, kv0, kv0 + per_item, s, scratch.data());
+      else
+#endif
       if constexpr (D_ > 0 && D_ % 16 == 0)
         attend_lanes<IO, KV, D_>(qp + rows[i] * s.q_row_stride, kp, vp, op + rows[i] * s.out_row_stride,
                              tables + i * s.table_stride, lens[i], start, kv0, kv0 + per_item, s, scratch.data());
