@@ -100,6 +100,8 @@ def load(march: str = MARCH, opt: str = OPT) -> ctypes.CDLL:
     lib.kvt_linear_pack.argtypes = [ptr, i64, i64, ptr, c_int]
     lib.kvt_linear.restype = c_int
     lib.kvt_linear.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int]
+    lib.kvt_linear_silu_mul.restype = c_int
+    lib.kvt_linear_silu_mul.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, c_int]
     lib.kvt_rope.restype = None
     lib.kvt_rope.argtypes = [c_int, ptr, i64, ptr, ptr, i64, c_int, c_int, c_int]
     return lib

@@ -45,21 +45,39 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ W^T + bias` for `x` `[..., in]` bfloat16 and `packed` from `pack(W)`."""
-    lib = get()
-    n, k = packed.shape
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     if x.dtype != torch.bfloat16 or x.shape[-1] != k:
         raise ValueError(f"the AMX linear takes bfloat16 [..., {k}], got {x.dtype} {tuple(x.shape)}")
-    lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    return x2 if x2.stride(1) == 1 else x2.contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W^T + bias` for `x` `[..., in]` bfloat16 and `packed` from `pack(W)`."""
+    n, k = packed.shape
+    x2 = _rows(x, k)
     y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
-    b = 0 if bias is None else bias.contiguous()
+    b = None if bias is None else bias.contiguous()
     with _traced("kvtier::cpu_linear"):
-        rc = lib.kvt_linear(x2.data_ptr(), x2.stride(0), x2.shape[0], packed.data_ptr(), n, k,
-                            None if bias is None else b.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
+        rc = get().kvt_linear(x2.data_ptr(), x2.stride(0), x2.shape[0], packed.data_ptr(), n, k,
+                              None if b is None else b.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError("the AMX linear is not available in this process")
-    return y.view(*lead, n)
+    return y.view(*x.shape[:-1], n)
+
+
+def silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(x @ Wg^T) * (x @ Wu^T)` (a gated MLP's hidden activation) in one pass, `gate` and `up`
+    from `pack`: both products stay float32 until the result is rounded, and no separate SiLU pass
+    reads them back from memory."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    n, k = gate.shape
+    x2 = _rows(x, k)
+    y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+    with _traced("kvtier::cpu_linear_silu_mul"):
+        rc = get().kvt_linear_silu_mul(x2.data_ptr(), x2.stride(0), x2.shape[0], gate.data_ptr(), up.data_ptr(), n,
+                                       k, y.data_ptr(), n, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError("the AMX linear is not available in this process")
+    return y.view(*x.shape[:-1], n)

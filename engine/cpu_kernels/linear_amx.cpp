@@ -21,13 +21,17 @@
 
 #include "amx.h"
 #include "dtypes.h"
+#include "vec16.h"
 
 namespace {
 
 constexpr int TN = 16;  // output columns per B tile
 constexpr int TK = 32;  // inputs per B tile (16 pairs)
 constexpr int TILE = TN * TK;  // bf16 per packed tile
-constexpr int MR = 64;  // rows per pass: four C tiles
+constexpr int MR = 64;  // rows per pass at decode sizes (up to MR rows): four C tiles, W streamed once
+// Rows per pass above MR rows: 32 rows of x (36 KB at 576 inputs) stay in L1 while the pass walks
+// the column blocks, so only W's tiles come from L2.
+constexpr int MR_LARGE = 32;
 constexpr int64_t L2_WEIGHTS = 1 << 20;  // bytes of W a thread keeps in L2 across an item's row passes
 constexpr int PREFETCH = 4;  // B tiles ahead: the next 4 KB of a thread's stream
 
@@ -82,12 +86,36 @@ inline void block(const uint16_t* const* a, const int* a_stride, const uint16_t*
 // Work items: the column blocks in `parts` contiguous ranges (one per thread, or one per block
 // when there are fewer blocks than threads), times row groups only where there are fewer blocks
 // than threads. So each thread streams its own range of W once (per L2 chunk).
-void gemm(const uint16_t* x, int64_t x_stride, int64_t m, const uint16_t* wp, int64_t n, int64_t k,
-          const uint16_t* bias, uint16_t* y, int64_t y_stride, int threads) {
+// The products of rows [0, 16 * mt) with column block `b` into `c`.
+inline void product(int mt, const uint16_t* const* a, const int* as, const uint16_t* b, int64_t kb, float* c) {
+  switch (mt) {
+    case 1: block<1>(a, as, b, kb, c); break;
+    case 2: block<2>(a, as, b, kb, c); break;
+    case 3: block<3>(a, as, b, kb, c); break;
+    default: block<4>(a, as, b, kb, c); break;
+  }
+}
+
+// silu(g) * u in float32: x / (1 + e^-x) with e^-|x| (never overflows) from the attention
+// kernels' exponential.
+inline __m512 silu_mul(__m512 g, __m512 u) {
+  const __m512 t = kvt::V16::exp_nonpositive({_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g))}).v;
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 num = _mm512_mask_mul_ps(g, neg, g, t);  // x, or x e^x where x < 0
+  return _mm512_mul_ps(_mm512_div_ps(num, _mm512_add_ps(one, t)), u);
+}
+
+// `wu` null: y = x W^T + bias. `wu` set (a gated MLP's up, `wp` its gate, no bias): y = silu(x Wg^T) *
+// (x Wu^T), both products in float32 and rounded once: the separate SiLU pass, and the gate's and
+// up's round trips through memory, are gone.
+void gemm(const uint16_t* x, int64_t x_stride, int64_t m, const uint16_t* wp, const uint16_t* wu, int64_t n,
+          int64_t k, const uint16_t* bias, uint16_t* y, int64_t y_stride, int threads) {
   const int64_t nb = n / TN, kb = k / TK;
   const int64_t parts = std::min<int64_t>(threads, nb);
-  const int64_t passes = (m + MR - 1) / MR, groups = std::min(passes, (threads + parts - 1) / parts);
-  const int64_t per_group = (passes + groups - 1) / groups * MR;
+  const int mr = m > MR ? MR_LARGE : MR;
+  const int64_t passes = (m + mr - 1) / mr, groups = std::min(passes, (threads + parts - 1) / parts);
+  const int64_t per_group = (passes + groups - 1) / groups * mr;
   // Column blocks in chunks whose weights stay in L2 while the group's row passes read them.
   const int64_t chunk = std::max<int64_t>(1, L2_WEIGHTS / (kb * TILE * 2));
 #pragma omp parallel num_threads(threads)
@@ -95,6 +123,7 @@ void gemm(const uint16_t* x, int64_t x_stride, int64_t m, const uint16_t* wp, in
     kvt::configure_full_tiles();
     thread_local std::vector<uint16_t> tail;  // a partial row block, zero-padded to 16 rows
     alignas(64) float c[MR * TN];
+    alignas(64) float cu[MR * TN];
     alignas(64) float bb[TN];
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < parts * groups; ++item) {
@@ -102,8 +131,8 @@ void gemm(const uint16_t* x, int64_t x_stride, int64_t m, const uint16_t* wp, in
       const int64_t j0 = nb * p / parts, j1 = nb * (p + 1) / parts;
       const int64_t g1 = std::min(m, (g + 1) * per_group);
       for (int64_t c0 = j0; c0 < j1; c0 += chunk)
-        for (int64_t r0 = g * per_group; r0 < g1; r0 += MR) {
-          const int rows = int(std::min<int64_t>(MR, g1 - r0));
+        for (int64_t r0 = g * per_group; r0 < g1; r0 += mr) {
+          const int rows = int(std::min<int64_t>(mr, g1 - r0));
           const int mt = (rows + 15) / 16;
           const uint16_t* a[4];
           int as[4];
@@ -119,12 +148,14 @@ void gemm(const uint16_t* x, int64_t x_stride, int64_t m, const uint16_t* wp, in
             as[mt - 1] = int(k * 2);
           }
           for (int64_t j = c0; j < std::min(j1, c0 + chunk); ++j) {
-            const uint16_t* b = wp + j * kb * TILE;
-            switch (mt) {
-              case 1: block<1>(a, as, b, kb, c); break;
-              case 2: block<2>(a, as, b, kb, c); break;
-              case 3: block<3>(a, as, b, kb, c); break;
-              default: block<4>(a, as, b, kb, c); break;
+            product(mt, a, as, wp + j * kb * TILE, kb, c);
+            if (wu) {
+              product(mt, a, as, wu + j * kb * TILE, kb, cu);
+              for (int r = 0; r < rows; ++r)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (r0 + r) * y_stride + j * TN),
+                                    reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(
+                                        silu_mul(_mm512_load_ps(c + r * TN), _mm512_load_ps(cu + r * TN)))));
+              continue;
             }
             __m512 bv = _mm512_setzero_ps();
             if (bias) {
@@ -164,10 +195,24 @@ int kvt_linear(const uint16_t* x, int64_t x_stride, int64_t m, const uint16_t* w
                const uint16_t* bias, uint16_t* y, int64_t y_stride, int threads) {
 #ifdef KVT_AMX
   if (!kvt::amx_ready() || n % TN || k % TK || m < 0) return -1;
-  if (m > 0) gemm(x, x_stride, m, wp, n, k, bias, y, y_stride, threads);
+  if (m > 0) gemm(x, x_stride, m, wp, nullptr, n, k, bias, y, y_stride, threads);
   return 0;
 #else
   (void)x, (void)x_stride, (void)m, (void)wp, (void)n, (void)k, (void)bias, (void)y, (void)y_stride, (void)threads;
+  return -1;
+#endif
+}
+
+// y[m, n] = silu(x Wg^T) * (x Wu^T), bfloat16, both [n, k] packed by kvt_linear_pack (a gated MLP's
+// gate and up). Returns -1 where kvt_linear would.
+int kvt_linear_silu_mul(const uint16_t* x, int64_t x_stride, int64_t m, const uint16_t* wg, const uint16_t* wu,
+                        int64_t n, int64_t k, uint16_t* y, int64_t y_stride, int threads) {
+#ifdef KVT_AMX
+  if (!kvt::amx_ready() || n % TN || k % TK || m < 0) return -1;
+  if (m > 0) gemm(x, x_stride, m, wg, wu, n, k, nullptr, y, y_stride, threads);
+  return 0;
+#else
+  (void)x, (void)x_stride, (void)m, (void)wg, (void)wu, (void)n, (void)k, (void)y, (void)y_stride, (void)threads;
   return -1;
 #endif
 }

@@ -151,6 +151,8 @@ class MLP(nn.Module):
         return {"gate_up_proj": (half, half)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.gate_up_proj, "fuses_silu_mul", False):  # bfloat16 on AMX: one kernel (not under LoRA)
+            return self.down_proj(self.gate_up_proj.silu_mul(x))
         if getattr(self.gate_up_proj, "splits_output", False):  # packed in parts, maybe under LoRA
             gate, up = self.gate_up_proj.forward_parts(x)
             return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))

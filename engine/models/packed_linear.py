@@ -43,6 +43,20 @@ def _(x, key, part, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+@torch.library.custom_op("kvtier::packed_silu_mul", mutates_args=())
+def packed_silu_mul(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    """`PackedLinear` number `key`'s `silu_mul(x)`."""
+    owner = _live[key]()
+    if owner is None:
+        raise RuntimeError(f"packed linear {key} was released")
+    return owner.silu_mul(x)
+
+
+@packed_silu_mul.register_fake
+def _(x, key, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 _SUPPORTED: dict[torch.dtype, bool] = {}
 
 
@@ -96,6 +110,20 @@ class PackedLinear(nn.Module):
         """Whether `forward_parts` returns more than one tensor (a caller that can take the parts
         apart skips the concatenation)."""
         return len(self.packed) > 1
+
+    @property
+    def fuses_silu_mul(self) -> bool:
+        """Whether `silu_mul` runs as one kernel: a gated MLP's gate and up packed as two equal
+        parts for the AMX kernel, without bias."""
+        return self.amx and len(self.parts) == 2 and self.parts[0] == self.parts[1] and self.biases[0] is None
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """`silu(gate(x)) * up(x)` for parts (gate, up), in one pass (`fuses_silu_mul`)."""
+        if not self.fuses_silu_mul:
+            raise RuntimeError(f"this linear does not fuse SiLU-and-multiply ({self.extra_repr()})")
+        if torch.compiler.is_compiling():
+            return torch.ops.kvtier.packed_silu_mul(x, self.key, self.parts[0])
+        return amx_linear.silu_mul(x, self.packed[0], self.packed[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.packed) == 1:

@@ -112,3 +112,36 @@ def test_the_engine_runs_a_bfloat16_model_on_it(ckpt_dir):
     shared = set(amx) & set(dnn)
     assert len(shared) >= 4
     assert max(abs(amx[t] - dnn[t]) for t in shared) < 0.1
+
+
+@pytest.mark.parametrize("rows", [1, 17, 64, 300])
+def test_silu_mul_matches_a_float_reference(rows):
+    """The gated MLP's activation in one pass: silu(x Wg^T) * (x Wu^T) from float32 products,
+    rounded once, against float64 (bfloat16's step plus the float32 exponential's error)."""
+    torch.manual_seed(rows)
+    wg, wu = (torch.randn(64, 96, dtype=torch.bfloat16) for _ in range(2))
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    got = amx_linear.silu_mul(x, amx_linear.pack(wg), amx_linear.pack(wu))
+    g, u = reference(x, wg, None).double(), reference(x, wu, None).double()
+    want = (torch.nn.functional.silu(g) * u).float()
+    assert got.shape == (rows, 64)
+    assert_rounded_once(got, want)
+
+
+def test_a_gated_mlp_takes_the_fused_path_and_keeps_its_result():
+    from engine.models.packed_linear import PackedLinear
+
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 128, bias=False).to(torch.bfloat16)
+    fused = PackedLinear(lin, parts=(64, 64))
+    assert fused.fuses_silu_mul
+    x = torch.randn(9, 96, dtype=torch.bfloat16)
+    gate, up = fused.forward_parts(x)
+    unfused = torch.nn.functional.silu(gate.float()) * up.float()  # from bf16-rounded gate and up
+    torch.testing.assert_close(fused.silu_mul(x).float(), unfused, rtol=2e-2, atol=2e-2)
+    assert torch.equal(torch.compile(fused.silu_mul, fullgraph=True)(x), fused.silu_mul(x))
+    for other in (PackedLinear(nn.Linear(96, 128, bias=True).to(torch.bfloat16), parts=(64, 64)),
+                  PackedLinear(lin, parts=(32, 96)), PackedLinear(lin)):
+        assert not other.fuses_silu_mul
+        with pytest.raises(RuntimeError, match="does not fuse"):
+            other.silu_mul(x)
