@@ -2,7 +2,8 @@
 
 `paged_attention` (decodes, `paged_attention.cpp`) and `prefill_attention` (prompt chunks,
 `prefill_attention.cpp`) read K/V through the block table in place;
-`add_rms_norm` and `rope_` fuse a decoder layer's norms and rotary embedding (`elementwise.cpp`).
+`add_rms_norm` and `rope_` fuse a decoder layer's norms and rotary embedding (`elementwise.cpp`);
+`linear` (its own module) runs bfloat16 linears on AMX tiles (`linear_amx.cpp`).
 Without a compiler the engine falls back to the torch ops and logs why (`get()` returns None then).
 """
 from __future__ import annotations
