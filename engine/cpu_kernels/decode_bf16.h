@@ -40,10 +40,7 @@ void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, uint
   const int64_t nblocks = (len + BS - 1) / BS, b0 = start / BS;
   const int slices = (BS + 15) / 16;
   BlockPrefetch pf;
-  if (nblocks > b0) {
-    pf.start(kc, vc, table[b0] * s.block_stride + int64_t(kv0) * D, kv1 - kv0, D, s, 1);
-    pf.all();
-  }
+  pf.first(kc, vc, table, b0, nblocks, kv0, kv1 - kv0, D, s);
   for (int64_t b = b0; b < nblocks; ++b) {
     const int n = int(std::min<int64_t>(BS, len - b * BS));
     const int j0 = b == b0 ? int(start - b * BS) : 0;

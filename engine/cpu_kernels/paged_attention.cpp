@@ -69,6 +69,14 @@ class BlockPrefetch {
     per_piece_ = total_;
     issue();
   }
+  // A row's first block (of `nblocks`, from b0), all at once: nothing is computed yet to hide it under.
+  template <class T, class S>
+  void first(const T* kc, const T* vc, const int64_t* table, int64_t b0, int64_t nblocks, int kv0, int nkv, int D,
+             const S& s) {
+    if (nblocks <= b0) return;
+    start(kc, vc, table[b0] * s.block_stride + int64_t(kv0) * D, nkv, D, s, 1);
+    all();
+  }
 
  private:
   const char* k_ = nullptr;
@@ -105,10 +113,7 @@ void attend(const typename IO::T* q, const typename KV::T* kc, const typename KV
   std::fill(acc, acc + nh * D, 0.0f);
   const int64_t nblocks = (len + BS - 1) / BS, b0 = start / BS;
   BlockPrefetch pf;
-  if (nblocks > b0) {
-    pf.start(kc, vc, table[b0] * s.block_stride + int64_t(kv0) * D, kv1 - kv0, D, s, 1);
-    pf.all();
-  }
+  pf.first(kc, vc, table, b0, nblocks, kv0, kv1 - kv0, D, s);
   for (int64_t b = b0; b < nblocks; ++b) {
     const int n = int(std::min<int64_t>(BS, len - b * BS));
     const int j0 = b == b0 ? int(start - b * BS) : 0;  // the window's first key in its first block
@@ -196,10 +201,7 @@ void attend_lanes(const typename IO::T* q, const typename KV::T* kc, const typen
   const int64_t nblocks = (len + BS - 1) / BS, b0 = start / BS;
   const int slices = (BS + 15) / 16;
   BlockPrefetch pf;
-  if (nblocks > b0) {
-    pf.start(kc, vc, table[b0] * s.block_stride + int64_t(kv0) * D, kv1 - kv0, D, s, 1);
-    pf.all();
-  }
+  pf.first(kc, vc, table, b0, nblocks, kv0, kv1 - kv0, D, s);
   for (int64_t b = b0; b < nblocks; ++b) {
     const int n = int(std::min<int64_t>(BS, len - b * BS));
     const int j0 = b == b0 ? int(start - b * BS) : 0;  // the window's first key in its first block
