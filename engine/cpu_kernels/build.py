@@ -24,8 +24,9 @@ OPT = "-O3"
 MARCH = "native"  # tests also build for a baseline x86-64 and for AVX2 to cover vec16.h's other paths
 # Per-source flags: the elementwise ops must round like torch's (no fused multiply-adds).
 SOURCES = {_HERE / "paged_attention.cpp": (), _HERE / "prefill_attention.cpp": (),
-           _HERE / "elementwise.cpp": ("-ffp-contract=off",), _HERE / "linear_amx.cpp": ()}
-ABI_VERSION = 9
+           _HERE / "elementwise.cpp": ("-ffp-contract=off",), _HERE / "linear_amx.cpp": (),
+           _HERE / "linear_f32.cpp": ()}
+ABI_VERSION = 10
 BUILD_TIMEOUT_S = 120
 
 
@@ -102,6 +103,12 @@ def load(march: str = MARCH, opt: str = OPT) -> ctypes.CDLL:
     lib.kvt_linear.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int]
     lib.kvt_linear_silu_mul.restype = c_int
     lib.kvt_linear_silu_mul.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, c_int]
+    lib.kvt_linear_f32_ready.restype = c_int
+    lib.kvt_linear_f32_ready.argtypes = []
+    lib.kvt_linear_f32_pack.restype = c_int
+    lib.kvt_linear_f32_pack.argtypes = [ptr, i64, i64, ptr, c_int]
+    lib.kvt_linear_f32.restype = c_int
+    lib.kvt_linear_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int]
     lib.kvt_rope.restype = None
     lib.kvt_rope.argtypes = [c_int, ptr, i64, ptr, ptr, i64, c_int, c_int, c_int]
     return lib

@@ -1,53 +1,81 @@
-"""bfloat16 linears on AMX tiles (`linear_amx.cpp`): the weights packed once into the kernel's
-tile order, then `y = x W^T + b` at any row count.
+"""kvtier's own CPU linears: the weights packed once into a kernel's order, then `y = x W^T + b`
+at any row count.
 
-Decode steps are where it pays: each thread streams its own columns of W at the memory's rate,
-1.3-1.8x oneDNN's packed GEMM at 1-64 rows on the demo model's shapes (docs/CPU.md); at prefill
-sizes the two are even. `engine/models/packed_linear.py` uses it for every bfloat16 linear whose
-shape fits when `amx_ready()`, and oneDNN otherwise.
+- bfloat16 on AMX tiles (`linear_amx.cpp`): 1.3-1.8x oneDNN's packed GEMM at 1-64 rows on the
+  demo model's shapes; at prefill sizes the two are even.
+- float32 on the vector units (`linear_f32.cpp`, AVX2 or AVX-512): 1.2-1.6x oneDNN at 1-128
+  rows on an AVX2 EPYC, 1.15x at 1024.
+
+Decode steps are where they pay: each thread streams its own columns of W at the memory's rate
+(docs/CPU.md). `engine/models/packed_linear.py` uses them for every linear whose dtype and shape
+fit when the kernel is ready here, and oneDNN otherwise.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
 from engine.cpu_kernels import _traced, get
 
 TILE_N, TILE_K = 16, 32  # W's rows and columns must be multiples of these
-ENV = "KVTIER_AMX_LINEAR"  # "0": oneDNN for every linear (for comparisons), read when a model loads
+# "0": oneDNN for every linear of that dtype (for comparisons); read when a model loads.
+ENV = "KVTIER_AMX_LINEAR"
+F32_ENV = "KVTIER_F32_LINEAR"
+F32_TILE_N = 16  # the float32 kernel's W rows must be a multiple of this
+
+
+def _switched_on(env: str) -> bool:
+    choice = os.environ.get(env, "1")
+    if choice not in ("0", "1"):
+        raise ValueError(f"{env} must be 0 (oneDNN linears) or 1 (the default), got {choice!r}")
+    return choice == "1"
 
 
 def amx_ready() -> bool:
     """Whether `linear` runs here: the kernels built for AMX-BF16, Linux granting the tile state,
     and not turned off with KVTIER_AMX_LINEAR=0."""
-    choice = os.environ.get(ENV, "1")
-    if choice not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0 (oneDNN linears) or 1 (the default), got {choice!r}")
-    lib = get()
-    return choice == "1" and lib is not None and bool(lib.kvt_linear_amx_ready())
+    lib = get() if _switched_on(ENV) else None
+    return lib is not None and bool(lib.kvt_linear_amx_ready())
+
+
+def f32_ready() -> bool:
+    """Whether `linear_f32` runs here: the kernels built for AVX2 or AVX-512, and not turned off
+    with KVTIER_F32_LINEAR=0."""
+    lib = get() if _switched_on(F32_ENV) else None
+    return lib is not None and bool(lib.kvt_linear_f32_ready())
+
+
+def f32_fits(out_features: int, in_features: int) -> bool:
+    return out_features % F32_TILE_N == 0 and out_features > 0 and in_features > 0
 
 
 def fits(out_features: int, in_features: int) -> bool:
     return out_features % TILE_N == 0 and in_features % TILE_K == 0 and out_features > 0 and in_features > 0
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
-    """`w` `[out, in]` bfloat16 in the kernel's tile order (a new tensor of the same size)."""
+def _pack(w: torch.Tensor, dtype: torch.dtype, fit: bool, kernel: str, needs: str, entry: Callable) -> torch.Tensor:
+    """`entry(lib)`: the library's packing function for this kernel."""
     lib = get()
-    if lib is None or w.dtype != torch.bfloat16 or w.dim() != 2 or not fits(*w.shape):
-        raise ValueError(f"cannot pack a {tuple(w.shape)} {w.dtype} weight for the AMX linear "
-                         f"(bfloat16, out % {TILE_N} == 0, in % {TILE_K} == 0)")
+    if lib is None or w.dtype != dtype or w.dim() != 2 or not fit:
+        raise ValueError(f"cannot pack a {tuple(w.shape)} {w.dtype} weight for the {kernel} linear ({needs})")
     w = w.contiguous()
     out = torch.empty_like(w)
-    if lib.kvt_linear_pack(w.data_ptr(), w.shape[0], w.shape[1], out.data_ptr(), torch.get_num_threads()) != 0:
-        raise ValueError(f"the AMX linear refused a {tuple(w.shape)} weight")
+    if entry(lib)(w.data_ptr(), w.shape[0], w.shape[1], out.data_ptr(), torch.get_num_threads()) != 0:
+        raise ValueError(f"the {kernel} linear refused a {tuple(w.shape)} weight")
     return out
 
 
-def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
-    if x.dtype != torch.bfloat16 or x.shape[-1] != k:
-        raise ValueError(f"the AMX linear takes bfloat16 [..., {k}], got {x.dtype} {tuple(x.shape)}")
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """`w` `[out, in]` bfloat16 in the kernel's tile order (a new tensor of the same size)."""
+    return _pack(w, torch.bfloat16, w.dim() == 2 and fits(*w.shape), "AMX",
+                 f"bfloat16, out % {TILE_N} == 0, in % {TILE_K} == 0", lambda lib: lib.kvt_linear_pack)
+
+
+def _rows(x: torch.Tensor, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    if x.dtype != dtype or x.shape[-1] != k:
+        raise ValueError(f"this linear takes {dtype} [..., {k}], got {x.dtype} {tuple(x.shape)}")
     x2 = x.reshape(-1, k)
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 
@@ -80,4 +108,25 @@ def silu_mul(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Ten
                                        k, y.data_ptr(), n, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError("the AMX linear is not available in this process")
+    return y.view(*x.shape[:-1], n)
+
+
+def pack_f32(w: torch.Tensor) -> torch.Tensor:
+    """`w` `[out, in]` float32 in the float32 kernel's panel order (a new tensor of the same size)."""
+    return _pack(w, torch.float32, w.dim() == 2 and f32_fits(*w.shape), "float32",
+                 f"float32, out % {F32_TILE_N} == 0", lambda lib: lib.kvt_linear_f32_pack)
+
+
+def linear_f32(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W^T + bias` for `x` `[..., in]` float32 and `packed` from `pack_f32(W)`. Each output is
+    the same sum in the same order whatever the batch around its row (batch-invariant)."""
+    n, k = packed.shape
+    x2 = _rows(x, k, torch.float32)
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    b = None if bias is None else bias.contiguous()
+    with _traced("kvtier::cpu_linear_f32"):
+        rc = get().kvt_linear_f32(x2.data_ptr(), x2.stride(0), x2.shape[0], packed.data_ptr(), n, k,
+                                  None if b is None else b.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"the float32 linear refused {tuple(x2.shape)} x {tuple(packed.shape)}")
     return y.view(*x.shape[:-1], n)

@@ -6,11 +6,13 @@ freezing pass do) removes that work from every step: measured on the demo model'
 fp32 GEMMs ran 1.4-2x faster. The outputs differ from `nn.Linear`'s in the last bits only (another
 summation order), which keeps greedy tokens identical to transformers on the parity suite.
 
-bfloat16 weights on a CPU with AMX go to kvtier's own tile kernel instead
-(engine/cpu_kernels/linear.py): oneDNN streams a decode step's weights at half the memory's rate.
+bfloat16 weights on a CPU with AMX, and float32 weights on one with AVX2 or AVX-512, go to
+kvtier's own kernels instead (engine/cpu_kernels/linear.py): oneDNN streams a decode step's weights
+at half the memory's rate.
 """
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import weakref
@@ -57,6 +59,25 @@ def _(x, key, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+class Kernel(enum.Enum):
+    """Which GEMM a `PackedLinear` runs (engine/cpu_kernels/linear.py for kvtier's own)."""
+    ONEDNN = "onednn"  # torch's mkldnn linear on oneDNN's blocked layout
+    AMX = "amx"  # bfloat16 on AMX tiles: 1.3-1.8x oneDNN at decode sizes
+    F32 = "f32"  # float32 on AVX2/AVX-512 panels: 1.2-1.6x oneDNN at decode sizes
+
+
+_PACK = {Kernel.ONEDNN: lambda w: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None),
+         Kernel.AMX: amx_linear.pack, Kernel.F32: amx_linear.pack_f32}
+
+
+def _kernel_for(dtype: torch.dtype, parts: tuple[int, ...], in_features: int) -> Kernel:
+    if dtype == torch.bfloat16 and all(amx_linear.fits(n, in_features) for n in parts) and amx_linear.amx_ready():
+        return Kernel.AMX
+    if dtype == torch.float32 and all(amx_linear.f32_fits(n, in_features) for n in parts) and amx_linear.f32_ready():
+        return Kernel.F32
+    return Kernel.ONEDNN
+
+
 _SUPPORTED: dict[torch.dtype, bool] = {}
 
 
@@ -79,9 +100,8 @@ def packing_available(dtype: torch.dtype = torch.float32) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """`y = x W^T + b` with W held only in a packed layout, oneDNN's blocked one or the AMX kernel's
-    tiles (`amx`); the plain copy is released unless another module shares the Parameter (e.g.
-    tied input embeddings).
+    """`y = x W^T + b` with W held only in a packed layout, the one of its `kernel`; the plain copy is
+    released unless another module shares the Parameter (e.g. tied input embeddings).
 
     `parts` (output sizes summing to `out_features`) packs the rows of W as that many matrices:
     `forward_parts` then returns each part as its own contiguous tensor. The results are the same
@@ -96,14 +116,15 @@ class PackedLinear(nn.Module):
         if sum(self.parts) != self.out_features or min(self.parts) < 1:
             raise ValueError(f"parts {parts} do not split {self.out_features} output features")
         ws = w.split(self.parts)
-        # bfloat16 on AMX: the tile kernel (engine/cpu_kernels/linear.py), 1.3-1.8x oneDNN at decode sizes.
-        self.amx = w.dtype == torch.bfloat16 and all(amx_linear.fits(n, self.in_features) for n in self.parts) \
-            and amx_linear.amx_ready()
-        pack = amx_linear.pack if self.amx else (lambda wi: torch.ops.mkldnn._reorder_linear_weight(wi.contiguous(), None))
-        self.packed = [pack(wi) for wi in ws]
+        self.kernel = _kernel_for(w.dtype, self.parts, self.in_features)
+        self.packed = [_PACK[self.kernel](wi) for wi in ws]
         self.biases = list(b.split(self.parts)) if b is not None else [None] * len(self.parts)
         self.key = next(_keys)
         _live[self.key] = weakref.ref(self, lambda _, k=self.key: _live.pop(k, None))
+
+    @property
+    def amx(self) -> bool:
+        return self.kernel is Kernel.AMX
 
     @property
     def splits_output(self) -> bool:
@@ -139,13 +160,15 @@ class PackedLinear(nn.Module):
         return self.run_part(x, i)
 
     def run_part(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        if self.amx:
+        if self.kernel is Kernel.AMX:
             return amx_linear.linear(x, self.packed[i], self.biases[i])
+        if self.kernel is Kernel.F32:
+            return amx_linear.linear_f32(x, self.packed[i], self.biases[i])
         return torch.ops.mkldnn._linear_pointwise(x, self.packed[i], self.biases[i], "none", [], "")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.biases[0] is not None}, parts={self.parts}, kernel={'amx' if self.amx else 'onednn'}")
+                f"bias={self.biases[0] is not None}, parts={self.parts}, kernel={self.kernel.value}")
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from engine import cpu_kernels
 from engine.runner.attention import AttentionBackend
 from engine.model_config import ModelConfig
 from engine.models import SUPPORTED_ARCHITECTURES
-from engine.models.packed_linear import pack_linears, packing_available
+from engine.models.packed_linear import PackedLinear, pack_linears, packing_available
 from engine.runner.kv_quant import is_scale_weight
 from engine.parallel.shard import TPShard
 
@@ -64,9 +65,9 @@ def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max
     cpu = device == "cpu" and cfg.dtype in (torch.float32, torch.bfloat16)
     if cpu and packing_available(cfg.dtype):
         packed = pack_linears(model)
-        amx = sum(1 for m in model.modules() if getattr(m, "amx", False))
-        log.info("prepacked %d linear layers: %d into AMX tiles (engine/cpu_kernels/linear_amx.cpp), %d into "
-                 "oneDNN's blocked layout", packed, amx, packed - amx)
+        kernels = Counter(m.kernel.value for m in model.modules() if isinstance(m, PackedLinear))
+        log.info("prepacked %d linear layers, by kernel: %s (amx, f32: kvtier's own, engine/cpu_kernels/linear.py)",
+                 packed, ", ".join(f"{n} {k}" for k, n in sorted(kernels.items())) or "none")
     if cpu and fused_ops and not compiled and cfg.head_dim <= 512 and model.supports_fused_cpu_ops \
             and cpu_kernels.get() is not None:
         model.use_fused_cpu_ops()

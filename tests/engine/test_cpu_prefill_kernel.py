@@ -165,12 +165,15 @@ PORTABLE = {
 @pytest.mark.parametrize("march", PORTABLE)
 def test_the_portable_builds_give_the_same_results(monkeypatch, tmp_path, march):
     """The kernels built without AVX-512: decode and prefill against the references (fp8 caches'
-    every byte value included), and chunking still bit-identical."""
+    every byte value included), chunking still bit-identical, and the float32 linear's bits those of
+    the native build."""
     import platform
 
     from engine.cpu_kernels import build
+    from engine.cpu_kernels import linear as f32_linear
     from engine.kernels.reference import paged_decode_ref
     from test_cpu_kernels import test_decode_with_a_sliding_window_matches_reference
+    from test_cpu_linear_f32 import portable_build_check
     from test_kv_quant import FORMATS, test_cpu_kernels_read_every_byte_value_as_torch_does
 
     if platform.machine() != "x86_64":
@@ -180,7 +183,9 @@ def test_the_portable_builds_give_the_same_results(monkeypatch, tmp_path, march)
     if not set(needs) <= flags:
         pytest.skip(f"this CPU lacks {', '.join(sorted(set(needs) - flags))}")
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
+    w, x, b, linear_bits = portable_build_check()  # from the native build
     monkeypatch.setattr(cpu_kernels, "_state", {"lib": build.load(march=march, opt=opt)})
+    assert torch.equal(f32_linear.linear_f32(x, f32_linear.pack_f32(w), b), linear_bits)
     test_chunks_match_dense_attention(torch.float32, 9, 3, 64, 16)
     test_chunks_match_dense_attention(torch.bfloat16, 8, 2, 80, 8)
     test_any_chunking_gives_the_bits_of_a_fresh_prefill(torch.float32, 16)
