@@ -3,8 +3,8 @@ at any row count.
 
 - bfloat16 on AMX tiles (`linear_amx.cpp`): 1.3-1.8x oneDNN's packed GEMM at 1-64 rows on the
   demo model's shapes; at prefill sizes the two are even.
-- float32 on the vector units (`linear_f32.cpp`, AVX2 or AVX-512): 1.2-1.6x oneDNN at 1-128
-  rows on an AVX2 EPYC, 1.15x at 1024.
+- float32 on the vector units (`linear_f32.cpp`, AVX2 or AVX-512): 1.1-1.6x oneDNN's packed GEMM
+  at 1-256 rows on an AVX2 EPYC, even with it at 4096.
 
 Decode steps are where they pay: each thread streams its own columns of W at the memory's rate
 (docs/CPU.md). `engine/models/packed_linear.py` uses them for every linear whose dtype and shape

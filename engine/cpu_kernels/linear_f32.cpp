@@ -1,10 +1,11 @@
 // float32 linears on the vector units: y[M, N] = x[M, K] W^T (+ b), for every row count.
 //
 // Why not oneDNN (what torch's packed linear and vLLM's CPU build run): with a decode step's
-// weights streamed from memory, its float32 brgemm on an AVX2 EPYC read them at ~10 GB/s at 1-4
-// rows (these two cores stream ~21 GB/s) and reached 55-95 GFLOP/s at 16-64 rows, half of what
-// the FMA units do (docs/CPU.md). Here each thread takes its own range of output columns, streams
-// that part of W once per L2-sized chunk, and multiplies every row pass against it from L2.
+// weights streamed from memory, its float32 brgemm on an AVX2 EPYC read them at 8-11 GB/s at 1-4
+// rows (these two cores stream ~21 GB/s) and reached 39-76 GFLOP/s at 16-64 rows, about half of
+// what the FMA units do (docs/CPU.md). Here each thread takes its own range of output columns,
+// reads each 16-column panel of it from memory once per row block, and multiplies the block's row
+// passes against it from L2.
 //
 // W is packed once at load (`kvt_linear_f32_pack`) into panels of 16 output columns, [N/16][K][16]:
 // a panel is one sequential read, and the micro-kernel loads one 16-float row of it per input.
