@@ -49,7 +49,7 @@ def main() -> None:
     if dtype == torch.bfloat16:
         ours, ready, pack, run = "kvtier AMX tiles", own.amx_ready, own.pack, own.linear
     else:
-        ours, ready, pack, run = "kvtier f32 panels", own.f32_ready, own.pack_f32, own.linear_f32
+        ours, ready, pack, run = "kvtier f32 panels", own.f32_build, own.pack_f32, own.linear_f32
     if not ready():
         raise SystemExit(f"{ours}: not available on this CPU (or the CPU kernels are not built): nothing to measure")
     set_torch_threads(args.threads)

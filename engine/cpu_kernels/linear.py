@@ -4,14 +4,16 @@ at any row count.
 - bfloat16 on AMX tiles (`linear_amx.cpp`): 1.3-1.8x oneDNN's packed GEMM at 1-64 rows on the
   demo model's shapes; at prefill sizes the two are even.
 - float32 on the vector units (`linear_f32.cpp`, AVX2 or AVX-512): 1.1-1.6x oneDNN's packed GEMM
-  at 1-256 rows on an AVX2 EPYC, even with it at 4096.
+  at 1-256 rows on an AVX2 EPYC, even with it at 4096; on an AVX-512 Xeon 1.2x at 1-64 rows,
+  0.91-0.94x at 256-4096.
 
 Decode steps are where they pay: each thread streams its own columns of W at the memory's rate
 (docs/CPU.md). `engine/models/packed_linear.py` uses them for every linear whose dtype and shape
-fit when the kernel is ready here, and oneDNN otherwise.
+fit when the kernel is ready here (`amx_ready`, `f32_ready`), and oneDNN otherwise.
 """
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Callable
 
@@ -20,31 +22,48 @@ import torch
 from engine.cpu_kernels import _traced, get
 
 TILE_N, TILE_K = 16, 32  # W's rows and columns must be multiples of these
-# "0": oneDNN for every linear of that dtype (for comparisons); read when a model loads.
+# "0": oneDNN for every linear of that dtype (for comparisons), "1": kvtier's kernel wherever it is
+# built; unset, the measured default below. Read when a model loads.
 ENV = "KVTIER_AMX_LINEAR"
 F32_ENV = "KVTIER_F32_LINEAR"
 F32_TILE_N = 16  # the float32 kernel's W rows must be a multiple of this
 
 
-def _switched_on(env: str) -> bool:
-    choice = os.environ.get(env, "1")
-    if choice not in ("0", "1"):
-        raise ValueError(f"{env} must be 0 (oneDNN linears) or 1 (the default), got {choice!r}")
-    return choice == "1"
+class F32Build(enum.IntEnum):
+    """What the float32 kernel multiplies on in this build (`kvt_linear_f32_ready`)."""
+    NONE = 0  # scalar lanes: slower than oneDNN, never used
+    AVX2 = 1
+    AVX512 = 2
+
+
+def _choice(env: str) -> bool | None:
+    choice = os.environ.get(env)
+    if choice not in (None, "0", "1"):
+        raise ValueError(f"{env} must be 0 (oneDNN linears) or 1 (kvtier's kernel), or unset for this CPU's "
+                         f"default; got {choice!r}")
+    return None if choice is None else choice == "1"
 
 
 def amx_ready() -> bool:
     """Whether `linear` runs here: the kernels built for AMX-BF16, Linux granting the tile state,
     and not turned off with KVTIER_AMX_LINEAR=0."""
-    lib = get() if _switched_on(ENV) else None
+    lib = get() if _choice(ENV) is not False else None
     return lib is not None and bool(lib.kvt_linear_amx_ready())
 
 
+def f32_build() -> F32Build:
+    """What `linear_f32` multiplies on here (NONE: not built with vector units, or no kernels)."""
+    lib = get()
+    return F32Build(lib.kvt_linear_f32_ready()) if lib is not None else F32Build.NONE
+
+
 def f32_ready() -> bool:
-    """Whether `linear_f32` runs here: the kernels built for AVX2 or AVX-512, and not turned off
-    with KVTIER_F32_LINEAR=0."""
-    lib = get() if _switched_on(F32_ENV) else None
-    return lib is not None and bool(lib.kvt_linear_f32_ready())
+    """Whether float32 `PackedLinear`s run on `linear_f32` here. By default only on an AVX2 build:
+    there it beat oneDNN on the throughput workload and the 4k prefill. On AVX-512 it ties oneDNN on
+    the workload and loses 8% on a 4k prefill (docs/CPU.md), so oneDNN keeps them unless
+    KVTIER_F32_LINEAR=1; KVTIER_F32_LINEAR=0 keeps oneDNN everywhere."""
+    choice, build = _choice(F32_ENV), f32_build()
+    return build is not F32Build.NONE and (build is F32Build.AVX2 if choice is None else choice)
 
 
 def f32_fits(out_features: int, in_features: int) -> bool:
@@ -75,7 +94,8 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 
 def _rows(x: torch.Tensor, k: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     if x.dtype != dtype or x.shape[-1] != k:
-        raise ValueError(f"this linear takes {dtype} [..., {k}], got {x.dtype} {tuple(x.shape)}")
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(f"this linear takes {name} [..., {k}], got {x.dtype} {tuple(x.shape)}")
     x2 = x.reshape(-1, k)
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 

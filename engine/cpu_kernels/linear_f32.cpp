@@ -29,7 +29,7 @@ using kvt::V16;
 
 constexpr int TN = 16;  // output columns per panel
 #if defined(__AVX512F__)
-#define KVT_F32_VECTOR 1
+#define KVT_F32_VECTOR 2
 constexpr int MR = 12, NP = 2;  // 24 accumulators + two panels' rows + a broadcast in 32 zmm
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // vec16.h's AVX2 condition
 #define KVT_F32_VECTOR 1
@@ -164,8 +164,8 @@ int kvt_linear_f32(const float* x, int64_t x_stride, int64_t m, const float* wp,
   return 0;
 }
 
-// Whether this build multiplies on vector units (AVX2 or AVX-512): without them the lane loops
-// are slower than oneDNN, which then keeps the linears.
+// What this build multiplies on: 2 AVX-512, 1 AVX2, 0 scalar lanes (slower than oneDNN, which then
+// keeps the linears). engine/cpu_kernels/linear.py decides from it which kernel runs by default.
 int kvt_linear_f32_ready() { return KVT_F32_VECTOR; }
 
 }  // extern "C"

@@ -63,7 +63,7 @@ class Kernel(enum.Enum):
     """Which GEMM a `PackedLinear` runs (engine/cpu_kernels/linear.py for kvtier's own)."""
     ONEDNN = "onednn"  # torch's mkldnn linear on oneDNN's blocked layout
     AMX = "amx"  # bfloat16 on AMX tiles: 1.3-1.8x oneDNN at decode sizes
-    F32 = "f32"  # float32 on AVX2/AVX-512 panels: 1.1-1.6x oneDNN at 1-256 rows
+    F32 = "f32"  # float32 on AVX2/AVX-512 panels: 1.1-1.6x oneDNN at decode sizes
 
 
 _PACK = {Kernel.ONEDNN: lambda w: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None),

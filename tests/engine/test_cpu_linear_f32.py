@@ -10,7 +10,7 @@ from torch import nn
 
 from engine.cpu_kernels import linear as lin
 
-pytestmark = pytest.mark.skipif(not lin.f32_ready(), reason="no AVX2/AVX-512 build of the CPU kernels here")
+pytestmark = pytest.mark.skipif(not lin.f32_build(), reason="no AVX2/AVX-512 build of the CPU kernels here")
 
 
 def assert_within_sum_bound(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
@@ -83,7 +83,7 @@ def test_shapes_and_dtypes_it_does_not_take_are_refused():
     with pytest.raises(ValueError, match="float32"):
         lin.pack_f32(torch.randn(32, 64, dtype=torch.bfloat16))
     w = lin.pack_f32(torch.randn(32, 64))
-    with pytest.raises(ValueError, match="takes torch.float32"):
+    with pytest.raises(ValueError, match="takes float32"):
         lin.linear_f32(torch.randn(3, 64, dtype=torch.bfloat16), w, None)
     with pytest.raises(ValueError, match=r"\[\.\.\., 64\]"):
         lin.linear_f32(torch.randn(3, 63), w, None)
@@ -94,6 +94,10 @@ def test_packed_linear_takes_the_kernel_where_it_fits(monkeypatch):
 
     torch.manual_seed(0)
     src = nn.Linear(64, 96, bias=True)
+    monkeypatch.delenv(lin.F32_ENV, raising=False)
+    default = PackedLinear(nn.Linear(64, 96)).kernel  # the measured default: AVX2 builds only
+    assert default is (Kernel.F32 if lin.f32_build() is lin.F32Build.AVX2 else Kernel.ONEDNN)
+    monkeypatch.setenv(lin.F32_ENV, "1")
     fits = PackedLinear(src, parts=(32, 64))
     odd = PackedLinear(nn.Linear(64, 40))  # 40 outputs: oneDNN
     assert fits.kernel is Kernel.F32 and odd.kernel is Kernel.ONEDNN and "kernel=f32" in repr(fits)
