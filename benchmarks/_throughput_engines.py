@@ -155,9 +155,10 @@ class VllmEngine:
 
     def __init__(self, python: str, model: str, dtype: str, seed: int, threads: int, wl: Workload, warmup: int,
                  kv_gib: float, extra_env: list[str], workdir: Path, prefill: list[int] | None = None,
-                 tensor_parallel_size: int = 1, lora: dict[str, Any] | None = None):
+                 tensor_parallel_size: int = 1, lora: dict[str, Any] | None = None, pause_idle: bool = True):
         """`lora`: {"max_loras", "max_lora_rank", "adapters": [[name, folder], ...]}: request i runs
-        under adapter i mod len(adapters) (benchmarks/lora.py)."""
+        under adapter i mod len(adapters) (benchmarks/lora.py). `pause_idle`: the worker is stopped
+        (SIGSTOP) between its timed runs, so its idle wake-ups do not slow the other engines' runs."""
         spec = {"model": model, "dtype": dtype, "seed": seed, "warmup": warmup, "prompts": wl.prompts,
                 "outputs": wl.outputs, "prefill": prefill, "tensor_parallel_size": tensor_parallel_size, "lora": lora}
         workdir.mkdir(parents=True, exist_ok=True)
@@ -165,21 +166,33 @@ class VllmEngine:
         self.worker = JsonWorker([python, str(THROUGHPUT), "--_vllm-worker", str(workdir / "spec.json")],
                                  vllm_cpu_env(threads, kv_gib, workdir, extra_env), workdir, name="vllm")
         self.config = ""
+        self.pause_idle = pause_idle
 
     def wait_ready(self, timeout: float = 900) -> None:
         msg = self.worker.recv(timeout)  # start-up takes 1-2 min on 2 cores
         self.config = f"vllm {msg['vllm']}, kv {msg['kv_gib']} GiB, max_num_batched_tokens={msg.get('max_num_batched_tokens')}"
         log(f"vllm ready (load {msg['load_s']:.0f} s)")
+        self._idle()
+
+    def _idle(self) -> None:
+        if self.pause_idle:  # so that it takes no time from the engine being timed
+            self.worker.pause()
+
+    def _ask(self, cmd: str) -> dict[str, Any]:
+        self.worker.resume()
+        try:
+            self.worker.send(cmd)
+            return self.worker.recv(timeout=3600)
+        finally:
+            self._idle()
 
     def generate(self, wl: Workload) -> dict[str, Any]:
-        self.worker.send("run")
-        msg = self.worker.recv(timeout=3600)
+        msg = self._ask("run")
         return measurement(wl, msg["wall_s"], cached_tokens=msg["cached_tokens"])
 
     def prefill(self, prompt: list[int]) -> dict[str, Any]:
         """The spec's prefill prompt (`prompt` is the same list, for the measurement)."""
-        self.worker.send("prefill")
-        msg = self.worker.recv(timeout=3600)
+        msg = self._ask("prefill")
         return prefill_measurement(prompt, msg["wall_s"], msg["cached_tokens"])
 
     def close(self) -> None:

@@ -100,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vllm-kv-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE (default 4)")
     ap.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment for the vLLM worker, repeatable (e.g. LD_PRELOAD=...)")
+    ap.add_argument("--keep-idle-vllm-running", action="store_true",
+                    help="leave the vLLM workers running between their timed runs (before 2026-12-02 they were; "
+                         "by default they are stopped, so their idle wake-ups do not slow kvtier's runs)")
     ap.add_argument("--json-schema", type=Path, metavar="FILE",
                     help="also run kvtier with every output following this JSON schema (structured outputs); "
                          "its output tok/s count the tokens produced, which end where the JSON does")
@@ -166,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     for dt in args.dtypes if args.vllm_python else ():  # started first: their loads overlap ours (not measured)
         try:
             vllms[dt] = VllmEngine(args.vllm_python, args.model, dt, args.seed, args.threads, wl, args.warmup,
-                                   args.vllm_kv_gib, args.vllm_env, Path(tmp.name) / dt, prefill=long)
+                                   args.vllm_kv_gib, args.vllm_env, Path(tmp.name) / dt, prefill=long,
+                                   pause_idle=not args.keep_idle_vllm_running)
         except OSError as e:  # e.g. a wrong --vllm-python
             skipped[name("vllm", dt)] = f"could not start the worker: {e}"
             log(f"vllm skipped: {e}")
