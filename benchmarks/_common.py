@@ -287,9 +287,11 @@ class JsonWorker:
         return RuntimeError(why)
 
     def pause(self) -> None:
-        """Stop the worker's whole process group (SIGSTOP) while it is idle. Idle, vLLM's worker still
-        woke for ~1% of a core (top, 10 s samples), and on two fully used cores those wake-ups
-        preempt the timed engine's threads at its barriers (docs/CPU.md)."""
+        """Stop the worker's whole process group (SIGSTOP) while it is idle. Idle, vLLM's CPU worker
+        keeps ~47 threads pinned to core 0 (14 gloo loops among them, each waking every 10 ms). On a
+        2-core machine those wake-ups kept pushing the timed engine's unpinned thread off core 0, and
+        both its threads then shared core 1 for seconds at a time while core 0 sat idle (sampled
+        placement; docs/CPU.md): kvtier's float32 workload took 29 s beside it, 27 s with it stopped."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGSTOP)
 

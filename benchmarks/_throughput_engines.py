@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import JsonWorker, Timer, log, vllm_cpu_env, worker_reply
+from _proc_usage import tree_usage, usage_delta
 
 MIN_TOKEN_ID = 100  # keep random prompts clear of special/control tokens
 THROUGHPUT = Path(__file__).resolve().with_name("throughput.py")  # the vLLM worker's entry point
@@ -73,7 +74,7 @@ class KvtierEngine:
         JSON does (at most its length in the workload), and tok/s count the tokens produced."""
         from engine import SamplingParams
 
-        before = self.llm.get_stats()
+        before, used = self.llm.get_stats(), tree_usage(children=False)
         with Timer() as t:
             prompts = [{"prompt_token_ids": p} for p in wl.prompts]
             params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) if schema is None else
@@ -83,20 +84,22 @@ class KvtierEngine:
         got = [len(o.outputs[0].token_ids) for o in outs]
         if schema is None and got != wl.outputs:
             raise RuntimeError(f"kvtier returned {sum(got)} output tokens, {wl.output_tokens} requested")
-        after = self.llm.get_stats()
+        after, used = self.llm.get_stats(), usage_delta(used, tree_usage(children=False))
         extra = {} if schema is None else {"output_tok_s": sum(got) / t.seconds, "output_tokens": sum(got),
                                            "total_tok_s": (sum(got) + wl.prompt_tokens) / t.seconds}
         return {**measurement(wl, t.seconds, cached_tokens=sum(o.num_cached_tokens for o in outs),
-                              preemptions=after.num_preemptions - before.num_preemptions), **extra}
+                              preemptions=after.num_preemptions - before.num_preemptions, usage=used), **extra}
 
     def prefill(self, prompt: list[int], salt: str) -> dict[str, Any]:
         """One long prompt to its first token (a fresh salt: no prefix hits)."""
         from engine import SamplingParams
 
+        used = tree_usage(children=False)
         with Timer() as t:
             out = self.llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1),
                                     use_tqdm=False, cache_salt=salt)[0]
-        return prefill_measurement(prompt, t.seconds, out.num_cached_tokens)
+        used = usage_delta(used, tree_usage(children=False))
+        return {**prefill_measurement(prompt, t.seconds, out.num_cached_tokens), "usage": used}
 
 
 class HFEngine:
@@ -188,12 +191,12 @@ class VllmEngine:
 
     def generate(self, wl: Workload) -> dict[str, Any]:
         msg = self._ask("run")
-        return measurement(wl, msg["wall_s"], cached_tokens=msg["cached_tokens"])
+        return measurement(wl, msg["wall_s"], cached_tokens=msg["cached_tokens"], usage=msg.get("usage", {}))
 
     def prefill(self, prompt: list[int]) -> dict[str, Any]:
         """The spec's prefill prompt (`prompt` is the same list, for the measurement)."""
         msg = self._ask("prefill")
-        return prefill_measurement(prompt, msg["wall_s"], msg["cached_tokens"])
+        return {**prefill_measurement(prompt, msg["wall_s"], msg["cached_tokens"]), "usage": msg.get("usage", {})}
 
     def close(self) -> None:
         self.worker.close()
@@ -232,11 +235,13 @@ def vllm_worker(spec_path: str, reply_fd: int) -> None:
             if cmd.strip() not in ("run", "prefill"):
                 break
             llm.reset_prefix_cache()  # no hits on the previous run's blocks
+            used = tree_usage()  # the worker and vLLM's engine-core process under it
             if cmd.strip() == "prefill":
                 t = time.perf_counter()
                 out = llm.generate([{"prompt_token_ids": spec["prefill"]}], SamplingParams(temperature=0, max_tokens=1),
                                    use_tqdm=False)[0]
-                send(wall_s=time.perf_counter() - t, cached_tokens=getattr(out, "num_cached_tokens", 0) or 0)
+                send(wall_s=time.perf_counter() - t, cached_tokens=getattr(out, "num_cached_tokens", 0) or 0,
+                     usage=usage_delta(used, tree_usage()))
                 continue
             t = time.perf_counter()
             params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in spec["outputs"]]
@@ -245,7 +250,8 @@ def vllm_worker(spec_path: str, reply_fd: int) -> None:
             got = [len(o.outputs[0].token_ids) for o in outs]
             if got != spec["outputs"]:
                 raise RuntimeError(f"vLLM returned {sum(got)} output tokens, {sum(spec['outputs'])} requested")
-            send(wall_s=wall, cached_tokens=sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outs))
+            send(wall_s=wall, cached_tokens=sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outs),
+                 usage=usage_delta(used, tree_usage()))
     except BaseException as e:  # report, so the parent skips vLLM with a reason instead of hanging
         send(error=f"{type(e).__name__}: {e}")
         raise

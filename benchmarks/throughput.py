@@ -208,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
             if m is not None:
                 rate = (f"{m['output_tok_s']:.1f} output tok/s" if "output_tok_s" in m else
                         f"{m['prompt_tok_s']:.0f} prompt tok/s")
-                log(f"[run {r + 1}/{args.runs}] {what}: {m['wall_s']:.2f} s, {rate}")
+                u = m.get("usage") or {}
+                cost = (f"; {u['cpu_s']:.1f} CPU s, others {u.get('others_cpu_s', 0):.1f}, stolen "
+                        f"{u.get('steal_s', 0):.1f}; {u['majflt']:.0f} major faults, {u['invol_switches']:.0f} "
+                        "involuntary switches" if u else "")
+                log(f"[run {r + 1}/{args.runs}] {what}: {m['wall_s']:.2f} s, {rate}{cost}")
 
         runs = {k: [m for m in ms if m is not None]
                 for k, ms in run_interleaved(args.runs, engines, progress).items()}
