@@ -2,7 +2,9 @@
 read from disk) and context switches (involuntary ones mean another task took the core).
 
 It tells why one engine's run was slower than usual: CPU seconds well under threads × wall time
-mean its threads waited; involuntary switches mean they were preempted; major faults mean code or
+mean its threads waited, and runnable-wait seconds say how much of that was waiting for a core
+(e.g. two threads stacked on one core) rather than sleeping; involuntary switches mean they were
+preempted; major faults mean code or
 data was read back from disk (e.g. after the host's DAMON reclaim paged it out while idle). Stdlib
 only: the vLLM worker imports it in vLLM's venv. Linux only; elsewhere the counts are empty.
 """
@@ -35,12 +37,15 @@ def _descendants(root: int) -> list[int]:
     return tree
 
 
-def _switches(pid: int) -> tuple[int, int]:
+def _threads(pid: int) -> tuple[int, int, float]:
+    """Voluntary and involuntary switches, and seconds spent runnable but waiting for a core
+    (/proc/.../schedstat), summed over the live threads."""
     vol = invol = 0
+    wait_ns = 0
     try:
         tasks = list((PROC / str(pid) / "task").iterdir())
     except OSError:
-        return 0, 0
+        return 0, 0, 0.0
     for t in tasks:
         try:
             for line in (t / "status").read_text().splitlines():
@@ -48,9 +53,10 @@ def _switches(pid: int) -> tuple[int, int]:
                     vol += int(line.split()[1])
                 elif line.startswith("nonvoluntary_ctxt_switches:"):
                     invol += int(line.split()[1])
-        except OSError:
+            wait_ns += int((t / "schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
             continue
-    return vol, invol
+    return vol, invol, wait_ns / 1e9
 
 
 def _machine() -> dict[str, float]:
@@ -68,7 +74,8 @@ def tree_usage(pid: int | None = None, children: bool = True) -> dict[str, float
     the machine's busy and stolen seconds. {} off Linux."""
     if not PROC.is_dir():
         return {}
-    total = {"cpu_s": 0.0, "minflt": 0, "majflt": 0, "vol_switches": 0, "invol_switches": 0, **_machine()}
+    total = {"cpu_s": 0.0, "runnable_wait_s": 0.0, "minflt": 0, "majflt": 0, "vol_switches": 0,
+             "invol_switches": 0, **_machine()}
     root = pid if pid is not None else os.getpid()
     for p in _descendants(root) if children else [root]:
         f = _stat_fields(p)
@@ -78,9 +85,10 @@ def tree_usage(pid: int | None = None, children: bool = True) -> dict[str, float
         total["minflt"] += int(f[7])
         total["majflt"] += int(f[9])
         total["cpu_s"] += (int(f[11]) + int(f[12])) / TICKS
-        vol, invol = _switches(p)
+        vol, invol, wait = _threads(p)
         total["vol_switches"] += vol
         total["invol_switches"] += invol
+        total["runnable_wait_s"] += wait
     return total
 
 

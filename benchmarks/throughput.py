@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                 rate = (f"{m['output_tok_s']:.1f} output tok/s" if "output_tok_s" in m else
                         f"{m['prompt_tok_s']:.0f} prompt tok/s")
                 u = m.get("usage") or {}
-                cost = (f"; {u['cpu_s']:.1f} CPU s, others {u.get('others_cpu_s', 0):.1f}, stolen "
+                cost = (f"; {u['cpu_s']:.1f} CPU s, {u.get('runnable_wait_s', 0):.1f} s waiting for a core, others "
+                        f"{u.get('others_cpu_s', 0):.1f}, stolen "
                         f"{u.get('steal_s', 0):.1f}; {u['majflt']:.0f} major faults, {u['invol_switches']:.0f} "
                         "involuntary switches" if u else "")
                 log(f"[run {r + 1}/{args.runs}] {what}: {m['wall_s']:.2f} s, {rate}{cost}")

@@ -31,7 +31,8 @@ def test_a_child_burning_cpu_counts_in_the_tree_only():
     assert tree["cpu_s"] >= 0.5
     assert own["cpu_s"] < 0.3  # the parent mostly slept
     assert own["others_cpu_s"] >= 0.4  # the child's time is someone else's from the parent's view
-    assert set(own) >= {"minflt", "majflt", "vol_switches", "invol_switches", "steal_s"}
+    assert set(own) >= {"minflt", "majflt", "vol_switches", "invol_switches", "steal_s", "runnable_wait_s"}
+    assert 0 <= own["runnable_wait_s"] < 1
 
 
 def test_delta_leaves_out_missing_keys():
