@@ -11,7 +11,7 @@ memory), shown as the time it takes for the kernel's bytes, and the attention's 
 sequence's last N rows over `--context` keys, the step after a prefix hit (N = 16 after a G1 hit
 on a prompt of whole blocks), beside torch's SDPA over the same keys laid out contiguously (its
 best case; float32 and bfloat16 caches only; `is_causal` when the rows are the whole context, its flash
-kernel's fresh prefill). On a CPU with AMX the bfloat16 rows run on its tiles (prefill_amx.h), and
+kernel's fresh prefill). On a CPU with AMX or AVX512-BF16 the bfloat16 rows multiply in bf16 pairs (prefill_amx.h, prefill_bf16.h), and
 "kvtier, AVX lanes" is the same call with them off. With `--prefill-rows 1` (the last prompt token after
 a tier hit) the decode kernel over the same row is timed too: the runner sent that row there before
 the prefill kernel's narrow path, and its bits differ from a fresh prefill's.
@@ -123,8 +123,8 @@ def main() -> int:
             peers.insert(0, "torch SDPA")
         if args.prefill_rows == 1:
             peers.insert(0, "decode kernel")
-        if prefill and dtype == cache_dtype == torch.bfloat16 and cpu_kernels.prefill_amx_ready():
-            peers.insert(0, "kvtier, AVX lanes")  # the same kernel with its AMX tiles off
+        if prefill and dtype == cache_dtype == torch.bfloat16 and cpu_kernels.prefill_bf16_kind():
+            peers.insert(0, "kvtier, AVX lanes")  # the same kernel with its bf16 pairs (AMX or vdpbf16ps) off
         times: dict[str, list[float]] = {name: [] for name in (*libs, *peers)}
         outs = {}
         reps = max(3, 150 // args.layers)
@@ -139,9 +139,9 @@ def main() -> int:
             times[name].append((time.perf_counter() - t) / reps / args.layers)
             outs[name] = out
 
-        def prefill_call(amx: bool = True):
+        def prefill_call(pairs: bool = True):
             return lambda layer, out: cpu_kernels.prefill_attention(q, kv[layer, 0], kv[layer, 1], out, seqs,
-                                                                    tables[0], 0.125, amx=amx)
+                                                                    tables[0], 0.125, bf16_pairs=pairs)
 
         def decode_call(layer, out):
             cpu_kernels.paged_attention(q, kv[layer, 0], kv[layer, 1], out, idx, tables, lens, 0.125)
@@ -152,7 +152,7 @@ def main() -> int:
                 timed(name, prefill_call() if prefill else decode_call)
             cpu_kernels._state["lib"] = ours
             if "kvtier, AVX lanes" in times:
-                timed("kvtier, AVX lanes", prefill_call(amx=False))
+                timed("kvtier, AVX lanes", prefill_call(pairs=False))
             if "decode kernel" in times:
                 timed("decode kernel", decode_call)
             if "torch SDPA" in times:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import enum
 import logging
 import os
 import threading
@@ -48,7 +49,7 @@ def get() -> ctypes.CDLL | None:
                 log.warning("CPU kernels not used (%s): attention, norms and rotary embedding run as torch ops", why)
             else:
                 log.info("CPU kernels loaded: attention reads the paged KV cache in place; bfloat16 prefill "
-                         "attention on %s", "AMX tiles" if lib.kvt_prefill_amx_ready() else "AVX lanes (no AMX here)")
+                         "attention on %s", PrefillBf16(lib.kvt_prefill_bf16_kind()).describe())
         return _state["lib"]  # type: ignore[return-value]
 
 
@@ -122,7 +123,7 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                       seqs: torch.Tensor, tables: torch.Tensor, scale: float, window: int = 0,
-                      amx: bool = True) -> None:
+                      bf16_pairs: bool = True) -> None:
     """Causal attention of prompt chunks over the paged cache, in place. `seqs` `[n, 4]` int64 rows
     `(q0, qlen, ctx, table_offset)`: rows `q0 .. q0+qlen-1` of `q` sit at positions `ctx-qlen ..
     ctx-1` and attend to keys `0 .. their position` (with `window` > 0, only those after position -
@@ -130,8 +131,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     `tables[table_offset:]`. Each row's result depends only on that row and its keys (see
     `prefill_attention.cpp`): a chunk after a prefix hit gives the bits of a fresh prefill.
 
-    bfloat16 q and cache run on AMX tiles where `prefill_amx_ready()` (`prefill_amx.h`: other
-    bits than the AVX path's, the same invariance); `amx=False` keeps the AVX path, to compare."""
+    bfloat16 q and cache (head size a multiple of 32, blocks of 16 tokens) multiply in bf16 pairs
+    where `prefill_bf16_kind()` says so: on AMX tiles (`prefill_amx.h`) or in `vdpbf16ps`
+    (`prefill_bf16.h`), with P rounded to bf16: other bits than the float32 lanes', the same
+    invariance. `bf16_pairs=False` keeps the float32 lanes, to compare."""
     lib = get()
     if lib is None:
         raise RuntimeError("the CPU attention kernel is not available")
@@ -148,18 +151,34 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             _dtypes(q, k_cache), _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), k_cache.stride(0),
             k_cache.stride(1), _ptr(out), out.stride(0), _ptr(seqs), seqs.shape[0], _ptr(tables), tables.numel(),
             heads, kv_heads,
-            head_dim, bs, float(scale), int(window), torch.get_num_threads(), int(amx))
+            head_dim, bs, float(scale), int(window), torch.get_num_threads(), int(bf16_pairs))
     if rc != 0:
         raise ValueError(f"unsupported input for the CPU prefill kernel: heads {heads}, kv_heads {kv_heads}, "
                          f"head_dim {head_dim}, block_size {bs}, or a chunk with qlen < 1, ctx < qlen or a "
                          f"block table shorter than its context")
 
 
-def prefill_amx_ready() -> bool:
-    """Whether `prefill_attention` runs bfloat16 on AMX tiles here (a CPU with AMX-BF16, the kernels
-    built for it, and Linux granting the process the tile state)."""
+class PrefillBf16(enum.IntEnum):
+    """Where `prefill_attention` multiplies bfloat16 q and cache (kvt_prefill_bf16_kind)."""
+    WIDENED = 0  # float32 FMAs on K/V widened as they load
+    DPBF16 = 1  # vdpbf16ps (AVX512-BF16)
+    AMX = 2  # AMX tiles
+
+    def describe(self) -> str:
+        return {PrefillBf16.WIDENED: "float32 lanes (no AVX512-BF16 here)", PrefillBf16.DPBF16: "vdpbf16ps (AVX512-BF16)",
+                PrefillBf16.AMX: "AMX tiles"}[self]
+
+
+def prefill_bf16_kind() -> PrefillBf16:
+    """How `prefill_attention` runs bfloat16 here: AMX tiles (a CPU with AMX-BF16, the kernels built
+    for it, Linux granting the tile state), vdpbf16ps (built for AVX512-BF16), or widened."""
     lib = get()
-    return lib is not None and bool(lib.kvt_prefill_amx_ready())
+    return PrefillBf16(lib.kvt_prefill_bf16_kind()) if lib is not None else PrefillBf16.WIDENED
+
+
+def prefill_amx_ready() -> bool:
+    """Whether `prefill_attention` runs bfloat16 on AMX tiles here."""
+    return prefill_bf16_kind() == PrefillBf16.AMX
 
 
 def prefill_supported(heads: int, kv_heads: int, block_size: int) -> bool:

@@ -26,7 +26,7 @@ MARCH = "native"  # tests also build for a baseline x86-64 and for AVX2 to cover
 SOURCES = {_HERE / "paged_attention.cpp": (), _HERE / "prefill_attention.cpp": (),
            _HERE / "elementwise.cpp": ("-ffp-contract=off",), _HERE / "linear_amx.cpp": (),
            _HERE / "linear_f32.cpp": ()}
-ABI_VERSION = 10
+ABI_VERSION = 11
 BUILD_TIMEOUT_S = 120
 
 
@@ -91,8 +91,8 @@ def load(march: str = MARCH, opt: str = OPT) -> ctypes.CDLL:
     lib.kvt_prefill_attention.restype = c_int
     lib.kvt_prefill_attention.argtypes = [c_int, ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, i64, ptr, i64, c_int,
                                           c_int, c_int, c_int, ctypes.c_float, i64, c_int, c_int]
-    lib.kvt_prefill_amx_ready.restype = c_int
-    lib.kvt_prefill_amx_ready.argtypes = []
+    lib.kvt_prefill_bf16_kind.restype = c_int
+    lib.kvt_prefill_bf16_kind.argtypes = []
     lib.kvt_rms_norm_apply.restype = None
     lib.kvt_rms_norm_apply.argtypes = [c_int, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, c_int]
     lib.kvt_linear_amx_ready.restype = c_int

@@ -363,6 +363,6 @@ int kvt_paged_attention(int dtypes, const void* q, int64_t q_row_stride, const v
   return 0;
 }
 
-int kvt_abi_version() { return 10; }
+int kvt_abi_version() { return 11; }
 
 }  // extern "C"

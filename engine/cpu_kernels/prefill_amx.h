@@ -1,8 +1,9 @@
 // The prefill kernel's tile on AMX (bfloat16 q and cache, head_dim a multiple of 32, 16-key slices):
 // QK^T and P·V on the tile unit, the softmax in AVX-512 lanes as attend_tile does it.
 //
-// Included by prefill_attention.cpp inside its namespace (it uses Shape, Seq, Item). Built only where
-// the compiler targets AMX-BF16 (-march=native on such a CPU); elsewhere `amx_ready()` is false.
+// Included by prefill_attention.cpp inside its namespace (it uses Shape, Seq, Item, and prefill_bf16.h's
+// slices, V^T packing and softmax step). Built only where the compiler targets AMX-BF16 (-march=native
+// on such a CPU); elsewhere `amx_ready()` is false.
 //
 // Layout, chosen so that the softmax keeps attend_tile's lanes (one query row per lane, no
 // horizontal reductions):
@@ -22,64 +23,11 @@
 #ifdef KVT_AMX
 using kvt::amx_ready;
 
-constexpr int KS = 32;  // keys per slice: two 16-key score tiles, and a full 32-key pass of P.V
-// A row's running max moves only when a slice's max passes it by more than this (lazy rescaling):
-// its probabilities are then at most e^8, and O^T makes the round trip through memory to be
-// rescaled rarely instead of at most slices. Decided lane by lane, so a row's bits stay its own.
-constexpr float RESCALE_MARGIN = 8.0f;
-
 // Every tile 16 rows of 64 bytes: tmm0/1 S^T of the slice's two 16-key halves [16 keys][16 rows] f32;
 // tmm2 the A operand, K [16 keys][32 dims] or V^T [16 dims][32 keys] bf16; tmm3 the B operand, Q^T
 // [16 dim pairs][16 rows x 2] or P^T [16 key pairs][16 rows x 2]; tmm4..7 O^T [16 dims][16 rows] f32.
 inline void configure_tiles() { kvt::configure_full_tiles(); }
 
-// 32 rows of 32 bf16 (one register each) transposed in place: five rounds of swapping the
-// off-diagonal w x w blocks of every 2w x 2w block, each row one two-source permute.
-inline void transpose32x32(__m512i* r) {
-  for (int w = 1; w < 32; w *= 2) {
-    alignas(64) uint16_t lo[32], hi[32];
-    for (int c = 0; c < 32; ++c) {
-      lo[c] = uint16_t(c & w ? 32 + c - w : c);  // row i: its own low half, then row i+w's low half
-      hi[c] = uint16_t(c & w ? 32 + c : c + w);  // row i+w: row i's high half, then its own
-    }
-    const __m512i ilo = _mm512_load_si512(lo), ihi = _mm512_load_si512(hi);
-    for (int i = 0; i < 32; ++i) {
-      if (i & w) continue;
-      const __m512i a = r[i], b = r[i + w];
-      r[i] = _mm512_permutex2var_epi16(a, ilo, b);
-      r[i + w] = _mm512_permutex2var_epi16(a, ihi, b);
-    }
-  }
-}
-
-// V^T of every 32-key slice of every chunk, [slice][kv head][D][32] bf16, zero past each sequence's
-// end (never-written cache must not reach a product, even as 0 * NaN). `first[i]`: seq i's first slice.
-inline void pack_vt(const uint16_t* vc, const Seq* seqs, int64_t nseq, const int64_t* tables, const Shape& s,
-                    const std::vector<int64_t>& first, uint16_t* vt, int threads) {
-  const int D = s.head_dim, BS = s.block_size;
-  const int64_t total = first[nseq] * s.kv_heads;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t w = 0; w < total; ++w) {
-    const int64_t slice = w / s.kv_heads, kvh = w % s.kv_heads;
-    const int64_t i = std::upper_bound(first.begin(), first.end(), slice) - first.begin() - 1;
-    const int64_t k0 = (slice - first[i]) * KS;
-    const int n = int(std::min<int64_t>(KS, seqs[i].ctx - k0));
-    const int64_t* table = tables + seqs[i].table_offset;
-    const uint16_t* src[KS];
-    for (int j = 0; j < n; ++j)
-      src[j] = vc + table[(k0 + j) / BS] * s.block_stride + ((k0 + j) % BS) * s.token_stride + kvh * D;
-    uint16_t* dst = vt + w * D * KS;
-    for (int c0 = 0; c0 < D; c0 += 32) {  // D % 32 == 0
-      __m512i r[32];
-      for (int j = 0; j < KS; ++j) r[j] = j < n ? _mm512_loadu_si512(src[j] + c0) : _mm512_setzero_si512();
-      transpose32x32(r);
-      for (int c = 0; c < 32; ++c) _mm512_storeu_si512(dst + (c0 + c) * KS, r[c]);
-    }
-  }
-}
-
-// attend_tile's item with bfloat16 q and cache on the tile unit. scratch: amx_scratch_floats(D).
-inline size_t amx_scratch_floats(int D) { return size_t(D) * L / 2 + 2 * 256 + 256 + size_t(D) * L + 16; }
 
 // O^T += V^T · P^T for one slice (P^T in tmm3). With D = 64, O^T stays in tmm4..7 for the whole
 // item (the loop is head by head so that one head's four tiles fit); other sizes keep it in memory.
@@ -124,6 +72,7 @@ inline void load_o(const float* oh) {
   }
 }
 
+// attend_tile's item with bfloat16 q and cache on the tile unit. scratch: pair_scratch_floats(D).
 template <int D_>
 void attend_tile_amx(const uint16_t* q, const uint16_t* kc, uint16_t* out, const int64_t* table, const uint16_t* vt,
                      const Seq& sq, const Item& it, const Shape& s, float* scratch) {
@@ -138,11 +87,7 @@ void attend_tile_amx(const uint16_t* q, const uint16_t* kc, uint16_t* out, const
   float* oh = sbuf + 2 * 256 + 256;                    // [D][16 rows]
   float posf[L];
   for (int r = 0; r < L; ++r) posf[r] = float(pos0 + std::min(r, rows - 1));  // spare lanes copy the last row
-  const V16 rowpos = V16::load(posf), scale = V16::set1(s.scale), margin = V16::set1(RESCALE_MARGIN);
-  // (a, b) -> a0 b0 a1 b1 ...: two keys' probabilities per row as one bf16 pair
-  alignas(64) static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i pair_idx = _mm512_load_si512(pairs);
+  const V16 rowpos = V16::load(posf);
   const int64_t last = pos0 + rows - 1;
   const int64_t first_key = s.window > 0 ? std::max<int64_t>(0, pos0 - s.window + 1) / KS * KS : 0;
   for (int h = it.h0; h < it.h1; ++h) {
@@ -178,35 +123,8 @@ void attend_tile_amx(const uint16_t* q, const uint16_t* kc, uint16_t* out, const
       _tile_stored(0, sbuf, 64);
       _tile_stored(1, sbuf + 256, 64);
       V16 sc[KS];
-      V16 bmax = V16::set1(-INFINITY);
-      #pragma GCC unroll 32
-      for (int j = 0; j < KS; ++j) {
-        sc[j] = V16::load(sbuf + j * L) * scale;
-        if (!visible) {
-          const float key = j < n ? float(k0 + j) : INFINITY;  // slots past the end: masked for every row
-          sc[j] = V16::masked_below(sc[j], rowpos, key);
-          if (windowed) sc[j] = V16::masked_above(sc[j], rowpos, key + float(s.window - 1));
-        }
-        bmax = V16::max(bmax, sc[j]);
-      }
-      // lanes whose slice max passes their running max by more than the margin move it to the slice's
-      const V16 mnew{_mm512_mask_mov_ps(m.v, _mm512_cmp_ps_mask(bmax.v, (m + margin).v, _CMP_GT_OQ), bmax.v)};
-      V16 corr = V16::exp_nonpositive(m - mnew);
-      if (s.window > 0) corr = V16::zero_where_neg_inf(corr, m);
-      V16 sum = V16::zero();
-      #pragma GCC unroll 32
-      for (int j = 0; j < KS; ++j) {
-        sc[j] = visible ? V16::exp_nonpositive(sc[j] - mnew)
-                        : V16::zero_where_neg_inf(V16::exp_nonpositive(sc[j] - mnew), sc[j]);
-        sum = sum + sc[j];
-      }
-      l = V16::fmadd(l, corr, sum);
-      m = mnew;
-      #pragma GCC unroll 16
-      for (int jp = 0; jp < KS / 2; ++jp) {
-        const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(sc[2 * jp + 1].v, sc[2 * jp].v);
-        _mm512_store_si512(pbuf + jp * L, _mm512_permutexvar_epi16(pair_idx, two));
-      }
+      for (int j = 0; j < KS; ++j) sc[j] = V16::load(sbuf + j * L);
+      const V16 corr = softmax_slice(sc, n, k0, visible, windowed, s, rowpos, m, l, pbuf);
       if (!V16::all_one(corr)) {
         store_o<D_>(oh);
         for (int d = 0; d < D; ++d) (V16::load(oh + d * L) * corr).store(oh + d * L);

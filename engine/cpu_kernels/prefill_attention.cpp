@@ -379,13 +379,15 @@ void run(const void* q, Cache cache, const void* k, const void* v, void* out, co
   }
 }
 
+#include "prefill_bf16.h"
 #include "prefill_amx.h"
 
-#ifdef KVT_AMX
-// Every item on the tile unit (bfloat16 q and cache): V^T packed once, then the items as `run`'s.
-template <int D_>
-void run_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, const Seq* seqs, int64_t nseq,
-             const int64_t* tables, const Shape& s, int threads) {
+#ifdef KVT_PREFILL_BF16
+// Every item of a call on the pairs path (bfloat16 q and cache): V^T packed once, then the items as
+// `run`'s, each on the tile unit (AMX) or in vdpbf16ps.
+template <int D_, bool AMX>
+void run_pairs(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, const Seq* seqs, int64_t nseq,
+               const int64_t* tables, const Shape& s, int threads) {
   std::vector<int64_t> first(nseq + 1, 0);
   for (int64_t i = 0; i < nseq; ++i) first[i + 1] = first[i] + (seqs[i].ctx + KS - 1) / KS;
   // Kept between calls (pack_vt writes every element it is read at): a fresh allocation of a long
@@ -395,24 +397,60 @@ void run_amx(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* 
   if (vt.size() < need) vt.resize(need);
   uint16_t* const vtp = vt.data();  // the caller's: inside the parallel region `vt` is each thread's own
   pack_vt(v, seqs, nseq, tables, s, first, vtp, threads);
-  // narrow tiles split by head too: on the tile unit a narrow tile costs a full one, and heads share nothing
+  // narrow tiles split by head too: on this path a narrow tile costs a full one, and heads share nothing
   const std::vector<Item> items = make_items(seqs, nseq, s, threads, false);
   const int64_t n = int64_t(items.size());
-  const size_t floats = amx_scratch_floats(s.head_dim);
+  const size_t floats = pair_scratch_floats(s.head_dim);
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scratch(floats);
-    configure_tiles();  // per thread, per call: oneDNN configures the tiles its own way between calls
+#ifdef KVT_AMX
+    if constexpr (AMX) configure_tiles();  // per thread, per call: oneDNN configures the tiles its own way
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       const Seq& sq = seqs[items[i].seq];
-      attend_tile_amx<D_>(q, k, out, tables + sq.table_offset, vtp + first[items[i].seq] * s.kv_heads *
-                          int64_t(s.head_dim) * KS, sq, items[i], s, scratch.data());
+      const uint16_t* vts = vtp + first[items[i].seq] * s.kv_heads * int64_t(s.head_dim) * KS;
+#ifdef KVT_AMX
+      if constexpr (AMX) {
+        attend_tile_amx<D_>(q, k, out, tables + sq.table_offset, vts, sq, items[i], s, scratch.data());
+        continue;
+      }
+#endif
+      attend_tile_dp<D_>(q, k, out, tables + sq.table_offset, vts, sq, items[i], s, scratch.data());
     }
-    _tile_release();
+#ifdef KVT_AMX
+    if constexpr (AMX) _tile_release();
+#endif
   }
 }
+
+template <bool AMX>
+void dispatch_pairs(const void* q, const void* k, const void* v, void* out, const Seq* seqs, int64_t nseq,
+                    const int64_t* tables, const Shape& s, int threads) {
+  const auto* q16 = static_cast<const uint16_t*>(q);
+  const auto *k16 = static_cast<const uint16_t*>(k), *v16 = static_cast<const uint16_t*>(v);
+  auto* o16 = static_cast<uint16_t*>(out);
+  if (s.head_dim == 64)
+    run_pairs<64, AMX>(q16, k16, v16, o16, seqs, nseq, tables, s, threads);
+  else if (s.head_dim == 128)
+    run_pairs<128, AMX>(q16, k16, v16, o16, seqs, nseq, tables, s, threads);
+  else
+    run_pairs<0, AMX>(q16, k16, v16, o16, seqs, nseq, tables, s, threads);
+}
 #endif
+
+// Which path bfloat16 q and cache take with `pairs` on: 2 AMX tiles, 1 vdpbf16ps, 0 none (attend_tile's).
+int pairs_kind() {
+#ifdef KVT_AMX
+  if (amx_ready()) return 2;
+#endif
+#ifdef KVT_PREFILL_BF16
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 template <class IO>
 void dispatch(const void* q, Cache cache, const void* k, const void* v, void* out, const Seq* seqs, int64_t nseq,
@@ -437,7 +475,7 @@ int kvt_prefill_attention(int dtypes, const void* q, int64_t q_row_stride, const
                           int64_t out_row_stride, const int64_t* seqs, int64_t nseq, const int64_t* tables,
                           int64_t ntables, int heads,
                           int kv_heads, int head_dim, int block_size, float scale, int64_t window, int threads,
-                          int amx) {
+                          int pairs) {
   if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > 16 || head_dim <= 0 || block_size <= 0 ||
       (block_size % L != 0 && L % block_size != 0) || (dtypes != 0 && dtypes != 2 && dtypes != 3 && dtypes != 4 &&
                                                        dtypes != 5 && dtypes != 8 && dtypes != 9))
@@ -451,16 +489,15 @@ int kvt_prefill_attention(int dtypes, const void* q, int64_t q_row_stride, const
   const Seq* sq = reinterpret_cast<const Seq*>(seqs);
   const Cache cache = (dtypes & 14) == 2 ? Cache::BF16 : (dtypes & 14) == 4 ? Cache::E4M3
                       : (dtypes & 14) == 8 ? Cache::E5M2 : Cache::F32;
+#ifdef KVT_PREFILL_BF16
+  if (pairs && dtypes == 3 && head_dim % 32 == 0 && block_size % L == 0 && pairs_kind() > 0) {
 #ifdef KVT_AMX
-  if (amx && dtypes == 3 && head_dim % 32 == 0 && block_size % L == 0 && amx_ready()) {
-    const auto* q16 = static_cast<const uint16_t*>(q);
-    const auto *k16 = static_cast<const uint16_t*>(k_cache), *v16 = static_cast<const uint16_t*>(v_cache);
-    if (head_dim == 64)
-      run_amx<64>(q16, k16, v16, static_cast<uint16_t*>(out), sq, nseq, tables, s, threads);
-    else if (head_dim == 128)
-      run_amx<128>(q16, k16, v16, static_cast<uint16_t*>(out), sq, nseq, tables, s, threads);
-    else
-      run_amx<0>(q16, k16, v16, static_cast<uint16_t*>(out), sq, nseq, tables, s, threads);
+    if (pairs_kind() == 2) {
+      dispatch_pairs<true>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
+      return 0;
+    }
+#endif
+    dispatch_pairs<false>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
     return 0;
   }
 #endif
@@ -471,8 +508,9 @@ int kvt_prefill_attention(int dtypes, const void* q, int64_t q_row_stride, const
   return 0;
 }
 
-// Whether kvt_prefill_attention can take bfloat16 on the tile unit here (built for AMX-BF16 and the
-// kernel granted the tile state).
-int kvt_prefill_amx_ready() { return amx_ready() ? 1 : 0; }
+// The path kvt_prefill_attention's bfloat16 q and cache take with `pairs` set (head_dim a multiple of
+// 32, block_size of 16): 2 AMX tiles (built for AMX-BF16 and the kernel granted the tile state),
+// 1 vdpbf16ps (built for AVX512-BF16), 0 attend_tile's float32 lanes.
+int kvt_prefill_bf16_kind() { return pairs_kind(); }
 
 }  // extern "C"

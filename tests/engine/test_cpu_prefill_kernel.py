@@ -230,14 +230,15 @@ def test_sliding_window_chunks_match_dense_attention_and_any_chunking(dtype, bs,
     assert torch.equal(out, whole)
 
 
-@pytest.mark.skipif(not cpu_kernels.prefill_amx_ready(), reason="bfloat16 on AMX tiles needs a CPU with AMX-BF16")
+@pytest.mark.skipif(not cpu_kernels.prefill_bf16_kind(), reason="bfloat16 pairs need AVX512-BF16 or AMX-BF16")
 @pytest.mark.parametrize("heads,kv_heads,head_dim,bs,window", [(9, 3, 64, 16, 0), (4, 4, 128, 32, 0), (6, 2, 96, 16, 0),
                                                                (6, 2, 64, 16, 40)])
-def test_amx_tiles_agree_with_the_avx_path(heads, kv_heads, head_dim, bs, window):
-    """bfloat16 on the tile unit (prefill_amx.h) against the AVX path on the same chunks (a fresh
-    prompt, a chunk after cached context ending mid-block, a short tail): within bf16's rounding of
-    P, not the same bits (so the tile path did run), and nothing read past a sequence's end (NaN
-    there) reaches an output. The chunking tests above run the tile path too on such a CPU."""
+def test_bf16_pairs_agree_with_the_float32_lanes(heads, kv_heads, head_dim, bs, window):
+    """bfloat16 in pairs (AMX tiles, prefill_amx.h, or vdpbf16ps, prefill_bf16.h) against the float32
+    lanes on the same chunks (a fresh prompt, a chunk after cached context ending mid-block, a short
+    tail): within bf16's rounding of P, not the same bits (so the pairs path did run), and nothing
+    read past a sequence's end (NaN there) reaches an output. The chunking tests above run the pairs
+    path too on such a CPU."""
     n = 260
     nb = -(-n // bs) + 1
     k, v, q, g = _setup(nb, bs, kv_heads, heads, head_dim, n, torch.bfloat16, seed=head_dim + bs + window)
@@ -248,9 +249,9 @@ def test_amx_tiles_agree_with_the_avx_path(heads, kv_heads, head_dim, bs, window
     k[table], v[table] = flat_k.view(nb, bs, kv_heads, head_dim), flat_v.view(nb, bs, kv_heads, head_dim)
     seqs = torch.tensor([[0, 150, 150, 0], [150, 97, 250, 0], [247, 3, 3, 0]])
     outs = []
-    for amx in (True, False):
+    for pairs in (True, False):
         out = torch.full_like(q, float("nan"))
-        cpu_kernels.prefill_attention(q, k, v, out, seqs, table, 0.15, window, amx=amx)
+        cpu_kernels.prefill_attention(q, k, v, out, seqs, table, 0.15, window, bf16_pairs=pairs)
         outs.append(out[:250].float())
     assert not outs[0].isnan().any()
     assert (outs[0] - outs[1]).abs().max() <= 2 * TOL[torch.bfloat16] * outs[1].abs().max()
