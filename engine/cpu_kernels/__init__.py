@@ -176,11 +176,6 @@ def prefill_bf16_kind() -> PrefillBf16:
     return PrefillBf16(lib.kvt_prefill_bf16_kind()) if lib is not None else PrefillBf16.WIDENED
 
 
-def prefill_amx_ready() -> bool:
-    """Whether `prefill_attention` runs bfloat16 on AMX tiles here."""
-    return prefill_bf16_kind() == PrefillBf16.AMX
-
-
 def prefill_supported(heads: int, kv_heads: int, block_size: int) -> bool:
     """Shapes `prefill_attention` takes (the C++ side checks the same)."""
     return (kv_heads > 0 and heads % kv_heads == 0 and heads // kv_heads <= 16
