@@ -92,11 +92,7 @@ void attend_tile_amx(const uint16_t* q, const uint16_t* kc, uint16_t* out, const
   const int64_t first_key = s.window > 0 ? std::max<int64_t>(0, pos0 - s.window + 1) / KS * KS : 0;
   for (int h = it.h0; h < it.h1; ++h) {
     const int qh = it.kvh * G + h;
-    for (int r = 0; r < L; ++r) {
-      const uint32_t* qr = reinterpret_cast<const uint32_t*>(
-          q + (sq.q0 + it.row0 + std::min(r, rows - 1)) * s.q_row_stride + int64_t(qh) * D);
-      for (int p = 0; p < D / 2; ++p) qt[p * L + r] = qr[p];  // pair p = chunk p / 16, row p % 16
-    }
+    load_qt(q, sq, it, s, qh, D, rows, qt);
     std::fill(oh, oh + int64_t(D) * L, 0.0f);
     load_o<D_>(oh);
     V16 m = V16::set1(-INFINITY), l = V16::zero();
@@ -134,12 +130,7 @@ void attend_tile_amx(const uint16_t* q, const uint16_t* kc, uint16_t* out, const
       accumulate_pv<D_>(vp, oh, D);
     }
     store_o<D_>(oh);
-    float inv[L];
-    (V16::set1(1.0f) / l).store(inv);
-    for (int r = 0; r < rows; ++r) {
-      uint16_t* orow = out + (sq.q0 + it.row0 + r) * s.out_row_stride + int64_t(qh) * D;
-      for (int d = 0; d < D; ++d) orow[d] = kvt::f32_to_bf16(oh[d * L + r] * inv[r]);
-    }
+    store_rows(oh, l, out, sq, it, s, qh, D, rows);
   }
 }
 #else

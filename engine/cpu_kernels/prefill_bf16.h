@@ -117,6 +117,27 @@ inline V16 softmax_slice(V16* sc, int n, int64_t k0, bool visible, bool windowed
   return corr;
 }
 
+// One query head's Q^T for an item in dim pairs ([D/2 pairs][16 rows]; spare lanes copy the last row).
+inline void load_qt(const uint16_t* q, const Seq& sq, const Item& it, const Shape& s, int qh, int D, int rows,
+                    uint32_t* qt) {
+  for (int r = 0; r < L; ++r) {
+    const uint32_t* qr = reinterpret_cast<const uint32_t*>(
+        q + (sq.q0 + it.row0 + std::min(r, rows - 1)) * s.q_row_stride + int64_t(qh) * D);
+    for (int p = 0; p < D / 2; ++p) qt[p * L + r] = qr[p];  // pair p = chunk p / 16, row p % 16
+  }
+}
+
+// O^T / l written to the item's rows of one query head, in bf16.
+inline void store_rows(const float* oh, V16 l, uint16_t* out, const Seq& sq, const Item& it, const Shape& s, int qh,
+                       int D, int rows) {
+  float inv[L];
+  (V16::set1(1.0f) / l).store(inv);
+  for (int r = 0; r < rows; ++r) {
+    uint16_t* orow = out + (sq.q0 + it.row0 + r) * s.out_row_stride + int64_t(qh) * D;
+    for (int d = 0; d < D; ++d) orow[d] = kvt::f32_to_bf16(oh[d * L + r] * inv[r]);
+  }
+}
+
 // attend_tile's item with bfloat16 q and cache in vdpbf16ps. scratch: pair_scratch_floats(D).
 template <int D_>
 void attend_tile_dp(const uint16_t* q, const uint16_t* kc, uint16_t* out, const int64_t* table, const uint16_t* vt,
@@ -137,11 +158,7 @@ void attend_tile_dp(const uint16_t* q, const uint16_t* kc, uint16_t* out, const 
   constexpr int J = 8;  // keys whose dot products interleave (independent vdpbf16ps chains)
   for (int h = it.h0; h < it.h1; ++h) {
     const int qh = it.kvh * G + h;
-    for (int r = 0; r < L; ++r) {
-      const uint32_t* qr = reinterpret_cast<const uint32_t*>(
-          q + (sq.q0 + it.row0 + std::min(r, rows - 1)) * s.q_row_stride + int64_t(qh) * D);
-      for (int p = 0; p < P; ++p) qt[p * L + r] = qr[p];
-    }
+    load_qt(q, sq, it, s, qh, D, rows, qt);
     std::fill(oh, oh + int64_t(D) * L, 0.0f);
     V16 m = V16::set1(-INFINITY), l = V16::zero();
     for (int64_t k0 = first_key; k0 <= last; k0 += KS) {
@@ -189,12 +206,7 @@ void attend_tile_dp(const uint16_t* q, const uint16_t* kc, uint16_t* out, const 
         V16{acc}.store(oh + d * L);
       }
     }
-    float inv[L];
-    (V16::set1(1.0f) / l).store(inv);
-    for (int r = 0; r < rows; ++r) {
-      uint16_t* orow = out + (sq.q0 + it.row0 + r) * s.out_row_stride + int64_t(qh) * D;
-      for (int d = 0; d < D; ++d) orow[d] = kvt::f32_to_bf16(oh[d * L + r] * inv[r]);
-    }
+    store_rows(oh, l, out, sq, it, s, qh, D, rows);
   }
 }
 #endif
