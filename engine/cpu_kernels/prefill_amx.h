@@ -78,18 +78,12 @@ void attend_tile_amx(const uint16_t* q, const uint16_t* kc, uint16_t* out, const
                      const Seq& sq, const Item& it, const Shape& s, float* scratch) {
   const int D = D_ > 0 ? D_ : s.head_dim;
   const int G = s.heads / s.kv_heads, BS = s.block_size, C = D / 32;
-  const int rows = int(std::min<int64_t>(L, sq.qlen - it.row0));
-  const int64_t pos0 = sq.ctx - sq.qlen + it.row0;
+  const auto [rows, pos0, last, first_key, rowpos] = tile_rows(sq, it, s);
   float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t(63));
   uint32_t* qt = reinterpret_cast<uint32_t*>(base);   // [C][16 pairs][16 rows]: Q^T, dims in pairs
   float* sbuf = base + size_t(D) * L / 2;              // [32 keys][16 rows]
   uint32_t* pbuf = reinterpret_cast<uint32_t*>(sbuf + 2 * 256);  // [16 key pairs][16 rows]
   float* oh = sbuf + 2 * 256 + 256;                    // [D][16 rows]
-  float posf[L];
-  for (int r = 0; r < L; ++r) posf[r] = float(pos0 + std::min(r, rows - 1));  // spare lanes copy the last row
-  const V16 rowpos = V16::load(posf);
-  const int64_t last = pos0 + rows - 1;
-  const int64_t first_key = s.window > 0 ? std::max<int64_t>(0, pos0 - s.window + 1) / KS * KS : 0;
   for (int h = it.h0; h < it.h1; ++h) {
     const int qh = it.kvh * G + h;
     load_qt(q, sq, it, s, qh, D, rows, qt);

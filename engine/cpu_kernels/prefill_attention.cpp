@@ -490,14 +490,14 @@ int kvt_prefill_attention(int dtypes, const void* q, int64_t q_row_stride, const
   const Cache cache = (dtypes & 14) == 2 ? Cache::BF16 : (dtypes & 14) == 4 ? Cache::E4M3
                       : (dtypes & 14) == 8 ? Cache::E5M2 : Cache::F32;
 #ifdef KVT_PREFILL_BF16
-  if (pairs && dtypes == 3 && head_dim % 32 == 0 && block_size % L == 0 && pairs_kind() > 0) {
+  if (pairs && dtypes == 3 && head_dim % 32 == 0 && block_size % L == 0) {
 #ifdef KVT_AMX
     if (pairs_kind() == 2) {
       dispatch_pairs<true>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
       return 0;
     }
 #endif
-    dispatch_pairs<false>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);
+    dispatch_pairs<false>(q, k_cache, v_cache, out, sq, nseq, tables, s, threads);  // built for AVX512-BF16
     return 0;
   }
 #endif

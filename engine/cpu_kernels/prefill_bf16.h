@@ -117,6 +117,23 @@ inline V16 softmax_slice(V16* sc, int n, int64_t k0, bool visible, bool windowed
   return corr;
 }
 
+// An item's rows as both pair tiles see them: how many, their positions in lanes (spare lanes copy
+// the last row), and the first 32-key slice any of them sees (a sliding window skips the rest).
+struct TileRows {
+  int rows;
+  int64_t pos0, last, first_key;
+  V16 rowpos;
+};
+
+inline TileRows tile_rows(const Seq& sq, const Item& it, const Shape& s) {
+  const int rows = int(std::min<int64_t>(L, sq.qlen - it.row0));
+  const int64_t pos0 = sq.ctx - sq.qlen + it.row0;
+  float posf[L];
+  for (int r = 0; r < L; ++r) posf[r] = float(pos0 + std::min(r, rows - 1));
+  const int64_t first_key = s.window > 0 ? std::max<int64_t>(0, pos0 - s.window + 1) / KS * KS : 0;
+  return {rows, pos0, pos0 + rows - 1, first_key, V16::load(posf)};
+}
+
 // One query head's Q^T for an item in dim pairs ([D/2 pairs][16 rows]; spare lanes copy the last row).
 inline void load_qt(const uint16_t* q, const Seq& sq, const Item& it, const Shape& s, int qh, int D, int rows,
                     uint32_t* qt) {
@@ -144,17 +161,11 @@ void attend_tile_dp(const uint16_t* q, const uint16_t* kc, uint16_t* out, const 
                     const Seq& sq, const Item& it, const Shape& s, float* scratch) {
   const int D = D_ > 0 ? D_ : s.head_dim;
   const int G = s.heads / s.kv_heads, BS = s.block_size, P = D / 2;
-  const int rows = int(std::min<int64_t>(L, sq.qlen - it.row0));
-  const int64_t pos0 = sq.ctx - sq.qlen + it.row0;
+  const auto [rows, pos0, last, first_key, rowpos] = tile_rows(sq, it, s);
   float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t(63));
   uint32_t* qt = reinterpret_cast<uint32_t*>(base);                    // [D/2 pairs][16 rows]
   uint32_t* pbuf = reinterpret_cast<uint32_t*>(base + size_t(D) * L / 2);  // [16 key pairs][16 rows]
   float* oh = base + size_t(D) * L / 2 + 256;                           // [D][16 rows]
-  float posf[L];
-  for (int r = 0; r < L; ++r) posf[r] = float(pos0 + std::min(r, rows - 1));  // spare lanes copy the last row
-  const V16 rowpos = V16::load(posf);
-  const int64_t last = pos0 + rows - 1;
-  const int64_t first_key = s.window > 0 ? std::max<int64_t>(0, pos0 - s.window + 1) / KS * KS : 0;
   constexpr int J = 8;  // keys whose dot products interleave (independent vdpbf16ps chains)
   for (int h = it.h0; h < it.h1; ++h) {
     const int qh = it.kvh * G + h;
