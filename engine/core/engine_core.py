@@ -161,8 +161,12 @@ class EngineCore:
         ran in the previous call, applied while this call's forward runs."""
         if self.threads is not None:
             self.threads.tick()
-        if self._helper is not None:
-            return self._step_async()
+        updated = self._step_async() if self._helper is not None else self._step_sync()
+        if self.threads is not None and not self.has_unfinished():
+            self.threads.rest()  # idle from here: what others use meanwhile is not contention
+        return updated
+
+    def _step_sync(self) -> list[Request]:
         start = time.perf_counter()
         updated = self._poll_loads()
         sched, tables, meta = self._plan()

@@ -17,6 +17,12 @@ least one); when what is left has had room for one more thread for RAISE_AFTER_S
 idle stretch between requests counts whole), it adds one back, up to the start-up count. Each
 change is logged.
 
+A reading that spans an idle stretch (the engine calls `rest()` when it has nothing left to run)
+may add a thread but never drops one: what other processes used while this one did not step says
+nothing about contention with its steps. Dropping on it cost a benchmark's kvtier run 4.8 s at one
+thread (AMD EPYC, 2 cores) after vLLM's run beside its idle engine had kept both cores busy; a
+neighbour still busy when the steps resume is caught by the next reading, INTERVAL_S later.
+
 A compiled model (-O1, the CPU default) has its OpenMP thread count baked into its code, and its
 first run at another count recompiles (5 s on the demo model, inside a request's step). So the
 governor moves between a few `levels` only (every count up to 4 threads, quarters above), and the
@@ -143,6 +149,7 @@ class ThreadGovernor:
         self._room_s = 0.0  # seconds in a row with room for one more thread
         self._last: tuple[float, float, float] | None = None  # (time, others' busy ticks, total ticks)
         self._next = 0.0
+        self._rested = False  # the engine went idle since the last reading
         self.changes = 0
 
     def tick(self) -> None:
@@ -160,15 +167,25 @@ class ThreadGovernor:
             self._next = now + 60.0
             return
         last, self._last = self._last, (now, busy - own, total)
+        spanned_idle, self._rested = self._rested, False
         if last is None or total <= last[2]:
             return
         n = len(self.usable.cpus) or (os.cpu_count() or 1)  # the CPUs /proc/stat was summed over
         others = max(0.0, (busy - own - last[1]) / (total - last[2]) * n)
-        self.observe(min(n, self.usable.count) - others, now - last[0])
+        self.observe(min(n, self.usable.count) - others, now - last[0], may_drop=not spanned_idle)
 
-    def observe(self, left: float, seconds: float = INTERVAL_S) -> None:
-        """`left`: the CPUs other processes left this process over the last `seconds`."""
+    def rest(self) -> None:
+        """The engine has nothing left to run: the reading that the next tick takes spans the idle
+        stretch, so it may add a thread but not drop one (module docstring)."""
+        self._rested = True
+
+    def observe(self, left: float, seconds: float = INTERVAL_S, may_drop: bool = True) -> None:
+        """`left`: the CPUs other processes left this process over the last `seconds`; `may_drop`
+        False when this process was not stepping all that time."""
         if left < self.threads - DROP_MARGIN and self.threads > 1:
+            if not may_drop:
+                self._room_s = 0.0
+                return
             fit = max(1, int(left + 0.5))
             self._change(max(n for n in self.levels if n <= fit), f"other processes left {left:.1f} CPUs")
         elif left >= self.threads + RAISE_ROOM and self.threads < self.max_threads:
@@ -208,6 +225,9 @@ class FixedThreads:
     def tick(self) -> None:
         if self._get() != self.threads:
             self._set(self.threads)
+
+    def rest(self) -> None:
+        pass  # nothing measured
 
     def warm_up(self, run: Callable[[], None]) -> None:
         run()

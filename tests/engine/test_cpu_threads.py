@@ -236,6 +236,53 @@ def test_an_idle_stretch_with_room_counts_whole():
     assert gov.threads == 2 and changes == [1, 2]
 
 
+def test_an_idle_stretch_that_others_kept_busy_drops_no_thread():
+    """A benchmark runs vLLM beside kvtier's idle engine: both cores busy for half a minute. That
+    is not contention with kvtier's steps, so its next step keeps both threads; a neighbour still
+    busy once the steps resume is caught by the next reading. Without `rest()` the same readings
+    drop a thread at once (the contrast, on a second governor)."""
+    for rested in (True, False):
+        proc, changes = FakeProc(), []
+        gov = _governor(proc, changes)
+        gov.tick()
+        proc.advance(ct.INTERVAL_S, own_cpus=1.9, other_cpus=0.05)
+        gov.tick()
+        if rested:
+            gov.rest()
+        proc.advance(30.0, own_cpus=0.0, other_cpus=2.0)  # idle here, the other engine's run
+        gov.tick()
+        assert changes == ([] if rested else [1])
+    proc, changes = FakeProc(), []
+    gov = _governor(proc, changes)
+    gov.tick()
+    gov.rest()
+    proc.advance(30.0, own_cpus=0.0, other_cpus=2.0)
+    gov.tick()
+    proc.advance(ct.INTERVAL_S, own_cpus=1.0, other_cpus=1.0)  # stepping now, and it is still there
+    gov.tick()
+    assert changes == [1] and gov.threads == 1
+
+
+def test_the_engine_rests_its_governor_once_it_has_nothing_left(ckpt_dir, monkeypatch):
+    """EngineCore calls `rest()` after the step that finishes its last request, not before."""
+    from engine import LLM, SamplingParams
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    llm = LLM(str(ckpt_dir("llama")), dtype="float32", num_gpu_blocks=64, optimization_level=0, cpu_threads=2)
+    try:
+        gov, events = llm.engine.threads, []
+        assert isinstance(gov, ThreadGovernor)
+        monkeypatch.setattr(gov, "tick", lambda: events.append("tick"))
+        monkeypatch.setattr(gov, "rest", lambda: events.append(("rest", llm.engine.has_unfinished())))
+        sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        for _ in range(2):
+            llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10]}], sp, use_tqdm=False)
+            assert events[-1] == ("rest", False) and events.count(("rest", False)) == 1 and len(events) >= 4, events
+            events.clear()
+    finally:
+        llm.close()
+
+
 def test_an_engine_takes_its_thread_count_back_from_another_in_the_process(ckpt_dir):
     """torch's thread count is process-wide: an engine of 1 thread beside one of 2 (a benchmark, a
     tensor-parallel rank 0 beside a TP=1 engine) must not run its steps at the other's count."""
