@@ -88,7 +88,8 @@ class KvtierEngine:
         extra = {} if schema is None else {"output_tok_s": sum(got) / t.seconds, "output_tokens": sum(got),
                                            "total_tok_s": (sum(got) + wl.prompt_tokens) / t.seconds}
         return {**measurement(wl, t.seconds, cached_tokens=sum(o.num_cached_tokens for o in outs),
-                              preemptions=after.num_preemptions - before.num_preemptions, usage=used), **extra}
+                              preemptions=after.num_preemptions - before.num_preemptions, usage=used,
+                              thread_changes=after.cpu_thread_changes - before.cpu_thread_changes), **extra}
 
     def prefill(self, prompt: list[int], salt: str) -> dict[str, Any]:
         """One long prompt to its first token (a fresh salt: no prefix hits)."""

@@ -213,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"{u.get('others_cpu_s', 0):.1f}, stolen "
                         f"{u.get('steal_s', 0):.1f}; {u['majflt']:.0f} major faults, {u['invol_switches']:.0f} "
                         "involuntary switches" if u else "")
-                log(f"[run {r + 1}/{args.runs}] {what}: {m['wall_s']:.2f} s, {rate}{cost}")
+                gov = (f"; the thread governor changed the thread count {m['thread_changes']} times"
+                       if m.get("thread_changes") else "")
+                log(f"[run {r + 1}/{args.runs}] {what}: {m['wall_s']:.2f} s, {rate}{cost}{gov}")
 
         runs = {k: [m for m in ms if m is not None]
                 for k, ms in run_interleaved(args.runs, engines, progress).items()}

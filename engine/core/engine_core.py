@@ -390,6 +390,7 @@ class EngineCore:
             num_free_blocks=self.pool.num_free_blocks(),
             encoder_cache=self.runner.encoder.stats() if self.runner.encoder is not None else None,
             lora=self._lora_stats() if self.loras is not None else None,
+            cpu_thread_changes=self.threads.changes if self.threads is not None else 0,
         )
 
     def _lora_stats(self) -> dict[str, Any]:

@@ -43,6 +43,8 @@ class EngineStats:
     encoder_cache: dict[str, int] | None = None
     # enable_lora: the adapters of running and waiting requests, max_loras, requests per adapter.
     lora: dict[str, Any] | None = None
+    # CPU: times the thread governor changed the forward's thread count (engine/runner/cpu_threads.py).
+    cpu_thread_changes: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

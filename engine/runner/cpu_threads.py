@@ -221,6 +221,7 @@ class FixedThreads:
 
     def __init__(self, threads: int, set_threads: Callable[[int], None], get_threads: Callable[[], int]) -> None:
         self.threads, self._set, self._get = threads, set_threads, get_threads
+        self.changes = 0  # never changes: the governor's counter, for the stats
 
     def tick(self) -> None:
         if self._get() != self.threads:

@@ -217,6 +217,7 @@ def test_a_compiled_engine_switches_thread_count_without_recompiling(ckpt_dir, m
             llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}], sp, use_tqdm=False)
         assert dict(dynamo_utils.counters["stats"]).get("unique_graphs") == compiles.get("unique_graphs"), \
             (compiles, dict(dynamo_utils.counters["stats"]))
+        assert llm.get_stats().cpu_thread_changes == 3  # 2 -> 1 -> 2 -> 1, counted for the benchmarks' logs
     finally:
         llm.close()
         torch.set_num_threads(before)
