@@ -21,7 +21,11 @@ A reading that spans an idle stretch (the engine calls `rest()` when it has noth
 may add a thread but never drops one: what other processes used while this one did not step says
 nothing about contention with its steps. Dropping on it cost a benchmark's kvtier run 4.8 s at one
 thread (AMD EPYC, 2 cores) after vLLM's run beside its idle engine had kept both cores busy; a
-neighbour still busy when the steps resume is caught by the next reading, INTERVAL_S later.
+neighbour still busy when the steps resume is caught by the next reading, INTERVAL_S later. For
+the same reason, when such a reading finds the governor below its start-up count and no other
+process runnable at that moment (/proc/stat's procs_running less this process's running threads),
+it goes back to the start-up count at once: otherwise the next reading comes only after the first
+step, which at one thread can be a 4k-token prefill chunk of several seconds.
 
 A compiled model (-O1, the CPU default) has its OpenMP thread count baked into its code, and its
 first run at another count recompiles (5 s on the demo model, inside a request's step). So the
@@ -127,6 +131,25 @@ def read_busy(cpus: tuple[int, ...], stat_text: str) -> tuple[float, float]:
     return busy, total
 
 
+def procs_running(stat_text: str) -> int:
+    """The machine's runnable tasks now (/proc/stat's procs_running), the reader included."""
+    for line in stat_text.splitlines():
+        if line.startswith("procs_running "):
+            return int(line.split()[1])
+    raise ValueError("no procs_running in /proc/stat")
+
+
+def own_running_threads() -> int:
+    """This process's threads in state R (running or runnable) now."""
+    n = 0
+    for t in Path("/proc/self/task").iterdir():
+        try:
+            n += (t / "stat").read_text().rpartition(")")[2].split()[0] == "R"
+        except (OSError, IndexError):  # the thread exited meanwhile
+            continue
+    return n
+
+
 def own_ticks(stat_text: str) -> float:
     """utime + stime of /proc/self/stat's text, in clock ticks."""
     fields = stat_text.rpartition(")")[2].split()
@@ -139,11 +162,12 @@ class ThreadGovernor:
 
     def __init__(self, usable: UsableCpus, threads: int, set_threads: Callable[[int], None],
                  read: Callable[[str], str] = lambda p: Path(p).read_text(),
-                 clock: Callable[[], float] = time.monotonic, get_threads: Callable[[], int] | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, get_threads: Callable[[], int] | None = None,
+                 own_running: Callable[[], int] = own_running_threads) -> None:
         """`get_threads`: torch's count now, re-set to ours at each tick when another engine in this
         process changed it (it is process-wide)."""
         self.usable, self.max_threads, self.threads = usable, max(1, threads), max(1, threads)
-        self._get = get_threads
+        self._get, self._own_running = get_threads, own_running
         self.levels = levels(self.max_threads)
         self._set, self._read, self._clock = set_threads, read, clock
         self._room_s = 0.0  # seconds in a row with room for one more thread
@@ -160,7 +184,8 @@ class ThreadGovernor:
             return
         self._next = now + INTERVAL_S
         try:
-            busy, total = read_busy(self.usable.cpus, self._read("/proc/stat"))
+            stat = self._read("/proc/stat")
+            busy, total = read_busy(self.usable.cpus, stat)
             own = own_ticks(self._read("/proc/self/stat"))
         except (OSError, ValueError, IndexError) as e:  # not Linux, or no /proc: stay as we are
             log.debug("thread governor cannot read CPU times: %s", e)
@@ -173,6 +198,13 @@ class ThreadGovernor:
         n = len(self.usable.cpus) or (os.cpu_count() or 1)  # the CPUs /proc/stat was summed over
         others = max(0.0, (busy - own - last[1]) / (total - last[2]) * n)
         self.observe(min(n, self.usable.count) - others, now - last[0], may_drop=not spanned_idle)
+        if spanned_idle and self.threads < self.max_threads:
+            try:
+                runnable = procs_running(stat) - self._own_running()
+            except (OSError, ValueError, IndexError):
+                return
+            if runnable <= 0:
+                self._change(self.max_threads, "steps resume with no other process runnable")
 
     def rest(self) -> None:
         """The engine has nothing left to run: the reading that the next tick takes spans the idle

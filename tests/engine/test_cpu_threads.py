@@ -71,6 +71,7 @@ class FakeProc:
         self.idle = [0.0, 0.0]
         self.own = 0.0
         self.now = 0.0
+        self.running = 1  # procs_running: this process's reading thread
 
     def advance(self, seconds: float, own_cpus: float, other_cpus: float) -> None:
         self.now += seconds
@@ -82,12 +83,14 @@ class FakeProc:
 
     def read(self, path: str) -> str:
         if path == "/proc/stat":
-            return "".join(f"cpu{c} {self.busy[c]:.0f} 0 0 {self.idle[c]:.0f} 0 0 0 0 0 0\n" for c in range(2))
+            return "".join(f"cpu{c} {self.busy[c]:.0f} 0 0 {self.idle[c]:.0f} 0 0 0 0 0 0\n"
+                           for c in range(2)) + f"intr 0\nprocs_running {self.running}\nprocs_blocked 0\n"
         return f"1 (py) S 1 1 1 1 1 1 1 1 1 1 {self.own:.0f} 0 0 0"
 
 
 def _governor(proc: FakeProc, changes: list[int]) -> ThreadGovernor:
-    return ThreadGovernor(UsableCpus((0, 1), None), 2, changes.append, read=proc.read, clock=lambda: proc.now)
+    return ThreadGovernor(UsableCpus((0, 1), None), 2, changes.append, read=proc.read, clock=lambda: proc.now,
+                          own_running=lambda: 1)
 
 
 def test_governor_drops_a_thread_under_a_neighbour_and_adds_it_back_when_it_leaves(caplog):
@@ -262,6 +265,28 @@ def test_an_idle_stretch_that_others_kept_busy_drops_no_thread():
     proc.advance(ct.INTERVAL_S, own_cpus=1.0, other_cpus=1.0)  # stepping now, and it is still there
     gov.tick()
     assert changes == [1] and gov.threads == 1
+
+
+def test_steps_resuming_with_nothing_else_runnable_go_back_to_the_start_up_count(caplog):
+    """Shed under a neighbour, then idle while another engine ran: the reading over the idle
+    stretch is no evidence, so what is runnable at that moment decides. Nothing else: both threads
+    at once (not after the first step, which at one thread can take seconds). Still a runnable
+    neighbour: one thread, and the usual readings from there."""
+    caplog.set_level(logging.INFO, logger="engine.runner.cpu_threads")
+    for neighbour_runnable, want in ((False, [1, 2]), (True, [1])):
+        proc, changes = FakeProc(), []
+        gov = _governor(proc, changes)
+        gov.tick()
+        proc.advance(ct.INTERVAL_S, own_cpus=1.33, other_cpus=0.67)
+        gov.tick()
+        assert changes == [1]
+        gov.rest()
+        proc.advance(30.0, own_cpus=0.0, other_cpus=2.0)
+        proc.running = 1 + 2 * neighbour_runnable
+        gov.tick()
+        assert changes == want, neighbour_runnable
+    assert "1 -> 2: steps resume with no other process runnable" in caplog.text
+    assert ct.procs_running(FakeProc().read("/proc/stat")) == 1 and ct.own_running_threads() >= 1
 
 
 def test_the_engine_rests_its_governor_once_it_has_nothing_left(ckpt_dir, monkeypatch):
