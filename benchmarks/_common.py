@@ -294,6 +294,11 @@ class JsonWorker:
         placement; docs/CPU.md): kvtier's float32 workload took 29 s beside it, 27 s with it stopped."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGSTOP)
+            # SIGSTOP lands when each thread next runs: wait for it, or the timed engine's first
+            # steps share the cores with ~100 threads on their way to stopping.
+            deadline = time.monotonic() + 5.0
+            while not _group_stopped(self.proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.002)
 
     def resume(self) -> None:
         if self.proc.poll() is None:
@@ -311,6 +316,22 @@ class JsonWorker:
             os.killpg(self.proc.pid, signal.SIGKILL)  # its session: engine-core children included
             self.proc.wait()
         os.close(self.read_fd)
+
+
+def _group_stopped(pgid: int) -> bool:
+    """Every thread of process group `pgid` stopped (or gone), from /proc."""
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            if int((p / "stat").read_text().rpartition(")")[2].split()[2]) != pgid:
+                continue
+            states = [(t / "stat").read_text().rpartition(")")[2].split()[0] for t in (p / "task").iterdir()]
+        except (OSError, IndexError, ValueError):  # exited meanwhile
+            continue
+        if any(s not in ("T", "t", "Z", "X") for s in states):
+            return False
+    return True
 
 
 def worker_reply(fd: int) -> Callable[..., None]:

@@ -198,13 +198,20 @@ class ThreadGovernor:
         n = len(self.usable.cpus) or (os.cpu_count() or 1)  # the CPUs /proc/stat was summed over
         others = max(0.0, (busy - own - last[1]) / (total - last[2]) * n)
         self.observe(min(n, self.usable.count) - others, now - last[0], may_drop=not spanned_idle)
-        if spanned_idle and self.threads < self.max_threads:
-            try:
-                runnable = procs_running(stat) - self._own_running()
-            except (OSError, ValueError, IndexError):
-                return
-            if runnable <= 0:
-                self._change(self.max_threads, "steps resume with no other process runnable")
+        if spanned_idle and self.threads < self.max_threads and self._none_runnable(stat):
+            self._change(self.max_threads, "steps resume with no other process runnable")
+
+    def _none_runnable(self, stat: str, looks: int = 3) -> bool:
+        """No other process runnable in any of `looks` looks 1 ms apart: one look can catch a kernel
+        worker's or a shell's moment on a core."""
+        try:
+            for i in range(looks):
+                if procs_running(stat if i == 0 else self._read("/proc/stat")) - self._own_running() <= 0:
+                    return True
+                time.sleep(0.001)
+        except (OSError, ValueError, IndexError):
+            pass
+        return False
 
     def rest(self) -> None:
         """The engine has nothing left to run: the reading that the next tick takes spans the idle

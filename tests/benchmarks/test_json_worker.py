@@ -4,7 +4,6 @@ closing cleanly after a pause."""
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 from bench_scripts import load_script
@@ -34,9 +33,8 @@ def test_a_paused_worker_is_stopped_then_answers_and_closes(tmp_path):
     w = common.JsonWorker([sys.executable, str(script)], {}, tmp_path, name="tiny")
     try:
         assert w.recv(60) == {"ready": True}
-        w.pause()
-        time.sleep(0.2)
-        assert state(w.proc.pid) == "T"  # stopped: no wake-ups while another engine is timed
+        w.pause()  # returns once every thread has stopped: no wake-ups while another engine is timed
+        assert state(w.proc.pid) == "T" and common._group_stopped(w.proc.pid)
         w.resume()
         w.send("tick")
         assert "t" in w.recv(60)
