@@ -18,14 +18,15 @@ idle stretch between requests counts whole), it adds one back, up to the start-u
 change is logged.
 
 A reading that spans an idle stretch (the engine calls `rest()` when it has nothing left to run)
-may add a thread but never drops one: what other processes used while this one did not step says
-nothing about contention with its steps. Dropping on it cost a benchmark's kvtier run 4.8 s at one
-thread (AMD EPYC, 2 cores) after vLLM's run beside its idle engine had kept both cores busy; a
-neighbour still busy when the steps resume is caught by the next reading, INTERVAL_S later. For
-the same reason, when such a reading finds the governor below its start-up count and no other
-process runnable at that moment (/proc/stat's procs_running less this process's running threads),
-it goes back to the start-up count at once: otherwise the next reading comes only after the first
-step, which at one thread can be a 4k-token prefill chunk of several seconds.
+is checked against what is runnable at that moment (/proc/stat's procs_running less this process's
+running threads, three looks 1 ms apart): what other processes used while this one did not step
+says nothing by itself about contention with its steps. If another process is runnable now, the
+reading stands (a neighbour that kept running sheds threads at once, as before). If none is, it may
+add a thread but not drop one, and a governor below its start-up count goes back to it at once,
+since its next reading would come only after the first step (at one thread, a 4k-token prefill
+chunk takes seconds). Before this, every kvtier run of the interleaved benchmark that followed
+vLLM's run (both cores busy beside the idle engine) began at one thread: ~4.8 s of it (AMD EPYC,
+2 cores).
 
 A compiled model (-O1, the CPU default) has its OpenMP thread count baked into its code, and its
 first run at another count recompiles (5 s on the demo model, inside a request's step). So the
@@ -197,9 +198,11 @@ class ThreadGovernor:
             return
         n = len(self.usable.cpus) or (os.cpu_count() or 1)  # the CPUs /proc/stat was summed over
         others = max(0.0, (busy - own - last[1]) / (total - last[2]) * n)
-        self.observe(min(n, self.usable.count) - others, now - last[0], may_drop=not spanned_idle)
-        if spanned_idle and self.threads < self.max_threads and self._none_runnable(stat):
+        quiet = spanned_idle and self._none_runnable(stat)
+        if quiet and self.threads < self.max_threads:
             self._change(self.max_threads, "steps resume with no other process runnable")
+            return
+        self.observe(min(n, self.usable.count) - others, now - last[0], may_drop=not quiet)
 
     def _none_runnable(self, stat: str, looks: int = 3) -> bool:
         """No other process runnable in any of `looks` looks 1 ms apart: one look can catch a kernel
@@ -215,7 +218,7 @@ class ThreadGovernor:
 
     def rest(self) -> None:
         """The engine has nothing left to run: the reading that the next tick takes spans the idle
-        stretch, so it may add a thread but not drop one (module docstring)."""
+        stretch, and what is runnable then decides whether it stands (module docstring)."""
         self._rested = True
 
     def observe(self, left: float, seconds: float = INTERVAL_S, may_drop: bool = True) -> None:
