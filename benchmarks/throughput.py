@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import tempfile
 from collections.abc import Callable
@@ -143,6 +144,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # The thread governor's changes ("CPU forward threads 2 -> 1: why") go to stderr with the time:
+    # a run it slowed shows when and why, beside the per-run count in the JSON.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    governor_log = logging.getLogger("engine.runner.cpu_threads")
+    governor_log.addHandler(handler)
+    governor_log.setLevel(logging.INFO)
+    governor_log.propagate = False
     set_torch_threads(args.threads)
     if args.model is None:
         from engine.demo.demo_model import ensure_demo_model
