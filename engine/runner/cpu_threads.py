@@ -205,15 +205,15 @@ class ThreadGovernor:
         self.observe(min(n, self.usable.count) - others, now - last[0], may_drop=not quiet)
 
     def _none_runnable(self, stat: str, looks: int = 3) -> bool:
-        """No other process runnable in any of `looks` looks 1 ms apart: one look can catch a kernel
-        worker's or a shell's moment on a core."""
+        """Nothing else runnable in at least one of `looks` looks 1 ms apart: a single look can catch
+        a kernel worker's or a shell's moment on a core."""
         try:
             for i in range(looks):
                 if procs_running(stat if i == 0 else self._read("/proc/stat")) - self._own_running() <= 0:
                     return True
                 time.sleep(0.001)
-        except (OSError, ValueError, IndexError):
-            pass
+        except (OSError, ValueError, IndexError):  # unreadable: the reading stands, as without rest()
+            return False
         return False
 
     def rest(self) -> None:
