@@ -25,6 +25,8 @@ Guarantees:
   re-enter the LRU order oldest write first.
 - Eviction removes the victim's whole file; a key deleted, replaced or found damaged alone leaves
   a hole counted in `used_bytes` until its file's last entry goes.
+- A write never drops other keys: a new file is named by one of its keys that names no file
+  holding others, and where none can, the file it replaces has its other entries carried over.
 - Every read verifies the payload checksum (or MAC); a mismatch, truncation or IO error is counted,
   removed, logged and reported as a miss. Bytes that failed verification are never served.
 - A file's reads and checks run in one call of a native loop without the GIL (`kvstore.native`),
@@ -51,8 +53,8 @@ from typing import Any
 
 from kvstore.backend import (IO_BYTES, BackendError, BackendStats, Buffer, Scatter, ScatterBatch, ScatterReads,
                              StorageBackend, check_blocks, check_infos, check_keys, check_scatter_outs)
-from kvstore.disk_files import (Checked, Target, file_ident, read_batch_native, read_file_native, read_file_python,
-                                scan_directory)
+from kvstore.disk_files import (Checked, Target, file_ident, read_batch_native, read_entries, read_file_native,
+                                read_file_python, scan_directory)
 from kvstore.disk_index import DiskIndex, FileName, Ident, Loc
 from kvstore.disk_layout import (entry_key, fsync_dir, reason,
                                  unlink_quietly)
@@ -391,23 +393,32 @@ class DiskBackend(StorageBackend, ScatterReads):
         size = sum(HEADER_SIZE + views[i].nbytes for i in group)
         if size > self.config.capacity_bytes:
             return
-        headers = [self._codec.seal(self.config.namespace, keys[i], views[i]) for i in group]  # hashing outside the lock
+        headers = {i: self._codec.seal(self.config.namespace, keys[i], views[i]) for i in group}  # hashing outside the lock
         with self._lock:
             self._check_open()
-            if not self._gate.allowed() or not self._reserve(size):
+            # Named by a key whose name no file with other entries has: a rewritten key that
+            # named a file of several (a prompt's last block, stored again) must not drop the rest.
+            first = self._index.pick_name([keys[i] for i in group])
+            group = [group[first], *group[:first], *group[first + 1:]]
+            name = keys[group[0]]
+            carry = self._index.foreign(name, {keys[i] for i in group})  # only when no key could name it
+            carried = read_entries(self._files.entry(name), [loc for _, loc in carry]) if carry else []
+            need = size + sum(map(len, carried or ()))
+            if need > self.config.capacity_bytes:  # no room to carry them: they go with their file
+                carried, need = None, size
+            if not self._gate.allowed() or not self._reserve(need):
                 return
-        name = keys[group[0]]
+        parts = [b for i in group for b in (memoryview(headers[i]), views[i])] + [memoryview(b) for b in carried or ()]
         try:
-            tmp = self._files.write(name, [b for h, i in zip(headers, group) for b in (memoryview(h), views[i])],
-                                    self.config.fsync)
+            tmp = self._files.write(name, parts, self.config.fsync)
         except OSError as e:
             with self._lock:
-                self._reserved -= size
+                self._reserved -= need
                 self._write_failed(e, "write")
             return
         path = self._files.entry(name)
         with self._lock:
-            self._reserved -= size
+            self._reserved -= need
             try:
                 # Published under the lock so that the index and the files always agree.
                 self.stats.corrupt += self._files.publish(tmp, path)  # a stranger at the path, removed
@@ -419,7 +430,12 @@ class DiskBackend(StorageBackend, ScatterReads):
             for i in group:
                 entries.append((keys[i], offset, HEADER_SIZE + views[i].nbytes))
                 offset += HEADER_SIZE + views[i].nbytes
-            self._add_file(name, size, entries, None if infos is None else [infos[i] for i in group], file_ident(path))
+            for (key, loc), _ in zip(carry, carried or ()):  # still where they were read: not deleted or rewritten since
+                if self._index.get(key) == loc:
+                    entries.append((key, offset, loc.size))
+                offset += loc.size
+            self._add_file(name, need, entries, None if infos is None else [infos[i] for i in group], file_ident(path),
+                           fresh=len(group))
             self.stats.bytes_written += size - HEADER_SIZE * len(group)  # payload bytes, as bytes_read counts them
             self._gate.worked()
         if self.config.fsync:
@@ -428,13 +444,16 @@ class DiskBackend(StorageBackend, ScatterReads):
             out[i] = True
 
     def _add_file(self, name: FileName, size: int, entries: list[tuple[BlockKey, int, int]],
-                  infos: Sequence[BlockInfo] | None, ident: tuple[int, int] | None) -> None:
+                  infos: Sequence[BlockInfo] | None, ident: tuple[int, int] | None, fresh: int | None = None) -> None:
+        """Index a file. Its first `fresh` entries (all by default), which `infos` describe, are
+        touched or inserted in the policy; the ones after them were carried over from the file
+        it replaces, and keep their place."""
         gone, emptied = self._index.add_file(name, size, entries, ident)
         for key in gone:
             self._policy.remove(key)
         for f in emptied:
             self._files.unlink(f)
-        for j, (key, _, _) in enumerate(entries):
+        for j, (key, _, _) in enumerate(entries[:fresh]):
             info = None if infos is None else infos[j]
             if key in self._policy:
                 self._policy.touch(key) if info is None else self._policy.touch_block(key, info)

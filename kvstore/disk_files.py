@@ -140,6 +140,25 @@ def runs(wanted: list[tuple[int, Loc]]) -> list[list[tuple[int, Loc]]]:
     return out
 
 
+def read_entries(path: str, locs: Sequence[Loc]) -> list[bytes] | None:
+    """The raw entries (header and payload) at `locs` in the file at `path`, for a file replacing
+    it to carry over; None if they cannot all be read (they are then dropped with the file). Their
+    checksums travel with them: a read of the new file checks them as it checks any entry."""
+    try:
+        fd, _ = open_regular(path)
+    except OSError as e:
+        logger.debug("G3 cannot open %s to carry its entries over: %s", path, e)
+        return None
+    try:
+        out = [os.pread(fd, loc.size, loc.offset) for loc in locs]
+    except OSError as e:
+        logger.debug("G3 cannot read %s to carry its entries over: %s", path, e)
+        return None
+    finally:
+        os.close(fd)
+    return out if all(len(b) == loc.size for b, loc in zip(out, locs)) else None
+
+
 def write_temp(ns_dir: str, name: FileName, parts: list[memoryview], fsync: bool, shards: set[str]) -> str:
     """Writes `parts` to a fresh temp file in file `name`'s shard directory (made if not in
     `shards`, the shard directories known to exist) and returns its path, for the caller to

@@ -10,7 +10,7 @@ Bookkeeping only: no I/O. The disk backend calls it under its lock.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, KeysView, Sequence
+from collections.abc import Collection, Iterable, KeysView, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -84,6 +84,20 @@ class DiskIndex:
     def keys_of(self, name: FileName) -> list[BlockKey]:
         f = self._files.get(name)
         return [] if f is None else sorted(f.live, key=lambda k: self._loc[k].offset)
+
+    def foreign(self, name: FileName, keys: Collection[BlockKey]) -> list[tuple[BlockKey, Loc]]:
+        """The entries a new file called `name` holding `keys` would take from the index (the
+        file of that name's live keys not among `keys`), in offset order."""
+        f = self._files.get(name)
+        if f is None:
+            return []
+        return sorted(((k, self._loc[k]) for k in f.live if k not in keys), key=lambda kl: kl[1].offset)
+
+    def pick_name(self, keys: Sequence[BlockKey]) -> int:
+        """The position in `keys` of the first key that can name a file of them without taking
+        another file's entries with it (`foreign`); 0 when none can."""
+        held = set(keys)
+        return next((i for i, k in enumerate(keys) if not self.foreign(k, held)), 0)
 
     def ident(self, name: FileName) -> Ident | None:
         """The identity the file had when indexed: a read that opens another one (replaced since by

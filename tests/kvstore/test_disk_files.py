@@ -170,24 +170,26 @@ def test_a_put_is_cut_into_files_of_at_most_file_bytes(tmp_path: Path, io: str) 
 
 def test_a_file_replaced_by_a_put_after_a_read_was_planned_is_a_miss_not_damage(tmp_path: Path, monkeypatch,
                                                                                  io: str) -> None:
-    """A put that replaces a file (same first key, other entries) between a read's planning and its
-    open: the old offsets now hold other entries. A miss, not corruption, and nothing valid dropped."""
+    """A put that replaces a file (its first key stored again, alone) between a read's planning and
+    its open: the new file is another one. A miss, not corruption; and the replaced file's other
+    entries are carried over into the new one, so nothing valid is dropped."""
     import kvstore.disk as disk_module
 
     b = disk(tmp_path, io)
     assert b.put(KEYS[:4], [payload(k) for k in KEYS[:4]]) == [True] * 4
-    others = [KEYS[0]] + [bytes([0x50 + i]) * 16 for i in range(3)]
     name = "read_file_native" if io == "native" else "read_file_python"
     real, fired = getattr(disk_module, name), []
+    fresh = payload(KEYS[0])[::-1]
 
     def racing(*a):
         if not fired:
             fired.append(a)
-            assert b.put(others, [payload(k) for k in others]) == [True] * 4  # same file name
+            assert b.put([KEYS[0]], [fresh]) == [True]  # the same file name
         return real(*a)
 
     monkeypatch.setattr(disk_module, name, racing)
     assert b.get([KEYS[2]]) == [None] and fired
     assert b.stats.corrupt == 0
-    assert b.get(others) == [payload(k) for k in others]
+    assert b.get(KEYS[:4]) == [fresh] + [payload(k) for k in KEYS[1:4]]
+    assert len(list(b.directory.rglob("*.kvb"))) == 1
     b.check_integrity()
