@@ -66,8 +66,9 @@ def load_model(model_dir: Path, cfg: ModelConfig, backend: AttentionBackend, max
     if cpu and packing_available(cfg.dtype):
         packed = pack_linears(model)
         kernels = Counter(m.kernel.value for m in model.modules() if isinstance(m, PackedLinear))
-        log.info("prepacked %d linear layers, by kernel: %s (amx, f32: kvtier's own, engine/cpu_kernels/linear.py)",
-                 packed, ", ".join(f"{n} {k}" for k, n in sorted(kernels.items())) or "none")
+        own = " (amx and f32 are kvtier's own: engine/cpu_kernels/linear.py)" if {"amx", "f32"} & set(kernels) else ""
+        log.info("prepacked %d linear layers, by kernel: %s%s", packed,
+                 ", ".join(f"{n} {k}" for k, n in sorted(kernels.items())) or "none", own)
     if cpu and fused_ops and not compiled and cfg.head_dim <= 512 and model.supports_fused_cpu_ops \
             and cpu_kernels.get() is not None:
         model.use_fused_cpu_ops()
