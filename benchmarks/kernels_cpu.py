@@ -2,7 +2,7 @@
 """The CPU decode-attention kernel (engine/cpu_kernels/paged_attention.cpp) against the memory bound.
 
 A batch of decode rows over random block tables (SmolLM's heads: 9 query, 3 kv, 64 wide; blocks of
-16), in float32 and bfloat16, and over fp8 caches (e4m3, e5m2) under float32 q: the kernel's time per layer and the KV bytes it read per second,
+16 unless --block-size says), in float32 and bfloat16, and over fp8 caches (e4m3, e5m2) under float32 q: the kernel's time per layer and the KV bytes it read per second,
 beside a plain streaming read (torch's sum over a 512 MB tensor: what these cores pull from
 memory), shown as the time it takes for the kernel's bytes, and the attention's arithmetic rate. `--layers 1` with a short context measures it on cached data
 (its arithmetic alone).
@@ -73,6 +73,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=None, help="decode rows (default 64; not with --prefill-rows)")
     ap.add_argument("--context", type=int, default=344, help="tokens per row (default %(default)s)")
     ap.add_argument("--layers", type=int, default=30, help="distinct layers' caches cycled through (default %(default)s)")
+    ap.add_argument("--block-size", type=int, default=BLOCK, help="tokens per cache block (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=9, help="alternating timed rounds; medians (default %(default)s)")
     ap.add_argument("--prefill-rows", type=int, default=0,
                     help="time the prefill kernel: one sequence's last N rows over --context keys (default: decodes)")
@@ -86,8 +87,8 @@ def main() -> int:
     if args.batch is not None and args.prefill_rows:
         ap.error("--batch is for decodes; --prefill-rows times one sequence")
     args.batch = 64 if args.batch is None else args.batch
-    if min(args.batch, args.context, args.layers, args.rounds) < 1:
-        ap.error("--batch, --context, --layers and --rounds must be >= 1")
+    if min(args.batch, args.context, args.layers, args.rounds, args.block_size) < 1:
+        ap.error("--batch, --context, --layers, --rounds and --block-size must be >= 1")
     if not 0 <= args.prefill_rows <= args.context:
         ap.error("--prefill-rows must be between 0 and --context")
     prefill = args.prefill_rows > 0
@@ -102,11 +103,11 @@ def main() -> int:
     libs = {"kvtier": ours}
     if args.against is not None:
         libs[args.against.name] = other_library(args.against, Path(tmp.name), args.march)
-    nb = -(-args.context // BLOCK)
+    nb = -(-args.context // args.block_size)
     rows, results = [], {}
     for dtype, cache_dtype in CASES:
         g = torch.Generator().manual_seed(0)
-        kv = torch.randn(args.layers, 2, batch * nb + 1, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(cache_dtype)
+        kv = torch.randn(args.layers, 2, batch * nb + 1, args.block_size, KV_HEADS, HEAD_DIM, generator=g).to(cache_dtype)
         q = torch.randn(args.prefill_rows or batch, HEADS, HEAD_DIM, generator=g).to(dtype)
         idx, lens = torch.arange(batch), torch.full((batch,), args.context, dtype=torch.long)
         tables = torch.randperm(batch * nb, generator=g).view(batch, nb).contiguous()
@@ -180,6 +181,7 @@ def main() -> int:
     m = machine_info()
     shape = f"{args.prefill_rows} prefill rows" if prefill else f"batch {args.batch}"
     print(f"{m['cpu_model']}, {m['cpu_isa']}, built for -march={args.march}; {shape}, context {args.context}, "
+          f"blocks of {args.block_size}, "
           f"{args.layers} layers, {torch.get_num_threads()} threads")
     print_table(["kernel", "ms per layer", "GB/s", "GFLOP/s", "time / kvtier's", "same bits"], rows)
     write_json(args.out, {"benchmark": "kernels_cpu", "args": {k: str(v) for k, v in vars(args).items()},
