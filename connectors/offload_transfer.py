@@ -33,7 +33,7 @@ from connectors.codec import (HEADER_BYTES, BlockLayout, check_header, header_by
 from connectors.g1_copies import G1Copies
 from connectors.read_targets import G1Targets, ReadTargets
 from connectors.offload_plans import Chunk, LoadDone, LoadJob, Reports, StoreDone, StoreJob
-from connectors.storage_tier import StorageTier, TierMode
+from connectors.storage_tier import Admission, StorageTier, TierMode
 from kvstore.events import ChunkBlocks
 from kvstore.host import HostTier
 from kvstore.keys import BlockKey
@@ -413,19 +413,24 @@ class TransferEngine:
                 self.g1.gather(job.src, buf, job)
             self.g2.complete_store(job.key, True, job.info, job.blocks)
             for tier in self.tiers:
-                if tier.writer is not None and tier.admit(job.key):
+                if tier.writer is not None and tier.admit(job.key, job.info):
                     self._write_from_g2(tier, job.key, buf, wait_for_write_slot, job.info, job.blocks)
             self._note_use(self.tiers, job.key, lambda: bytes(buf.numpy()), job.blocks)
             return True
+        said = {t.name: t.admission(job.key, job.info) for t in self.tiers if t.writer is not None}
+        writes = [t for t in self.tiers if said.get(t.name) is Admission.WRITE]
+        remote = any(t.remote is not None for t in self.tiers)
+        taken = remote or Admission.HELD in said.values()
+        if not (writes or remote):  # nothing to copy out of G1 for
+            return taken
         buf = torch.empty(self.layout.encoded_bytes, dtype=torch.uint8)
         with self.g1.stream.scope():
             self.g1.gather(job.src, buf, job)
         self._note_use(self.tiers, job.key, lambda: bytes(buf.numpy()), job.blocks)
-        taken = any(t.remote is not None for t in self.tiers)
-        for tier in self.tiers:
-            if tier.writer is not None and tier.admit(job.key):
-                taken = tier.writer.submit(job.key, buf, lambda: None, wait_for_write_slot, job.info,
-                                           job.blocks) or taken
+        for tier in writes:
+            writer = tier.writer
+            assert writer is not None  # `said` holds the tiers with writers
+            taken = writer.submit(job.key, buf, lambda: None, wait_for_write_slot, job.info, job.blocks) or taken
         return taken
 
     def flush(self) -> None:

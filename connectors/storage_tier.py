@@ -46,6 +46,13 @@ log = logging.getLogger(__name__)
 USES_REMEMBERED = 1 << 20  # keys whose use counts a tier with min_uses > 1 keeps (LRU)
 
 
+class Admission(Enum):
+    """What a parallel tier does with a block a request stored or reused (`StorageTier.admission`)."""
+    WRITE = "write"
+    HELD = "held"  # it holds the key already
+    NOT_YET = "not yet"  # fewer uses than its min_uses
+
+
 class TierMode(Enum):
     PARALLEL = "parallel"
     BATCHED = "batched"
@@ -183,24 +190,34 @@ class StorageTier:
         return cls(name, backend, TierMode.PARALLEL, read_threads, read_timeout_s, writer=writer, io_bytes=io_bytes,
                    min_uses=min_uses)
 
-    def admit(self, key: BlockKey) -> bool:
-        """A use of `key` (a store or a reuse): whether to write it to this parallel tier now. With
-        min_uses 1, always; else once its uses reach min_uses and the tier lacks it. Uses are
-        remembered for the last USES_REMEMBERED keys."""
-        if self.min_uses <= 1:
-            return True
-        with self._uses_lock:
-            n = self._uses.pop(key, 0) + 1
-            self._uses[key] = n
-            if len(self._uses) > USES_REMEMBERED:
-                self._uses.popitem(last=False)
-        if n < self.min_uses:
-            return False
+    def admit(self, key: BlockKey, info: BlockInfo | None = None) -> bool:
+        """Whether to write `key` to this parallel tier now (`admission` is WRITE)."""
+        return self.admission(key, info) is Admission.WRITE
+
+    def admission(self, key: BlockKey, info: BlockInfo | None = None) -> Admission:
+        """A use of `key` (a store or a reuse, of the block `info` describes): what this parallel
+        tier does with it. HELD while the tier holds it: a key names its bytes, so a write would
+        only repeat them (the engine recomputes and stores again the block after a repeated
+        prompt's hit); the use touches the tier's copy instead. With min_uses above 1, NOT_YET
+        until its uses reach min_uses. Uses are remembered for the last USES_REMEMBERED keys."""
+        if self.min_uses > 1:
+            with self._uses_lock:
+                n = self._uses.pop(key, 0) + 1
+                self._uses[key] = n
+                if len(self._uses) > USES_REMEMBERED:
+                    self._uses.popitem(last=False)
+            if n < self.min_uses:
+                return Admission.NOT_YET
         try:
-            return not self.backend.exists([key])[0]
+            held = self.backend.exists([key])[0]
         except Exception as e:  # a plugin may raise anything: then write (a write that fails is logged)
             log.warning("%s exists failed: %s: %s", self.name, type(e).__name__, e)
-            return True
+            return Admission.WRITE
+        if not held:
+            return Admission.WRITE
+        if info is not None:
+            self.touch([key], [info])
+        return Admission.HELD
 
     @property
     def scatter_reads(self) -> bool:

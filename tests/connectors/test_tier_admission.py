@@ -48,3 +48,25 @@ def test_g3_takes_a_block_on_its_second_use(model_dir, tmp_path):
         assert g3.backend.stats.bytes_written == written
     finally:
         llm.close()
+
+
+def test_a_block_g3_holds_is_not_written_again(model_dir, tmp_path):
+    """The block after a repeated prompt's hit (its last prompt tokens and the first output
+    tokens) is recomputed and stored again; G3 holds those bytes already, under the same key,
+    so it is not rewritten (it once was, on every repeat)."""
+    prompt = random_prompt(250, 7502)  # a hit of 3 offload blocks; the 4th completes while decoding
+    ref = reference(model_dir, [prompt])
+    llm = offload_llm(model_dir, kv_offload_disk=str(tmp_path / "g3"))
+    try:
+        g3 = llm.engine.connector.tier("G3")
+        assert tokens(run(llm, [prompt])) == ref
+        llm.engine.connector.flush()
+        assert len(g3.backend) == 4
+        written = g3.backend.stats.bytes_written
+        llm.engine.pool.reset_prefix_cache()
+        outs = run(llm, [prompt])
+        llm.engine.connector.flush()
+        assert tokens(outs) == ref and load_kinds(outs) == [{"G3": 3 * OB}]
+        assert g3.backend.stats.bytes_written == written and len(g3.backend) == 4
+    finally:
+        llm.close()
