@@ -401,7 +401,9 @@ class DiskBackend(StorageBackend, ScatterReads):
             first = self._index.pick_name([keys[i] for i in group])
             group = [group[first], *group[:first], *group[first + 1:]]
             name = keys[group[0]]
-            carry = self._index.foreign(name, {keys[i] for i in group})  # only when no key could name it
+            # Only when no key could name it: read under the lock (rare since the engine skips keys
+            # a tier holds), so the entries cannot move before they are copied.
+            carry = self._index.foreign(name, {keys[i] for i in group})
             carried = read_entries(self._files.entry(name), [loc for _, loc in carry]) if carry else []
             need = size + sum(map(len, carried or ()))
             if need > self.config.capacity_bytes:  # no room to carry them: they go with their file

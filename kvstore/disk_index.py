@@ -97,7 +97,11 @@ class DiskIndex:
         """The position in `keys` of the first key that can name a file of them without taking
         another file's entries with it (`foreign`); 0 when none can."""
         held = set(keys)
-        return next((i for i, k in enumerate(keys) if not self.foreign(k, held)), 0)
+
+        def takes_others(name: FileName) -> bool:
+            f = self._files.get(name)
+            return f is not None and not f.live <= held
+        return next((i for i, k in enumerate(keys) if not takes_others(k)), 0)
 
     def ident(self, name: FileName) -> Ident | None:
         """The identity the file had when indexed: a read that opens another one (replaced since by
