@@ -31,7 +31,7 @@ from engine.lora.slots import LoRASlots
 from engine.model_config import ModelConfig, load_model_config, resolve_offload_dtype
 from engine.parallel.ranks import Ranks
 from engine.parallel.shard import TPShard
-from engine.runner import cpu_runtime, cpu_threads
+from engine.runner import cpu_runtime, cpu_threads, stack_chunks
 from engine.runner.compiled import CompiledForward, compile_errors
 from engine.runner import kv_quant
 from engine.runner.loader import load_model, load_tokenizer, weight_files
@@ -126,6 +126,7 @@ def _load_lora(slots: LoRASlots, ranks: Ranks | None, slot: int, info: AdapterIn
 
 
 def build(config: EngineConfig) -> EngineParts:
+    stack_chunks.install()  # before the first step: the step loop's depth is its caller's
     model_dir = Path(config.model)
     full = load_model_config(model_dir, config.dtype, config.device, config.kv_cache_dtype)
     shard = TPShard(0, config.tensor_parallel_size)

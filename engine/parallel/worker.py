@@ -35,8 +35,10 @@ def build(spec: WorkerSpec):
     cache's calibration reads (`start`)."""
     from engine.core.setup import attention_backend
     from engine.model_config import FP8_DTYPES, KV_DTYPES, load_model_config
+    from engine.runner import stack_chunks
     from engine.runner.loader import load_model, load_tokenizer
 
+    stack_chunks.install()
     if spec.cpus:
         os.sched_setaffinity(0, spec.cpus)
         torch.set_num_threads(spec.threads or len(spec.cpus))
